@@ -285,8 +285,10 @@ class DiagnosticsConfig:
     cvt_cells: int = 64
     descriptors: list[str] = field(default_factory=lambda: ["ast_depth", "cyclomatic", "loc"])
     # Upper bounds used to normalise each descriptor into [0, 1] for the CVT archive (values are clipped).
-    descriptor_max: dict[str, float] = field(default_factory=lambda: {"ast_depth": 20.0, "cyclomatic": 20.0, "loc": 60.0})
+    descriptor_max: dict[str, float] = field(default_factory=lambda: {"ast_depth": 20.0, "cyclomatic": 20.0, "loc": 60.0,
+                                                                      "ast_nodes": 300.0})
     cvt_samples: int = 10_000
+    coverage_window: int = 10  # windowed coverage counts the valid tasks of the last W steps
     plots: bool = True
     _prefix: str = field(default=f"{ROOT}.diagnostics", repr=False, compare=False)
 
@@ -294,10 +296,15 @@ class DiagnosticsConfig:
         p = self._prefix
         _check(self.cvt_cells >= 2, f"{p}.cvt_cells", "must be >= 2")
         _check(len(self.descriptors) >= 1, f"{p}.descriptors", "must list at least one descriptor")
+        known = ("ast_depth", "cyclomatic", "loc", "ast_nodes")  # populora_verl.diagnostics.complexity.DESCRIPTORS
         for d in self.descriptors:
+            _choice(d, known, f"{p}.descriptors")
             _check(d in self.descriptor_max, f"{p}.descriptor_max.{d}", "is missing: every descriptor needs a bound")
             _check(self.descriptor_max[d] > 0, f"{p}.descriptor_max.{d}", "must be > 0")
+        _check(len(set(self.descriptors)) == len(self.descriptors), f"{p}.descriptors", "has duplicates")
         _check(self.cvt_samples >= self.cvt_cells, f"{p}.cvt_samples", "must be >= cvt_cells")
+        _check(isinstance(self.coverage_window, int) and self.coverage_window >= 1, f"{p}.coverage_window",
+               f"must be an integer >= 1, got {self.coverage_window!r}")
 
 
 @dataclass
@@ -402,14 +409,10 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
 
 def load_config(data: Any = None, prefix: str = ROOT) -> PopuLoRAConfig:
     """Build and validate a :class:`PopuLoRAConfig` from a dict, an OmegaConf node, or ``None`` (defaults)."""
-    if data is not None and not isinstance(data, Mapping):
-        try:
-            from omegaconf import DictConfig, OmegaConf
+    if data is not None and type(data).__module__.startswith("omegaconf"):
+        from omegaconf import OmegaConf  # DictConfig is a Mapping, but its lists are ListConfig: go plain
 
-            if isinstance(data, DictConfig):
-                data = OmegaConf.to_container(data, resolve=True)
-        except ImportError:  # pragma: no cover - omegaconf is a hard dependency
-            pass
+        data = OmegaConf.to_container(data, resolve=True)
     if isinstance(data, PopuLoRAConfig):
         return data
     return _build(PopuLoRAConfig, data, prefix)
