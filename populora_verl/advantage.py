@@ -65,3 +65,19 @@ def trrpp_advantages(token_level_rewards: torch.Tensor, response_mask: torch.Ten
             centred = centred * torch.rsqrt(var + eps)
         advantages[rows] = centred
     return advantages, returns
+
+
+def register() -> None:
+    """Register TRR++ with verl's advantage-estimator registry as ``populora_trrpp`` (idempotent)."""
+    from verl.trainer.ppo.core_algos import ADV_ESTIMATOR_REGISTRY, register_adv_est
+
+    if "populora_trrpp" in ADV_ESTIMATOR_REGISTRY:
+        return
+
+    @register_adv_est("populora_trrpp")
+    def compute_populora_trrpp_advantage(token_level_rewards, response_mask, index=None, config=None, **kwargs):
+        """TRR++: ``index`` carries each sample's group key, e.g. (adapter, task type, role)."""
+        if index is None:
+            raise ValueError("populora_trrpp needs the per-sample group index (adapter, task, role)")
+        gamma = getattr(config, "gamma", 1.0) if config is not None else 1.0
+        return trrpp_advantages(token_level_rewards, response_mask, list(index), gamma=gamma)

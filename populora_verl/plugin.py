@@ -8,53 +8,75 @@ clear line if a registration is missing.
 
 from __future__ import annotations
 
+import importlib
 import logging
+from typing import Callable
 
 logger = logging.getLogger(__name__)
 
-#: What this plugin registers with verl: (registry, name). Checked by :func:`check_registrations`.
-EXPECTED: list[tuple[str, str]] = [
-    ("adv_estimator", "populora_trrpp"),
+
+def _in_trainer_registry(name: str) -> bool:
+    from verl.trainer.ppo.v1.trainer_base import TRAINER_REGISTRY
+
+    return name in TRAINER_REGISTRY
+
+
+def _in_reward_registry(name: str) -> bool:
+    from verl.experimental.reward_loop.reward_manager.registry import REWARD_MANAGER
+
+    return name in REWARD_MANAGER
+
+
+def _in_agent_loop_registry(name: str) -> bool:
+    from verl.experimental.agent_loop.agent_loop import _agent_loop_registry
+
+    return name in _agent_loop_registry
+
+
+def _in_rollout_registry(name: str) -> bool:
+    from verl.workers.rollout.base import _ROLLOUT_REGISTRY
+    from verl.workers.rollout.replica import RolloutReplicaRegistry
+
+    return name in RolloutReplicaRegistry._registry and (name, "async") in _ROLLOUT_REGISTRY
+
+
+def _in_adv_registry(name: str) -> bool:
+    from verl.trainer.ppo.core_algos import ADV_ESTIMATOR_REGISTRY
+
+    return name in ADV_ESTIMATOR_REGISTRY
+
+
+#: (what, name, module whose ``register()`` registers it, check). Order matters only for log readability.
+REGISTRATIONS: list[tuple[str, str, str, Callable[[str], bool]]] = [
+    ("adv_estimator", "populora_trrpp", "populora_verl.advantage", _in_adv_registry),
 ]
+
+#: Back-compat view used by tests and messages: (registry, name).
+EXPECTED: list[tuple[str, str]] = [(what, name) for what, name, _, _ in REGISTRATIONS]
 
 _errors: dict[str, str] = {}
 
 
-def _register_advantage() -> None:
-    from verl.trainer.ppo.core_algos import ADV_ESTIMATOR_REGISTRY, register_adv_est
-
-    if "populora_trrpp" in ADV_ESTIMATOR_REGISTRY:
-        return
-    from populora_verl.advantage import trrpp_advantages
-
-    @register_adv_est("populora_trrpp")
-    def compute_populora_trrpp_advantage(token_level_rewards, response_mask, index=None, config=None, **kwargs):
-        """TRR++: ``index`` carries each sample's (adapter, task, role) group key."""
-        if index is None:
-            raise ValueError("populora_trrpp needs the per-sample group index (adapter, task, role)")
-        gamma = getattr(config, "gamma", 1.0) if config is not None else 1.0
-        return trrpp_advantages(token_level_rewards, response_mask, list(index), gamma=gamma)
-
-
-def _run(name: str, fn) -> None:
-    try:
-        fn()
-    except Exception as e:  # keep going: check_registrations() reports the failure with its cause
-        _errors[name] = f"{type(e).__name__}: {e}"
-        logger.warning("populora plugin: registering %s failed: %s", name, _errors[name])
-
-
-_run("adv_estimator", _register_advantage)
+def _register_all() -> None:
+    for what, name, module, _ in REGISTRATIONS:
+        try:
+            importlib.import_module(module).register()
+        except Exception as e:  # keep going: check_registrations() reports the failure with its cause
+            _errors[f"{what}:{name}"] = f"{type(e).__name__}: {e}"
+            logger.warning("populora plugin: registering %s %r failed: %s", what, name, _errors[f"{what}:{name}"])
 
 
 def registered() -> dict[str, bool]:
     """Which of :data:`EXPECTED` are present in verl's registries right now."""
+    checks = {what: check for what, _, _, check in REGISTRATIONS}
     out: dict[str, bool] = {}
-    for registry, name in EXPECTED:
-        if registry == "adv_estimator":
-            from verl.trainer.ppo.core_algos import ADV_ESTIMATOR_REGISTRY
-
-            out[f"{registry}:{name}"] = name in ADV_ESTIMATOR_REGISTRY
+    for what, name in EXPECTED:
+        check = checks.get(what)
+        try:
+            out[f"{what}:{name}"] = bool(check and check(name))
+        except Exception as e:
+            _errors.setdefault(f"{what}:{name}", f"{type(e).__name__}: {e}")
+            out[f"{what}:{name}"] = False
     return out
 
 
@@ -62,6 +84,10 @@ def check_registrations() -> None:
     """Raise ``RuntimeError`` (one line) if any PopuLoRA registration is missing from verl."""
     missing = [k for k, ok in registered().items() if not ok]
     if missing:
-        causes = "; ".join(f"{k}: {v}" for k, v in _errors.items())
+        causes = "; ".join(f"{k}: {v}" for k, v in _errors.items() if k in missing)
         raise RuntimeError(f"populora_verl plugin not fully registered with verl: missing {missing}"
-                           + (f" ({causes})" if causes else "") + " — is `pip install -e .` done in this environment?")
+                           + (f" ({causes})" if causes else "")
+                           + "; is `pip install -e .` done in this environment and VERL_USE_EXTERNAL_PLUGINS not 'none'?")
+
+
+_register_all()
