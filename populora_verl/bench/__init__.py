@@ -1,0 +1,1 @@
+"""Benchmarks: ``python -m populora_verl.bench.<name>`` (operators, ...)."""

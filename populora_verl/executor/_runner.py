@@ -1,0 +1,605 @@
+"""Standalone sandbox worker: one per executor slot, forks a fresh child per program.
+
+This file must stay importable and runnable with the standard library only: it is started as
+``python -s -S -P -B _runner.py`` (no site, no torch, no populora_verl) so that a forked child costs a
+few MB and a fork takes about a millisecond. The host side (``local.py``) imports the pure policy
+functions below (``find_banned``) so the static check is the same code on both sides.
+
+Protocol (both directions): 4-byte big-endian length + UTF-8 JSON.
+  host -> worker, once:  {"uid", "gid", "setup_mounts", "expose", "banned", "nproc", "fsize_mb", "tmp_mb"}
+  worker -> host, once:  {"ready": true, "protections": {...}, "notes": [...]}
+  host -> worker:        {"program", "inputs", "timeout_s", "memory_mb", "check_determinism", "max_output_chars"}
+  worker -> host:        {"ok", "output", "error", "duration_s"}
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import resource
+import select
+import signal
+import struct
+import sys
+
+_HDR = struct.Struct(">I")
+PROGRAM_FILE = "<program>"
+INPUT_FILE = "<input>"
+
+# Names through which a program can reach the import machinery or builtins without an import
+# statement. Rejected statically in addition to the configured banned modules.
+TRICK_NAMES = frozenset({"__import__", "__builtins__", "__loader__", "__spec__", "importlib", "builtins",
+                         "__subclasses__", "__globals__"})
+DYNAMIC_CODE = frozenset({"exec", "eval", "compile"})
+
+
+# ----------------------------------------------------------------------------- static policy
+def _banned_match(module: str, banned: list[str]) -> str | None:
+    """The banned entry that ``module`` (a dotted import name) falls under, if any."""
+    for entry in banned:
+        if module == entry or module.startswith(entry + "."):
+            return entry
+    return None
+
+
+def _attr_chain(node: ast.AST) -> str | None:
+    """'a.b.c' for an Attribute chain rooted at a Name, else None."""
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if isinstance(node, ast.Name):
+        parts.append(node.id)
+        return ".".join(reversed(parts))
+    return None
+
+
+def find_banned(program: str, banned: list[str], _depth: int = 0) -> str | None:
+    """A short reason if ``program`` uses a banned module or an import trick, else None.
+
+    Walks Import/ImportFrom (banned entry ``a`` covers ``a`` and ``a.*``; dotted entry ``a.b`` also covers
+    ``from a import b`` and the attribute chain ``a.b``), and rejects routes around import statements:
+    ``__import__``, ``importlib``, ``builtins``/``__builtins__``, ``sys.modules`` and exec/eval/compile of
+    anything but a string literal (a literal is checked recursively).
+    """
+    try:
+        tree = ast.parse(program, PROGRAM_FILE)
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return None  # not our job: running it reports the syntax error
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                hit = _banned_match(alias.name, banned)
+                if hit:
+                    return f"banned import: {alias.name}"
+                if alias.name.split(".")[0] in ("importlib", "builtins"):
+                    return f"banned import: {alias.name} (import machinery)"
+        elif isinstance(node, ast.ImportFrom):
+            mod = node.module or ""
+            if _banned_match(mod, banned):
+                return f"banned import: {mod}"
+            if mod.split(".")[0] in ("importlib", "builtins"):
+                return f"banned import: {mod} (import machinery)"
+            for alias in node.names:
+                full = f"{mod}.{alias.name}" if mod else alias.name
+                if _banned_match(full, banned):
+                    return f"banned import: {full}"
+        elif isinstance(node, ast.Name) and node.id in TRICK_NAMES:
+            return f"banned import: use of {node.id}"
+        elif isinstance(node, ast.Attribute):
+            if node.attr in TRICK_NAMES:
+                return f"banned import: use of .{node.attr}"
+            chain = _attr_chain(node)
+            if chain:
+                if chain == "sys.modules" or chain.startswith("sys.modules."):
+                    return "banned import: use of sys.modules"
+                for entry in banned:
+                    if "." in entry and (chain == entry or chain.startswith(entry + ".")):
+                        return f"banned import: use of {entry}"
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in DYNAMIC_CODE:
+            arg = node.args[0] if node.args else None
+            if not (isinstance(arg, ast.Constant) and isinstance(arg.value, str)):
+                return f"banned import: {node.func.id}() of non-literal code"
+            if _depth < 3:
+                inner = find_banned(arg.value, banned, _depth + 1)
+                if inner:
+                    return inner
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in TRICK_NAMES:
+            return f"banned import: string {node.value!r}"  # getattr(x, "__import__") and friends
+    return None
+
+
+# ----------------------------------------------------------------------------- framing
+def _read_exact(fd: int, n: int, deadline: float | None = None) -> bytes | None:
+    buf = bytearray()
+    while len(buf) < n:
+        if deadline is not None:
+            left = deadline - _now()
+            if left <= 0:
+                return None
+            r, _, _ = select.select([fd], [], [], left)
+            if not r:
+                return None
+        chunk = os.read(fd, n - len(buf))
+        if not chunk:
+            return None
+        buf += chunk
+    return bytes(buf)
+
+
+def _write_msg(fd: int, obj: dict) -> None:
+    data = json.dumps(obj).encode()
+    data = _HDR.pack(len(data)) + data
+    view = memoryview(data)
+    while view:
+        n = os.write(fd, view)
+        view = view[n:]
+
+
+def _read_msg(fd: int) -> dict | None:
+    hdr = _read_exact(fd, _HDR.size)
+    if hdr is None:
+        return None
+    body = _read_exact(fd, _HDR.unpack(hdr)[0])
+    return None if body is None else json.loads(body)
+
+
+from time import monotonic as _now  # noqa: E402  (children purge "time" from sys.modules)
+
+
+# ----------------------------------------------------------------------------- sandbox setup (once)
+_MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC = 1, 2, 4, 8
+_MS_REMOUNT, _MS_BIND, _MS_REC, _MS_PRIVATE = 32, 4096, 16384, 1 << 18
+_MS_NOATIME, _MS_NODIRATIME, _MS_RELATIME = 1024, 2048, 1 << 21
+_MNT_DETACH = 2
+_OPT_FLAGS = {"nosuid": _MS_NOSUID, "nodev": _MS_NODEV, "noexec": _MS_NOEXEC, "noatime": _MS_NOATIME,
+              "nodiratime": _MS_NODIRATIME, "relatime": _MS_RELATIME}
+_libc = None
+
+
+def _libc_call(name: str, *args) -> None:
+    global _libc
+    if _libc is None:
+        import ctypes
+
+        _libc = ctypes.CDLL(None, use_errno=True)
+    fn = getattr(_libc, name)
+    if fn(*args) != 0:
+        import ctypes
+
+        err = ctypes.get_errno()
+        raise OSError(err, f"{name}{args!r}: {os.strerror(err)}")
+
+
+def _mount(src: str | None, target: str, fstype: str | None, flags: int, data: str | None = None) -> None:
+    enc = lambda s: None if s is None else s.encode()  # noqa: E731
+    _libc_call("mount", enc(src), enc(target), enc(fstype), flags, enc(data))
+
+
+def _umount(target: str) -> None:
+    _libc_call("umount2", target.encode(), _MNT_DETACH)
+
+
+def _mountinfo() -> list[tuple[str, int]]:
+    """(mount point, per-mount flags) for every mount, in mount order."""
+    out = []
+    with open("/proc/self/mountinfo") as fh:
+        for line in fh:
+            f = line.split()
+            point = f[4].encode().decode("unicode_escape")  # \040 etc.
+            flags = 0
+            for opt in f[5].split(","):
+                flags |= _OPT_FLAGS.get(opt, 0)
+            out.append((point, flags))
+    return out
+
+
+def _expose(paths: list[str], notes: list[str]) -> None:
+    """Make ``paths`` readable to an unprivileged uid although an ancestor is mode 700 (e.g. /root).
+
+    Bind each path aside, cover the closed ancestor with a small tmpfs (which also hides everything
+    else in it), recreate the path inside and bind it back.
+    """
+    for i, path in enumerate(paths):
+        path = os.path.realpath(path)
+        closed = None
+        anc = "/"
+        for part in path.strip("/").split("/"):
+            anc = os.path.join(anc, part)
+            if os.stat(anc).st_mode & 0o005 != 0o005:
+                closed = anc
+                break
+        if closed is None or closed == path:
+            continue
+        stage = f"/tmp/.populora_stage{i}"
+        os.makedirs(stage, exist_ok=True)
+        _mount(path, stage, None, _MS_BIND | _MS_REC)
+        _mount("tmpfs", closed, "tmpfs", _MS_NOSUID | _MS_NODEV, "size=1m,mode=755")
+        os.makedirs(path, mode=0o755, exist_ok=True)
+        _mount(stage, path, None, _MS_BIND | _MS_REC)
+        _umount(stage)
+        os.rmdir(stage)
+        notes.append(f"exposed {path} over a tmpfs on {closed}")
+
+
+def _setup_mounts(cfg: dict, notes: list[str]) -> dict[str, bool]:
+    """Private /proc and /tmp, interpreter readable, every other mount read-only.
+
+    /tmp is a root-owned (0755) tmpfs: the only place a program can write is the per-slot work directory
+    inside it (its cwd, $TMPDIR, $HOME), which is emptied after every call.
+    """
+    prot = {"private_proc": False, "private_tmp": False, "readonly_fs": False}
+    try:
+        _mount(None, "/", None, _MS_REC | _MS_PRIVATE)
+        _mount("proc", "/proc", "proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC)
+        prot["private_proc"] = True
+    except OSError as e:
+        notes.append(f"proc: {e}")
+    try:
+        _mount("tmpfs", "/tmp", "tmpfs", _MS_NOSUID | _MS_NODEV, f"size={int(cfg['tmp_mb'])}m,mode=755")
+        prot["private_tmp"] = True
+    except OSError as e:
+        notes.append(f"tmp: {e}")
+    try:
+        _expose(cfg.get("expose", []), notes)
+    except OSError as e:
+        notes.append(f"expose: {e}")
+    root_ok, failed = False, 0
+    for point, flags in _mountinfo():
+        if point == "/proc" or point.startswith("/proc/") or point == "/tmp":
+            continue
+        try:
+            _mount(None, point, None, _MS_REMOUNT | _MS_BIND | _MS_RDONLY | flags)
+            root_ok = root_ok or point == "/"
+        except OSError:
+            failed += 1  # hidden or unusual mounts; "/" is the one that matters
+    prot["readonly_fs"] = root_ok
+    if failed:
+        notes.append(f"{failed} mounts could not be made read-only")
+    # Fresh tmpfs on /tmp again: the read-only pass must not have touched it, and stage dirs are gone.
+    return prot
+
+
+# ----------------------------------------------------------------------------- the child
+_BANNED: list[str] = []
+_ORIG_IMPORT = None
+
+
+def _from_program() -> bool:
+    """True if the code asking for an import is the program (or code it exec'd), not the stdlib."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        fn = frame.f_code.co_filename
+        if fn.startswith("<frozen importlib") or fn.endswith(os.sep + "importlib" + os.sep + "__init__.py"):
+            frame = frame.f_back
+            continue
+        return not os.path.isabs(fn)  # "<program>", "<input>", "<string>": code the program compiled
+    return True
+
+
+def _guarded_import(name, globals=None, locals=None, fromlist=(), level=0):  # noqa: A002
+    if level == 0 and _from_program():
+        hit = _banned_match(name, _BANNED)
+        for sub in fromlist or ():
+            hit = hit or _banned_match(f"{name}.{sub}", _BANNED)
+        if hit:
+            raise ImportError(f"banned import: {hit}")
+    return _ORIG_IMPORT(name, globals, locals, fromlist, level)
+
+
+class _ImportGuard:
+    """meta_path finder: catches importlib.import_module and other routes that skip __import__."""
+
+    def find_spec(self, name, path=None, target=None):
+        if _banned_match(name, _BANNED) and _from_program():
+            raise ImportError(f"banned import: {name}")
+        return None
+
+
+def _install_import_guard() -> None:
+    global _ORIG_IMPORT
+    import builtins
+
+    for mod in [m for m in sys.modules if _banned_match(m, _BANNED) and m not in ("os.path",)]:
+        del sys.modules[mod]  # cached modules bypass finders; stdlib users keep their own references
+    _ORIG_IMPORT = builtins.__import__
+    builtins.__import__ = _guarded_import
+    sys.meta_path.insert(0, _ImportGuard())
+
+
+def _short(exc: BaseException) -> str:
+    try:
+        msg = str(exc)
+    except BaseException:  # noqa: BLE001 - hostile __str__
+        msg = "<unprintable>"
+    name = type(exc).__name__
+    text = f"{name}: {msg}" if msg else name
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+def _evaluate(req: dict) -> dict:
+    program, inputs = req["program"], req["inputs"]
+    reason = find_banned(program, _BANNED)
+    if reason:
+        return {"ok": False, "output": None, "error": reason}
+    try:
+        code = compile(program, PROGRAM_FILE, "exec")
+        call = compile(f"f(\n{inputs}\n)", INPUT_FILE, "eval")
+    except (SyntaxError, ValueError) as e:
+        return {"ok": False, "output": None, "error": _short(e)}
+    _install_import_guard()
+    env: dict = {"__name__": "__main__"}
+    try:
+        exec(code, env)
+        if not callable(env.get("f")):
+            return {"ok": False, "output": None, "error": "NameError: program defines no function f"}
+        first = eval(call, env)
+        text = repr(first)
+        cap = int(req["max_output_chars"])
+        if len(text) > cap:  # before the second call: a huge value must not be built twice
+            return {"ok": False, "output": None, "error": f"output too large: {len(text)} chars > {cap}"}
+        if req["check_determinism"]:
+            # Shift the heap between the calls so id()/address-based results (id(), default hashes and
+            # so set order of plain objects) differ if the program depends on them.
+            pad = [[i] for i in range(97)]
+            second = eval(call, env)
+            del pad
+            if bool(first != second) or repr(second) != text:
+                return {"ok": False, "output": None, "error": "nondeterministic: two calls gave different results"}
+        str(first)
+        import pickle
+
+        pickle.dumps(first)
+    except MemoryError:
+        return {"ok": False, "output": None, "error": "memory: MemoryError (limit exceeded)"}
+    except RecursionError as e:
+        return {"ok": False, "output": None, "error": _short(e)}
+    except BaseException as e:  # noqa: BLE001 - SystemExit, KeyboardInterrupt... from the program
+        return {"ok": False, "output": None, "error": _short(e)}
+    return {"ok": True, "output": text, "error": None}
+
+
+def _child(req: dict, wfd: int, cfg: dict, workdir: str) -> None:
+    try:
+        os.setsid()
+        null = os.open(os.devnull, os.O_RDWR)
+        for fd in (0, 1, 2):
+            os.dup2(null, fd)
+        os.closerange(3, wfd)
+        os.closerange(wfd + 1, 1 << 16)
+        os.chdir(workdir)
+        mem = int(req["memory_mb"]) << 20
+        cpu = int(float(req["timeout_s"])) + 1
+        limits = [
+            (resource.RLIMIT_AS, mem, mem),
+            (resource.RLIMIT_CPU, cpu, cpu + 1),
+            (resource.RLIMIT_FSIZE, int(cfg["fsize_mb"]) << 20, int(cfg["fsize_mb"]) << 20),
+            (resource.RLIMIT_NOFILE, 64, 64),
+            (resource.RLIMIT_CORE, 0, 0),
+            (resource.RLIMIT_MEMLOCK, 0, 0),
+        ]
+        if cfg.get("uid") is not None:
+            limits.append((resource.RLIMIT_NPROC, int(cfg["nproc"]), int(cfg["nproc"])))
+        for lim, soft, hard in limits:
+            resource.setrlimit(lim, (soft, hard))
+        if cfg.get("uid") is not None:
+            os.setgroups([])
+            os.setresgid(cfg["gid"], cfg["gid"], cfg["gid"])
+            os.setresuid(cfg["uid"], cfg["uid"], cfg["uid"])
+        try:
+            _libc_call("prctl", 38, 1, 0, 0, 0)  # PR_SET_NO_NEW_PRIVS: no setuid binaries regain root
+        except OSError:
+            pass
+        os.environ.clear()
+        os.environ.update({"PATH": "/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8"})
+        signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+        sys.setrecursionlimit(1000)
+        _BANNED[:] = cfg.get("banned", [])
+        result = _evaluate(req)
+    except BaseException as e:  # noqa: BLE001
+        result = {"ok": False, "output": None, "error": f"crashed: sandbox setup failed: {_short(e)}"}
+    try:
+        _write_msg(wfd, result)
+    finally:
+        os._exit(0)
+
+
+def _complete(buf: bytearray) -> bool:
+    return len(buf) >= _HDR.size and len(buf) >= _HDR.size + _HDR.unpack(buf[:_HDR.size])[0]
+
+
+_SIGNAMES = {getattr(signal, n): n for n in dir(signal) if n.startswith("SIG") and not n.startswith("SIG_")}
+
+
+class Runner:
+    def __init__(self, cfg: dict, ctl_in: int, ctl_out: int) -> None:
+        self.cfg, self.ctl_in, self.ctl_out = cfg, ctl_in, ctl_out
+        self.is_init = os.getpid() == 1
+        self.notes: list[str] = []
+        self.protections = {"pid_namespace": self.is_init}
+        if cfg.get("setup_mounts"):
+            self.protections.update(_setup_mounts(cfg, self.notes))
+        base = "/tmp" if self.protections.get("private_tmp") else None
+        import tempfile
+
+        self.workdir = tempfile.mkdtemp(prefix="populora_exec_", dir=base)
+        if cfg.get("uid") is not None:
+            os.chown(self.workdir, cfg["uid"], cfg["gid"])
+            os.chmod(self.workdir, 0o700)
+        try:
+            _libc_call("prctl", 36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER: orphans come back to us
+        except OSError:
+            pass
+        self.protections.update({
+            "uid_drop": cfg.get("uid") is not None,
+            "fork_limit": cfg.get("uid") is not None,
+        })
+        for mod in ("collections", "collections.abc", "itertools", "functools", "math", "cmath", "re",
+                    "string", "heapq", "bisect", "copy", "operator", "typing", "dataclasses", "fractions",
+                    "decimal", "statistics", "json", "pickle", "enum", "abc", "numbers", "textwrap",
+                    "unicodedata", "array", "struct", "base64", "binascii", "pprint", "contextlib"):
+            try:
+                __import__(mod)  # warm the fork parent: children import from memory, not from disk
+            except ImportError:
+                pass
+
+    def _cleanup(self, child: int, reaped: bool) -> None:
+        """Kill every process the call left behind and reap them."""
+        if self.is_init:
+            try:
+                os.kill(-1, signal.SIGKILL)  # PID 1 of our own namespace: every descendant, never us
+            except ProcessLookupError:
+                pass
+        elif self.cfg.get("uid") is not None:
+            helper = os.fork()
+            if helper == 0:  # an unprivileged kill(-1) reaches exactly the processes of the slot uid
+                try:
+                    os.setresuid(self.cfg["uid"], self.cfg["uid"], self.cfg["uid"])
+                    os.kill(-1, signal.SIGKILL)
+                finally:
+                    os._exit(0)
+            os.waitpid(helper, 0)
+        else:
+            try:
+                os.killpg(child, signal.SIGKILL)  # best effort: a program can setsid away
+            except (ProcessLookupError, PermissionError):
+                pass
+        if not reaped and not self.is_init:
+            try:
+                os.waitpid(child, 0)  # SIGKILLed above: returns promptly
+            except ChildProcessError:
+                pass
+        while True:
+            try:
+                pid, _ = os.waitpid(-1, 0 if self.is_init else os.WNOHANG)
+            except ChildProcessError:
+                break
+            if pid == 0:
+                break
+        self._wipe(self.workdir)
+
+    @staticmethod
+    def _wipe(path: str) -> None:
+        try:
+            names = os.listdir(path)
+        except OSError:
+            return
+        if names:
+            import shutil
+
+            for name in names:
+                full = os.path.join(path, name)
+                if os.path.isdir(full) and not os.path.islink(full):
+                    shutil.rmtree(full, ignore_errors=True)
+                else:
+                    try:
+                        os.unlink(full)
+                    except OSError:
+                        pass
+
+    def run(self, req: dict) -> dict:
+        start = _now()
+        rfd, wfd = os.pipe()
+        child = os.fork()
+        if child == 0:
+            os.close(rfd)
+            _child(req, wfd, self.cfg, self.workdir)
+        os.close(wfd)
+        timeout = float(req["timeout_s"])
+        deadline = start + timeout
+        limit = 8 * int(req["max_output_chars"]) + (1 << 16)
+        buf, timed_out, status = bytearray(), False, None
+        pidfd = os.pidfd_open(child)
+        watch = [rfd, pidfd]
+        try:
+            while True:
+                left = deadline - _now()
+                if left <= 0:
+                    timed_out = True
+                    break
+                ready, _, _ = select.select(watch, [], [], left)
+                if rfd in ready:
+                    chunk = os.read(rfd, 1 << 16)
+                    if not chunk:
+                        watch.remove(rfd)  # all writers gone; wait for the exit status
+                    buf += chunk
+                    if len(buf) > limit or _complete(buf):
+                        break  # a lingering grandchild may hold the pipe open: don't wait for EOF
+                if pidfd in ready:
+                    _, status = os.waitpid(child, 0)
+                    os.set_blocking(rfd, False)
+                    try:  # whatever the child wrote before exiting
+                        while len(buf) <= limit and (chunk := os.read(rfd, 1 << 16)):
+                            buf += chunk
+                    except BlockingIOError:
+                        pass
+                    break
+        finally:
+            os.close(rfd)
+            os.close(pidfd)
+        self._cleanup(child, reaped=status is not None)
+        duration = _now() - start
+        result = self._interpret(buf, timed_out, status, timeout, limit)
+        result["duration_s"] = duration
+        return result
+
+    @staticmethod
+    def _interpret(buf: bytearray, timed_out: bool, status: int | None, timeout: float, limit: int) -> dict:
+        if len(buf) >= _HDR.size:
+            n = _HDR.unpack(buf[:_HDR.size])[0]
+            if len(buf) >= _HDR.size + n:
+                try:
+                    res = json.loads(bytes(buf[_HDR.size:_HDR.size + n]))
+                    return {"ok": bool(res["ok"]), "output": res["output"], "error": res["error"]}
+                except (ValueError, KeyError, TypeError):
+                    return {"ok": False, "output": None, "error": "crashed: malformed result"}
+            if len(buf) > limit:
+                return {"ok": False, "output": None, "error": "output too large"}
+        if timed_out:
+            return {"ok": False, "output": None, "error": f"timeout: exceeded {timeout:g} s"}
+        if status is not None and os.WIFSIGNALED(status):
+            sig = os.WTERMSIG(status)
+            if sig == signal.SIGXCPU:
+                return {"ok": False, "output": None, "error": "timeout: CPU time limit"}
+            if sig == signal.SIGKILL:
+                return {"ok": False, "output": None, "error": "memory: killed (SIGKILL, likely out of memory)"}
+            return {"ok": False, "output": None, "error": f"crashed: killed by {_SIGNAMES.get(sig, sig)}"}
+        if status is not None and os.WIFEXITED(status):
+            return {"ok": False, "output": None,
+                    "error": f"crashed: exited with code {os.WEXITSTATUS(status)} before returning"}
+        return {"ok": False, "output": None, "error": "crashed: no result"}
+
+    def serve(self) -> None:
+        _write_msg(self.ctl_out, {"ready": True, "protections": self.protections, "notes": self.notes})
+        while True:
+            req = _read_msg(self.ctl_in)
+            if req is None:
+                return  # host closed the pipe (or died): leave, and the namespace dies with us
+            try:
+                res = self.run(req)
+            except Exception as e:  # noqa: BLE001 - keep serving
+                res = {"ok": False, "output": None, "error": f"crashed: {_short(e)}", "duration_s": 0.0}
+            _write_msg(self.ctl_out, res)
+
+
+def main() -> None:
+    # Move the control pipe off fds 0/1 so children can't inherit it by accident, then detach stdio.
+    ctl_in, ctl_out = os.dup(0), os.dup(1)
+    null = os.open(os.devnull, os.O_RDWR)
+    os.dup2(null, 0)
+    os.dup2(null, 1)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C belongs to the host; it closes our pipe
+    cfg = _read_msg(ctl_in)
+    if cfg is None:
+        return
+    try:
+        runner = Runner(cfg, ctl_in, ctl_out)
+    except BaseException as e:  # noqa: BLE001
+        _write_msg(ctl_out, {"ready": False, "error": _short(e)})
+        raise
+    runner.serve()
+
+
+if __name__ == "__main__":
+    main()
