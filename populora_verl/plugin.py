@@ -49,6 +49,7 @@ def _in_adv_registry(name: str) -> bool:
 #: (what, name, module whose ``register()`` registers it, check). Order matters only for log readability.
 REGISTRATIONS: list[tuple[str, str, str, Callable[[str], bool]]] = [
     ("adv_estimator", "populora_trrpp", "populora_verl.advantage", _in_adv_registry),
+    ("reward_manager", "populora_code", "populora_verl.reward.manager", _in_reward_registry),
 ]
 
 #: Back-compat view used by tests and messages: (registry, name).

@@ -1,0 +1,273 @@
+"""Turning model text into tasks (proposals) and into scores (answers), through the sandboxed executor.
+
+Model text never runs in this process: programs, inputs and value comparisons all go to the executor
+(``populora_verl.executor``; contract in docs/CONTRACTS.md). Malformed text is a result, never an exception.
+
+Statuses: a proposal is ``valid``, ``format_error`` (envelope or required blocks missing) or ``invalid``
+(static checks or execution failed); an answer is ``correct``, ``wrong`` or ``format_error``.
+"""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass, field
+from typing import Any, Protocol, Sequence
+
+from populora_verl.config import PopuLoRAConfig
+from populora_verl.tasks import parsing as P
+from populora_verl.tasks.task import Task, truncate_output
+
+__all__ = [
+    "ExecutorLike",
+    "Proposal",
+    "ProposalResult",
+    "AnswerScore",
+    "parse_proposal",
+    "validate_proposal",
+    "score_answer",
+    "values_equal",
+    "EQUALITY_PROGRAM",
+    "banned_names",
+]
+
+
+class ExecutorLike(Protocol):
+    """What we need from ``populora_verl.executor.Executor``."""
+
+    def run(self, program: str, inputs: str, *, check_determinism: bool | None = None) -> Any: ...
+
+    def run_many(self, jobs: Sequence[tuple[str, str]], *, check_determinism: bool | None = None) -> list[Any]: ...
+
+
+# Value comparison happens in the sandbox. The imports make the reprs of common containers evaluable there.
+EQUALITY_PROGRAM = (
+    "from collections import Counter, OrderedDict, defaultdict, deque\n"
+    "from math import inf, nan\n"
+    "\n"
+    "def f(a, b):\n"
+    "    return bool(a == b)\n"
+)
+
+
+def banned_names(cfg: PopuLoRAConfig) -> list[str]:
+    """The banned list printed in the prompt plus the executor's, without duplicates."""
+    return list(dict.fromkeys(list(cfg.tasks.banned_keywords) + list(cfg.executor.banned_modules)))
+
+
+def _is_expression(text: str) -> bool:
+    try:
+        ast.parse(f"({text}\n)", mode="eval")
+        return True
+    except (SyntaxError, ValueError, MemoryError, RecursionError):
+        return False
+
+
+def _maybe_truncate(text: str, cfg: PopuLoRAConfig) -> str:
+    return truncate_output(text) if cfg.executor.truncate_output else text
+
+
+def _comparable(gold: str, pred: str, pred_is_untrusted: bool) -> bool:
+    """Whether ``gold == pred`` may be decided by evaluating both in the sandbox (see is_value_expression)."""
+    if not (_is_expression(gold) and _is_expression(pred)):
+        return False
+    return P.is_value_expression(pred) if pred_is_untrusted else True
+
+
+def values_equal(executor: ExecutorLike, pairs: Sequence[tuple[str, str, bool]]) -> list[bool]:
+    """For each ``(gold, pred, pred_is_untrusted)`` decide ``eval(gold) == eval(pred)`` without evaluating here.
+
+    Identical text is equal; otherwise both sides must be single expressions (untrusted ones plain values), and
+    the comparison runs in the executor. Anything that fails to evaluate there is unequal.
+    """
+    out = [g == p for g, p, _ in pairs]
+    todo = [i for i, (g, p, u) in enumerate(pairs) if not out[i] and _comparable(g, p, u)]
+    if todo:
+        jobs = [(EQUALITY_PROGRAM, f"({pairs[i][0]}\n), ({pairs[i][1]}\n)") for i in todo]
+        results = executor.run_many(jobs, check_determinism=False)
+        for i, r in zip(todo, results):
+            out[i] = bool(getattr(r, "ok", False)) and getattr(r, "output", None) == "True"
+    return out
+
+
+# --- proposals -------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Proposal:
+    """The fenced blocks of a proposal, before any check."""
+
+    task_type: str
+    program: str = ""
+    input: str = ""
+    inputs: list[str] = field(default_factory=list)
+    message: str = ""
+
+
+@dataclass
+class ProposalResult:
+    status: str  # valid | format_error | invalid
+    task: Task | None = None
+    reason: str = ""
+
+    @property
+    def valid(self) -> bool:
+        return self.status == "valid"
+
+
+def parse_proposal(response: str, task_type: str, *, num_inputs: int = 10, think_prefilled: bool = True) -> Proposal:
+    """Extract the blocks a proposal must contain; :class:`~populora_verl.tasks.parsing.ParseError` if missing.
+
+    code_i / code_o: the first python block and the first input block. code_f: up to ``num_inputs`` input
+    blocks (first ones) and the first message block.
+    """
+    answer = P.extract_answer(response, think_prefilled)
+    if task_type in ("code_i", "code_o"):
+        program = P.first_block(answer, ("python", "py"))
+        inp = P.first_block(answer, ("input",))
+        if program is None or not program.strip():
+            raise P.ParseError("no python block")
+        if inp is None or not inp.strip():
+            raise P.ParseError("no input block")
+        return Proposal(task_type=task_type, program=program, input=inp.strip())
+    if task_type == "code_f":
+        inputs = [b.strip() for tag, b in P.fenced_blocks(answer) if tag == "input" and b.strip()][:num_inputs]
+        message = P.first_block(answer, ("message",))
+        if not inputs:
+            raise P.ParseError("no input block")
+        if message is None or not message.strip():
+            raise P.ParseError("no message block")
+        return Proposal(task_type=task_type, inputs=inputs, message=message.strip())
+    raise P.ParseError(f"unknown task type {task_type!r}")
+
+
+def _args_key(text: str) -> str:
+    # Distinctness of inputs by their parsed form, so "1,2" and "1, 2" count once.
+    return ast.dump(ast.parse(f"f({text}\n)", mode="eval"))
+
+
+def validate_proposal(response: str, task_type: str, executor: ExecutorLike, cfg: PopuLoRAConfig, *,
+                      program: Task | None = None, teacher: str = "", step: int = -1,
+                      think_prefilled: bool = True) -> ProposalResult:
+    """Parse, statically check and execute a proposal; a valid one becomes a :class:`Task` with gold answers.
+
+    code_i / code_o: the program must pass :func:`~populora_verl.tasks.parsing.check_program` (one top-level
+    function, renamed ``f``; no banned names; no ``input(``), its input must be an argument list, and
+    ``f(input)`` must run deterministically in the executor; the output (``repr``) is the gold answer, cut
+    to 400 characters when ``executor.truncate_output``.
+    code_f: ``program`` is the buffered task whose program the proposer saw; each proposed input is run on it,
+    valid distinct ones are kept, at least ``tasks.min_valid_inputs`` are needed; the first half is shown to
+    the solver, the rest is hidden.
+    """
+    tcfg = cfg.tasks
+    try:
+        prop = parse_proposal(response, task_type, num_inputs=tcfg.num_inputs, think_prefilled=think_prefilled)
+    except P.ParseError as e:
+        return ProposalResult("format_error", reason=str(e))
+
+    if task_type in ("code_i", "code_o"):
+        try:
+            checked = P.check_program(prop.program, banned_names(cfg), max_chars=tcfg.max_program_chars)
+            inp = P.check_call_args(prop.input)
+        except P.ParseError as e:
+            return ProposalResult("invalid", reason=str(e))
+        res = executor.run(checked.code, inp, check_determinism=cfg.executor.check_determinism)
+        if not res.ok or res.output is None:
+            return ProposalResult("invalid", reason=f"execution failed: {res.error}")
+        task = Task(type=task_type, program=checked.code, input=inp, output=_maybe_truncate(res.output, cfg),
+                    teacher=teacher, step=step)
+        return ProposalResult("valid", task=task)
+
+    # code_f
+    if program is None:
+        raise ValueError("code_f validation needs the buffered program the proposer was shown")
+    kept: list[str] = []
+    seen: set[str] = set()
+    for raw in prop.inputs:
+        try:
+            inp = P.check_call_args(raw)
+        except P.ParseError:
+            continue
+        key = _args_key(inp)
+        if key not in seen:
+            seen.add(key)
+            kept.append(inp)
+    results = executor.run_many([(program.program, inp) for inp in kept]) if kept else []
+    pairs = [(inp, _maybe_truncate(r.output, cfg)) for inp, r in zip(kept, results) if r.ok and r.output is not None]
+    if len(pairs) < tcfg.min_valid_inputs:
+        return ProposalResult("invalid", reason=f"{len(pairs)} valid distinct inputs, need {tcfg.min_valid_inputs}")
+    task = Task(type="code_f", program=program.program, inputs=[a for a, _ in pairs], outputs=[b for _, b in pairs],
+                message=prop.message, num_visible=len(pairs) // 2, teacher=teacher, step=step)
+    return ProposalResult("valid", task=task)
+
+
+# --- answers -------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class AnswerScore:
+    status: str  # correct | wrong | format_error
+    reward: float
+    reason: str = ""
+    payload: str = ""
+
+    @property
+    def correct(self) -> bool:
+        return self.status == "correct"
+
+
+def _reward(status: str, cfg: PopuLoRAConfig) -> float:
+    r = cfg.rewards
+    return {"correct": r.correct, "wrong": r.wrong_answer, "format_error": r.format_error}[status]
+
+
+def _judge(task: Task, payload: str, executor: ExecutorLike, cfg: PopuLoRAConfig) -> tuple[bool, str]:
+    if task.type == "code_o":
+        ok = values_equal(executor, [(task.output, payload, True)])[0]
+        return ok, "" if ok else "output differs"
+    if task.type == "code_i":
+        try:
+            inp = P.check_call_args(payload)
+        except P.ParseError as e:
+            return False, str(e)
+        if not P.is_value_expression(inp, as_args=True):
+            return False, "input is not made of plain values"
+        res = executor.run(task.program, inp)
+        if not res.ok or res.output is None:
+            return False, f"f(input) failed: {res.error}"
+        # The produced output comes from the teacher's program, so it is as trusted as the gold.
+        ok = values_equal(executor, [(task.output, _maybe_truncate(res.output, cfg), False)])[0]
+        return ok, "" if ok else "f(input) differs from the output"
+    # code_f: the solver's own function must reproduce every hidden pair.
+    try:
+        checked = P.check_program(payload, banned_names(cfg), max_chars=cfg.tasks.max_program_chars,
+                                  single_function=False)
+    except P.ParseError as e:
+        return False, str(e)
+    hidden = task.hidden_pairs or task.pairs
+    if not hidden:
+        return False, "task has no I/O pairs to check"
+    results = executor.run_many([(checked.code, inp) for inp, _ in hidden])
+    if not all(r.ok and r.output is not None for r in results):
+        return False, "program failed on a hidden input"
+    # The solver's program controls the output text, so it is compared as an untrusted value.
+    same = values_equal(executor, [(gold, _maybe_truncate(r.output, cfg), True) for (_, gold), r in zip(hidden, results)])
+    n_ok = sum(same)
+    return n_ok == len(hidden), f"{n_ok}/{len(hidden)} hidden pairs"
+
+
+def score_answer(task: Task, response: str, executor: ExecutorLike, cfg: PopuLoRAConfig, *,
+                 think_prefilled: bool = True) -> AnswerScore:
+    """Score a solver response: ``correct`` (``rewards.correct``), ``wrong`` (``rewards.wrong_answer``) or
+    ``format_error`` (``rewards.format_error``). Never raises on model text.
+
+    code_o: the predicted output equals the gold by value. code_i: ``f(answer)`` equals the gold output (any
+    input that reproduces it counts). code_f: the solver's ``f`` reproduces all hidden pairs (binary).
+    """
+    try:
+        answer = P.extract_answer(response, think_prefilled)
+        payload = P.extract_solver_payload(answer, task.type)
+    except P.ParseError as e:
+        return AnswerScore("format_error", _reward("format_error", cfg), reason=str(e))
+    ok, why = _judge(task, payload, executor, cfg)
+    status = "correct" if ok else "wrong"
+    return AnswerScore(status, _reward(status, cfg), reason=why, payload=payload)
