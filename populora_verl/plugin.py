@@ -50,6 +50,8 @@ def _in_adv_registry(name: str) -> bool:
 REGISTRATIONS: list[tuple[str, str, str, Callable[[str], bool]]] = [
     ("adv_estimator", "populora_trrpp", "populora_verl.advantage", _in_adv_registry),
     ("reward_manager", "populora_code", "populora_verl.reward.manager", _in_reward_registry),
+    ("rollout", "populora_vllm", "populora_verl.rollout", _in_rollout_registry),
+    ("agent_loop", "populora_agent", "populora_verl.rollout", _in_agent_loop_registry),
 ]
 
 #: Back-compat view used by tests and messages: (registry, name).

@@ -1,0 +1,62 @@
+"""``populora_agent``: verl's single-turn agent loop, with each prompt's adapter passed to the rollout server.
+
+Every prompt field reaches ``AgentLoopBase.run(**kwargs)``; ours is ``populora`` (a dict with ``lora_int_id`` and
+optionally ``lora_name``, ``slot``, ``role``, ``task``). The loop hands ``populora_lora={lora_int_id, lora_name}`` to
+``LLMServerClient.generate``, which forwards unknown kwargs to ``PopuLoRAvLLMHttpServer.generate``. A prompt without a
+usable ``populora`` field fails before any token is generated.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from typing import Any
+
+from verl.experimental.agent_loop.agent_loop import AgentLoopOutput
+from verl.experimental.agent_loop.single_turn_agent_loop import SingleTurnAgentLoop
+
+from populora_verl.rollout.lora_registry import POPULORA_FIELD, lora_spec_from_prompt
+
+__all__ = ["PopuLoRAAgentLoop", "AGENT_NAME", "LoraInjectingClient"]
+
+AGENT_NAME = "populora_agent"
+
+_PROMPT_LORA: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar("populora_prompt_lora", default=None)
+
+
+class LoraInjectingClient:
+    """Wraps an ``LLMServerClient``: ``generate`` adds the current prompt's ``populora_lora``; all else delegates."""
+
+    def __init__(self, client: Any) -> None:
+        self._client = client
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
+
+    async def generate(self, *args: Any, **kwargs: Any) -> Any:
+        spec = _PROMPT_LORA.get()
+        if spec is None:
+            raise RuntimeError("populora_agent: generate called outside PopuLoRAAgentLoop.run (no adapter known)")
+        if "populora_lora" in kwargs and kwargs["populora_lora"] != spec:
+            raise RuntimeError(f"populora_agent: conflicting adapters {kwargs['populora_lora']} and {spec}")
+        kwargs["populora_lora"] = spec
+        return await self._client.generate(*args, **kwargs)
+
+
+class PopuLoRAAgentLoop(SingleTurnAgentLoop):
+    """Single-turn generation served by the adapter named in the prompt's ``populora`` field."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if not isinstance(self.server_manager, LoraInjectingClient):
+            self.server_manager = LoraInjectingClient(self.server_manager)
+
+    async def run(self, sampling_params: dict[str, Any], **kwargs: Any) -> AgentLoopOutput:
+        spec = lora_spec_from_prompt(kwargs.get(POPULORA_FIELD))
+        token = _PROMPT_LORA.set(spec)
+        try:
+            output = await super().run(sampling_params, **kwargs)
+        finally:
+            _PROMPT_LORA.reset(token)
+        # Keep the serving id next to the trajectory so the trainer can check rollout/trainer adapter agreement.
+        output.extra_fields["populora_lora_int_id"] = spec["lora_int_id"]
+        return output

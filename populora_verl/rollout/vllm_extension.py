@@ -1,0 +1,76 @@
+"""vLLM worker extension: weight sync that writes each adapter under its own LoRA id.
+
+Loaded by vLLM's worker processes from the fully-qualified name returned by
+``PopuLoRAvLLMHttpServer._get_worker_extension_cls()``; imports vLLM (through verl's extension) at import time, so
+nothing on the CPU/driver side imports this module.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from verl.utils.vllm import TensorLoRARequest
+from verl.workers.rollout.vllm_rollout.utils import VLLM_LORA_PATH, vLLMColocateWorkerExtension
+
+from populora_verl.rollout.lora_registry import LORA_ID_BASE, parse_lora_name
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["PopuLoRAWorkerExtension"]
+
+
+class PopuLoRAWorkerExtension(vLLMColocateWorkerExtension):
+    """verl's colocate extension, with ``update_weights_from_ipc`` taking the target ``lora_int_id``/``lora_name``.
+
+    Without ``lora_int_id`` (base-weight sync, full-weight sync) it is verl's method unchanged.
+    """
+
+    _populora_target: tuple[int, str] | None = None
+
+    def update_weights_from_ipc(
+        self,
+        peft_config: dict = None,
+        base_sync_done=False,
+        use_shm: bool = False,
+        lora_int_id: int | None = None,
+        lora_name: str | None = None,
+        retire_lora_int_ids: list[int] | tuple[int, ...] = (),
+    ):
+        if lora_int_id is None:
+            if peft_config and base_sync_done:
+                # verl's path would load the adapter as id 123, which no PopuLoRA request names.
+                raise ValueError("populora_vllm adapter sync needs lora_int_id and lora_name (see PopuLoRA worker)")
+            return super().update_weights_from_ipc(peft_config=peft_config, base_sync_done=base_sync_done, use_shm=use_shm)
+        if not (peft_config and base_sync_done):
+            raise ValueError("lora_int_id is only meaningful for an adapter sync (peft_config and base_sync_done)")
+        lora_int_id = int(lora_int_id)
+        if lora_int_id < LORA_ID_BASE:
+            raise ValueError(f"lora_int_id {lora_int_id} is not a PopuLoRA id (>= {LORA_ID_BASE})")
+        parse_lora_name(lora_name)
+        # Free cache room first (retired versions), then drop this id: vLLM's add_lora is a no-op for a cached id.
+        for rid in retire_lora_int_ids:
+            self.remove_lora(int(rid))
+        self.remove_lora(lora_int_id)
+        self._populora_target = (lora_int_id, str(lora_name))
+        try:
+            return super().update_weights_from_ipc(peft_config=peft_config, base_sync_done=base_sync_done, use_shm=use_shm)
+        finally:
+            self._populora_target = None
+
+    def _update_weights(self, weights, peft_config: dict, base_sync_done: bool):
+        target = self._populora_target
+        if target is None or not (peft_config and base_sync_done):
+            return super()._update_weights(weights, peft_config=peft_config, base_sync_done=base_sync_done)
+        lora_id, name = target
+        # Clone: vLLM keeps the tensors (and may scale lora_B in place); the IPC bucket buffer is reused.
+        tensors = {n: t.clone() for n, t in weights}
+        request = TensorLoRARequest(
+            lora_name=name, lora_int_id=lora_id, lora_path=VLLM_LORA_PATH, peft_config=peft_config, lora_tensors=tensors
+        )
+        if not self.add_lora(request):
+            raise RuntimeError(f"vLLM refused adapter {name} (lora_int_id {lora_id})")
+        logger.info("populora: loaded adapter %s as lora_int_id %d (%d tensors)", name, lora_id, len(tensors))
+
+    def populora_remove_loras(self, lora_int_ids: list[int]) -> list[int]:
+        """Drop adapters from this worker's cache; returns the ids that were present."""
+        return [int(i) for i in lora_int_ids if self.remove_lora(int(i))]

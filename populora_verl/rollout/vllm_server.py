@@ -1,0 +1,65 @@
+"""The ``populora_vllm`` rollout backend: one vLLM engine serving every adapter of the population.
+
+verl 0.9.1's ``vLLMHttpServer`` forces ``max_loras=1`` and sends the fixed ``LoRARequest`` id 123 with every request
+(reference §4.1). The subclasses here, registered under a new backend name (the ``vllm`` entry is process-global and
+stays untouched):
+
+* raise ``max_loras``/``max_cpu_loras`` back to ``rollout.engine_kwargs.vllm.{max_loras,max_cpu_loras}`` in
+  ``run_server``/``run_headless``, the last hook before vLLM reads them;
+* wrap ``self.engine`` (``routing.LoraRoutingEngine``) so ``generate`` takes its ``LoRARequest`` from a context variable that
+  :meth:`PopuLoRAvLLMHttpServer.generate` sets from the request's ``populora_lora`` (asyncio gives every Ray call its
+  own context, so concurrent requests never see each other's adapter);
+* keep a :class:`LiveLoraRegistry` updated from the weight-sync RPCs and consult it (and vLLM's cache) before every
+  request: an unknown, retired or evicted id raises, and a request without an adapter raises.
+
+Imports vLLM at import time: only loaded through :func:`populora_verl.rollout.register`'s lazy loader.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import ray
+from vllm.lora.request import LoRARequest
+
+from verl.workers.rollout.vllm_rollout.utils import VLLM_LORA_PATH
+from verl.workers.rollout.vllm_rollout.vllm_async_server import vLLMHttpServer, vLLMReplica
+
+from populora_verl.rollout.routing import PopuLoRAServerMixin
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["PopuLoRAvLLMHttpServer", "PopuLoRAvLLMReplica", "BACKEND_NAME"]
+
+BACKEND_NAME = "populora_vllm"
+WORKER_EXTENSION = "populora_verl.rollout.vllm_extension.PopuLoRAWorkerExtension"
+
+
+class PopuLoRAvLLMHttpServer(PopuLoRAServerMixin, vLLMHttpServer):
+    """``vLLMHttpServer`` with per-request adapters and a live-adapter registry (logic in ``PopuLoRAServerMixin``)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if self._disaggregation_role != "null":
+            raise NotImplementedError("populora_vllm does not support prefill/decode disaggregation")
+        if not self.lora_as_adapter:
+            raise ValueError("populora_vllm needs model.lora_rank > 0 and lora.merge=false (adapters served by vLLM)")
+
+    def _get_worker_extension_cls(self) -> str:
+        return WORKER_EXTENSION
+
+    def _make_lora_request(self, lora_id: int, name: str) -> LoRARequest:
+        return LoRARequest(lora_name=name, lora_int_id=lora_id, lora_path=VLLM_LORA_PATH)
+
+
+class PopuLoRAvLLMReplica(vLLMReplica):
+    """``vLLMReplica`` launching :class:`PopuLoRAvLLMHttpServer` actors under the backend's own name prefix."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.server_class = ray.remote(PopuLoRAvLLMHttpServer)
+
+    def _get_server_name_prefix(self) -> str:
+        # verl's ServerAdapter finds the server as f"{rollout.name}_server_..." while vLLMReplica names it "vllm_...".
+        return f"{BACKEND_NAME}_"

@@ -1,0 +1,575 @@
+"""AdapterBank: N LoRA adapters time-sharing one live PEFT adapter (phase-1 design, reference §9).
+
+verl's FSDP engine builds exactly one PEFT adapter (``"default"``), one optimizer and one LR scheduler. Instead of
+teaching every verl helper about N adapters, the bank keeps, per slot and per rank, a CPU copy of
+
+* the rank's **local shard** of every LoRA parameter (``DTensor.to_local()`` under FSDP2, the tensor itself
+  otherwise),
+* the optimizer state of those parameters (AdamW ``exp_avg``, ``exp_avg_sq``, ``step``; any per-parameter tensor
+  state is carried, so other torch optimizers work too),
+* the LR scheduler state and the param-group learning rates,
+
+and copies a slot into the live adapter before a call that uses it (:meth:`AdapterBank.swap_in`) and back after a
+call that changed it (:meth:`AdapterBank.swap_out`). Swaps are rank-local ``copy_`` calls with no collectives, so
+verl's clipping, weight sync, reference policy and offload keep working unchanged, and each slot gets its own
+optimizer step count and LR schedule.
+
+Only :meth:`get_adapter_state` / :meth:`set_adapter_state` (full tensors in PEFT key format, for the SVD-based
+operators and for checkpoints a user can open) touch other ranks: under FSDP2 they all-gather or re-shard, so every
+rank must call them in the same order (the worker's ONE_TO_ALL RPCs guarantee that).
+
+Pure torch + PEFT naming; no verl import.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import math
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+
+__all__ = ["AdapterBank", "AdapterBankError", "PlanEntry", "peft_key", "BANK_FORMAT_VERSION"]
+
+BANK_FORMAT_VERSION = 1
+
+
+class AdapterBankError(RuntimeError):
+    """Misuse of the bank or a state dict that does not fit it (one line, names the slot or key)."""
+
+
+def _is_dtensor(t: Any) -> bool:
+    # Checked by attribute so plain-tensor users never import torch.distributed.tensor.
+    return hasattr(t, "to_local") and hasattr(t, "device_mesh") and hasattr(t, "placements")
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The rank-local storage behind a (possibly sharded) tensor."""
+    return t.to_local() if _is_dtensor(t) else t
+
+
+def _comm_device(t: Any) -> torch.device:
+    """Where a DTensor's collectives run: its mesh's device, even while the parameter is offloaded to CPU."""
+    kind = t.device_mesh.device_type
+    if kind == "cpu":
+        return torch.device("cpu")
+    mod = getattr(torch, kind)
+    return torch.device(kind, mod.current_device())
+
+
+def peft_key(param_name: str, adapter_name: str = "default") -> str:
+    """``...q_proj.lora_A.default.weight`` -> ``...q_proj.lora_A.weight`` (PEFT ``get_peft_model_state_dict`` keys).
+
+    FSDP1 wrapper prefixes are stripped too so a key never depends on how the model was wrapped.
+    """
+    name = param_name.replace("_fsdp_wrapped_module.", "").replace("_checkpoint_wrapped_module.", "")
+    parts = name.split(".")
+    if adapter_name not in parts:
+        raise AdapterBankError(f"parameter {param_name!r} does not belong to adapter {adapter_name!r}")
+    return ".".join(p for p in parts if p != adapter_name)
+
+
+@dataclasses.dataclass
+class PlanEntry:
+    """One child of an evolution plan, as the bank applies it.
+
+    ``parent_slots`` are ordered fittest first (docs/CONTRACTS.md). ``seed`` must be identical on every rank: the
+    operator runs on full tensors on every rank and each rank keeps its own shard of the (identical) child.
+    """
+
+    child_slot: int
+    operator: str
+    parent_slots: Sequence[int]
+    seed: int
+    params: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    reset_optimizer: bool = True
+
+    @classmethod
+    def coerce(cls, entry: PlanEntry | Mapping[str, Any] | Any) -> PlanEntry:
+        if isinstance(entry, PlanEntry):
+            return entry
+        get = entry.get if isinstance(entry, Mapping) else (lambda k, d=None: getattr(entry, k, d))
+        missing = [k for k in ("child_slot", "operator", "parent_slots", "seed") if get(k) is None]
+        if missing:
+            raise AdapterBankError(f"plan entry {entry!r} lacks {missing}")
+        return cls(
+            child_slot=int(get("child_slot")),
+            operator=str(get("operator")),
+            parent_slots=[int(s) for s in get("parent_slots")],
+            seed=int(get("seed")),
+            params=dict(get("params") or {}),
+            reset_optimizer=bool(get("reset_optimizer", True)),
+        )
+
+
+@dataclasses.dataclass
+class _Slot:
+    params: dict[str, torch.Tensor]  # param name -> CPU copy of the local shard
+    optim: dict[str, dict[str, Any]] | None = None  # param name -> optimizer state (CPU); None: fresh optimizer
+    scheduler: dict[str, Any] | None = None  # LR scheduler state_dict; None: the schedule's initial state
+    lrs: list[float] | None = None  # param-group LRs; None: the initial LRs
+    version: int = 0  # bumped whenever the weights change other than by training (evolution, set, reset)
+    updates: int = 0  # training calls made with this slot active
+
+
+class AdapterBank:
+    """Per-slot CPU copies of one live PEFT adapter's local shards, optimizer and scheduler state.
+
+    Args:
+        model: the (possibly FSDP2-sharded) PEFT model that holds the live adapter.
+        optimizer: the optimizer over the model's parameters, or ``None`` for a forward-only model.
+        lr_scheduler: its LR scheduler (any ``torch.optim.lr_scheduler`` with ``state_dict``), or ``None``.
+        adapter_name: the live PEFT adapter (verl: ``"default"``).
+        pin_memory: pin the CPU copies (default: when CUDA is available), for fast host<->device copies.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        lr_scheduler: Any | None = None,
+        *,
+        adapter_name: str = "default",
+        pin_memory: bool | None = None,
+    ) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.lr_scheduler = lr_scheduler
+        self.adapter_name = adapter_name
+        self.pin_memory = torch.cuda.is_available() if pin_memory is None else bool(pin_memory)
+        self._params: dict[str, torch.nn.Parameter] = self._find_adapter_params(model, adapter_name)
+        self._keys = {name: peft_key(name, adapter_name) for name in self._params}
+        self._by_key = {k: n for n, k in self._keys.items()}
+        if len(self._by_key) != len(self._keys):
+            raise AdapterBankError("two adapter parameters map to the same PEFT key")
+        if optimizer is not None:
+            owned = {id(p) for g in optimizer.param_groups for p in g["params"]}
+            missing = [n for n, p in self._params.items() if id(p) not in owned]
+            if missing:
+                raise AdapterBankError(f"optimizer does not own adapter parameters {missing[:3]}...")
+        # The schedule every fresh slot starts from (captured before any slot trains).
+        self._initial_scheduler = copy.deepcopy(lr_scheduler.state_dict()) if lr_scheduler is not None else None
+        self._initial_lrs = [g["lr"] for g in optimizer.param_groups] if optimizer is not None else None
+        self._slots: list[_Slot] = []
+        self._active: int | None = None  # slot whose weights the live adapter holds
+        self._dirty = False  # live adapter changed since it was loaded from / written to the active slot
+
+    # --- discovery -------------------------------------------------------------------------------------------
+
+    @staticmethod
+    def _find_adapter_params(model: torch.nn.Module, adapter_name: str) -> dict[str, torch.nn.Parameter]:
+        params: dict[str, torch.nn.Parameter] = {}
+        for name, p in model.named_parameters():
+            if adapter_name in name.split(".") and ("lora_" in name):
+                if type(p).__name__ == "FlatParameter" or "_flat_param" in name:
+                    raise AdapterBankError("FSDP1 flat parameters cannot be swapped per adapter: use actor.strategy=fsdp2")
+                params[name] = p
+        if not params:
+            flat = [n for n, _ in model.named_parameters() if "_flat_param" in n]
+            if flat:
+                raise AdapterBankError("FSDP1 flat parameters cannot be swapped per adapter: use actor.strategy=fsdp2")
+            raise AdapterBankError(f"model has no LoRA parameters of adapter {adapter_name!r}")
+        return params
+
+    # --- introspection ---------------------------------------------------------------------------------------
+
+    @property
+    def num_slots(self) -> int:
+        return len(self._slots)
+
+    @property
+    def active_slot(self) -> int | None:
+        """The slot whose weights the live adapter holds (``None``: none, e.g. right after a load)."""
+        return self._active
+
+    @property
+    def param_names(self) -> list[str]:
+        return list(self._params)
+
+    @property
+    def peft_keys(self) -> list[str]:
+        return [self._keys[n] for n in self._params]
+
+    def slot_info(self, slot: int) -> dict[str, int]:
+        """Counters of one slot: weight ``version``, training ``updates`` and the optimizer ``step``."""
+        self._check_slot(slot)
+        if self._active == slot:
+            self.swap_out()
+        s = self._slots[slot]
+        return {"version": s.version, "updates": s.updates, "optimizer_step": self._optimizer_step(s)}
+
+    def version(self, slot: int) -> int:
+        self._check_slot(slot)
+        return self._slots[slot].version
+
+    @staticmethod
+    def _optimizer_step(s: _Slot) -> int:
+        if not s.optim:
+            return 0
+        steps = [st.get("step") for st in s.optim.values() if "step" in st]
+        return int(max(float(x) for x in steps)) if steps else 0
+
+    def _check_slot(self, slot: int) -> None:
+        if not isinstance(slot, int) or isinstance(slot, bool) or not 0 <= slot < len(self._slots):
+            raise AdapterBankError(f"slot {slot!r} out of range: the bank has {len(self._slots)} slots")
+
+    # --- CPU buffers -----------------------------------------------------------------------------------------
+
+    def _cpu_copy(self, t: torch.Tensor) -> torch.Tensor:
+        t = _local(t.detach())
+        out = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=self.pin_memory)
+        out.copy_(t)
+        return out
+
+    def _into(self, dst: torch.Tensor | None, src: torch.Tensor) -> torch.Tensor:
+        """Copy ``src`` into an existing CPU buffer (reused across swaps) or a new one."""
+        src = _local(src.detach())
+        if dst is None or dst.shape != src.shape or dst.dtype != src.dtype:
+            return self._cpu_copy(src)
+        dst.copy_(src)
+        return dst
+
+    # --- slots -----------------------------------------------------------------------------------------------
+
+    def init_slots(self, num_slots: int, seed: int | None = None, *, from_live: bool = False) -> None:
+        """Create ``num_slots`` slots with fresh optimizer state.
+
+        ``from_live``: every slot starts as a copy of the live adapter (e.g. a pretrained ``lora_adapter_path``).
+        Otherwise slot k gets PEFT's default LoRA init drawn from ``seed`` and k: ``lora_A`` Kaiming-uniform
+        (bound ``1/sqrt(fan_in)``), ``lora_B`` zero, so every adapter starts as the base policy but trains from a
+        different subspace. Full tensors are drawn identically on every rank and each rank keeps its shard.
+        """
+        if not isinstance(num_slots, int) or num_slots < 1:
+            raise AdapterBankError(f"num_slots must be an integer >= 1, got {num_slots!r}")
+        if not from_live and seed is None:
+            raise AdapterBankError("init_slots needs a seed unless from_live=True")
+        self._slots = []
+        self._active = None
+        self._dirty = False
+        for k in range(num_slots):
+            if from_live:
+                params = {n: self._cpu_copy(p) for n, p in self._params.items()}
+            else:
+                gen = torch.Generator().manual_seed(int(seed) * 1_000_003 + k)
+                params = {}
+                for n, p in self._params.items():
+                    full = self._default_init(n, tuple(p.shape), gen)
+                    params[n] = self._cpu_copy(self._shard_like(full.to(p.dtype), p))
+            self._slots.append(_Slot(params=params))
+        self._drop_live_optimizer_state()
+
+    def _default_init(self, name: str, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
+        is_b = ".lora_B." in name or ".lora_embedding_B." in name
+        if is_b or len(shape) != 2:
+            return torch.zeros(shape)
+        fan_in = shape[1]
+        bound = 1.0 / math.sqrt(fan_in)  # kaiming_uniform_(a=sqrt(5)), as PEFT initialises lora_A
+        return torch.rand(shape, generator=gen) * (2 * bound) - bound
+
+    @staticmethod
+    def _shard_like(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        """This rank's shard of ``full`` laid out like ``like`` (no communication: ``full`` is on every rank)."""
+        if not _is_dtensor(like):
+            return full
+        from torch.distributed.tensor import distribute_tensor
+
+        sharded = distribute_tensor(full.to(_comm_device(like)), like.device_mesh, like.placements, src_data_rank=None)
+        return sharded.to_local()
+
+    def swap_in(self, slot: int, *, train: bool = True) -> None:
+        """Load ``slot`` into the live adapter (writing the previously active slot back first if it changed).
+
+        ``train=False`` promises the caller will not change the weights (log-probs, weight sync), so the next swap
+        skips the write-back.
+        """
+        self._check_slot(slot)
+        if self._active == slot:
+            self._dirty = self._dirty or train
+            return
+        self.swap_out()
+        s = self._slots[slot]
+        with torch.no_grad():
+            for n, p in self._params.items():
+                _local(p.data).copy_(s.params[n])
+                p.grad = None
+        self._load_optimizer(s)
+        self._active = slot
+        self._dirty = train
+
+    def swap_out(self) -> None:
+        """Write the live adapter back into the active slot if it changed; the live adapter keeps its weights."""
+        if self._active is None or not self._dirty:
+            return
+        s = self._slots[self._active]
+        with torch.no_grad():
+            for n, p in self._params.items():
+                s.params[n] = self._into(s.params.get(n), p.data)
+        self._save_optimizer(s)
+        self._dirty = False
+
+    @contextlib.contextmanager
+    def active(self, slot: int, *, train: bool = True) -> Iterator[int]:
+        """``with bank.active(k):`` run one call on slot k; a training call's result is written back on exit."""
+        self.swap_in(slot, train=train)
+        try:
+            yield slot
+        finally:
+            if train:
+                self._slots[slot].updates += 1
+                self.swap_out()
+
+    # --- optimizer / scheduler -------------------------------------------------------------------------------
+
+    def _drop_live_optimizer_state(self) -> None:
+        if self.optimizer is not None:
+            for p in self._params.values():
+                self.optimizer.state.pop(p, None)
+
+    def _save_optimizer(self, s: _Slot) -> None:
+        if self.optimizer is None:
+            return
+        out: dict[str, dict[str, Any]] = {}
+        for n, p in self._params.items():
+            live = self.optimizer.state.get(p)
+            if not live:
+                continue
+            old = (s.optim or {}).get(n, {})
+            st: dict[str, Any] = {}
+            for key, val in live.items():
+                if torch.is_tensor(val):
+                    st[key] = self._into(old.get(key), val)
+                    st[f"__device__{key}"] = str(_local(val).device)
+                else:
+                    st[key] = copy.deepcopy(val)
+            out[n] = st
+        s.optim = out or None
+        if self.lr_scheduler is not None:
+            s.scheduler = copy.deepcopy(self.lr_scheduler.state_dict())
+        s.lrs = [g["lr"] for g in self.optimizer.param_groups]
+
+    def _load_optimizer(self, s: _Slot) -> None:
+        if self.optimizer is None:
+            return
+        for n, p in self._params.items():
+            saved = (s.optim or {}).get(n)
+            if not saved:
+                # Fresh slot: AdamW lazily creates zero moments and step 0 at its next step, as for a new optimizer.
+                self.optimizer.state.pop(p, None)
+                continue
+            live = self.optimizer.state[p]
+            for key in [k for k in live if k not in saved]:
+                del live[key]
+            for key, val in saved.items():
+                if key.startswith("__device__"):
+                    continue
+                if not torch.is_tensor(val):
+                    live[key] = copy.deepcopy(val)
+                    continue
+                cur = live.get(key)
+                if cur is None or _local(cur).shape != val.shape:
+                    if val.shape == _local(p).shape and val.dim() > 0:
+                        cur = torch.zeros_like(p, dtype=val.dtype)  # keeps the DTensor layout of the parameter
+                    else:
+                        cur = torch.empty(val.shape, dtype=val.dtype, device=saved.get(f"__device__{key}", "cpu"))
+                    live[key] = cur
+                _local(cur).copy_(val)
+        sched = s.scheduler if s.scheduler is not None else self._initial_scheduler
+        if self.lr_scheduler is not None and sched is not None:
+            self.lr_scheduler.load_state_dict(copy.deepcopy(sched))
+        lrs = s.lrs if s.lrs is not None else self._initial_lrs
+        for g, lr in zip(self.optimizer.param_groups, lrs or []):
+            g["lr"] = lr
+
+    def reset_optimizer(self, slot: int, *, reset_scheduler: bool = True) -> None:
+        """Give ``slot`` a fresh optimizer (zero moments, step 0) and, by default, restart its LR schedule."""
+        self._check_slot(slot)
+        if self._active == slot:
+            self.swap_out()
+        s = self._slots[slot]
+        s.optim = None
+        if reset_scheduler:
+            s.scheduler, s.lrs = None, None
+        if self._active == slot:
+            self._load_optimizer(s)
+
+    def set_lr(self, slot: int, lr: float) -> None:
+        """Set ``slot``'s base learning rate (every param group, and the scheduler's ``base_lrs`` so it sticks).
+
+        The slot's current schedule factor (e.g. mid-warmup) is kept: the live LR becomes ``lr * factor``.
+        """
+        self._check_slot(slot)
+        if self.optimizer is None:
+            raise AdapterBankError("set_lr needs an optimizer")
+        if not (isinstance(lr, (int, float)) and lr >= 0 and math.isfinite(lr)):
+            raise AdapterBankError(f"lr must be a finite number >= 0, got {lr!r}")
+        if self._active == slot:
+            self.swap_out()
+        s = self._slots[slot]
+        n = len(self.optimizer.param_groups)
+        cur = list(s.lrs if s.lrs is not None else self._initial_lrs)
+        sched = copy.deepcopy(s.scheduler if s.scheduler is not None else self._initial_scheduler)
+        if sched is not None and "base_lrs" in sched:
+            factors = [c / b if b else 1.0 for c, b in zip(cur, sched["base_lrs"])]
+            sched["base_lrs"] = [float(lr)] * n
+            s.scheduler = sched
+        else:
+            factors = [1.0] * n
+        s.lrs = [float(lr) * f for f in factors]
+        if sched is not None and "_last_lr" in sched:
+            sched["_last_lr"] = list(s.lrs)
+        if self._active == slot:
+            self._load_optimizer(s)
+
+    # --- full adapter state dicts (PEFT keys) ----------------------------------------------------------------
+
+    def get_adapter_state(self, slot: int) -> dict[str, torch.Tensor]:
+        """Slot ``slot`` as a PEFT adapter state dict of full CPU tensors (collective under FSDP2)."""
+        self._check_slot(slot)
+        if self._active == slot:
+            self.swap_out()
+        s = self._slots[slot]
+        out: dict[str, torch.Tensor] = {}
+        for n, p in self._params.items():
+            local = s.params[n]
+            if _is_dtensor(p):
+                from torch.distributed.tensor import DTensor
+
+                full = DTensor.from_local(
+                    local.to(_comm_device(p)), p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
+                ).full_tensor()
+                out[self._keys[n]] = full.detach().cpu()
+            else:
+                out[self._keys[n]] = local.detach().clone()
+        return out
+
+    def set_adapter_state(self, slot: int, state: Mapping[str, torch.Tensor], *, reset_optimizer: bool = False) -> None:
+        """Overwrite slot ``slot`` with a full PEFT adapter state dict; bumps the slot's version.
+
+        Keys must match the bank's exactly and shapes must be the global parameter shapes; values are cast to the
+        parameter dtype. Every rank must pass the same tensors (each keeps its own shard).
+        """
+        self._check_slot(slot)
+        self._validate_state(state, f"slot {slot}")
+        if self._active == slot:
+            self.swap_out()
+        s = self._slots[slot]
+        for n, p in self._params.items():
+            full = state[self._keys[n]].detach().to("cpu", dtype=p.dtype)
+            s.params[n] = self._into(s.params.get(n), self._shard_like(full, p).cpu())
+        s.version += 1
+        if reset_optimizer:
+            s.optim, s.scheduler, s.lrs = None, None, None
+        if self._active == slot:
+            # The live adapter holds the old weights: force a reload on next use.
+            self._active, self._dirty = None, False
+
+    def _validate_state(self, state: Mapping[str, torch.Tensor], what: str) -> None:
+        if not isinstance(state, Mapping):
+            raise AdapterBankError(f"{what}: adapter state must be a mapping of PEFT keys to tensors")
+        keys = set(state)
+        expected = set(self._by_key)
+        if keys != expected:
+            missing, extra = sorted(expected - keys), sorted(keys - expected)
+            raise AdapterBankError(f"{what}: adapter keys differ: missing {missing[:3]}, unexpected {extra[:3]}")
+        for k, v in state.items():
+            p = self._params[self._by_key[k]]
+            if not torch.is_tensor(v):
+                raise AdapterBankError(f"{what}: {k} is {type(v).__name__}, not a tensor")
+            if tuple(v.shape) != tuple(p.shape):
+                raise AdapterBankError(f"{what}: {k} has shape {tuple(v.shape)}, expected {tuple(p.shape)}")
+            if not torch.isfinite(v).all():
+                raise AdapterBankError(f"{what}: {k} has non-finite values")
+
+    def apply_plan(self, entries: Sequence[PlanEntry | Mapping[str, Any]], operators: Mapping[str, Any] | None = None) -> list[int]:
+        """Write evolution children into their slots; returns the child slots.
+
+        Every child is computed from the parents' weights **before** any child is written, so a slot that is both a
+        parent and (later in the plan) a victim gives its pre-plan weights. ``operators`` defaults to
+        ``populora_verl.evolution.operators.OPERATORS``.
+        """
+        if operators is None:
+            from populora_verl.evolution.operators import OPERATORS as operators  # noqa: N811
+        plan = [PlanEntry.coerce(e) for e in entries]
+        children = [e.child_slot for e in plan]
+        if len(set(children)) != len(children):
+            raise AdapterBankError(f"plan writes a slot twice: {children}")
+        cache: dict[int, dict[str, torch.Tensor]] = {}
+        results: list[tuple[PlanEntry, dict[str, torch.Tensor]]] = []
+        for e in plan:
+            self._check_slot(e.child_slot)
+            if e.operator not in operators:
+                raise AdapterBankError(f"unknown operator {e.operator!r} (known: {sorted(operators)})")
+            op = operators[e.operator]
+            want = getattr(op, "num_parents", len(e.parent_slots))
+            if len(e.parent_slots) != want:
+                raise AdapterBankError(f"operator {e.operator} needs {want} parents, got {list(e.parent_slots)}")
+            parents = []
+            for ps in e.parent_slots:
+                self._check_slot(ps)
+                if ps not in cache:
+                    cache[ps] = self.get_adapter_state(ps)
+                parents.append(cache[ps])
+            gen = torch.Generator().manual_seed(e.seed)
+            results.append((e, op(parents, generator=gen, **dict(e.params))))
+        for e, child in results:
+            self.set_adapter_state(e.child_slot, child, reset_optimizer=e.reset_optimizer)
+        return children
+
+    # --- persistence -----------------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to restore the bank on this rank (local shards; save one file per rank)."""
+        self.swap_out()
+        return {
+            "format_version": BANK_FORMAT_VERSION,
+            "adapter_name": self.adapter_name,
+            "param_names": list(self._params),
+            "local_shapes": {n: list(_local(p).shape) for n, p in self._params.items()},
+            "slots": [dataclasses.asdict(s) for s in self._slots],
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        if state.get("format_version") != BANK_FORMAT_VERSION:
+            raise AdapterBankError(f"bank format {state.get('format_version')!r} != {BANK_FORMAT_VERSION}")
+        if list(state.get("param_names", [])) != list(self._params):
+            raise AdapterBankError("saved bank was made for different adapter parameters (model or LoRA config changed)")
+        for n, p in self._params.items():
+            if list(state["local_shapes"][n]) != list(_local(p).shape):
+                raise AdapterBankError(
+                    f"saved shard of {n} has shape {state['local_shapes'][n]}, this rank holds {list(_local(p).shape)}"
+                    " (world size or sharding changed)"
+                )
+        slots = []
+        for raw in state["slots"]:
+            params = {n: self._cpu_copy(t) for n, t in raw["params"].items()}
+            optim = None
+            if raw.get("optim"):
+                optim = {
+                    n: {k: (self._cpu_copy(v) if torch.is_tensor(v) else v) for k, v in st.items()}
+                    for n, st in raw["optim"].items()
+                }
+            slots.append(_Slot(params=params, optim=optim, scheduler=copy.deepcopy(raw.get("scheduler")),
+                               lrs=copy.deepcopy(raw.get("lrs")), version=int(raw.get("version", 0)),
+                               updates=int(raw.get("updates", 0))))
+        self._slots = slots
+        self._active, self._dirty = None, False
+
+    def save(self, path: str) -> None:
+        """``torch.save`` the bank (this rank's shards) to ``path``, atomically."""
+        import os
+
+        tmp = f"{path}.tmp"
+        torch.save(self.state_dict(), tmp)
+        os.replace(tmp, path)
+
+    def load(self, path: str) -> None:
+        self.load_state_dict(torch.load(path, map_location="cpu", weights_only=False))
+
+
+
+def bank_filename(world_size: int, rank: int) -> str:
+    """Per-rank bank file name, next to verl's ``model_world_size_{W}_rank_{r}.pt`` naming."""
+    return f"bank_world_size_{world_size}_rank_{rank}.pt"

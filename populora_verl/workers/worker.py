@@ -1,0 +1,259 @@
+"""PopuLoRA's actor/rollout worker: verl's ``ActorRolloutRefWorker`` holding N adapters in an :class:`AdapterBank`.
+
+* ``compute_log_prob`` / ``update_actor`` run verl's body inside ``bank.active(slot)``; the slot comes from the
+  batch's non-tensor entry ``populora_adapter`` (the ``extra_info`` of the driver's ``KVBatchMeta``). The driver makes
+  one call per slot and never mixes slots in a call: splitting inside the worker would let ranks run different
+  numbers of FSDP forwards and hang.
+* ``update_weights`` (``naive`` backend) pushes every slot to vLLM under its own LoRA id
+  (:func:`populora_verl.rollout.lora_int_id`), retiring the id of a slot whose version changed.
+* ONE_TO_ALL RPCs for the trainer: ``populora_init_bank``, ``populora_apply_plan``, ``populora_set_adapter``,
+  ``populora_get_adapter``, ``populora_reset_optimizer``, ``populora_save_bank``, ``populora_load_bank``,
+  ``populora_bank_info``.
+
+Every override repeats verl's ``@register`` with the parent's dispatch mode: driver-callable methods are bound only
+through that decorator. The FSDP engine is CUDA/NPU-only, so on CPU this class is only constructed via ``__new__``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from tensordict import TensorDict
+
+from verl.single_controller.base.decorator import Dispatch, make_nd_compute_dataproto_dispatch_fn, register
+from verl.utils import tensordict_utils as tu
+from verl.utils.device import get_torch_device, set_expandable_segments
+from verl.utils.profiler import log_gpu_memory_usage
+from verl.workers.engine_workers import ActorRolloutRefWorker
+
+from populora_verl.rollout.lora_registry import lora_int_id, lora_name
+from populora_verl.workers.adapter_bank import AdapterBank, AdapterBankError, bank_filename
+
+logger = logging.getLogger(__name__)
+logger.setLevel(os.getenv("VERL_LOGGING_LEVEL", "WARN"))
+
+__all__ = ["PopuLoRAActorRolloutRefWorker", "ADAPTER_KEY", "slot_from_batch"]
+
+#: Non-tensor batch entry naming the slot a compute_log_prob / update_actor call runs on.
+from populora_verl.workers import ADAPTER_KEY  # noqa: E402  (one definition)
+
+
+def _accelerator_ready() -> bool:
+    # The memory log and device syncs below need an accelerator; the CPU wiring tests run without one.
+    return bool(get_torch_device().is_available())
+
+
+def _log_memory(msg: str) -> None:
+    if _accelerator_ready():
+        log_gpu_memory_usage(msg, logger=logger)
+
+
+def slot_from_batch(data: TensorDict, *, required: bool) -> int | None:
+    """Pop the slot from ``data`` (an int, or its decimal string); ``None`` only if not ``required``."""
+    raw = tu.pop(data, key=ADAPTER_KEY, default=None)
+    if raw is None:
+        if required:
+            raise AdapterBankError(
+                f"batch has no '{ADAPTER_KEY}': PopuLoRA calls compute_log_prob/update_actor once per adapter slot "
+                "with the slot in extra_info"
+            )
+        return None
+    if isinstance(raw, (list, tuple)):  # a per-sample stack: all entries must agree
+        if not raw or any(r != raw[0] for r in raw):
+            raise AdapterBankError(f"one call mixes adapters {sorted(set(map(str, raw)))}: split the batch per slot")
+        raw = raw[0]
+    if isinstance(raw, bool):
+        raise AdapterBankError(f"{ADAPTER_KEY} must be a slot number, got {raw!r}")
+    try:
+        return int(raw)
+    except (TypeError, ValueError):
+        raise AdapterBankError(f"{ADAPTER_KEY} must be a slot number, got {raw!r}") from None
+
+
+class PopuLoRAActorRolloutRefWorker(ActorRolloutRefWorker):
+    """``ActorRolloutRefWorker`` with an adapter bank (one live PEFT adapter swapped per call)."""
+
+    bank: AdapterBank | None = None
+    _populora_pushed: dict[int, int] | None = None  # slot -> lora_int_id vLLM currently serves for it
+
+    # --- bank lifecycle --------------------------------------------------------------------------------------
+
+    def _require_bank(self) -> AdapterBank:
+        if self.bank is None:
+            raise AdapterBankError("adapter bank not initialised: call populora_init_bank (or populora_load_bank) first")
+        return self.bank
+
+    def _build_bank(self) -> AdapterBank:
+        if self.actor is None:
+            raise AdapterBankError(f"role {self.role!r} has no actor: the adapter bank lives with the actor")
+        strategy = self.config.actor.get("strategy", None) if hasattr(self.config, "actor") else None
+        if strategy not in ("fsdp2", None):
+            raise AdapterBankError(f"PopuLoRA needs actor.strategy=fsdp2 (per-adapter swaps of local shards), got {strategy!r}")
+        engine = self.actor.engine
+        return AdapterBank(engine.module, getattr(engine, "optimizer", None), getattr(engine, "lr_scheduler", None))
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def populora_init_bank(self, num_slots: int, seed: int, from_live: bool = False) -> dict[str, Any]:
+        """Create ``num_slots`` adapters (PEFT init from ``seed``, or copies of the live adapter)."""
+        self.bank = self._build_bank()
+        self.bank.init_slots(int(num_slots), seed=seed, from_live=from_live)
+        self._populora_pushed = {}
+        return self._bank_info()
+
+    def _bank_info(self) -> dict[str, Any]:
+        bank = self._require_bank()
+        n = bank.num_slots
+        slots = []
+        for k in range(n):
+            info = bank.slot_info(k)
+            info["lora_int_id"] = lora_int_id(k, info["version"], n)
+            info["lora_name"] = lora_name(k, info["version"])
+            slots.append(info)
+        return {"num_slots": n, "slots": slots, "pushed": dict(self._populora_pushed or {})}
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def populora_bank_info(self) -> dict[str, Any]:
+        """Per slot: weight version, training updates, optimizer step and the LoRA id/name vLLM serves it under."""
+        return self._bank_info()
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def populora_apply_plan(self, entries: Sequence[Mapping[str, Any]]) -> list[int]:
+        """Evolution children into their slots (full-tensor operators; same seeds on every rank)."""
+        return self._require_bank().apply_plan(entries)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def populora_set_adapter(self, slot: int, state: Mapping[str, torch.Tensor], reset_optimizer: bool = True) -> int:
+        """Overwrite a slot with a full PEFT state dict; returns the slot's new version."""
+        bank = self._require_bank()
+        bank.set_adapter_state(int(slot), state, reset_optimizer=reset_optimizer)
+        return bank.version(int(slot))
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def populora_get_adapter(self, slot: int) -> dict[str, torch.Tensor] | None:
+        """A slot's full PEFT state dict (CPU). Every rank joins the gather; only rank 0 returns the tensors."""
+        state = self._require_bank().get_adapter_state(int(slot))
+        return state if self.rank == 0 else None
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def populora_reset_optimizer(self, slot: int, reset_scheduler: bool = True) -> None:
+        self._require_bank().reset_optimizer(int(slot), reset_scheduler=reset_scheduler)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def populora_save_bank(self, directory: str) -> str:
+        """Write this rank's bank to ``directory/bank_world_size_{W}_rank_{r}.pt``; returns the path."""
+        os.makedirs(directory, exist_ok=True)
+        path = os.path.join(directory, bank_filename(self.world_size, self.rank))
+        self._require_bank().save(path)
+        return path
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def populora_load_bank(self, directory: str) -> dict[str, Any]:
+        path = os.path.join(directory, bank_filename(self.world_size, self.rank))
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"no adapter bank for world size {self.world_size}, rank {self.rank} at {path}")
+        if self.bank is None:
+            self.bank = self._build_bank()
+        self.bank.load(path)
+        self._populora_pushed = {}  # vLLM must get every slot again (fresh ids after a restart)
+        return self._bank_info()
+
+    # --- per-adapter compute ---------------------------------------------------------------------------------
+
+    @register(dispatch_mode=make_nd_compute_dataproto_dispatch_fn(mesh_name="actor"))
+    def compute_log_prob(self, data: TensorDict) -> TensorDict:
+        # The reference policy is the base model (no_lora_adapter): no slot needed, none swapped.
+        base_only = bool(tu.get(data, key="no_lora_adapter", default=False))
+        slot = slot_from_batch(data, required=not base_only)
+        if slot is None:
+            return super().compute_log_prob(data)
+        with self._require_bank().active(slot, train=False):
+            return super().compute_log_prob(data)
+
+    @register(dispatch_mode=make_nd_compute_dataproto_dispatch_fn(mesh_name="actor"))
+    def update_actor(self, data: TensorDict) -> TensorDict:
+        slot = slot_from_batch(data, required=True)
+        with self._require_bank().active(slot, train=True):
+            return super().update_actor(data)
+
+    # --- weight sync -----------------------------------------------------------------------------------------
+
+    def _lora_targets(self) -> list[tuple[int, int, str, list[int]]]:
+        """(slot, lora_int_id, lora_name, ids to retire) for every slot, in slot order."""
+        bank = self._require_bank()
+        pushed = self._populora_pushed if self._populora_pushed is not None else {}
+        out = []
+        for k in range(bank.num_slots):
+            v = bank.version(k)
+            lid = lora_int_id(k, v, bank.num_slots)
+            old = pushed.get(k)
+            out.append((k, lid, lora_name(k, v), [old] if old is not None and old != lid else []))
+        return out
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
+    async def update_weights(self, global_steps: int = None, mode: str = "auto"):
+        """verl's naive colocated sync, pushing every adapter slot under its own LoRA id.
+
+        Mirrors ``ActorRolloutRefWorker.update_weights``' naive path (resume weights, one-off base sync, adapter
+        push, offload, resume KV cache) with the adapter push looped over slots.
+        """
+        effective_mode = mode if mode != "auto" else self.config.rollout.checkpoint_engine.backend
+        if effective_mode != "naive":
+            # LoRA adapters never reach vLLM through the other checkpoint engines in verl 0.9.1 (#7495).
+            raise NotImplementedError(
+                f"PopuLoRA needs rollout.checkpoint_engine.backend=naive (got {effective_mode!r}; see verl #7495)"
+            )
+        bank = self._require_bank()
+        if self.peft_merge:
+            raise AdapterBankError("PopuLoRA serves adapters separately: set model.lora.merge=false")
+
+        accel = _accelerator_ready()
+        if accel:
+            set_expandable_segments(False)
+            get_torch_device().empty_cache()
+        if self.config.rollout.free_cache_engine:
+            await self.rollout.resume(tags=["weights"])
+        _log_memory("populora: after resume weights")
+
+        if not self.base_sync_done:
+            base_params, base_peft_config = self.actor.engine.get_per_tensor_param(
+                layered_summon=self.layered_summon, base_sync_done=False
+            )
+            await self.rollout.update_weights(
+                base_params, peft_config=base_peft_config, base_sync_done=False, global_steps=global_steps
+            )
+        self.rollout.sleep_level = 1  # adapters only: vLLM keeps the base weights across sleeps
+
+        pushed = dict(self._populora_pushed or {})
+        for slot, lid, name, retire in self._lora_targets():
+            with bank.active(slot, train=False):
+                params, peft_config = self.actor.engine.get_per_tensor_param(
+                    layered_summon=self.layered_summon, base_sync_done=True
+                )
+                if peft_config is None:
+                    raise AdapterBankError("engine returned no peft_config: the actor has no LoRA adapter")
+                await self.rollout.update_weights(
+                    params, peft_config=peft_config, base_sync_done=True, global_steps=global_steps,
+                    lora_int_id=lid, lora_name=name, retire_lora_int_ids=retire,
+                )
+            pushed[slot] = lid
+        self._populora_pushed = pushed
+        _log_memory("populora: after update_weights")
+
+        if self.actor.engine.is_param_offload_enabled:
+            self.actor.engine.to("cpu", model=True, optimizer=False, grad=False)
+        if accel:
+            get_torch_device().synchronize()
+            get_torch_device().empty_cache()
+
+        if self.config.rollout.free_cache_engine:
+            await asyncio.to_thread(torch.distributed.barrier)
+            await self.rollout.resume(tags=["kv_cache"])
+        self.base_sync_done = True
+        if accel:
+            set_expandable_segments(True)
+        return {"populora/weight_sync/adapters": len(pushed)}

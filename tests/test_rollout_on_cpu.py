@@ -1,0 +1,325 @@
+"""populora_vllm routing on CPU: id scheme, live-adapter registry, server mixin over a fake server, agent loop."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import types
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from populora_verl.rollout.lora_registry import (
+    LORA_ID_BASE,
+    EvictedLoraError,
+    LiveLoraRegistry,
+    LoraCapacity,
+    LoraCapacityError,
+    LoraMismatchError,
+    PopuLoRARoutingError,
+    StaleLoraError,
+    UnknownLoraError,
+    decode_lora_int_id,
+    lora_int_id,
+    lora_name,
+    lora_spec_from_prompt,
+    parse_lora_name,
+)
+from populora_verl.rollout.routing import LoraRoutingEngine, PopuLoRAServerMixin, current_lora_request
+
+# --- id scheme ----------------------------------------------------------------------------------------------
+
+
+@given(st.integers(1, 64), st.data())
+def test_lora_id_is_a_bijection_on_slot_version(num_slots, data):
+    pairs = data.draw(st.lists(st.tuples(st.integers(0, num_slots - 1), st.integers(0, 10_000)), min_size=2, max_size=20))
+    ids = {p: lora_int_id(*p, num_slots) for p in pairs}
+    assert len(set(ids.values())) == len(set(pairs))
+    for (s, v), lid in ids.items():
+        assert lid >= LORA_ID_BASE and lid != 123
+        assert decode_lora_int_id(lid, num_slots) == (s, v)
+        assert parse_lora_name(lora_name(s, v)) == (s, v)
+
+
+def test_lora_id_rejects_bad_input():
+    with pytest.raises(ValueError, match="out of range"):
+        lora_int_id(4, 0, 4)
+    with pytest.raises(ValueError):
+        lora_int_id(-1, 0, 4)
+    with pytest.raises(ValueError):
+        decode_lora_int_id(123, 4)
+    with pytest.raises(ValueError):
+        parse_lora_name("default")
+
+
+def test_lora_spec_from_prompt():
+    assert lora_spec_from_prompt({"lora_int_id": 1001, "slot": 1, "role": "teacher"}) == {"lora_int_id": 1001, "lora_name": None}
+    import numpy as np
+
+    assert lora_spec_from_prompt({"lora_int_id": np.int64(1002), "lora_name": "2@v0"})["lora_int_id"] == 1002
+    for bad, msg in ((None, "no 'populora'"), ("x", "mapping"), ({"slot": 1}, "lora_int_id"), ({"lora_int_id": "7"}, "integer")):
+        with pytest.raises(PopuLoRARoutingError, match=msg):
+            lora_spec_from_prompt(bad)
+
+
+# --- live registry ------------------------------------------------------------------------------------------
+
+
+def push(reg: LiveLoraRegistry, slot: int, version: int, n: int = 4, retire=()):
+    lid = lora_int_id(slot, version, n)
+    reg.begin_update(lid, lora_name(slot, version), retire)
+    reg.commit_update(lid)
+    return lid
+
+
+def test_registry_serves_live_and_rejects_stale_unknown_mismatch():
+    reg = LiveLoraRegistry(LoraCapacity(max_loras=4, max_cpu_loras=4))
+    ids = [push(reg, s, 0) for s in range(4)]
+    assert reg.resolve(ids[2]) == (ids[2], "2@v0")
+    assert reg.resolve(ids[2], "2@v0") == (ids[2], "2@v0")
+    # A training-step resync of the same id is allowed (same name), and leaves it live.
+    push(reg, 2, 0)
+    # Evolution replaces slot 2: new id, the old one retired in the same update.
+    new = push(reg, 2, 1, retire=[ids[2]])
+    assert reg.resolve(new) == (new, "2@v1")
+    with pytest.raises(StaleLoraError, match="retired"):
+        reg.resolve(ids[2])
+    with pytest.raises(StaleLoraError):
+        reg.begin_update(ids[2], "2@v0")  # ids are never reused
+    with pytest.raises(UnknownLoraError, match="never pushed"):
+        reg.resolve(lora_int_id(3, 5, 4))
+    with pytest.raises(LoraMismatchError, match="serves 1@v0"):
+        reg.resolve(ids[1], "3@v0")
+    assert sorted(reg.live) == sorted([ids[0], ids[1], new, ids[3]])
+
+
+def test_registry_one_live_id_per_slot_and_capacity():
+    reg = LiveLoraRegistry(LoraCapacity(max_loras=2, max_cpu_loras=3))
+    old = push(reg, 0, 0)
+    with pytest.raises(LoraMismatchError, match="two live adapters"):
+        reg.begin_update(lora_int_id(0, 1, 4), "0@v1")  # forgot to retire v0
+    push(reg, 1, 0)
+    push(reg, 2, 0)
+    with pytest.raises(LoraCapacityError, match="max_cpu_loras=3"):
+        reg.begin_update(lora_int_id(3, 0, 4), "3@v0")
+    push(reg, 0, 1, retire=[old])  # replacing within capacity is fine
+    with pytest.raises(ValueError):
+        LoraCapacity(max_loras=4, max_cpu_loras=2)
+
+
+def test_registry_failed_update_takes_id_out_of_service():
+    reg = LiveLoraRegistry(LoraCapacity(4, 8))
+    lid = push(reg, 0, 0)
+    reg.begin_update(lid, "0@v0")
+    with pytest.raises(UnknownLoraError, match="being updated"):
+        reg.resolve(lid)
+    reg.abort_update(lid)
+    with pytest.raises(UnknownLoraError):
+        reg.resolve(lid)
+
+
+def test_registry_detects_eviction():
+    reg = LiveLoraRegistry(LoraCapacity(2, 2))
+    lid = push(reg, 0, 0)
+    reg.check_loaded(lid, [lid, 5])
+    with pytest.raises(EvictedLoraError, match="no longer holds"):
+        reg.check_loaded(lid, [])
+
+
+def test_capacity_from_engine_kwargs():
+    assert LoraCapacity.from_engine_kwargs({"max_loras": 8, "max_cpu_loras": 16}) == LoraCapacity(8, 16)
+    assert LoraCapacity.from_engine_kwargs({"max_loras": 8}) == LoraCapacity(8, 8)
+    with pytest.raises(ValueError, match="engine_kwargs.vllm.max_loras"):
+        LoraCapacity.from_engine_kwargs({})
+
+
+# --- server mixin over a fake verl server -------------------------------------------------------------------
+
+
+class FakeAsyncLLM:
+    def __init__(self):
+        self.loaded: set[int] = set()
+        self.seen: list[tuple[str, object]] = []
+
+    async def list_loras(self):
+        return set(self.loaded)
+
+    def generate(self, prompt, sampling_params, request_id, lora_request=None, priority=0):
+        self.seen.append((request_id, lora_request))
+
+        async def gen():
+            await asyncio.sleep(0.001 * (hash(request_id) % 5))
+            yield ("out", request_id, lora_request)
+
+        return gen()
+
+
+class FakeVerlServer:
+    """The parts of verl's vLLMHttpServer the mixin touches, with verl's behaviour (fixed id 123 or None)."""
+
+    def __init__(self, fail_rpc=False):
+        self.fail_rpc = fail_rpc
+        self.rpcs = []
+
+    def _preprocess_engine_kwargs(self, engine_kwargs):
+        pass
+
+    async def run_server(self, args):
+        self.engine = FakeAsyncLLM()
+
+    async def run_headless(self, args):
+        pass
+
+    async def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
+        self.rpcs.append((method, dict(kwargs or {})))
+        if self.fail_rpc:
+            raise RuntimeError("IPC failed")
+        if method == "update_weights_from_ipc":
+            self.engine.loaded -= set(kwargs.get("retire_lora_int_ids") or ())
+            self.engine.loaded.add(kwargs["lora_int_id"])
+
+    async def generate(self, prompt_ids, sampling_params, request_id, image_data=None, priority=0):
+        lora_request = None
+        if 123 in await self.engine.list_loras():  # verl's fixed adapter
+            lora_request = ("123", 123)
+        final = None
+        async for out in self.engine.generate(prompt=prompt_ids, sampling_params=sampling_params,
+                                              request_id=request_id, lora_request=lora_request, priority=priority):
+            final = out
+        return final
+
+
+class Server(PopuLoRAServerMixin, FakeVerlServer):
+    def _make_lora_request(self, lora_id, name):
+        return (name, lora_id)
+
+
+async def launched(**kw) -> Server:
+    s = Server(**kw)
+    s._preprocess_engine_kwargs({"max_loras": 4, "max_cpu_loras": 4})
+    args = types.SimpleNamespace(max_loras=1, max_cpu_loras=None)  # what verl leaves in the CLI args
+    await s.run_server(args)
+    assert (args.max_loras, args.max_cpu_loras) == (4, 4)
+    assert isinstance(s.engine, LoraRoutingEngine)
+    return s
+
+
+async def sync(s: Server, slot: int, version: int, retire=()):
+    await s.collective_rpc("update_weights_from_ipc", kwargs={
+        "peft_config": {}, "base_sync_done": True, "lora_int_id": lora_int_id(slot, version, 4),
+        "lora_name": lora_name(slot, version), "retire_lora_int_ids": list(retire)})
+
+
+async def test_concurrent_requests_each_get_their_own_adapter():
+    s = await launched()
+    for slot in range(4):
+        await sync(s, slot, 0)
+    reqs = [(f"r{i}", i % 4) for i in range(24)]
+    outs = await asyncio.gather(*[
+        s.generate([1, 2], {}, rid, populora_lora={"lora_int_id": lora_int_id(slot, 0, 4)}) for rid, slot in reqs])
+    for (rid, slot), out in zip(reqs, outs):
+        assert out == ("out", rid, (lora_name(slot, 0), lora_int_id(slot, 0, 4)))
+    assert current_lora_request() is None
+
+
+async def test_requests_never_run_without_or_with_a_wrong_adapter():
+    s = await launched()
+    await sync(s, 0, 0)
+    with pytest.raises(PopuLoRARoutingError, match="no 'populora'"):
+        await s.generate([1], {}, "a")
+    with pytest.raises(UnknownLoraError):
+        await s.generate([1], {}, "b", populora_lora={"lora_int_id": lora_int_id(1, 0, 4)})
+    # Evolution bumps slot 0 to v1: requests still naming v0 fail loudly.
+    await sync(s, 0, 1, retire=[lora_int_id(0, 0, 4)])
+    with pytest.raises(StaleLoraError):
+        await s.generate([1], {}, "c", populora_lora={"lora_int_id": lora_int_id(0, 0, 4)})
+    # Evicted from vLLM's cache behind our back.
+    s.engine._engine.loaded.clear()
+    with pytest.raises(EvictedLoraError):
+        await s.generate([1], {}, "d", populora_lora={"lora_int_id": lora_int_id(0, 1, 4)})
+    # Direct engine use outside a PopuLoRA request is refused too.
+    with pytest.raises(PopuLoRARoutingError):
+        s.engine.generate(prompt=[1], sampling_params={}, request_id="e")
+    assert all(req is not None for _, req in s.engine._engine.seen)
+
+
+async def test_failed_sync_leaves_adapter_unservable():
+    s = await launched(fail_rpc=True)
+    with pytest.raises(RuntimeError, match="IPC failed"):
+        await sync(s, 0, 0)
+    state = await s.populora_live_loras()
+    assert state["live"] == {} and state["pending"] == {}
+    # Non-LoRA RPCs pass straight through.
+    s.fail_rpc = False
+    await s.collective_rpc("monkey_patch_model", kwargs={"vocab_size": 3})
+    assert s.rpcs[-1] == ("monkey_patch_model", {"vocab_size": 3})
+
+
+async def test_retire_removes_from_registry_and_engine():
+    s = await launched()
+    await sync(s, 0, 0)
+    await s.populora_retire_loras([lora_int_id(0, 0, 4)])
+    assert s.rpcs[-1] == ("populora_remove_loras", {"lora_int_ids": [lora_int_id(0, 0, 4)]})
+    with pytest.raises(StaleLoraError):
+        await s.generate([1], {}, "x", populora_lora={"lora_int_id": lora_int_id(0, 0, 4)})
+
+
+# --- verl registration and the agent loop -------------------------------------------------------------------
+
+
+def test_register_is_lazy_and_idempotent():
+    import populora_verl.rollout as rollout
+
+    rollout.register()
+    rollout.register()
+    from verl.experimental.agent_loop.agent_loop import _agent_loop_registry
+    from verl.workers.rollout.base import _ROLLOUT_REGISTRY
+    from verl.workers.rollout.replica import RolloutReplicaRegistry
+
+    assert "vllm" not in sys.modules, "register() must not import vLLM"
+    assert "populora_verl.rollout.vllm_server" not in sys.modules
+    assert RolloutReplicaRegistry._registry["populora_vllm"] is rollout._load_replica
+    assert _ROLLOUT_REGISTRY[("populora_vllm", "async")] == "verl.workers.rollout.vllm_rollout.ServerAdapter"
+    assert _agent_loop_registry["populora_agent"] == {"_target_": "populora_verl.rollout.agent_loop.PopuLoRAAgentLoop"}
+    assert all(rollout.registered().values())
+    # verl's own vllm backend is untouched.
+    assert _ROLLOUT_REGISTRY[("vllm", "async")] == "verl.workers.rollout.vllm_rollout.ServerAdapter"
+    if "vllm" not in sys.modules:
+        try:
+            import vllm  # noqa: F401
+        except ImportError:
+            with pytest.raises((ImportError, ValueError)):
+                RolloutReplicaRegistry.get("populora_vllm")
+
+
+async def test_agent_loop_passes_prompt_adapter(monkeypatch):
+    from verl.experimental.agent_loop.single_turn_agent_loop import SingleTurnAgentLoop
+
+    from populora_verl.rollout.agent_loop import LoraInjectingClient, PopuLoRAAgentLoop
+
+    calls = []
+
+    class Client:
+        async def generate(self, **kw):
+            calls.append(kw)
+            return kw["populora_lora"]["lora_int_id"]
+
+    async def fake_parent_run(self, sampling_params, **kwargs):
+        # SingleTurnAgentLoop.run calls server_manager.generate with a fixed argument list (no populora kwargs).
+        out = await self.server_manager.generate(request_id="r", prompt_ids=[1], sampling_params=sampling_params)
+        return types.SimpleNamespace(extra_fields={"served": out})
+
+    monkeypatch.setattr(SingleTurnAgentLoop, "run", fake_parent_run)
+    loop = PopuLoRAAgentLoop.__new__(PopuLoRAAgentLoop)
+    loop.server_manager = LoraInjectingClient(Client())
+    outs = await asyncio.gather(*[
+        loop.run({}, raw_prompt=[], populora={"lora_int_id": 1000 + i, "lora_name": f"{i}@v0", "role": "student"})
+        for i in range(5)])
+    assert [o.extra_fields["served"] for o in outs] == [1000 + i for i in range(5)]
+    assert [o.extra_fields["populora_lora_int_id"] for o in outs] == [1000 + i for i in range(5)]
+    assert calls[0]["populora_lora"] == {"lora_int_id": 1000, "lora_name": "0@v0"}
+    with pytest.raises(PopuLoRARoutingError, match="no 'populora'"):
+        await loop.run({}, raw_prompt=[])
+    with pytest.raises(RuntimeError, match="outside"):
+        await loop.server_manager.generate(request_id="x")

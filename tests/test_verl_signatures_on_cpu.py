@@ -1,0 +1,344 @@
+"""The verl integration layer on CPU: worker wiring with a fake engine, verl signature drift, upstream patches.
+
+The FSDP engine and vLLM are GPU-only, so the worker is built with ``__new__`` around a fake engine that holds a
+real tiny PEFT model; verl sources that import vLLM are checked by parsing them (``ast``), never by importing.
+"""
+
+from __future__ import annotations
+
+import ast
+import asyncio
+import functools
+import importlib.util
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+from omegaconf import OmegaConf  # noqa: E402
+from peft import LoraConfig, get_peft_model, get_peft_model_state_dict  # noqa: E402
+from tensordict import TensorDict  # noqa: E402
+
+from verl.single_controller.base.decorator import MAGIC_ATTR, Dispatch  # noqa: E402
+from verl.utils import tensordict_utils as tu  # noqa: E402
+from verl.workers.engine_workers import ActorRolloutRefWorker  # noqa: E402
+
+from populora_verl.rollout.lora_registry import lora_int_id  # noqa: E402
+from populora_verl.workers.adapter_bank import AdapterBankError  # noqa: E402
+from populora_verl.workers.worker import ADAPTER_KEY, PopuLoRAActorRolloutRefWorker  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+VERL = Path(importlib.util.find_spec("verl").submodule_search_locations[0])
+
+# --- worker: dispatch decorators ----------------------------------------------------------------------------
+
+OVERRIDDEN = ["compute_log_prob", "update_actor", "update_weights"]
+RPCS = ["populora_init_bank", "populora_bank_info", "populora_apply_plan", "populora_set_adapter",
+        "populora_get_adapter", "populora_reset_optimizer", "populora_save_bank", "populora_load_bank"]
+
+
+def _mode_key(mode):
+    """Comparable form of a dispatch mode (nd-compute modes are dicts of functools.partial)."""
+    if isinstance(mode, dict):
+        return {k: (v.func, v.args) if isinstance(v, functools.partial) else v for k, v in mode.items()}
+    return mode
+
+
+@pytest.mark.parametrize("name", OVERRIDDEN)
+def test_overrides_keep_parent_dispatch(name):
+    ours = getattr(getattr(PopuLoRAActorRolloutRefWorker, name), MAGIC_ATTR)
+    theirs = getattr(getattr(ActorRolloutRefWorker, name), MAGIC_ATTR)
+    assert getattr(PopuLoRAActorRolloutRefWorker, name) is not getattr(ActorRolloutRefWorker, name)
+    assert _mode_key(ours["dispatch_mode"]) == _mode_key(theirs["dispatch_mode"])
+    assert ours["blocking"] == theirs["blocking"] and ours["execute_mode"] == theirs["execute_mode"]
+
+
+@pytest.mark.parametrize("name", RPCS)
+def test_rpcs_are_one_to_all(name):
+    attrs = getattr(getattr(PopuLoRAActorRolloutRefWorker, name), MAGIC_ATTR)
+    assert attrs["dispatch_mode"] == Dispatch.ONE_TO_ALL and attrs["blocking"] is True
+
+
+# --- worker: bank wiring with a fake engine -----------------------------------------------------------------
+
+
+def tiny_peft():
+    torch.manual_seed(0)
+    cfg = transformers.Qwen2Config(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    return get_peft_model(transformers.Qwen2ForCausalLM(cfg), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+
+
+class FakeEngine:
+    """Stands in for verl's FSDPEngine: the live model, optimizer, scheduler and the LoRA weight stream."""
+
+    is_param_offload_enabled = False
+
+    def __init__(self):
+        self.module = tiny_peft()
+        self.optimizer = torch.optim.AdamW(self.module.parameters(), lr=1e-2)
+        self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: 1.0)
+
+    def get_per_tensor_param(self, layered_summon=False, base_sync_done=False):
+        if not base_sync_done:
+            return iter([("base.weight", torch.zeros(1))]), {"r": 4}
+        sd = {k: v.detach().clone() for k, v in get_peft_model_state_dict(self.module).items()}
+        return iter(sd.items()), {"r": 4, "lora_alpha": 8}
+
+    def to(self, *a, **k):
+        pass
+
+
+class FakeTrainingWorker:
+    """verl's TrainingWorker surface used by ActorRolloutRefWorker.compute_log_prob / update_actor."""
+
+    def __init__(self):
+        self.engine = FakeEngine()
+
+    def infer_batch(self, data):
+        # A "log prob" that identifies the live adapter: the sum of its lora_A weights.
+        a = sum(v.sum() for k, v in get_peft_model_state_dict(self.engine.module).items() if "lora_A" in k)
+        return TensorDict({"live": a.reshape(1).repeat(data.batch_size[0])}, batch_size=data.batch_size)
+
+    def train_mini_batch(self, data):
+        ids = data["input_ids"]
+        m = self.engine.module
+        m(input_ids=ids, labels=ids).loss.backward()
+        self.engine.optimizer.step()
+        self.engine.optimizer.zero_grad(set_to_none=True)
+        return TensorDict({}, batch_size=[])
+
+
+class FakeRollout:
+    def __init__(self):
+        self.pushes = []
+        self.sleep_level = 2
+
+    async def resume(self, tags):
+        pass
+
+    async def update_weights(self, weights, **kwargs):
+        self.pushes.append(({k: v.clone() for k, v in weights}, kwargs))
+
+
+def make_worker():
+    w = PopuLoRAActorRolloutRefWorker.__new__(PopuLoRAActorRolloutRefWorker)
+    w.config = OmegaConf.create({"actor": {"strategy": "fsdp2"},
+                                 "rollout": {"checkpoint_engine": {"backend": "naive"}, "free_cache_engine": False}})
+    w.role = "actor_rollout"
+    w.actor = FakeTrainingWorker()
+    w.rollout = FakeRollout()
+    w.enable_routing_replay = False
+    w.base_sync_done = False
+    w.layered_summon = False
+    w.peft_merge = False
+    w._rank, w._world_size = 0, 1
+    return w
+
+
+def batch(slot=None, **extra):
+    td = TensorDict({"input_ids": torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(1))},
+                    batch_size=[2])
+    if slot is not None:
+        tu.assign_non_tensor_data(td, ADAPTER_KEY, slot)
+    for k, v in extra.items():
+        tu.assign_non_tensor_data(td, k, v)
+    return td
+
+
+def test_worker_routes_calls_to_the_named_slot():
+    w = make_worker()
+    with pytest.raises(AdapterBankError, match="populora_init_bank"):
+        w.compute_log_prob(batch(0))
+    info = w.populora_init_bank(3, seed=5)
+    assert info["num_slots"] == 3 and [s["lora_int_id"] for s in info["slots"]] == [1000, 1001, 1002]
+    sums = [w.compute_log_prob(batch(k))["live"][0].item() for k in range(3)]
+    assert len(set(sums)) == 3
+    assert w.compute_log_prob(batch("1"))["live"][0].item() == sums[1]
+    with pytest.raises(AdapterBankError, match="no 'populora_adapter'"):
+        w.compute_log_prob(batch())
+    # Reference log-probs run on the base model: no slot needed.
+    w.compute_log_prob(batch(no_lora_adapter=True))
+    before = [w.populora_get_adapter(k) for k in range(3)]
+    w.update_actor(batch(2))
+    after = [w.populora_get_adapter(k) for k in range(3)]
+    for k in (0, 1):
+        assert all(torch.equal(before[k][n], after[k][n]) for n in before[k])
+    assert any(not torch.equal(before[2][n], after[2][n]) for n in before[2])
+    assert w.populora_bank_info()["slots"][2]["optimizer_step"] == 1
+    with pytest.raises(AdapterBankError, match="no 'populora_adapter'"):
+        w.update_actor(batch())
+
+
+def test_worker_weight_sync_pushes_every_slot_under_its_id(tmp_path):
+    w = make_worker()
+    w.populora_init_bank(3, seed=5)
+    w.update_actor(batch(1))
+    asyncio.run(w.update_weights(global_steps=1))
+    base, *adapters = w.rollout.pushes
+    assert base[1]["base_sync_done"] is False and "lora_int_id" not in base[1]
+    assert [kw["lora_int_id"] for _, kw in adapters] == [1000, 1001, 1002]
+    assert [kw["lora_name"] for _, kw in adapters] == ["0@v0", "1@v0", "2@v0"]
+    for k, (tensors, kw) in enumerate(adapters):
+        ref = w.populora_get_adapter(k)
+        assert tensors.keys() == ref.keys() and all(torch.equal(tensors[n], ref[n]) for n in ref)
+        assert kw["retire_lora_int_ids"] == [] and kw["base_sync_done"] is True
+    # Evolution replaces slot 1: the next sync serves it under a new id and retires the old one.
+    child = {n: t + 1 for n, t in w.populora_get_adapter(0).items()}
+    assert w.populora_set_adapter(1, child) == 1
+    w.rollout.pushes.clear()
+    asyncio.run(w.update_weights(global_steps=2))
+    ids = [(kw["lora_int_id"], kw["retire_lora_int_ids"]) for _, kw in w.rollout.pushes]
+    assert ids == [(1000, []), (lora_int_id(1, 1, 3), [1001]), (1002, [])]
+    assert all(torch.equal(w.rollout.pushes[1][0][n], child[n]) for n in child)
+    # Save / load round trip through the RPCs (one file per rank).
+    path = w.populora_save_bank(str(tmp_path))
+    assert path.endswith("bank_world_size_1_rank_0.pt")
+    w2 = make_worker()
+    info = w2.populora_load_bank(str(tmp_path))
+    assert [s["lora_int_id"] for s in info["slots"]] == [1000, lora_int_id(1, 1, 3), 1002]
+    with pytest.raises(NotImplementedError, match="naive"):
+        asyncio.run(w.update_weights(mode="nccl"))
+
+
+def test_worker_rejects_fsdp1():
+    w = make_worker()
+    w.config.actor.strategy = "fsdp"
+    with pytest.raises(AdapterBankError, match="fsdp2"):
+        w.populora_init_bank(2, seed=0)
+
+
+# --- signature drift ----------------------------------------------------------------------------------------
+
+# Every verl method we override, call with extra kwargs, or whose behaviour we depend on, as ``ast.unparse`` of its
+# arguments in verl 0.9.1. A change here means our subclass may silently stop matching verl: re-read the method.
+EXPECTED = {
+    ("workers/engine_workers.py", "ActorRolloutRefWorker.compute_log_prob"): "self, data: TensorDict",
+    ("workers/engine_workers.py", "ActorRolloutRefWorker.update_actor"): "self, data: TensorDict",
+    ("workers/engine_workers.py", "ActorRolloutRefWorker.update_weights"): "self, global_steps: int=None, mode: str='auto'",
+    ("workers/engine_workers.py", "ActorRolloutRefWorker.init_model"): "self",
+    ("workers/engine/fsdp/transformer_impl.py", "FSDPEngine.get_per_tensor_param"):
+        "self, layered_summon=False, base_sync_done=False, **kwargs",
+    ("workers/rollout/vllm_rollout/vllm_rollout.py", "ServerAdapter.update_weights"):
+        "self, weights: Generator[tuple[str, torch.Tensor], None, None], global_steps: int=None, "
+        "wire_format: str='named_tensors', **kwargs",
+    ("workers/rollout/vllm_rollout/vllm_rollout.py", "ServerAdapter._get_server_name_prefix"): "self",
+    ("workers/rollout/vllm_rollout/vllm_async_server.py", "vLLMHttpServer.generate"):
+        "self, prompt_ids: list[int], sampling_params: dict[str, Any], request_id: str, "
+        "image_data: Optional[list[Any]]=None, video_data: Optional[list[Any]]=None, "
+        "audio_data: Optional[list[Any]]=None, mm_processor_kwargs: Optional[dict[str, Any]]=None, "
+        "priority: int=0, kv_transfer_params: Optional[dict]=None",
+    ("workers/rollout/vllm_rollout/vllm_async_server.py", "vLLMHttpServer.collective_rpc"):
+        "self, method: str | Callable, timeout: float | None=None, args: tuple=(), kwargs: dict[str, Any] | None=None",
+    ("workers/rollout/vllm_rollout/vllm_async_server.py", "vLLMHttpServer.run_server"): "self, args: argparse.Namespace",
+    ("workers/rollout/vllm_rollout/vllm_async_server.py", "vLLMHttpServer.run_headless"): "self, args: argparse.Namespace",
+    ("workers/rollout/vllm_rollout/vllm_async_server.py", "vLLMHttpServer._preprocess_engine_kwargs"):
+        "self, engine_kwargs: dict",
+    ("workers/rollout/vllm_rollout/vllm_async_server.py", "vLLMHttpServer._get_worker_extension_cls"): "self",
+    ("workers/rollout/vllm_rollout/vllm_async_server.py", "vLLMReplica.__init__"):
+        "self, replica_rank: int, config: RolloutConfig, model_config: HFModelConfig, gpus_per_node: int=8, "
+        "is_reward_model: bool=False, is_teacher_model: bool=False, name_suffix: str=''",
+    ("workers/rollout/vllm_rollout/vllm_async_server.py", "vLLMReplica._get_server_name_prefix"): "self",
+    ("workers/rollout/vllm_rollout/utils.py", "vLLMColocateWorkerExtension.update_weights_from_ipc"):
+        "self, peft_config: dict=None, base_sync_done=False, use_shm: bool=False",
+    ("workers/rollout/vllm_rollout/utils.py", "vLLMColocateWorkerExtension._update_weights"):
+        "self, weights: list[tuple[str, torch.Tensor]], peft_config: dict, base_sync_done: bool",
+    ("experimental/agent_loop/single_turn_agent_loop.py", "SingleTurnAgentLoop.run"):
+        "self, sampling_params: dict[str, Any], priority: int=0, **kwargs",
+    ("workers/rollout/llm_server.py", "LLMServerClient.generate"):
+        "self, request_id, *, prompt_ids: list[int], sampling_params: dict[str, Any], "
+        "image_data: Optional[list[Any]]=None, video_data: Optional[list[Any]]=None, "
+        "audio_data: Optional[list[Any]]=None, mm_processor_kwargs: Optional[dict[str, Any]]=None, **kwargs: Any",
+}
+
+# Source facts our subclasses rely on (regexes over verl's files).
+EXPECTED_SOURCE = [
+    ("workers/rollout/vllm_rollout/vllm_async_server.py", r'"max_loras": 1,'),  # why run_server re-sets it
+    ("workers/rollout/vllm_rollout/vllm_async_server.py", r"self\.engine\.generate\(\s*prompt=prompt,.*?lora_request=lora_request"),
+    ("workers/rollout/vllm_rollout/vllm_rollout.py", r'"update_weights_from_ipc",\s*non_block=True,\s*kwargs=\{\*\*kwargs'),
+    ("workers/rollout/vllm_rollout/vllm_rollout.py", r"return f\"\{self\.config\.get\('name', 'vllm'\)\}_\""),
+    ("workers/rollout/vllm_rollout/utils.py", r"self\.remove_lora\(VLLM_LORA_INT_ID\)"),
+    ("experimental/agent_loop/single_turn_agent_loop.py", r"self\.server_manager\.generate\("),
+]
+
+
+def _signature(relpath: str, qualname: str) -> str:
+    tree = ast.parse((VERL / relpath).read_text())
+    cls_name, fn_name = qualname.split(".")
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef) and node.name == cls_name:
+            for item in node.body:
+                if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)) and item.name == fn_name:
+                    return ast.unparse(item.args)
+    raise AssertionError(f"verl no longer defines {qualname} in {relpath}")
+
+
+@pytest.mark.parametrize("key", list(EXPECTED), ids=[k[1] for k in EXPECTED])
+def test_verl_signature_unchanged(key):
+    assert _signature(*key) == EXPECTED[key], f"verl changed {key[1]}: review our override / call site"
+
+
+@pytest.mark.parametrize("relpath,pattern", EXPECTED_SOURCE)
+def test_verl_source_facts(relpath, pattern):
+    assert re.search(pattern, (VERL / relpath).read_text(), re.S), f"{relpath}: {pattern!r} no longer holds"
+
+
+def test_verl_version_pinned():
+    from importlib.metadata import version
+
+    assert version("verl") == "0.9.1", "signatures above were recorded for verl 0.9.1"
+
+
+def test_runtime_signatures_of_importable_overrides():
+    # For classes importable on CPU, the live signature matches the parsed one (the ast check reads the right file).
+    import inspect
+
+    sig = str(inspect.signature(ActorRolloutRefWorker.update_weights.__wrapped__))
+    assert sig.startswith("(self, global_steps: int = None, mode: str = 'auto')")
+
+
+# --- upstream patches ---------------------------------------------------------------------------------------
+
+PATCHES = sorted((REPO / "patches").glob("*.patch"))
+
+
+def test_patches_exist_and_are_documented():
+    readme = (REPO / "patches" / "README.md").read_text()
+    assert len(PATCHES) >= 4
+    for p in PATCHES:
+        assert p.name in readme, f"{p.name} missing from patches/README.md"
+    for issue in ("#7909", "#4421", "#7495"):
+        assert issue in readme
+
+
+@pytest.mark.skipif(shutil.which("patch") is None, reason="`patch` not installed")
+@pytest.mark.parametrize("patch_file", PATCHES, ids=[p.name for p in PATCHES])
+def test_patch_applies_to_installed_verl(patch_file, tmp_path):
+    text = patch_file.read_text()
+    targets = re.findall(r"^\+\+\+ b/(\S+)", text, re.M)
+    assert targets, f"{patch_file.name} is not a unified diff with b/ paths"
+    for t in targets:  # a copy of the installed package tree, restricted to the files the patch touches
+        src = VERL.parent / t
+        assert src.exists(), f"{patch_file.name} targets {t}, absent from the installed verl"
+        (tmp_path / t).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(src, tmp_path / t)
+    res = subprocess.run(["patch", "-p1", "--dry-run", "-i", str(patch_file)], cwd=tmp_path, capture_output=True, text=True)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "fuzz" not in res.stdout.lower() and "offset" not in res.stdout.lower(), res.stdout
+    # Applied for real, the patched modules still parse.
+    subprocess.run(["patch", "-p1", "-s", "-i", str(patch_file)], cwd=tmp_path, check=True)
+    for t in targets:
+        ast.parse((tmp_path / t).read_text())
+
+
+def test_worker_module_imports_without_vllm():
+    # This module imported the worker and registered nothing that needs vLLM: neither may pull vLLM in.
+    import populora_verl.rollout as rollout
+
+    rollout.register_rollout()
+    assert not any(m == "vllm" or m.startswith("vllm.") for m in sys.modules)
