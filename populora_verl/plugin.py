@@ -48,6 +48,7 @@ def _in_adv_registry(name: str) -> bool:
 
 #: (what, name, module whose ``register()`` registers it, check). Order matters only for log readability.
 REGISTRATIONS: list[tuple[str, str, str, Callable[[str], bool]]] = [
+    ("trainer", "populora", "populora_verl.trainer", _in_trainer_registry),
     ("adv_estimator", "populora_trrpp", "populora_verl.advantage", _in_adv_registry),
     ("reward_manager", "populora_code", "populora_verl.reward.manager", _in_reward_registry),
     ("rollout", "populora_vllm", "populora_verl.rollout", _in_rollout_registry),

@@ -1,0 +1,508 @@
+"""``PopuLoRATrainer``: verl's V1 sync trainer driving one :class:`~populora_verl.step.PopulationStep` per step.
+
+Registered as ``trainer.v1.trainer_mode=populora`` by :func:`populora_verl.trainer.register`. One step::
+
+    begin(step) -> teacher prompts ──TQ──> vLLM (one LoRA id per member) ──> on_proposals -> student prompts
+       ──TQ──> vLLM ──> sleep replicas ──> on_answers (rewards, ratings, TRR++ advantages)
+       ──> write rm_scores / advantages / returns into TQ
+       ──> per adapter slot (sorted): balance -> old log-prob -> update_actor (one PPO mini-batch = the slot's batch)
+    on_step_end: evolution (PBT) -> checkpoint (population, step state, bank, then verl's) -> weight sync (all slots)
+
+The population logic (matching, validation, rewards, advantages, evolution decisions) lives in
+:class:`PopulationStep`, shared with the CPU driver; this class only moves data between it, TransferQueue and the
+workers (:class:`populora_verl.workers.worker.PopuLoRAActorRolloutRefWorker`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+import torch
+import transfer_queue as tq
+from omegaconf import DictConfig, OmegaConf, open_dict
+from tensordict import TensorDict
+from transfer_queue import KVBatchMeta
+
+from verl.trainer.ppo.utils import Role
+from verl.trainer.ppo.v1.trainer_base import TRAINER_REGISTRY, register_trainer
+from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
+from verl.utils.debug import marked_timer
+from verl.utils.metric import reduce_metrics
+from verl.utils.py_functional import rename_dict
+
+from populora_verl.config import PopuLoRAConfig, load_config
+from populora_verl.trainer import convert
+
+logger = logging.getLogger(__name__)
+logger.setLevel(os.getenv("VERL_LOGGING_LEVEL", "INFO"))
+
+__all__ = ["PopuLoRATrainer", "NullPromptLoader", "TRAINER_NAME", "register", "DEBUG_PROBES_KEY"]
+
+TRAINER_NAME = "populora"
+#: ``+trainer.populora_debug_probes=true``: per-step bank checksums and a greedy probe under every LoRA id.
+DEBUG_PROBES_KEY = "trainer.populora_debug_probes"
+PARTITION = "train"
+SIGNAL_FIELDS = ("rm_scores", "advantages", "returns")
+PROBE_PROMPT = "Write a Python function `f(x)` that returns the sum of the digits of the integer x. Answer briefly."
+
+
+class NullPromptLoader:
+    """Stands in for verl's train/val ``StatefulDataLoader``: PopuLoRA makes its prompts from the population, so
+    there is no dataset. Keeps verl's ``data.pt`` checkpoint round trip working (empty state)."""
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(())
+
+    def __len__(self) -> int:
+        return 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"populora": "no dataset: prompts come from the population step"}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        return None
+
+
+@dataclass
+class _Phase:
+    """The prompt groups of one generation phase (teachers or students) while they are in flight."""
+
+    name: str
+    requests: list[Any]
+    uids: list[str]  # uid currently standing for request i (a refill gives a failed group a fresh uid)
+    rows: list[dict[str, Any]]
+    resubmitted: int = 0
+    seen: set[str] = field(default_factory=set)
+
+
+class _LazyAdapters(Mapping):
+    """``{member_id: state_dict}`` that gathers a slot from the workers only when PBT reads it (parents only)."""
+
+    def __init__(self, fetch, slot_of: Mapping[str, int]) -> None:
+        self._fetch, self._slot_of, self._cache = fetch, dict(slot_of), {}
+
+    def __getitem__(self, member_id: str) -> dict[str, torch.Tensor]:
+        if member_id not in self._cache:
+            self._cache[member_id] = self._fetch(self._slot_of[member_id])
+        return self._cache[member_id]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._slot_of)
+
+    def __len__(self) -> int:
+        return len(self._slot_of)
+
+
+def _rows(t: Any) -> list[torch.Tensor]:
+    """Per-sample 1-D tensors from a TQ field (jagged nested tensor, padded tensor or list)."""
+    if isinstance(t, torch.Tensor):
+        return [x.reshape(-1) for x in t.unbind(0)]
+    return [torch.as_tensor(x).reshape(-1) for x in t]
+
+
+class PopuLoRATrainer(PPOTrainerSync):
+    """verl V1 sync trainer for a population of LoRA adapters (see the module docstring)."""
+
+    def __init__(self, config: DictConfig) -> None:
+        super().__init__(config)
+        # verl treats every trainer_mode other than "sync" as async (ReplayBufferAsync, TQ checkpoints, gen batch 1).
+        self.trainer_mode = "sync"
+        self.parameter_sync_step = 1
+        self.replay_buffer = self._build_replay_buffer()
+        from populora_verl.plugin import check_registrations
+
+        check_registrations()
+        self.pcfg: PopuLoRAConfig = load_config(config.get("populora"))
+        convert.validate_verl_config(config, self.pcfg)
+        self.debug_probes = bool(OmegaConf.select(config, DEBUG_PROBES_KEY, default=False))
+        from populora_verl.step import PopulationStep
+
+        self.pop_step = PopulationStep(self.pcfg)
+        self._init_populora_state()
+
+    def _init_populora_state(self) -> None:
+        self._save_pending = False
+        self._phase: _Phase | None = None
+        self._next_index = 0
+        self._checksums: dict[int, str] | None = None
+        self._metrics_log = None
+
+    # --- set-up overrides ------------------------------------------------------------------------------------
+
+    def _init_resource_pool_mgr(self) -> None:
+        super()._init_resource_pool_mgr()
+        from populora_verl.workers.worker import PopuLoRAActorRolloutRefWorker
+
+        # verl hard-codes ray.remote(ActorRolloutRefWorker); the role keeps its pool, only the class changes.
+        swapped = False
+        for role in (Role.ActorRollout, Role.ActorRolloutRef, Role.Actor):
+            if role in self.role_worker_mapping:
+                self.role_worker_mapping[role] = ray.remote(PopuLoRAActorRolloutRefWorker)
+                swapped = True
+        if not swapped:
+            raise RuntimeError(f"no actor role to host the adapter bank in {sorted(map(str, self.role_worker_mapping))}")
+
+    def _init_dataloader(self) -> None:
+        self.train_dataset = self.val_dataset = None
+        self.train_dataloader = NullPromptLoader()
+        self.val_dataloader = NullPromptLoader()
+        self.train_dataloader_it = None
+        total = int(self.config.trainer.total_training_steps)
+        self.total_training_steps = total
+        # fit() stops at total_epochs * steps_per_epoch too: one "epoch" longer than the run never ends it early.
+        self.steps_per_epoch = total + 1
+        # Each slot's LR scheduler is swapped in and out with its adapter, so it steps once per global step.
+        with open_dict(self.config):
+            if OmegaConf.select(self.config, "actor_rollout_ref.actor.optim") is not None:
+                self.config.actor_rollout_ref.actor.optim.total_training_steps = total
+
+    def _validate(self) -> dict[str, float]:
+        return {}  # no validation set: evaluate members with populora_verl.eval
+
+    def _get_required_batch_multiple(self, dp_size: int) -> int:
+        # One PPO mini-batch is a slot's whole sub-batch (AZR-style), so only the DP split needs divisibility.
+        return dp_size
+
+    # --- worker RPCs -----------------------------------------------------------------------------------------
+
+    def _rpc(self, name: str, *args: Any, **kwargs: Any) -> Any:
+        """Call a ONE_TO_ALL worker method; the first non-None per-rank result (rank 0 returns gathered data)."""
+        out = getattr(self.actor_rollout_wg, name)(*args, **kwargs)
+        if isinstance(out, list):
+            return next((x for x in out if x is not None), None)
+        return out
+
+    def _bank_info(self) -> dict[str, Any]:
+        info = self._rpc("populora_bank_info")
+        n = self.pcfg.population.num_adapters
+        if info is None or int(info["num_slots"]) != n:
+            raise RuntimeError(f"adapter bank has {None if info is None else info['num_slots']} slots, population {n}")
+        return info
+
+    def _lora_table(self) -> dict[str, dict[str, Any]]:
+        """``member_id -> {slot, lora_int_id, lora_name}`` as the workers will serve them this step."""
+        slots = {int(s["slot"]) if "slot" in s else i: s for i, s in enumerate(self._bank_info()["slots"])}
+        table = {}
+        for m in self.pop_step.population.members:
+            s = slots[int(m.slot)]
+            table[m.id] = {"slot": int(m.slot), "lora_int_id": int(s["lora_int_id"]), "lora_name": str(s["lora_name"])}
+        return table
+
+    def _get_adapter(self, slot: int) -> dict[str, torch.Tensor]:
+        state = self._rpc("populora_get_adapter", int(slot))
+        if state is None:
+            raise RuntimeError(f"populora_get_adapter({slot}) returned nothing")
+        return state
+
+    def _lora_config(self) -> dict[str, Any]:
+        m = self.config.actor_rollout_ref.model
+        tm = m.get("target_modules", "all-linear")
+        return {"r": int(m.lora_rank), "lora_alpha": int(m.get("lora_alpha", m.lora_rank)),
+                "target_modules": tm if isinstance(tm, str) else list(tm)}
+
+    # --- generation through TransferQueue --------------------------------------------------------------------
+
+    def _submit_rows(self, rows: list[dict[str, Any]]) -> None:
+        self._submit_batch_to_rollout(convert.rows_to_tensordict(rows, self.global_steps))
+
+    def _add_prompts_to_generate(self, num_prompts: int) -> int:
+        """verl's refill hook (failed or filtered groups): resubmit the current phase's evicted groups under fresh
+        uids instead of reading a dataloader, so every request still gets its answers."""
+        phase = self._phase
+        if phase is None:
+            raise RuntimeError("PopuLoRA has no dataset: prompts are only generated inside a population step")
+        listed = (tq.kv_list(PARTITION) or {}).get(PARTITION, {})
+        alive = {k.split("_")[0] for k in listed}
+        gone = [i for i, u in enumerate(phase.uids) if u not in alive][: int(num_prompts)]
+        rows = []
+        for i in gone:
+            row = dict(phase.rows[i])
+            row["uid"] = convert.new_uid()
+            phase.uids[i] = row["uid"]
+            phase.rows[i] = row
+            rows.append(row)
+        if rows:
+            phase.resubmitted += len(rows)
+            self._submit_rows(rows)
+        return len(rows)
+
+    def _fetch_responses(self, keys: Sequence[str]) -> tuple[dict[str, str], dict[str, int], dict[str, torch.Tensor]]:
+        if not keys:
+            return {}, {}, {}
+        data = tq.kv_batch_get(keys=list(keys), partition_id=PARTITION, select_fields=["responses", "response_mask"])
+        texts, lengths, masks = {}, {}, {}
+        for k, ids, mask in zip(keys, _rows(data["responses"]), _rows(data["response_mask"]), strict=True):
+            texts[k] = self.tokenizer.decode(ids.tolist(), skip_special_tokens=True)
+            lengths[k] = int(mask.sum())
+            masks[k] = mask
+        return texts, lengths, masks
+
+    def _generate(self, requests: list[Any], name: str, metrics: dict) -> tuple[list[Any], KVBatchMeta, dict]:
+        """Submit one phase's requests, wait for all groups, decode. Returns (GenResponses, batch meta, masks)."""
+        if not requests:
+            return [], KVBatchMeta(partition_id=PARTITION), {}
+        rows = convert.requests_to_rows(requests, self._lora_table(), self.global_steps, start_index=self._next_index)
+        self._next_index += len(rows)
+        self._phase = _Phase(name, list(requests), [r["uid"] for r in rows], rows)
+        try:
+            self._submit_rows(rows)
+            batch, sample_metrics = self.replay_buffer.sample(
+                global_steps=self.global_steps, partition_id=PARTITION, batch_size=len(rows))
+            texts, lengths, masks = self._fetch_responses(batch.keys)
+            responses, missing = convert.build_gen_responses(requests, self._phase.uids, batch.keys, texts, lengths)
+        finally:
+            phase, self._phase = self._phase, None
+        metrics.update(convert.prefix_metrics(sample_metrics, f"populora/rollout/{name}"))
+        metrics[f"populora/rollout/{name}/prompts"] = len(rows)
+        metrics[f"populora/rollout/{name}/missing_sessions"] = missing
+        metrics[f"populora/rollout/{name}/resubmitted"] = phase.resubmitted
+        if missing:
+            logger.warning("populora step %d: %d %s sessions produced no trajectory (scored as empty answers)",
+                           self.global_steps, missing, name)
+        return responses, batch, masks
+
+    # --- one PopuLoRA step -----------------------------------------------------------------------------------
+
+    def step(self, metrics: dict, timing_raw: dict) -> KVBatchMeta:
+        gs = self.global_steps
+        with marked_timer("gen", timing_raw, color="red"):
+            teacher_resp, t_batch, t_masks = self._generate(self.pop_step.begin(gs), "teacher", metrics)
+            with marked_timer("populora_validate", timing_raw, color="yellow"):
+                student_requests = self.pop_step.on_proposals(teacher_resp)
+            student_resp, s_batch, s_masks = self._generate(student_requests, "student", metrics)
+            # Both phases generated: vLLM can give its memory back to the trainer now (verl does this per sample).
+            self.checkpoint_manager.sleep_replicas()
+        with marked_timer("populora_score", timing_raw, color="yellow"):
+            result = self.pop_step.on_answers(student_resp)
+        metrics.update(result.metrics)
+        self._log_population_metrics(result.metrics, gs)
+
+        all_meta = KVBatchMeta(partition_id=PARTITION, keys=list(t_batch.keys) + list(s_batch.keys),
+                               tags=list(t_batch.tags) + list(s_batch.tags))
+        masks = {**t_masks, **s_masks}
+        signals = convert.signal_rows(result.samples, masks)
+        unused = [k for k in all_meta.keys if k not in signals]
+        if unused:  # estimation-only answers (rewards.train_on_estimation_rollouts=false): not trained on
+            tq.kv_clear(keys=unused, partition_id=PARTITION)
+        if not signals:
+            raise RuntimeError(f"populora step {gs}: no trajectory to train on (every rollout failed?)")
+
+        slot_of = {m.id: int(m.slot) for m in self.pop_step.population.members}
+        member_of = {v: k for k, v in slot_of.items()}
+        parts = convert.partition_keys(result.samples, slot_of)
+        before = self._debug_checksums() if self.debug_probes else None
+
+        out_keys, out_tags, per_adapter = [], [], {}
+        for slot, keys in parts.items():
+            member = member_of[slot]
+            m: dict[str, Any] = {}
+            sub = all_meta.select_keys(keys)
+            sub.extra_info["populora_adapter"] = slot
+            with marked_timer("populora_balance", timing_raw):
+                sub = self._balance_batch(sub, metrics=m)
+            self._write_signals(sub, signals)
+            with marked_timer("old_log_prob", timing_raw, color="blue"):
+                self._compute_old_log_prob(sub, metrics=m)
+            with marked_timer("update_actor", timing_raw, color="red"):
+                self._update_actor(sub, metrics=m)
+            m["populora/samples"] = len(keys)
+            per_adapter[member] = m
+            metrics.update(convert.prefix_metrics(m, f"populora/{member}"))
+            out_keys.extend(sub.keys)
+            out_tags.extend(sub.tags)
+        metrics.update({k: v for k, v in convert.mean_over_prefixes(per_adapter).items() if k not in metrics})
+        self._log_adapter_report(gs, per_adapter, parts, member_of, before)
+        return KVBatchMeta(partition_id=PARTITION, keys=out_keys, tags=out_tags)
+
+    def _write_signals(self, batch: KVBatchMeta, signals: Mapping[str, Mapping[str, torch.Tensor]]) -> None:
+        """rm_scores / advantages / returns for every key of a slot's batch; verl's padding rows get zeros."""
+        pads = [k for k in batch.keys if k not in signals]
+        pad_masks = {}
+        if pads:
+            data = tq.kv_batch_get(keys=pads, partition_id=PARTITION, select_fields=["response_mask"])
+            pad_masks = dict(zip(pads, _rows(data["response_mask"]), strict=True))
+        cols = {f: [] for f in SIGNAL_FIELDS}
+        for k in batch.keys:
+            for f in SIGNAL_FIELDS:
+                cols[f].append(signals[k][f] if k in signals else torch.zeros(pad_masks[k].numel(), dtype=torch.float32))
+        fields = TensorDict({f: torch.nested.as_nested_tensor(v, layout=torch.jagged) for f, v in cols.items()},
+                            batch_size=len(batch))
+        tq.kv_batch_put(keys=list(batch.keys), partition_id=PARTITION, fields=fields)
+
+    def _update_actor(self, batch: KVBatchMeta, metrics: dict) -> KVBatchMeta:
+        """verl's actor update with the slot's whole batch as one mini-batch (verl sizes it from the config)."""
+        actor = self.config.actor_rollout_ref.actor
+        n = len(batch)
+        batch.extra_info.update({
+            "calculate_entropy": bool(actor.calculate_entropy or actor.entropy_coeff != 0.0),
+            "distillation_use_topk": False,
+            "distillation_only": False,
+            "global_batch_size": n,
+            "mini_batch_size": n,
+            "epochs": actor.ppo_epochs,
+            "seed": actor.data_loader_seed,
+            "dataloader_kwargs": {"shuffle": actor.shuffle},
+            "temperature": self.config.actor_rollout_ref.rollout.temperature,
+        })
+        output = self.actor_rollout_wg.update_actor(batch)
+        output = rename_dict(output["metrics"], "actor/")
+        if "actor/mfu" in output:
+            output["perf/mfu/actor"] = output.pop("actor/mfu")
+        metrics.update(reduce_metrics(output))
+        return batch
+
+    # --- hooks: probes, evolution, checkpoint, weight sync ---------------------------------------------------
+
+    def on_step_begin(self) -> None:
+        if self.debug_probes:
+            self._probe_adapters()
+
+    def on_step_end(self) -> None:
+        with marked_timer("populora_evolve", self.timing_raw, color="green"):
+            evo = self._evolve()
+        if self._save_pending:
+            with marked_timer("save_checkpoint", self.timing_raw, color="green"):
+                self._save_all()
+            self._save_pending = False
+        # Weight sync last: it pushes every slot (children included) to vLLM under its current LoRA id.
+        super().on_step_end()
+        pending = getattr(self, "_pending_sync_metrics", None) or {}
+        self._pending_sync_metrics = {**pending, **evo}
+
+    def _evolve(self) -> dict[str, float]:
+        step, pbt = self.global_steps, self.pop_step.pbt
+        if pbt is None or not pbt.due(step):
+            return {}
+        slot_of = {m.id: int(m.slot) for m in self.pop_step.population.members}
+        plan, children = self.pop_step.maybe_evolve(step, _LazyAdapters(self._get_adapter, slot_of))
+        events = 0 if plan is None else len(plan.replacements)
+        for r in (plan.replacements if plan is not None else []):
+            self._rpc("populora_set_adapter", int(r.victim_slot), children[r.child_id],
+                      reset_optimizer=bool(r.reset_optimizer))
+            print(f"[populora] step {step} evolution: {r.victim_id} (slot {r.victim_slot}) <- {r.child_id} = "
+                  f"{r.operator}({', '.join(r.parent_ids)})", flush=True)
+        return {"populora/evolution/events": float(events)}
+
+    def _save_checkpoint(self) -> None:
+        # fit() saves before on_step_end; the real save runs there after evolution so the bank is post-evolution.
+        self._save_pending = True
+
+    def _step_folder(self, for_load: bool = False) -> str:
+        if for_load and self.config.trainer.resume_mode == "resume_path":
+            folder = self.config.trainer.resume_from_path
+        else:
+            folder = os.path.join(self.config.trainer.default_local_dir, f"global_step_{self.global_steps}")
+        return folder if os.path.isabs(folder) else os.path.join(os.getcwd(), folder)
+
+    def _save_all(self) -> None:
+        from populora_verl.checkpoint import save_checkpoint
+
+        pdir = os.path.join(self._step_folder(), "populora")
+        self._rpc("populora_save_bank", os.path.join(pdir, "bank"))
+        pop = self.pop_step.population
+        adapters = {m.id: self._get_adapter(int(m.slot)) for m in pop.members}
+        save_checkpoint(pdir, self.global_steps, population=pop, adapters=adapters, lora_config=self._lora_config(),
+                        optimizers={}, step_state=self.pop_step.state_dict(),
+                        extra={"bank": "bank", "bank_info": self._bank_info()})
+        # verl's save writes latest_checkpointed_iteration.txt last, so a crash above never points at a half save.
+        super()._save_checkpoint()
+        print(f"[populora] step {self.global_steps}: checkpoint {pdir}", flush=True)
+
+    def _load_checkpoint(self) -> None:
+        info = self._rpc("populora_init_bank", self.pcfg.population.num_adapters, self.pcfg.population.seed)
+        logger.info("populora: adapter bank initialised: %s", info)
+        super()._load_checkpoint()
+        if self.global_steps == 0:
+            return
+        from populora_verl.checkpoint import load_checkpoint, restore_rng_state
+
+        pdir = os.path.join(self._step_folder(for_load=True), "populora")
+        if not os.path.isdir(pdir):
+            raise RuntimeError(f"resuming step {self.global_steps} but {pdir} is missing: without the population and "
+                               "adapter bank the run would silently restart from fresh adapters")
+        ck = load_checkpoint(pdir)
+        self.pop_step.load_state_dict(ck.step_state, population=ck.population)
+        if ck.rng:
+            restore_rng_state(ck.rng)
+        self._rpc("populora_load_bank", os.path.join(pdir, "bank"))
+        print(f"[populora] resumed step {self.global_steps} from {pdir}", flush=True)
+
+    # --- logging and debug probes ----------------------------------------------------------------------------
+
+    def _log_population_metrics(self, metrics: Mapping[str, Any], step: int) -> None:
+        """``<trainer.default_local_dir>/metrics.jsonl`` (docs/CONTRACTS.md), the file the plots and report read."""
+        try:
+            if self._metrics_log is None:
+                from populora_verl.diagnostics.metrics import MetricsLogger
+
+                self._metrics_log = MetricsLogger(self._step_folder().rsplit(os.sep, 1)[0], resume_step=step - 1)
+            self._metrics_log.log({k: v for k, v in metrics.items() if k.startswith("populora/")}, step)
+        except Exception as e:  # the metrics file must never stop training
+            logger.warning("populora: metrics.jsonl not written: %s", e)
+
+    def _debug_checksums(self) -> dict[int, str]:
+        return {int(m.slot): convert.state_checksum(self._get_adapter(int(m.slot)))
+                for m in self.pop_step.population.members}
+
+    def _log_adapter_report(self, step: int, per_adapter: Mapping[str, Mapping[str, Any]],
+                            parts: Mapping[int, list[str]], member_of: Mapping[int, str],
+                            before: Mapping[int, str] | None) -> None:
+        for member, m in per_adapter.items():
+            diff = {k.split("/")[-1]: v for k, v in m.items() if "rollout_probs_diff" in k or "probs_pearson" in k}
+            print(f"[populora] step {step} {member}: samples={m.get('populora/samples')} "
+                  f"pg_loss={m.get('actor/pg_loss')} rollout_vs_trainer={json.dumps(diff, default=float)}", flush=True)
+        if before is None:
+            return
+        after = self._debug_checksums()
+        changed = sorted(s for s in after if after[s] != before.get(s))
+        trained = sorted(parts)
+        ok = changed == trained
+        print(f"[populora] step {step} bank checksums: " + " ".join(
+            f"{member_of.get(s, s)}@{s}:{before.get(s)}->{after[s]}" for s in sorted(after))
+              + f" | changed={changed} trained={trained} {'OK' if ok else 'MISMATCH'}", flush=True)
+        if not ok:
+            logger.error("populora: slots changed %s but trained %s", changed, trained)
+
+    def _probe_adapters(self) -> None:
+        """Greedy answer to one fixed prompt under every member's LoRA id (replicas are awake between steps)."""
+        from populora_verl.step import GenRequest
+
+        members = self.pop_step.population.members
+        reqs = [GenRequest(m.id, "teacher", "code_i", PROBE_PROMPT, 1, {}) for m in members]
+        table = self._lora_table()
+        rows = convert.requests_to_rows(reqs, table, self.global_steps, start_index=self._next_index)
+        self._next_index += len(rows)
+        for r in rows:
+            r["__do_sample__"] = False
+        self._submit_rows(rows)
+        batch, _ = self.replay_buffer.sample(global_steps=self.global_steps, partition_id=PARTITION,
+                                             batch_size=len(rows))
+        texts, _, _ = self._fetch_responses(batch.keys)
+        by_uid = convert.group_trajectory_keys(batch.keys)
+        outs = {}
+        for m, r in zip(members, rows, strict=True):
+            key = by_uid.get(r["uid"], {}).get(0)
+            outs[m.id] = texts.get(key, "<no output>") if key else "<no output>"
+        tq.kv_clear(keys=list(batch.keys), partition_id=PARTITION)
+        distinct = len(set(outs.values()))
+        print(f"[populora] step {self.global_steps} greedy probe: {distinct}/{len(outs)} distinct outputs", flush=True)
+        for mid, text in outs.items():
+            print(f"[populora]   {mid} lora_int_id={table[mid]['lora_int_id']} ({table[mid]['lora_name']}): "
+                  f"{text[:100]!r}", flush=True)
+
+
+def register() -> type[PopuLoRATrainer]:
+    """Register :class:`PopuLoRATrainer` as ``trainer.v1.trainer_mode=populora``; safe to call repeatedly."""
+    existing = TRAINER_REGISTRY.get(TRAINER_NAME)
+    if existing is None:
+        register_trainer(TRAINER_NAME)(PopuLoRATrainer)
+    elif existing is not PopuLoRATrainer:
+        raise RuntimeError(f"trainer name {TRAINER_NAME!r} is already registered to {existing.__module__}."
+                           f"{existing.__qualname__}")
+    return PopuLoRATrainer

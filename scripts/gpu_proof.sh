@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# GPU proof of the verl trainer `populora` (smoke_0.5b: 2 teachers + 2 students on one GPU).
+#   scripts/gpu_proof.sh MODEL_DIR OUT_DIR [extra hydra overrides...]
+# Run 1: steps 1-2 (evolution + checkpoint at step 2). Run 2: resume from step 2 to step 4 (evolution again at 4).
+# With +trainer.populora_debug_probes=true the trainer prints, per step: a greedy probe under every LoRA id,
+# per-adapter rollout-vs-trainer log-prob diffs, and per-slot bank checksums (only trained slots may change).
+# Run from the repository root with the gpu-bundle environment active. Exit status != 0 if a proof line is missing.
+set -euo pipefail
+MODEL_DIR=${1:?usage: scripts/gpu_proof.sh MODEL_DIR OUT_DIR [overrides...]}
+OUT_DIR=${2:?usage: scripts/gpu_proof.sh MODEL_DIR OUT_DIR [overrides...]}
+shift 2
+TIMEOUT_S=${GPU_PROOF_TIMEOUT_S:-1500}
+mkdir -p "$OUT_DIR"
+OUT_DIR=$(cd "$OUT_DIR" && pwd)
+export VLLM_WORKER_MULTIPROC_METHOD=spawn VLLM_USE_FLASHINFER_SAMPLER=0 RAY_AUTH_MODE=disabled
+export TOKENIZERS_PARALLELISM=false HYDRA_FULL_ERROR=1 PYTHONUNBUFFERED=1
+
+python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'gpu_proof: no CUDA device')"
+python -c "import populora_verl.trainer as t; t.register()"   # fails fast if the plugin or verl is broken
+
+common=(
+  --config-path "$PWD/recipes/populora" --config-name smoke_0.5b
+  actor_rollout_ref.model.path="$MODEL_DIR"
+  ++actor_rollout_ref.model.override_config.attn_implementation=sdpa
+  trainer.default_local_dir="$OUT_DIR/ckpt"
+  trainer.logger=[console]
+  trainer.save_freq=2
+  populora.pbt.interval_steps=2
+  +trainer.populora_debug_probes=true
+  ray_kwargs.ray_init.num_cpus=${GPU_PROOF_NUM_CPUS:-16}
+)
+
+run() {  # run <name> <total_steps>
+  local name=$1 steps=$2; shift 2
+  echo "=== gpu_proof: $name (total_training_steps=$steps) ===" | tee -a "$OUT_DIR/summary.txt"
+  set +e
+  timeout "$TIMEOUT_S" python -m verl.trainer.main_ppo "${common[@]}" trainer.total_training_steps="$steps" "$@" \
+    2>&1 | tee "$OUT_DIR/$name.log"
+  local rc=${PIPESTATUS[0]}
+  set -e
+  echo "$name exit=$rc" | tee -a "$OUT_DIR/summary.txt"
+  [ "$rc" -eq 0 ] || { echo "gpu_proof: $name failed (see $OUT_DIR/$name.log)"; exit "$rc"; }
+}
+
+rm -f "$OUT_DIR/summary.txt"
+run run1_steps1-2 2 "$@"
+run run2_resume_to4 4 "$@"
+
+check() {  # check <log> <grep -E pattern> <what>
+  if grep -Eq "$2" "$OUT_DIR/$1"; then echo "OK   $3" | tee -a "$OUT_DIR/summary.txt"
+  else echo "MISS $3" | tee -a "$OUT_DIR/summary.txt"; missing=1; fi
+}
+missing=0
+check run1_steps1-2.log '\[populora\] step 1 greedy probe' "start-up greedy probe under every LoRA id"
+check run1_steps1-2.log '\[populora\] step 2 greedy probe: [2-9]' "adapters diverge after step 1 (distinct greedy outputs)"
+check run1_steps1-2.log 'rollout_vs_trainer=\{"[a-z_]*rollout_probs_diff' "per-adapter rollout-vs-trainer log-prob diff"
+check run1_steps1-2.log 'bank checksums: .* OK$' "only trained slots changed"
+check run1_steps1-2.log '\[populora\] step 2 evolution:' "evolution at step 2"
+check run1_steps1-2.log '\[populora\] step 2: checkpoint' "checkpoint at step 2"
+check run2_resume_to4.log '\[populora\] resumed step 2' "resume from step 2"
+check run2_resume_to4.log 'step:4 ' "reached step 4"
+if grep -q 'MISMATCH' "$OUT_DIR"/run*.log; then echo "MISS a bank checksum MISMATCH was logged" | tee -a "$OUT_DIR/summary.txt"; missing=1; fi
+grep -hE '\[populora\]' "$OUT_DIR"/run*.log > "$OUT_DIR/populora_lines.txt" || true
+grep -hoE 'populora/[a-z0-9]+/training/rollout_probs_diff_(mean|max):[-0-9.e]+' "$OUT_DIR"/run*.log \
+  > "$OUT_DIR/rollout_probs_diff.txt" || true
+cat "$OUT_DIR/summary.txt"
+exit "$missing"

@@ -1,0 +1,333 @@
+"""The verl trainer ``populora``: pure conversions, start-up validation and trainer wiring without GPUs."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transfer_queue")
+from hydra import compose, initialize_config_dir  # noqa: E402
+from omegaconf import OmegaConf, open_dict  # noqa: E402
+
+from populora_verl.config import ConfigError, load_config  # noqa: E402
+from populora_verl.step import GenRequest, Sample  # noqa: E402
+from populora_verl.trainer import convert  # noqa: E402
+
+RECIPES = Path(__file__).resolve().parents[1] / "recipes" / "populora"
+
+
+def _compose(name="smoke_0.5b", overrides=()):
+    with initialize_config_dir(config_dir=str(RECIPES), version_base=None):
+        return compose(config_name=name, overrides=list(overrides))
+
+
+LORA = {"t0": {"slot": 0, "lora_int_id": 1000, "lora_name": "0@v0"},
+        "s0": {"slot": 1, "lora_int_id": 1001, "lora_name": "1@v0"}}
+
+
+class _Task:
+    def to_json(self):
+        return '{"type": "code_o"}'
+
+
+# --- conversions -------------------------------------------------------------------------------------------------
+
+
+def test_requests_to_rows_carry_routing_and_reward_fields():
+    reqs = [GenRequest("t0", "teacher", "code_i", "User: hi\nAssistant: <think>", 1, {"program": None}),
+            GenRequest("s0", "student", "code_o", [{"role": "user", "content": "solve"}], 4, {"task": _Task()})]
+    rows = convert.requests_to_rows(reqs, LORA, step=3, start_index=10)
+    assert [r["index"] for r in rows] == [10, 11]
+    assert [r["__rollout_n__"] for r in rows] == [1, 4]
+    assert all("_" not in r["uid"] and "-" not in r["uid"] for r in rows)
+    assert rows[0]["raw_prompt"] == [{"role": "user", "content": "User: hi\nAssistant: <think>"}]
+    assert rows[0]["agent_name"] == "populora_agent"
+    p0, p1 = rows[0]["populora"], rows[1]["populora"]
+    assert (p0["role"], p0["adapter"], p0["lora_int_id"], p0["slot"], p0["step"]) == ("propose", "t0", 1000, 0, 3)
+    assert "task" not in p0
+    assert (p1["role"], p1["lora_name"], p1["task"]) == ("solve", "1@v0", '{"type": "code_o"}')
+    # The agent loop and the reward manager accept what we build.
+    from populora_verl.reward.manager import populora_info
+    from populora_verl.rollout.lora_registry import lora_spec_from_prompt
+
+    assert lora_spec_from_prompt(p1) == {"lora_int_id": 1001, "lora_name": "1@v0"}
+    assert populora_info(p0)["role"] == "propose"
+    with pytest.raises(KeyError, match="no LoRA id"):
+        convert.requests_to_rows([GenRequest("zz", "teacher", "code_i", "x", 1)], LORA, step=0)
+
+
+def test_rows_to_tensordict_is_a_verl_prompt_batch():
+    from tensordict import NonTensorData
+
+    reqs = [GenRequest("t0", "teacher", "code_i", "a", 2), GenRequest("s0", "teacher", "code_i", "b", 3)]
+    td = convert.rows_to_tensordict(convert.requests_to_rows(reqs, LORA, step=5), step=5)
+    assert len(td) == 2
+    assert td["__rollout_n__"].tolist() == [2, 3]
+    assert isinstance(td.get("global_steps"), NonTensorData) and td["global_steps"] == 5
+    assert td[1]["populora"]["adapter"] == "s0"
+    assert list(td[0]["raw_prompt"]) == [{"role": "user", "content": "a"}]
+
+
+def test_build_gen_responses_orders_sessions_and_fills_failures():
+    reqs = [GenRequest("t0", "teacher", "code_i", "p", 3), GenRequest("s0", "student", "code_o", "q", 1)]
+    uids = ["aa", "bb"]
+    keys = ["aa_2_0", "aa_0_0", "bb_0_0", "bb_0_1"]  # aa session 1 failed; bb session 0 has two outputs
+    texts = {k: f"text-{k}" for k in keys}
+    lengths = {k: 5 for k in keys}
+    out, missing = convert.build_gen_responses(reqs, uids, keys, texts, lengths)
+    assert missing == 1
+    assert out[0].texts == ["text-aa_0_0", "", "text-aa_2_0"]
+    assert out[0].extra == ["aa_0_0", None, "aa_2_0"]
+    assert out[0].lengths == [5, 1, 5]
+    assert out[1].extra == ["bb_0_1"]  # the last output of a session carries the answer
+    with pytest.raises(ValueError, match="unknown prompt groups"):
+        convert.build_gen_responses(reqs, uids, keys + ["cc_0_0"], {**texts, "cc_0_0": ""}, {**lengths, "cc_0_0": 1})
+    with pytest.raises(ValueError, match="trajectory key"):
+        convert.split_key("nounderscore")
+
+
+def _sample(adapter, key, reward, adv):
+    return Sample(adapter, "student", "code_o", "p", "r", reward, advantage=adv, length=3, extra=key)
+
+
+def test_signal_rows_reward_on_last_token_advantage_broadcast():
+    masks = {"k1": torch.tensor([1, 1, 1, 0]), "k2": torch.tensor([1, 1])}
+    sig = convert.signal_rows([_sample("s0", "k1", 1.0, 0.5), _sample("s0", "k2", -0.5, -1.25),
+                               _sample("s0", None, 9.0, 9.0)], masks)
+    assert set(sig) == {"k1", "k2"}
+    assert sig["k1"]["rm_scores"].tolist() == [0.0, 0.0, 1.0, 0.0]
+    assert sig["k1"]["advantages"].tolist() == [0.5, 0.5, 0.5, 0.0]
+    assert sig["k2"]["returns"].tolist() == [-0.5, -0.5]
+    assert sig["k2"]["rm_scores"].sum().item() == -0.5
+    with pytest.raises(ValueError, match="share"):
+        convert.signal_rows([_sample("s0", "k1", 1, 1), _sample("s0", "k1", 1, 1)], masks)
+
+
+def test_partition_keys_per_slot_sorted_and_skips_untrainable():
+    samples = [_sample("s0", "b_0_0", 0, 0), _sample("t0", "a_0_0", 0, 0), _sample("s0", None, 0, 0),
+               _sample("s0", "c_0_0", 0, 0)]
+    parts = convert.partition_keys(samples, {"t0": 0, "s0": 1})
+    assert list(parts) == [0, 1]
+    assert parts == {0: ["a_0_0"], 1: ["b_0_0", "c_0_0"]}
+
+
+def test_metric_helpers_and_checksums():
+    assert convert.prefix_metrics({"actor/pg_loss": 1.0}, "populora/t0/") == {"populora/t0/actor/pg_loss": 1.0}
+    assert convert.mean_over_prefixes({"t0": {"a": 1.0, "x": "s"}, "s0": {"a": 3.0}}) == {"a": 2.0}
+    a = {"m.lora_A.weight": torch.ones(2, 3), "m.lora_B.weight": torch.zeros(3, 2)}
+    b = {k: v.clone() for k, v in a.items()}
+    assert convert.state_checksum(a) == convert.state_checksum(b)
+    b["m.lora_B.weight"][0, 0] = 1e-3
+    assert convert.state_checksum(a) != convert.state_checksum(b)
+
+
+# --- start-up validation -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["smoke_0.5b", "1t1s", "2t2s", "4t4s", "8t8s", "azr_single_agent"])
+def test_recipes_pass_verl_validation(name):
+    cfg = _compose(name, ["actor_rollout_ref.model.path=/m"] if name == "smoke_0.5b" else [])
+    convert.validate_verl_config(cfg, load_config(cfg.populora))
+
+
+BAD = [
+    ("actor_rollout_ref.actor.strategy=fsdp", "actor_rollout_ref.actor.strategy"),
+    ("actor_rollout_ref.model.lora_rank=0", "actor_rollout_ref.model.lora_rank"),
+    ("actor_rollout_ref.model.lora_rank=1024", "actor_rollout_ref.model.lora_rank"),
+    ("actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.name"),
+    ("actor_rollout_ref.rollout.checkpoint_engine.backend=nccl", "actor_rollout_ref.rollout.checkpoint_engine.backend"),
+    ("actor_rollout_ref.rollout.mode=sync", "actor_rollout_ref.rollout.mode"),
+    ("actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor.use_kl_loss"),
+    ("algorithm.use_kl_in_reward=true", "algorithm.use_kl_in_reward"),
+    ("critic.enable=true", "critic.enable"),
+    ("actor_rollout_ref.rollout.engine_kwargs.vllm.max_loras=3", "actor_rollout_ref.rollout.engine_kwargs.vllm.max_loras"),
+    ("actor_rollout_ref.rollout.engine_kwargs.vllm.max_cpu_loras=4",
+     "actor_rollout_ref.rollout.engine_kwargs.vllm.max_cpu_loras"),
+    ("algorithm.filter_groups.enable=true", "algorithm.filter_groups.enable"),
+    ("trainer.val_before_train=true", "trainer.val_before_train"),
+    ("trainer.total_training_steps=null", "trainer.total_training_steps"),
+    ("+populora.rollout.max_loras=16", "populora.rollout.max_loras"),
+]
+
+
+@pytest.mark.parametrize("override,key", BAD, ids=[k for _, k in BAD])
+def test_bad_verl_key_fails_with_one_line_naming_it(override, key):
+    cfg = _compose("smoke_0.5b", ["actor_rollout_ref.model.path=/m", override])
+    with pytest.raises(ConfigError) as e:
+        convert.validate_verl_config(cfg, load_config(cfg.populora))
+    msg = str(e.value)
+    assert msg.startswith(key + ":") and "\n" not in msg
+
+
+# --- the trainer class without GPUs ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def trainer_cls():
+    from populora_verl.trainer import register
+
+    return register()
+
+
+def test_register_is_idempotent_and_named_populora(trainer_cls):
+    import verl  # noqa: F401  (plugin entry point)
+    from verl.trainer.ppo.v1 import get_trainer_cls
+
+    from populora_verl.trainer import register
+    from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
+
+    assert register() is trainer_cls
+    assert get_trainer_cls("populora") is trainer_cls
+    assert issubclass(trainer_cls, PPOTrainerSync)
+
+
+def _bare(trainer_cls, cfg):
+    t = trainer_cls.__new__(trainer_cls)
+    t.config = cfg
+    t._init_populora_state()
+    return t
+
+
+def test_sync_fix_gives_the_sync_replay_buffer(trainer_cls, monkeypatch):
+    from verl.trainer.ppo.v1.replay_buffer import ReplayBuffer, ReplayBufferAsync
+
+    import populora_verl.plugin as plugin
+
+    monkeypatch.setattr(plugin, "check_registrations", lambda: None)  # the plugin's wiring is tested elsewhere
+    cfg = _compose("smoke_0.5b", ["actor_rollout_ref.model.path=/m"])
+    t = trainer_cls(cfg)
+    assert t.trainer_mode == "sync" and t.parameter_sync_step == 1
+    assert type(t.replay_buffer) is ReplayBuffer and not isinstance(t.replay_buffer, ReplayBufferAsync)
+    assert t.replay_buffer.refill_fn.__func__ is trainer_cls._add_prompts_to_generate
+    assert t.pcfg.population.num_adapters == 4
+    # a bad verl key stops the trainer before any worker starts
+    bad = _compose("smoke_0.5b", ["actor_rollout_ref.model.path=/m", "actor_rollout_ref.rollout.name=vllm"])
+    with pytest.raises(ConfigError, match=r"^actor_rollout_ref\.rollout\.name:"):
+        trainer_cls(bad)
+
+
+def test_resource_pool_uses_the_populora_worker(trainer_cls):
+    from verl.trainer.ppo.utils import Role
+
+    from populora_verl.workers.worker import PopuLoRAActorRolloutRefWorker
+
+    cfg = _compose("smoke_0.5b", ["actor_rollout_ref.model.path=/m"])
+    t = _bare(trainer_cls, cfg)
+    t._init_resource_pool_mgr()
+    cls = t.role_worker_mapping[Role.ActorRollout]
+    assert cls.__ray_actor_class__ is PopuLoRAActorRolloutRefWorker
+    assert t.mapping[Role.ActorRollout] == "global_pool"
+
+
+def test_null_dataloader_sets_steps_and_checkpoints(trainer_cls):
+    cfg = _compose("smoke_0.5b", ["actor_rollout_ref.model.path=/m", "trainer.total_training_steps=7"])
+    t = _bare(trainer_cls, cfg)
+    t._init_dataloader()
+    assert t.total_training_steps == 7 and t.steps_per_epoch > 7
+    assert (t.total_training_steps - 1) // t.steps_per_epoch == 0  # fit() never ends an "epoch" early
+    assert cfg.actor_rollout_ref.actor.optim.total_training_steps == 7
+    state = t.train_dataloader.state_dict()
+    t.train_dataloader.load_state_dict(state)
+    assert list(t.train_dataloader) == [] and t._validate() == {}
+    assert t._get_required_batch_multiple(4) == 4
+
+
+class _FakeWG:
+    """Records ONE_TO_ALL RPCs; two ranks, rank 0 returns the data (as the PopuLoRA worker does)."""
+
+    def __init__(self):
+        self.calls = []
+        self.adapters = {0: {"a.lora_A.weight": torch.ones(2, 2)}, 1: {"a.lora_A.weight": torch.zeros(2, 2)}}
+
+    def __getattr__(self, name):
+        def call(*args, **kwargs):
+            self.calls.append((name, args, kwargs))
+            if name == "populora_get_adapter":
+                return [self.adapters[args[0]], None]
+            if name == "populora_bank_info":
+                return [{"num_slots": 2, "slots": [{"slot": 0, "version": 1, "lora_int_id": 1002, "lora_name": "0@v1"},
+                                                   {"slot": 1, "version": 0, "lora_int_id": 1001, "lora_name": "1@v0"}]},
+                        None]
+            return [None, None]
+
+        return call
+
+
+def test_lora_table_and_update_actor_use_the_slot_batch(trainer_cls):
+    from transfer_queue import KVBatchMeta
+
+    cfg = _compose("1t1s")
+    t = _bare(trainer_cls, cfg)
+    t.pcfg = load_config(cfg.populora)
+    from populora_verl.population import Population
+
+    class _Step:
+        population = Population.create(t.pcfg)
+
+    t.pop_step = _Step()
+    t.actor_rollout_wg = _FakeWG()
+    table = t._lora_table()
+    slots = {m.id: m.slot for m in t.pop_step.population.members}
+    tid = next(m for m in slots if m.startswith("t"))
+    assert table[tid]["slot"] == slots[tid]
+    assert table[tid]["lora_int_id"] == (1002 if slots[tid] == 0 else 1001)
+    assert t._get_adapter(0)["a.lora_A.weight"].sum().item() == 4.0
+
+    captured = {}
+
+    def update_actor(batch):
+        captured.update(batch.extra_info)
+        return {"metrics": {"pg_loss": [0.5, 1.5], "mfu": [0.1]}}
+
+    t.actor_rollout_wg.update_actor = update_actor
+    meta = KVBatchMeta(partition_id="train", keys=["a_0_0", "a_1_0", "b_0_0"], tags=[{}, {}, {}],
+                       extra_info={"populora_adapter": 1})
+    m = {}
+    t._update_actor(meta, m)
+    assert captured["global_batch_size"] == captured["mini_batch_size"] == 3
+    assert captured["populora_adapter"] == 1
+    assert m["actor/pg_loss"] == 1.0 and "perf/mfu/actor" in m
+
+
+def test_lazy_adapters_fetch_only_what_pbt_reads(trainer_cls):
+    from populora_verl.trainer.trainer import _LazyAdapters
+
+    fetched = []
+    lazy = _LazyAdapters(lambda s: fetched.append(s) or {"slot": s}, {"t0": 0, "t1": 1, "s0": 2})
+    assert len(lazy) == 3 and set(lazy) == {"t0", "t1", "s0"}
+    assert lazy["t1"] == {"slot": 1} and lazy["t1"] == {"slot": 1}
+    assert fetched == [1]
+
+
+def test_per_adapter_partition_of_a_combined_batch():
+    from transfer_queue import KVBatchMeta
+
+    keys = ["a_0_0", "b_0_0", "b_1_0", "c_0_0"]
+    combined = KVBatchMeta(partition_id="train", keys=keys, tags=[{"seq_len": i} for i in range(4)])
+    samples = [_sample("t0", "a_0_0", 0, 0), _sample("s0", "b_0_0", 0, 0), _sample("s0", "b_1_0", 0, 0),
+               _sample("t0", "c_0_0", 0, 0)]
+    parts = convert.partition_keys(samples, {"t0": 0, "s0": 1})
+    subs = {slot: combined.select_keys(k) for slot, k in parts.items()}
+    assert subs[0].keys == ["a_0_0", "c_0_0"] and [t["seq_len"] for t in subs[0].tags] == [0, 3]
+    assert subs[1].keys == ["b_0_0", "b_1_0"]
+    assert sorted(k for s in subs.values() for k in s.keys) == sorted(keys)
+
+
+# --- the step-scaling benchmark (logic only: the runs need a GPU) -----------------------------------------------
+
+
+def test_step_scaling_parses_console_and_refuses_without_cuda(capsys):
+    from populora_verl.bench import step_scaling as ss
+
+    steps, peak = ss.parse_console("noise\nstep:1 - timing_s/step:12.5 - perf/max_memory_allocated_gb:3.2\n"
+                                   "step:2 - timing_s/step:10.0 - perf/max_memory_allocated_gb:3.5 - x:nan\n")
+    assert steps == {1: 12.5, 2: 10.0} and peak == 3.5
+    r = ss.RunResult("2t2s", 4, 0, 1.0, {1: 99.0, 2: 8.0, 3: 12.0})
+    assert r.mean_step_s == 10.0  # step 1 (warm-up) excluded
+    table = ss.report([ss.RunResult("single", 1, 0, 1.0, {2: 5.0}, 1.0, 1000.0), r])
+    assert "| 2t2s | 4 | 10.0 | 2.00 | 2.5 |" in table
+    cmd = ss.command("/m", "single", 3, Path("/tmp/o"), [])
+    assert "populora.population.mode=single_agent" in cmd and "trainer.total_training_steps=3" in cmd
+    if not torch.cuda.is_available():
+        assert ss.main(["--model", "/m"]) == 2
+        assert "needs a CUDA GPU" in capsys.readouterr().err
