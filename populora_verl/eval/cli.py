@@ -1,0 +1,166 @@
+"""Console scripts ``populora-eval`` and ``populora-report``.
+
+Keep vLLM work behind ``main()``: on GPU hosts run with ``VLLM_WORKER_MULTIPROC_METHOD=spawn``, which re-imports
+the entry module in the engine process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Sequence
+
+__all__ = ["eval_main", "report_main", "members_from_args", "resolve_benchmarks"]
+
+
+def _log(msg: str) -> None:
+    print(f"[populora-eval] {msg}", file=sys.stderr, flush=True)
+
+
+def resolve_benchmarks(spec: str, data_dir: str | None, lcb_path: str | None) -> list[str]:
+    """``all`` | ``code`` | ``math`` | a comma list. ``all``/``code`` include LiveCodeBench only when its file is
+    available (``--lcb-path`` or ``<data>/livecodebench/``); naming it explicitly without a file is an error."""
+    from populora_verl.eval.data import BENCHMARKS, CODE_BENCHMARKS, MATH_BENCHMARKS, find_benchmark_file, \
+        resolve_data_dir
+
+    if spec in ("all", "code", "math"):
+        names = {"all": list(CODE_BENCHMARKS) + list(MATH_BENCHMARKS), "code": list(CODE_BENCHMARKS),
+                 "math": list(MATH_BENCHMARKS)}[spec]
+        if "livecodebench" in names and lcb_path is None and \
+                find_benchmark_file("livecodebench", resolve_data_dir(data_dir)) is None:
+            _log("LiveCodeBench skipped: no file (pass --lcb-path; see docs/readme/eval.md)")
+            names.remove("livecodebench")
+        return names
+    names = [s.strip() for s in spec.split(",") if s.strip()]
+    unknown = [n for n in names if n not in BENCHMARKS]
+    if unknown:
+        raise SystemExit(f"unknown benchmarks {unknown}; known: {sorted(BENCHMARKS)} or all/code/math")
+    return names
+
+
+def members_from_args(args: argparse.Namespace):
+    """Members to evaluate: base (unless --no-base), the baseline adapter, then --adapters and the run's
+    population (alive members with an adapter folder)."""
+    from populora_verl.eval.backends import Member
+    from populora_verl.eval.report import find_population_dir, read_population
+
+    members = []
+    if not args.no_base:
+        members.append(Member("base", None, "base"))
+    if args.baseline:
+        members.append(Member(args.baseline_name, args.baseline, "baseline"))
+    for spec in args.adapters or []:
+        name, sep, path = spec.partition("=")
+        if not sep:
+            name, path = Path(spec).name, spec
+        members.append(Member(name, path, "member"))
+    if args.run_dir:
+        pop_dir = find_population_dir(args.run_dir)
+        if pop_dir is None:
+            raise SystemExit(f"no population.json under {args.run_dir} (checkpoints/latest, step_<N>/population)")
+        state = read_population(pop_dir)
+        alive = [r for r in state.get("lineage", []) if r.get("death_step") is None]
+        for r in alive:
+            folder = pop_dir / "adapters" / r["id"]
+            if (folder / "adapter_config.json").is_file():
+                members.append(Member(r["id"], str(folder), r.get("role", "member")))
+            else:
+                _log(f"member {r['id']} has no adapter folder in {pop_dir}; skipped")
+    if not members:
+        raise SystemExit("nothing to evaluate: give --run-dir, --adapters or --baseline (or drop --no-base)")
+    return members
+
+
+def _base_model(args: argparse.Namespace, members) -> str:
+    if args.model:
+        return args.model
+    for m in members:
+        if m.adapter:
+            cfg = json.loads((Path(m.adapter) / "adapter_config.json").read_text(encoding="utf-8"))
+            if cfg.get("base_model_name_or_path"):
+                return cfg["base_model_name_or_path"]
+    raise SystemExit("--model is required (no adapter names its base_model_name_or_path)")
+
+
+def eval_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="populora-eval", description="Greedy pass@1 of the base model, a baseline "
+                                "adapter and a population of LoRA adapters on offline benchmarks.")
+    p.add_argument("--model", help="base model folder (default: base_model_name_or_path of the adapters)")
+    p.add_argument("--run-dir", help="a PopuLoRA run directory: evaluates the latest checkpoint's alive members")
+    p.add_argument("--adapters", nargs="*", help="more adapters as NAME=PATH (or PATH: name = folder name)")
+    p.add_argument("--baseline", help="baseline adapter folder (e.g. the AZR single agent)")
+    p.add_argument("--baseline-name", default="baseline")
+    p.add_argument("--no-base", action="store_true", help="skip the base model row")
+    p.add_argument("--benchmarks", default="all", help="all | code | math | comma list of names")
+    p.add_argument("--data-dir", help="benchmark directory (default: $POPULORA_BENCHMARKS, ../shared/data/benchmarks)")
+    p.add_argument("--lcb-path", help="LiveCodeBench release jsonl (private tests as JSON, see docs)")
+    p.add_argument("--lcb-on-pickle", choices=("error", "public_only"), default="error")
+    p.add_argument("--limit", type=int, help="first N items per benchmark (smoke runs)")
+    p.add_argument("--max-new-tokens", type=int, default=1024)
+    p.add_argument("--backend", choices=("vllm", "hf"), default="hf")
+    p.add_argument("--batch-size", type=int, default=8, help="HF backend batch size")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    p.add_argument("--max-model-len", type=int)
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--workers", type=int, help="parallel sandboxed test runs (default: CPU count)")
+    p.add_argument("--task-timeout", type=float, default=60.0, help="seconds per code task (EvalPlus default 60)")
+    p.add_argument("--memory-mb", type=int, default=4096, help="address-space limit of a test process")
+    p.add_argument("--cache-dir", help="expected-output cache (default: $POPULORA_CACHE or ~/.cache/populora_verl)")
+    p.add_argument("--out", help="output folder (default: <run-dir>/eval or ./populora_eval)")
+    return p
+
+
+def eval_main(argv: Sequence[str] | None = None) -> int:
+    args = eval_parser().parse_args(argv)
+    from populora_verl.eval.backends import build_backend
+    from populora_verl.eval.evaluate import default_cache_dir, evaluate
+    from populora_verl.eval.report import markdown_table, population_table, write_table
+    from populora_verl.eval.sandbox import SandboxLimits
+
+    benches = resolve_benchmarks(args.benchmarks, args.data_dir, args.lcb_path)
+    members = members_from_args(args)
+    model = _base_model(args, members)
+    out = Path(args.out or (Path(args.run_dir) / "eval" if args.run_dir else "populora_eval"))
+    _log(f"model {model}; members {[m.name for m in members]}; benchmarks {benches}; backend {args.backend}")
+    if args.backend == "vllm":
+        kw = dict(max_new_tokens=args.max_new_tokens, tensor_parallel_size=args.tensor_parallel_size,
+                  gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len,
+                  dtype=args.dtype, enforce_eager=args.enforce_eager)
+    else:
+        kw = dict(max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, dtype=args.dtype)
+    backend = build_backend(args.backend, model, members, **kw)
+    paths = {"livecodebench": args.lcb_path} if args.lcb_path else None
+    limits = SandboxLimits(memory_mb=args.memory_mb, task_timeout_s=args.task_timeout)
+    results = evaluate(backend, members, benches, data_dir=args.data_dir, limit=args.limit, paths=paths,
+                       limits=limits, cache_dir=args.cache_dir or default_cache_dir(), workers=args.workers,
+                       samples_path=out / "samples.jsonl", log=_log, lcb_on_pickle=args.lcb_on_pickle,
+                       info={"model": model, "backend": args.backend, "max_new_tokens": args.max_new_tokens})
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results, indent=1), encoding="utf-8")
+    files = write_table(results, out)
+    print(markdown_table(population_table(results)))
+    _log(f"wrote {out / 'results.json'}, {files['md']}, {files['csv']}, {files['json']}, {out / 'samples.jsonl'}")
+    return 0
+
+
+def report_main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="populora-report", description="Markdown report of a PopuLoRA run: evaluation "
+                                "table, training-dynamics plots, ratings and the lineage tree.")
+    p.add_argument("run_dir")
+    p.add_argument("--out", help="output folder (default: <run_dir>/report)")
+    p.add_argument("--eval", dest="eval_results", help="results.json of populora-eval (default: <run_dir>/eval/)")
+    args = p.parse_args(argv)
+    from populora_verl.eval.report import build_run_report
+
+    results = json.loads(Path(args.eval_results).read_text(encoding="utf-8")) if args.eval_results else None
+    path = build_run_report(args.run_dir, args.out, eval_results=results)
+    print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(eval_main())

@@ -1,0 +1,304 @@
+"""Population report: the member x benchmark table with population statistics, and the run report.
+
+Averages (documented in docs/readme/eval.md): **code** = mean of HumanEval+, MBPP+ and LiveCodeBench (those
+evaluated); **math** = mean of AIME24, AIME25, AMC23, MATH-500, Minerva, OlympiadBench and GSM8K (those evaluated;
+the PopuLoRA paper lists GSM8K with math, AZR's math average has the other six); **avg** = (code + math) / 2 as in
+AZR's "total". Population mean / min / max are taken column by column over the population members (every row
+that is not ``base`` or ``baseline``), so "min" of an average column is the weakest member on that aggregate.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import re
+from pathlib import Path
+from typing import Any, Sequence
+
+from populora_verl.eval.data import BENCHMARKS, CODE_BENCHMARKS, MATH_BENCHMARKS
+
+__all__ = ["population_table", "write_table", "markdown_table", "find_population_dir", "read_lineage",
+           "plot_lineage", "final_ratings", "build_run_report"]
+
+AGG_COLUMNS = ("code_avg", "math_avg", "avg")
+NON_POPULATION_ROLES = ("base", "baseline")
+
+
+def _mean(xs: Sequence[float]) -> float | None:
+    xs = [x for x in xs if x is not None]
+    return sum(xs) / len(xs) if xs else None
+
+
+def _row_aggregates(scores: dict[str, float | None]) -> dict[str, float | None]:
+    code = _mean([scores.get(b) for b in CODE_BENCHMARKS])
+    mth = _mean([scores.get(b) for b in MATH_BENCHMARKS])
+    both = _mean([code, mth]) if code is not None and mth is not None else (code if mth is None else mth)
+    return {"code_avg": code, "math_avg": mth, "avg": both}
+
+
+def population_table(results: dict[str, Any]) -> dict[str, Any]:
+    """Rows (``name``, ``role``, ``kind``: member | base | baseline | stat, one value per column, fractions in
+    [0, 1] or None) and ``columns`` (benchmarks in evaluation order, then the averages)."""
+    benches = [b for b in results["benchmarks"]]
+    columns = benches + list(AGG_COLUMNS)
+    rows: list[dict[str, Any]] = []
+    for m in results["members"]:
+        sc = results["scores"].get(m["name"], {})
+        vals = {b: (sc[b]["pass@1"] if b in sc else None) for b in benches}
+        vals.update(_row_aggregates(vals))
+        kind = m["role"] if m["role"] in NON_POPULATION_ROLES else "member"
+        rows.append({"name": m["name"], "role": m["role"], "kind": kind, **vals})
+    pop = [r for r in rows if r["kind"] == "member"]
+    stats = []
+    if pop:
+        groups = [("population", pop)]
+        roles = sorted({r["role"] for r in pop})
+        if len(roles) > 1:
+            groups += [(f"{role}s", [r for r in pop if r["role"] == role]) for role in roles]
+        for label, group in groups:
+            for stat, fn in (("mean", _mean), ("min", min), ("max", max)):
+                if label != "population" and stat != "mean":
+                    continue
+                row = {"name": f"{label} {stat}", "role": "", "kind": "stat"}
+                for c in columns:
+                    vals = [r[c] for r in group if r[c] is not None]
+                    row[c] = fn(vals) if vals else None
+                stats.append(row)
+    order = {"base": 0, "baseline": 1, "member": 2}
+    rows.sort(key=lambda r: order[r["kind"]])
+    return {"columns": columns, "rows": rows + stats}
+
+
+def _display(col: str) -> str:
+    return BENCHMARKS[col].display if col in BENCHMARKS else {"code_avg": "Code avg", "math_avg": "Math avg",
+                                                              "avg": "Avg"}.get(col, col)
+
+
+def markdown_table(table: dict[str, Any], *, percent: bool = True) -> str:
+    """Markdown: pass@1 in percent (one decimal), '-' where not evaluated; stat rows in bold."""
+    cols = table["columns"]
+    head = "| model | role | " + " | ".join(_display(c) for c in cols) + " |"
+    sep = "|---|---|" + "---:|" * len(cols)
+    lines = [head, sep]
+    for r in table["rows"]:
+        cells = []
+        for c in cols:
+            v = r[c]
+            cells.append("-" if v is None else (f"{100 * v:.1f}" if percent else f"{v:.4f}"))
+        name = f"**{r['name']}**" if r["kind"] == "stat" else r["name"]
+        lines.append(f"| {name} | {r['role']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def write_table(results: dict[str, Any], out_dir: str | Path, stem: str = "eval") -> dict[str, Path]:
+    """Write ``<stem>.md``, ``<stem>.csv`` (fractions) and ``<stem>.json`` (the table + the raw results)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    table = population_table(results)
+    md = out / f"{stem}.md"
+    md.write_text(f"# Evaluation (greedy pass@1, %)\n\n{markdown_table(table)}\n\n{_notes(results)}\n",
+                  encoding="utf-8")
+    cs = out / f"{stem}.csv"
+    with open(cs, "w", newline="", encoding="utf-8") as f:
+        w = csv.writer(f)
+        w.writerow(["model", "role", "kind"] + table["columns"])
+        for r in table["rows"]:
+            w.writerow([r["name"], r["role"], r["kind"]] + ["" if r[c] is None else f"{r[c]:.6f}"
+                                                             for c in table["columns"]])
+    js = out / f"{stem}.json"
+    js.write_text(json.dumps({"table": table, "results": results}, indent=1), encoding="utf-8")
+    return {"md": md, "csv": cs, "json": js}
+
+
+def _notes(results: dict[str, Any]) -> str:
+    bits = ["Code avg = mean of HumanEval+ / MBPP+ / LCB present; Math avg = mean of AIME24, AIME25, AMC23, MATH500, "
+            "Minerva, OlympiadBench, GSM8K present; Avg = (Code + Math) / 2. HumanEval+/MBPP+ use base + plus tests."]
+    if results.get("limit"):
+        bits.append(f"Smoke run: first {results['limit']} items per benchmark only.")
+    n = {b: max((s[b]["n"] for s in results["scores"].values() if b in s), default=0) for b in results["benchmarks"]}
+    bits.append("Items: " + ", ".join(f"{_display(b)} {k}" for b, k in n.items()) + ".")
+    return " ".join(bits)
+
+
+# --- run directory ----------------------------------------------------------------------------------------------
+
+
+def find_population_dir(run_dir: str | Path) -> Path | None:
+    """The population save of a run: ``run_dir`` itself, the ``checkpoints/latest`` step, the newest
+    ``checkpoints/step_<N>``, or ``run_dir/population``."""
+    run = Path(run_dir)
+    if (run / "population.json").is_file():
+        return run
+    ck = run / "checkpoints"
+    latest = ck / "latest"
+    if latest.is_file():
+        tag = latest.read_text(encoding="utf-8").strip()
+        for cand in (ck / tag / "population", ck / f"step_{tag}" / "population"):
+            if (cand / "population.json").is_file():
+                return cand
+    steps = []
+    if ck.is_dir():
+        for d in ck.iterdir():
+            m = re.fullmatch(r"step_(\d+)", d.name)
+            if m and (d / "population" / "population.json").is_file():
+                steps.append((int(m.group(1)), d / "population"))
+    if steps:
+        return max(steps)[1]
+    if (run / "population" / "population.json").is_file():
+        return run / "population"
+    return None
+
+
+def read_population(pop_dir: str | Path) -> dict[str, Any]:
+    with open(Path(pop_dir) / "population.json", encoding="utf-8") as f:
+        state = json.load(f)
+    if not isinstance(state, dict) or not isinstance(state.get("lineage", []), list):
+        raise ValueError(f"{pop_dir}/population.json: expected an object with a 'lineage' list")
+    return state
+
+
+def read_lineage(pop_dir: str | Path) -> list[dict[str, Any]]:
+    """Lineage records (id, role, parents, operator, birth_step, death_step, ...), birth order."""
+    recs = read_population(pop_dir).get("lineage", [])
+    for r in recs:
+        if "id" not in r:
+            raise ValueError(f"{pop_dir}/population.json: lineage record without an id: {r}")
+    return recs
+
+
+def plot_lineage(lineage: Sequence[dict[str, Any]], out_path: str | Path, *, last_step: int | None = None) -> Path:
+    """Lineage tree: one lane per member (teachers above students), a bar from birth to death (dashed once dead),
+    and an arrow from each parent's lane to the child at its birth step, labelled with the operator."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    role_rank = {"teacher": 0, "both": 1, "student": 2}
+    recs = sorted(lineage, key=lambda r: (role_rank.get(r.get("role"), 3), _id_key(r["id"])))
+    lane = {r["id"]: i for i, r in enumerate(recs)}
+    end = last_step if last_step is not None else max(
+        [int(r.get("death_step") or 0) for r in recs] + [int(r.get("birth_step") or 0) for r in recs] + [1])
+    colors = {"teacher": "tab:blue", "student": "tab:orange", "both": "tab:green"}
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.1 * end + 6), max(2.5, 0.45 * len(recs) + 1)))
+    for r in recs:
+        y = lane[r["id"]]
+        b = int(r.get("birth_step") or 0)
+        d = r.get("death_step")
+        c = colors.get(r.get("role"), "tab:gray")
+        ax.plot([b, end if d is None else int(d)], [y, y], color=c, lw=2.5, ls="-" if d is None else "--",
+                alpha=1.0 if d is None else 0.5)
+        ax.plot([b], [y], "o", color=c, ms=7)
+        if d is not None:
+            ax.plot([int(d)], [y], "x", color="black", ms=7)
+        for p in r.get("parents") or []:
+            if p not in lane:
+                continue
+            ax.annotate("", xy=(b, y), xytext=(b, lane[p]),
+                        arrowprops=dict(arrowstyle="->", color="gray", lw=1.0, connectionstyle="arc3,rad=0.25"))
+        if r.get("parents"):
+            ax.text(b, y + 0.22, str(r.get("operator") or "?"), fontsize=7, ha="center", color="dimgray")
+    ax.set_yticks(range(len(recs)))
+    ax.set_yticklabels([r["id"] for r in recs])
+    ax.invert_yaxis()
+    ax.set_xlabel("step")
+    ax.set_title("Population lineage (o birth, x death, arrows parent -> child)")
+    ax.set_xlim(-0.5, end + 0.5)
+    ax.grid(axis="x", alpha=0.3)
+    fig.tight_layout()
+    out = Path(out_path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def _id_key(mid: str) -> tuple[str, float]:
+    m = re.fullmatch(r"([a-z]+)(\d+)", mid)
+    return (m.group(1), float(m.group(2))) if m else (mid, math.inf)
+
+
+def _read_metrics(path: Path) -> list[dict[str, Any]]:
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError:
+                    raise ValueError(f"{path}:{n}: not valid JSON") from None
+    return rows
+
+
+def final_ratings(metrics_rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Last logged ``populora/rating/<id>/{mu,sigma,conservative}`` per member."""
+    out: dict[str, dict[str, float]] = {}
+    pat = re.compile(r"populora/rating/([^/]+)/(mu|sigma|conservative)$")
+    for row in metrics_rows:
+        for k, v in row.items():
+            m = pat.match(k)
+            if m and isinstance(v, (int, float)):
+                out.setdefault(m.group(1), {})[m.group(2)] = float(v)
+    return out
+
+
+def build_run_report(run_dir: str | Path, out_dir: str | Path | None = None, *,
+                     eval_results: dict[str, Any] | None = None) -> Path:
+    """Write ``<out_dir>/report.md`` (default ``<run_dir>/report``): evaluation table (if any), dynamics plots
+    from ``metrics.jsonl`` (``populora_verl.diagnostics.plot_all``), final ratings, lineage tree and records."""
+    run = Path(run_dir)
+    if not run.is_dir():
+        raise FileNotFoundError(f"run directory {run} does not exist")
+    out = Path(out_dir) if out_dir is not None else run / "report"
+    out.mkdir(parents=True, exist_ok=True)
+    parts = [f"# PopuLoRA run report\n\nRun directory: `{run}`\n"]
+
+    if eval_results is None and (run / "eval" / "results.json").is_file():
+        eval_results = json.loads((run / "eval" / "results.json").read_text(encoding="utf-8"))
+    if eval_results is not None:
+        paths = write_table(eval_results, out)
+        parts.append("## Evaluation (greedy pass@1, %)\n\n" + markdown_table(population_table(eval_results))
+                     + f"\n\n{_notes(eval_results)} Files: `{paths['csv'].name}`, `{paths['json'].name}`.\n")
+    else:
+        parts.append("## Evaluation\n\nNo evaluation results (run `populora-eval --run-dir ...` first).\n")
+
+    metrics = run / "metrics.jsonl"
+    last_step = None
+    if metrics.is_file():
+        from populora_verl.diagnostics import plot_all
+
+        rows = _read_metrics(metrics)
+        last_step = max((int(r["step"]) for r in rows if "step" in r), default=None)
+        plots = plot_all(metrics, out / "plots")
+        parts.append(f"## Training dynamics\n\n{len(rows)} logged steps (last: {last_step}).\n")
+        for p in plots:
+            parts.append(f"### {p.stem.replace('_', ' ')}\n\n![{p.stem}](plots/{p.name})\n")
+        ratings = final_ratings(rows)
+        if ratings:
+            lines = ["| member | mu | sigma | mu - 3 sigma |", "|---|---:|---:|---:|"]
+            for mid in sorted(ratings, key=_id_key):
+                r = ratings[mid]
+                cons = r.get("conservative", r.get("mu", math.nan) - 3 * r.get("sigma", math.nan))
+                lines.append(f"| {mid} | {r.get('mu', math.nan):.2f} | {r.get('sigma', math.nan):.2f} | {cons:.2f} |")
+            parts.append("### Final TrueSkill ratings\n\n" + "\n".join(lines) + "\n")
+    else:
+        parts.append("## Training dynamics\n\nNo metrics.jsonl in the run directory.\n")
+
+    pop_dir = find_population_dir(run)
+    if pop_dir is not None:
+        lineage = read_lineage(pop_dir)
+        if lineage:
+            img = plot_lineage(lineage, out / "lineage.png", last_step=last_step)
+            lines = ["| id | role | parents | operator | born | died |", "|---|---|---|---|---:|---:|"]
+            for r in lineage:
+                lines.append(f"| {r['id']} | {r.get('role', '')} | {', '.join(r.get('parents') or []) or '-'} | "
+                             f"{r.get('operator') or '-'} | {r.get('birth_step', 0)} | "
+                             f"{'-' if r.get('death_step') is None else r['death_step']} |")
+            parts.append(f"## Lineage\n\nFrom `{pop_dir / 'population.json'}`.\n\n![lineage]({img.name})\n\n"
+                         + "\n".join(lines) + "\n")
+    else:
+        parts.append("## Lineage\n\nNo population.json found in the run directory.\n")
+    report = out / "report.md"
+    report.write_text("\n".join(parts), encoding="utf-8")
+    return report
