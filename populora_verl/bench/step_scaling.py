@@ -169,7 +169,16 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"unknown configs {unknown}; known: {list(CONFIGS)}")
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    results = []
+    # Results of earlier invocations with the same --out are kept (a config run again replaces its row), so the
+    # configurations can be split over several calls on one machine and still be compared in one table.
+    results: list[RunResult] = []
+    prev = out / "results.json"
+    if prev.exists():
+        for row in json.loads(prev.read_text()):
+            row.pop("mean_step_s", None)
+            row["step_s"] = {int(k): v for k, v in row.get("step_s", {}).items()}
+            if row["name"] not in names:
+                results.append(RunResult(**row))
     for name in names:
         print(f"step_scaling: {name} ({ADAPTERS[name]} adapters, {args.steps} steps) ...", flush=True)
         r = run_one(args.model, name, args.steps, out, list(args.overrides), args.timeout_s)
@@ -177,6 +186,7 @@ def main(argv: list[str] | None = None) -> int:
         results.append(r)
     (out / "results.json").write_text(json.dumps([asdict(r) | {"mean_step_s": r.mean_step_s} for r in results],
                                                  indent=1))
+    results.sort(key=lambda r: list(CONFIGS).index(r.name))
     table = report(results)
     print(table)
     (out / "results.md").write_text(table + "\n")

@@ -489,12 +489,26 @@ class PopuLoRATrainer(PPOTrainerSync):
         for m, r in zip(members, rows, strict=True):
             key = by_uid.get(r["uid"], {}).get(0)
             outs[m.id] = texts.get(key, "<no output>") if key else "<no output>"
+        # Greedy text only changes once adapters have moved far; vLLM's own log-probs of the greedy tokens show
+        # which LoRA each request really ran with, from the first small update on.
+        logps: dict[str, float] = {}
+        try:
+            lp = tq.kv_batch_get(keys=list(batch.keys), partition_id=PARTITION, select_fields=["rollout_log_probs"])
+            per_key = {k: float(t.float().sum()) for k, t in zip(batch.keys, lp["rollout_log_probs"].unbind())}
+            for m, r in zip(members, rows, strict=True):
+                key = by_uid.get(r["uid"], {}).get(0)
+                if key in per_key:
+                    logps[m.id] = per_key[key]
+        except Exception as e:  # the probe is diagnostics: never fail the run over it
+            logger.warning("populora probe: no rollout log-probs (%s)", e)
         tq.kv_clear(keys=list(batch.keys), partition_id=PARTITION)
         distinct = len(set(outs.values()))
-        print(f"[populora] step {self.global_steps} greedy probe: {distinct}/{len(outs)} distinct outputs", flush=True)
+        distinct_lp = len({round(v, 4) for v in logps.values()})
+        print(f"[populora] step {self.global_steps} greedy probe: {distinct}/{len(outs)} distinct outputs, "
+              f"{distinct_lp}/{len(logps)} distinct greedy log-probs", flush=True)
         for mid, text in outs.items():
             print(f"[populora]   {mid} lora_int_id={table[mid]['lora_int_id']} ({table[mid]['lora_name']}): "
-                  f"{text[:100]!r}", flush=True)
+                  f"sum_logp={logps.get(mid, float('nan')):.6f} {text[:100]!r}", flush=True)
 
 
 def register() -> type[PopuLoRATrainer]:

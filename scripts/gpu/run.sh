@@ -12,14 +12,16 @@ case "$job" in
       --out "$OUT/operators_gpu.md" "$@" 2>&1 | tee "$OUT/bench_operators.log" ;;
   eval_base)
     start=$(date +%s)
-    python3 -m populora_verl.eval.cli --model "$MODEL_DIR" --backend vllm --benchmarks humanevalplus,mbppplus \
+    python3 -m populora_verl.eval.cli --model "$MODEL_DIR" --backend vllm --benchmarks humaneval_plus,mbpp_plus \
       --data-dir "$PWD/.gpuwork/benchmarks" --max-new-tokens 768 --gpu-memory-utilization 0.6 \
       --out "$OUT/eval_base" "$@" 2>&1 | tee "$OUT/eval_base.log"
     echo "eval wall-clock: $(( $(date +%s) - start )) s" | tee -a "$OUT/eval_base.log" ;;
   proof)
     bash scripts/gpu_proof.sh "$MODEL_DIR" "$OUT" "$@" ;;
   step_scaling)
-    python3 -m populora_verl.bench.step_scaling --model "$MODEL_DIR" --out "$OUT/step_scaling.md" "$@" 2>&1 \
-      | tee "$OUT/step_scaling.log" ;;
+    # /tmp keeps earlier configs' results while the machine is warm: split the configs over calls if needed.
+    python3 -m populora_verl.bench.step_scaling --model "$MODEL_DIR" --out /tmp/step_scaling "$@" 2>&1 \
+      | grep -v "Warning\|warn(" | tee "$OUT/step_scaling.log"
+    cp /tmp/step_scaling/results.md /tmp/step_scaling/results.json "$OUT/" 2>/dev/null ;;
   *) echo "unknown job $job" >&2; exit 2 ;;
 esac
