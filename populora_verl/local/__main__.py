@@ -1,0 +1,177 @@
+"""``python -m populora_verl.local``: a PopuLoRA run on CPU (embedded tiny model by default; no download).
+
+Configuration, lowest to highest precedence: the driver's defaults (2T+2S, short generations), ``--config YAML``
+(``populora:`` and ``local:`` sections; on ``--resume`` the run's saved ``config.yaml`` comes first), the flags, and
+``key=value`` overrides of ``populora.*`` / ``local.*`` keys. Any invalid value stops start-up with one line that
+names the key (exit status 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import logging
+import sys
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from populora_verl.config import ConfigError, PopuLoRAConfig, load_config
+from populora_verl.local.config import TINY_LOCAL_DEFAULTS, TINY_POPULORA_DEFAULTS, LocalConfig, load_local_config
+
+__all__ = ["main", "build_configs", "parse_args"]
+
+# Real models on CPU: keep generations short unless told otherwise.
+REAL_MODEL_DEFAULTS = {"rollout": {"max_new_tokens": 256}}
+
+
+def _merge(base: dict[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
+    out = copy.deepcopy(base)
+    for k, v in extra.items():
+        if isinstance(v, Mapping) and isinstance(out.get(k), dict):
+            out[k] = _merge(out[k], v)
+        else:
+            out[k] = copy.deepcopy(v)
+    return out
+
+
+def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    node = tree
+    for p in parts[:-1]:
+        nxt = node.setdefault(p, {})
+        if not isinstance(nxt, dict):
+            raise ConfigError(f"{dotted}: {p} is not a section")
+        node = nxt
+    node[parts[-1]] = value
+
+
+def _parse_override(item: str) -> tuple[str, Any]:
+    import yaml
+
+    if "=" not in item:
+        raise ConfigError(f"{item}: overrides are key=value (e.g. populora.pbt.interval_steps=3)")
+    key, raw = item.split("=", 1)
+    key = key.strip()
+    if not (key.startswith("populora.") or key.startswith("local.")):
+        raise ConfigError(f"{key}: only populora.* and local.* keys can be overridden")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError:
+        value = raw
+    return key, value
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m populora_verl.local",
+                                description="PopuLoRA on CPU: a population of LoRA adapters in AZR self-play.")
+    p.add_argument("--model", help="local HF model folder (default: an embedded tiny random model)")
+    p.add_argument("--gguf", help="a GGUF model file (transformers + gguf)")
+    p.add_argument("--steps", type=int, help="total steps (local.steps)")
+    p.add_argument("--teachers", type=int, help="populora.population.num_teachers")
+    p.add_argument("--students", type=int, help="populora.population.num_students")
+    p.add_argument("--single-agent", action="store_true", help="the AZR baseline: one adapter in both roles")
+    p.add_argument("--run-dir", default="runs/local", help="run directory (default: runs/local)")
+    p.add_argument("--resume", action="store_true", help="continue from the run directory's latest checkpoint")
+    p.add_argument("--seed", type=int, help="populora.population.seed")
+    p.add_argument("--config", help="YAML with populora: and/or local: sections")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    p.add_argument("overrides", nargs="*", help="populora.<section>.<key>=value or local.<key>=value")
+    return p.parse_intermixed_args(argv)  # overrides may come before or after the flags
+
+
+def build_configs(args: argparse.Namespace) -> tuple[PopuLoRAConfig, LocalConfig]:
+    """Layer defaults, YAML, flags and overrides; validate. Raises :class:`ConfigError` naming the bad key."""
+    import yaml
+
+    tree: dict[str, Any] = {"populora": copy.deepcopy(TINY_POPULORA_DEFAULTS), "local": {}}
+    if args.model or args.gguf:
+        tree["populora"] = _merge(tree["populora"], REAL_MODEL_DEFAULTS)
+    else:
+        tree["local"] = copy.deepcopy(TINY_LOCAL_DEFAULTS)
+    files = []
+    saved = Path(args.run_dir) / "config.yaml"
+    if args.resume and saved.is_file():
+        files.append(saved)
+    if args.config:
+        files.append(Path(args.config))
+    for path in files:
+        if not path.is_file():
+            raise ConfigError(f"--config: no such file {path}")
+        data = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"--config: {path} must hold a mapping with populora: / local: sections")
+        unknown = set(data) - {"populora", "local"}
+        if unknown:
+            raise ConfigError(f"{sorted(unknown)[0]}: unknown top-level section in {path} (known: populora, local)")
+        tree = _merge(tree, data)
+    flags = {
+        "local.steps": args.steps, "populora.population.num_teachers": args.teachers,
+        "populora.population.num_students": args.students, "populora.population.seed": args.seed,
+        "populora.population.mode": "single_agent" if args.single_agent else None,
+    }
+    for key, value in flags.items():
+        if value is not None:
+            _set_dotted(tree, key, value)
+    if args.quiet:
+        _set_dotted(tree, "local.progress", False)
+    for item in args.overrides:
+        key, value = _parse_override(item)
+        _set_dotted(tree, key, value)
+    cfg = load_config(tree.get("populora") or {})
+    local = load_local_config(tree.get("local") or {})
+    return cfg, local
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        cfg, local = build_configs(args)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.model and args.gguf:
+        print("error: --model and --gguf are exclusive", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    from populora_verl.local.driver import LocalDriver
+
+    try:
+        driver = LocalDriver(cfg, local, args.run_dir, model_path=args.model, gguf=args.gguf, resume=args.resume)
+    except (ConfigError, FileNotFoundError, FileExistsError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    pop = driver.population
+    what = "single agent (AZR baseline)" if cfg.population.mode == "single_agent" else \
+        f"{len(pop.teachers())} teachers + {len(pop.students())} students"
+    print(f"populora local: {what}, steps {driver.start_step + 1}..{local.steps}, run dir {driver.run_dir}")
+    try:
+        driver.run()
+    finally:
+        driver.close()
+    _print_summary(driver)
+    return 0
+
+
+def _print_summary(driver: Any) -> None:
+    pop = driver.population
+    last = driver.history[-1] if driver.history else {}
+    print(f"\nfinished step {pop.step}; population:")
+    print(f"  {'id':<5} {'role':<8} {'slot':>4} {'mu':>7} {'sigma':>6} {'mu-3s':>7}  parents (operator, born)")
+    for m in pop.members:
+        r = pop.ratings[m.id]
+        origin = f"{'+'.join(m.parents)} ({m.operator}, step {m.birth_step})" if m.parents else "founder"
+        print(f"  {m.id:<5} {m.role:<8} {m.slot:>4} {r.mu:7.2f} {r.sigma:6.2f} {r.mu - 3 * r.sigma:7.2f}  {origin}")
+    dead = [m for m in pop.lineage if not m.alive]
+    if dead:
+        print("  replaced: " + ", ".join(f"{m.id} (step {m.death_step})" for m in dead))
+    if last:
+        print(f"last step: validity {last.get('populora/validity/mean', 0):.2f}, student accuracy "
+              f"{last.get('populora/student/accuracy', 0):.2f}, coverage {last.get('populora/coverage/fraction', 0):.2f}")
+    run = driver.run_dir
+    print(f"metrics: {run / 'metrics.jsonl'}  tensorboard: {run / 'tb'}  plots: {run / 'plots'}")
+    print(f"checkpoints: {run / 'checkpoints'} (latest: {(run / 'checkpoints' / 'latest').read_text().strip()})"
+          if (run / "checkpoints" / "latest").is_file() else "")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,223 @@
+"""The single-process CPU driver: HF transformers + PEFT around :class:`populora_verl.step.PopulationStep`.
+
+A test bed, not a second product: matchmaking, prompts, validation, rewards, ratings, advantages and evolution all
+come from the shared components; this file only generates, trains, checkpoints and logs.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import time
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+import torch
+
+from populora_verl.checkpoint import (capture_rng_state, latest_checkpoint, load_checkpoint, restore_rng_state,
+                                      save_checkpoint)
+from populora_verl.config import PopuLoRAConfig, to_dict
+from populora_verl.local.config import LocalConfig
+from populora_verl.local.hf_engine import HFEngine, seed_for, slot_name
+from populora_verl.step import PopulationStep, StepResult
+
+__all__ = ["LocalDriver", "load_model"]
+
+log = logging.getLogger(__name__)
+
+
+def load_model(model_path: str | None = None, gguf: str | None = None, *, seed: int = 0,
+               dtype: str = "float32") -> tuple[Any, Any]:
+    """``(model, tokenizer)``: the embedded tiny model, a local HF model folder, or a GGUF file (needs ``gguf``)."""
+    if model_path is None and gguf is None:
+        from populora_verl.local.tiny import build_tiny
+
+        return build_tiny(seed=seed)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch_dtype = getattr(torch, dtype)
+    if gguf is not None:
+        path = Path(gguf)
+        if not path.is_file():
+            raise FileNotFoundError(f"--gguf: no such file {gguf}")
+        kw = dict(gguf_file=path.name)
+        tok = AutoTokenizer.from_pretrained(str(path.parent), **kw)
+        model = AutoModelForCausalLM.from_pretrained(str(path.parent), torch_dtype=torch_dtype, **kw)
+    else:
+        if not Path(model_path).is_dir():
+            raise FileNotFoundError(f"--model: no such directory {model_path}")
+        tok = AutoTokenizer.from_pretrained(model_path)
+        model = AutoModelForCausalLM.from_pretrained(model_path, torch_dtype=torch_dtype)
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return model.eval(), tok
+
+
+class LocalDriver:
+    """Runs PopuLoRA steps on one CPU process and keeps ``run_dir`` (metrics, tb, plots, checkpoints) up to date."""
+
+    def __init__(self, cfg: PopuLoRAConfig, local: LocalConfig, run_dir: str | Path, *, model: Any = None,
+                 tokenizer: Any = None, model_path: str | None = None, gguf: str | None = None,
+                 resume: bool = False, executor: Any = None) -> None:
+        self.cfg, self.local = cfg, local
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.seed = int(cfg.population.seed)
+        # Everything below that draws from the global RNGs (LoRA init) is reproducible from the seed.
+        random.seed(self.seed)
+        np.random.seed(self.seed % 2**32)
+        torch.manual_seed(self.seed)
+        if model is None:
+            model, tokenizer = load_model(model_path, gguf, seed=self.seed, dtype=local.dtype)
+        self.step_obj = PopulationStep(cfg, executor=executor, seed=self.seed)
+        self.engine = HFEngine(model, tokenizer, num_slots=len(self.step_obj.population.members), cfg=local,
+                               temperature=cfg.rollout.temperature, max_new_tokens=cfg.rollout.max_new_tokens)
+        self.start_step = 0
+        ckpt = latest_checkpoint(self.run_dir)
+        if ckpt is not None and not resume:
+            # A fresh run here would interleave its metrics and checkpoints with the old run's.
+            raise FileExistsError(f"run dir {self.run_dir} already holds a run (checkpoint {ckpt.name}): pass "
+                                  "--resume to continue it, or choose another --run-dir")
+        if resume and ckpt is None:
+            log.warning("--resume: no complete checkpoint in %s, starting fresh", self.run_dir)
+        if ckpt is not None:
+            self._restore(ckpt)
+        else:
+            self._write_config()
+        from populora_verl.diagnostics.metrics import MetricsLogger
+
+        self.logger = MetricsLogger(self.run_dir, tensorboard=local.tensorboard and _has_tensorboard(),
+                                    resume_step=self.start_step)
+        self.history: list[dict[str, float]] = []
+
+    # --- state ------------------------------------------------------------------------------------------
+
+    @property
+    def population(self) -> Any:
+        return self.step_obj.population
+
+    def slot_of(self, member_id: str) -> str:
+        return slot_name(self.population.member(member_id).slot)
+
+    def adapters(self) -> dict[str, dict[str, torch.Tensor]]:
+        """``{member id: LoRA state dict}`` of the living members."""
+        return {m.id: self.engine.get_adapter(slot_name(m.slot)) for m in self.population.members}
+
+    def _write_config(self) -> None:
+        import yaml
+
+        with open(self.run_dir / "config.yaml", "w") as f:
+            yaml.safe_dump({"populora": to_dict(self.cfg), "local": to_dict(self.local)}, f, sort_keys=False)
+
+    def save(self, step: int) -> Path:
+        optim = {m.id: self.engine.optimizer_state(slot_name(m.slot)) for m in self.population.members}
+        return save_checkpoint(self.run_dir, step, population=self.population, adapters=self.adapters(),
+                               lora_config=self.engine.lora_config_dict(), optimizers=optim,
+                               step_state=self.step_obj.state_dict(), rng=capture_rng_state())
+
+    def _restore(self, path: Path) -> None:
+        ck = load_checkpoint(path)
+        members = ck.population.members
+        if len(members) != len(self.engine.slots):
+            raise ValueError(f"checkpoint {path} has {len(members)} members, this run has {len(self.engine.slots)} "
+                             "slots: resume with the same population size")
+        self.step_obj.load_state_dict(ck.step_state, population=ck.population)
+        for m in members:
+            slot = slot_name(m.slot)
+            self.engine.set_adapter(slot, ck.adapters[m.id])
+            if m.id in ck.optimizers:
+                self.engine.load_optimizer_state(slot, ck.optimizers[m.id])
+            else:
+                self.engine.reset_optimizer(slot)
+        if ck.rng is not None:
+            restore_rng_state(ck.rng)
+        self.start_step = ck.step
+        log.info("resumed from %s (step %d)", path, ck.step)
+
+    # --- one step ---------------------------------------------------------------------------------------
+
+    def run_step(self, step: int) -> tuple[StepResult, dict[str, float]]:
+        """Generate, score, update every adapter, maybe evolve; returns the result and the logged metrics."""
+        ps, eng = self.step_obj, self.engine
+        t0 = time.perf_counter()
+        proposals = eng.generate(ps.begin(step), self.slot_of, seed_for(self.seed, step, 0))
+        t1 = time.perf_counter()
+        answers = eng.generate(ps.on_proposals(proposals), self.slot_of, seed_for(self.seed, step, 1))
+        t2 = time.perf_counter()
+        result = ps.on_answers(answers)
+        t3 = time.perf_counter()
+        metrics = dict(result.metrics)
+        for m in self.population.members:  # slot order: deterministic
+            stats = eng.update(slot_name(m.slot), result.updates.get(m.id, []))
+            for k, v in stats.items():
+                metrics[f"populora/train/{m.id}/{k}"] = v
+        t4 = time.perf_counter()
+        plan, children = ps.maybe_evolve(step, self.adapters())
+        if plan is not None:
+            self.apply_plan(plan, children)
+            metrics["populora/evolution/events"] = float(len(plan))
+        metrics.update({"populora/time/propose_s": t1 - t0, "populora/time/solve_s": t2 - t1,
+                        "populora/time/score_s": t3 - t2, "populora/time/update_s": t4 - t3,
+                        "populora/time/step_s": time.perf_counter() - t0})
+        return result, metrics
+
+    def apply_plan(self, plan: Any, children: Mapping[str, Mapping[str, torch.Tensor]]) -> None:
+        """Write each child into its victim's slot; reset (or inherit) that slot's optimizer state."""
+        eng = self.engine
+        parent_optim = {r.child_id: eng.optimizer_state(self.slot_of(r.parent_ids[0]))
+                        for r in plan.replacements if not r.reset_optimizer}
+        for r in plan.replacements:
+            slot = slot_name(r.victim_slot)
+            eng.set_adapter(slot, children[r.child_id])
+            if r.reset_optimizer:
+                eng.reset_optimizer(slot)
+            else:  # a child that keeps its fitter parent's moments (pbt.reset_optimizer_on_replace=false)
+                eng.load_optimizer_state(slot, parent_optim[r.child_id])
+        with open(self.run_dir / "evolution.jsonl", "a") as f:
+            f.write(json.dumps(plan.to_dict()) + "\n")
+
+    def run(self, steps: int | None = None) -> list[dict[str, float]]:
+        """Run up to step ``steps`` (total, counting resumed ones); checkpoint, log, plot at the end."""
+        total = self.local.steps if steps is None else int(steps)
+        bar = None
+        if self.local.progress:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=total, initial=self.start_step, desc="populora", unit="step", dynamic_ncols=True)
+        step = self.start_step
+        try:
+            for step in range(self.start_step + 1, total + 1):
+                _, metrics = self.run_step(step)
+                self.history.append(self.logger.log(metrics, step))
+                every = self.local.save_every
+                if (every and step % every == 0) or step == total:
+                    self.save(step)
+                if bar is not None:
+                    bar.update(1)
+                    bar.set_postfix(valid=f"{metrics.get('populora/validity/mean', 0):.2f}",
+                                    acc=f"{metrics.get('populora/student/accuracy', 0):.2f}",
+                                    evo=int(metrics.get("populora/evolution/events", 0)))
+        finally:
+            if bar is not None:
+                bar.close()
+            self.logger.close()
+        if self.cfg.diagnostics.plots and (self.run_dir / "metrics.jsonl").exists():
+            from populora_verl.diagnostics.plots import plot_all
+
+            plot_all(self.run_dir / "metrics.jsonl", self.run_dir / "plots")
+        return self.history
+
+    def close(self) -> None:
+        self.logger.close()
+        self.step_obj.tasks.close()
+
+
+def _has_tensorboard() -> bool:
+    try:
+        import tensorboard  # noqa: F401
+    except ImportError:
+        log.warning("tensorboard is not installed: metrics go to metrics.jsonl only")
+        return False
+    return True

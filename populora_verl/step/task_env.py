@@ -1,0 +1,112 @@
+"""The task side of the population step: buffers, prompts, validation and scoring, bound to
+:mod:`populora_verl.tasks` and the sandboxed :mod:`populora_verl.executor`.
+
+:class:`~populora_verl.step.orchestration.PopulationStep` talks to this small surface only, so a test can hand it
+a fake (``tasks_env=``) and the verl trainer can share one executor across its reward workers.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+from populora_verl.config import PopuLoRAConfig
+
+__all__ = ["TaskEnv"]
+
+
+class TaskEnv:
+    """Prompts from buffers, proposal validation and answer scoring for one run."""
+
+    def __init__(self, cfg: PopuLoRAConfig, *, executor: Any = None) -> None:
+        from populora_verl.tasks import TaskBuffers
+
+        self.cfg = cfg
+        self._executor = executor
+        self._owns_executor = executor is None
+        self.buffers = TaskBuffers(cfg.buffer, types=tuple(cfg.tasks.types))
+        # Both templates open the think block for the model (azr literally, chat by instruction); the parser puts a
+        # missing "<think>" back, so one format rule serves both.
+        self.think_prefilled = True
+
+    @property
+    def executor(self) -> Any:
+        if self._executor is None:
+            from populora_verl.executor import Executor
+
+            self._executor = Executor.from_config(self.cfg.executor)
+        return self._executor
+
+    def close(self) -> None:
+        if self._owns_executor and self._executor is not None:
+            close = getattr(self._executor, "close", None)
+            if close is not None:
+                close()
+            self._executor = None
+
+    # --- prompts --------------------------------------------------------------------------------------------
+
+    def proposer_request(self, task_type: str, rng: Any) -> tuple[Any, dict[str, Any]]:
+        """A proposer prompt (with K buffer references, or one buffered program for code_f) and its meta."""
+        from populora_verl.tasks import proposer_prompt, render_prompt
+
+        tcfg = self.cfg.tasks
+        if task_type == "code_f":
+            program = self.buffers.sample_program(rng)
+            question = proposer_prompt(task_type, tcfg, program=program)
+            meta = {"program": program, "references": [program.id]}
+        else:
+            refs = self.buffers.references(task_type, tcfg.num_references, rng) if tcfg.num_references else []
+            question = proposer_prompt(task_type, tcfg, references=refs)
+            meta = {"program": None, "references": [t.id for t in refs]}
+        return render_prompt(question, tcfg.prompt_template), meta
+
+    def solver_request(self, task: Any) -> Any:
+        from populora_verl.tasks import render_prompt, solver_prompt
+
+        return render_prompt(solver_prompt(task), self.cfg.tasks.prompt_template)
+
+    def buffer_tasks(self, task_type: str, k: int, rng: Any) -> list[Any]:
+        """Up to ``k`` buffer tasks of ``task_type`` for a student whose teacher gave none (or ``student_mix``)."""
+        if k <= 0 or task_type not in self.buffers.buffers:
+            return []
+        return self.buffers[task_type].sample(k, rng)
+
+    # --- checks ---------------------------------------------------------------------------------------------
+
+    def validate_many(self, items: Sequence[tuple[str, str, Mapping[str, Any], str, int]]) -> list[tuple[Any, str]]:
+        """``(task_type, response, meta, teacher, step)`` -> ``(Task | None, status)``; status ``valid`` |
+        ``format`` (malformed) | ``invalid`` (failed checks or execution). Never raises on model text."""
+        from populora_verl.tasks import validate_proposal
+
+        out = []
+        for task_type, text, meta, teacher, step in items:
+            res = validate_proposal(text, task_type, self.executor, self.cfg, program=meta.get("program"),
+                                    teacher=teacher, step=step, think_prefilled=self.think_prefilled)
+            out.append((res.task if res.valid else None, res.status))
+        return out
+
+    def score_many(self, items: Sequence[tuple[Any, str]]) -> list[tuple[float, bool]]:
+        """``(task, response)`` -> ``(reward, correct)``; identical answers to one task are scored once."""
+        from populora_verl.tasks import score_answer
+
+        cache: dict[tuple[str, str], tuple[float, bool]] = {}
+        out = []
+        for task, text in items:
+            key = (task.id, text)
+            if key not in cache:
+                s = score_answer(task, text, self.executor, self.cfg, think_prefilled=self.think_prefilled)
+                cache[key] = (float(s.reward), bool(s.correct))
+            out.append(cache[key])
+        return out
+
+    # --- buffers --------------------------------------------------------------------------------------------
+
+    def add_to_buffers(self, tasks: Sequence[tuple[Any, float | None]]) -> int:
+        """Add solved valid tasks (with their solve rate, for ``buffer.valid_program_filter``)."""
+        return sum(bool(self.buffers.add(task, rate)) for task, rate in tasks)
+
+    def buffers_state(self) -> dict[str, Any]:
+        return self.buffers.state_dict()
+
+    def load_buffers_state(self, state: Mapping[str, Any]) -> None:
+        self.buffers.load_state_dict(state)
