@@ -36,7 +36,8 @@ CONFIGS: dict[str, list[str]] = {
     "4t4s": ["populora.population.num_teachers=4", "populora.population.num_students=4"],
 }
 ADAPTERS = {"single": 1, "1t1s": 2, "2t2s": 4, "4t4s": 8}
-_STEP_LINE = re.compile(r"^step:(\d+) - ")
+# verl's console logger line, possibly behind Ray's "(TaskRunnerV1 pid=...)" prefix.
+_STEP_LINE = re.compile(r"(?:^|\s)step:(\d+) - ")
 _METRIC = re.compile(r"([\w/@.\-]+):([-+0-9.eE]+|nan|inf)")
 
 
@@ -60,7 +61,7 @@ def parse_console(text: str) -> tuple[dict[int, float], float | None]:
     """``{step: timing_s/step}`` and the max ``perf/max_memory_allocated_gb`` from verl's console logger lines."""
     steps, peak = {}, None
     for line in text.splitlines():
-        m = _STEP_LINE.match(line.strip())
+        m = _STEP_LINE.search(line)
         if not m:
             continue
         vals = {k: float(v) for k, v in _METRIC.findall(line)}
@@ -178,7 +179,11 @@ def main(argv: list[str] | None = None) -> int:
             row.pop("mean_step_s", None)
             row["step_s"] = {int(k): v for k, v in row.get("step_s", {}).items()}
             if row["name"] not in names:
-                results.append(RunResult(**row))
+                r = RunResult(**row)
+                log = out / f"{r.name}.log"
+                if log.exists():  # re-read with the current parser
+                    r.step_s, r.verl_peak_gb = parse_console(log.read_text(errors="replace"))
+                results.append(r)
     for name in names:
         print(f"step_scaling: {name} ({ADAPTERS[name]} adapters, {args.steps} steps) ...", flush=True)
         r = run_one(args.model, name, args.steps, out, list(args.overrides), args.timeout_s)
