@@ -51,6 +51,20 @@ def test_population_run_end_to_end(tmp_path):
         assert (ck / "optimizer" / f"{m.id}.pt").is_file()
     for f in ("state.json", "buffers.json", "coverage.npz", "population/population.json"):
         assert (ck / f).is_file(), f
+    # The embedded tiny base model is saved with the run, so a saved member loads on its own (populora-eval).
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    member = pop.members[0].id
+    adapter_dir = ck / "population" / "adapters" / member
+    base_dir = json.loads((adapter_dir / "adapter_config.json").read_text())["base_model_name_or_path"]
+    assert base_dir == str((tmp_path / "base_model").resolve())
+    peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir), adapter_dir)
+    from peft import get_peft_model_state_dict
+
+    loaded = get_peft_model_state_dict(peft_model)
+    saved = d.adapters()[member]
+    assert set(loaded) == set(saved) and all(torch.equal(loaded[k], saved[k]) for k in saved)
     assert set(founders) == {"t0", "t1", "s0", "s1"}
 
 

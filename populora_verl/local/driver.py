@@ -71,6 +71,7 @@ class LocalDriver:
         torch.manual_seed(self.seed)
         if model is None:
             model, tokenizer = load_model(model_path, gguf, seed=self.seed, dtype=local.dtype)
+        self.base_model_path = self._base_model_path(model, tokenizer, model_path, gguf)
         self.step_obj = PopulationStep(cfg, executor=executor, seed=self.seed)
         self.engine = HFEngine(model, tokenizer, num_slots=len(self.step_obj.population.members), cfg=local,
                                temperature=cfg.rollout.temperature, max_new_tokens=cfg.rollout.max_new_tokens)
@@ -105,6 +106,22 @@ class LocalDriver:
         """``{member id: LoRA state dict}`` of the living members."""
         return {m.id: self.engine.get_adapter(slot_name(m.slot)) for m in self.population.members}
 
+    def _base_model_path(self, model: Any, tokenizer: Any, model_path: str | None, gguf: str | None) -> str | None:
+        """Where the saved adapters' base model lives (their ``base_model_name_or_path``), so ``populora-eval
+        --run-dir`` and ``PeftModel.from_pretrained`` find it. The embedded tiny model exists only in memory: it is
+        written once to ``<run_dir>/base_model`` (a few MB)."""
+        if model_path is not None:
+            return str(Path(model_path).resolve())
+        if gguf is not None:
+            return None  # a GGUF-loaded model cannot be saved; convert it with `python -m populora_verl.models`
+        out = self.run_dir / "base_model"
+        if not (out / "config.json").exists():
+            tmp = self.run_dir / "base_model.tmp"
+            model.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
+            tmp.rename(out)
+        return str(out.resolve())
+
     def _write_config(self) -> None:
         import yaml
 
@@ -113,8 +130,9 @@ class LocalDriver:
 
     def save(self, step: int) -> Path:
         optim = {m.id: self.engine.optimizer_state(slot_name(m.slot)) for m in self.population.members}
+        lora_config = dict(self.engine.lora_config_dict(), base_model_name_or_path=self.base_model_path)
         return save_checkpoint(self.run_dir, step, population=self.population, adapters=self.adapters(),
-                               lora_config=self.engine.lora_config_dict(), optimizers=optim,
+                               lora_config=lora_config, optimizers=optim,
                                step_state=self.step_obj.state_dict(), rng=capture_rng_state())
 
     def _restore(self, path: Path) -> None:
