@@ -25,6 +25,10 @@ INSTALL_REQUIRES = [
     "radon==6.0.1",
     "math-verify==0.9.0",
     "ribs==0.12.0",
+    # Pinned to the versions that resolved with verl 0.9.1: left free, pip picks a newer fsspec first and then
+    # backtracks through dozens of datasets releases (minutes on a fresh machine).
+    "datasets==5.2.0",
+    "fsspec==2026.9.0",
 ]
 
 setup(

@@ -13,20 +13,20 @@ import functools
 import json
 import logging
 import os
-import select
 import shutil
 import signal
-import struct
 import subprocess
 import sys
 import threading
 import time
 from dataclasses import dataclass, field
 
+# The wire format and its reader are the runner's (one definition for both ends of the pipe).
+from populora_verl.executor._runner import _HDR, _read_exact
+
 logger = logging.getLogger(__name__)
 
 RUNNER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_runner.py")
-_HDR = struct.Struct(">I")
 _NS_FLAGS = ["--pid", "--fork", "--kill-child", "--net", "--mount", "--ipc", "--uts", "--propagation", "private"]
 # The runner gets nothing from our environment: no secrets, no PYTHONPATH, fixed hash seed so that the
 # repr of a set of strings is the same in every worker and every run.
@@ -72,22 +72,6 @@ def detect_sandbox(isolation: str = "auto") -> SandboxPlan:
     else:
         notes.append("namespaces disabled by isolation=rlimits")
     return SandboxPlan((), "none", root, tuple(notes))
-
-
-def _read_exact(fd: int, n: int, deadline: float) -> bytes | None:
-    buf = bytearray()
-    while len(buf) < n:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            return None
-        ready, _, _ = select.select([fd], [], [], left)
-        if not ready:
-            return None
-        chunk = os.read(fd, n - len(buf))
-        if not chunk:
-            return None
-        buf += chunk
-    return bytes(buf)
 
 
 class Worker:

@@ -14,6 +14,10 @@ import tokenize
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
+# The executor's runner holds the same static policy helpers (stdlib only, safe to import here).
+from populora_verl.executor._runner import _attr_chain as _dotted
+from populora_verl.executor._runner import _banned_match as _module_banned
+
 __all__ = [
     "ParseError",
     "normalise_response",
@@ -144,25 +148,6 @@ class CheckedProgram:
 
     code: str
     original_name: str
-
-
-def _module_banned(name: str, banned: Sequence[str]) -> str | None:
-    """The banned entry that ``name`` (a dotted module or attribute path) falls under, if any."""
-    for b in banned:
-        if name == b or name.startswith(b + "."):
-            return b
-    return None
-
-
-def _dotted(node: ast.AST) -> str | None:
-    parts = []
-    while isinstance(node, ast.Attribute):
-        parts.append(node.attr)
-        node = node.value
-    if isinstance(node, ast.Name):
-        parts.append(node.id)
-        return ".".join(reversed(parts))
-    return None
 
 
 def find_banned(tree: ast.AST, banned: Sequence[str]) -> str | None:
