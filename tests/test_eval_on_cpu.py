@@ -17,11 +17,14 @@ from populora_verl.eval.lcb import LCBFormatError, check_lcb, decode_private_tes
 from populora_verl.eval.math_grader import extract_answer, extract_boxed, math_equal, score_math
 from populora_verl.eval.sandbox import SandboxLimits, run_program
 
-try:
-    DATA = resolve_data_dir()
-except FileNotFoundError:  # pragma: no cover - the offline benchmark copy is part of the workspace
-    DATA = None
-needs_data = pytest.mark.skipif(DATA is None, reason="offline benchmarks not found")
+# A few real items per benchmark, in the release formats (tests/data/benchmarks/README.md), so the tests run the
+# same on every machine, with or without the full offline copy in ../shared/data/benchmarks.
+DATA = resolve_data_dir(Path(__file__).resolve().parent / "data" / "benchmarks")
+
+
+@pytest.fixture(autouse=True)
+def _fixture_benchmarks(monkeypatch):
+    monkeypatch.setenv("POPULORA_BENCHMARKS", str(DATA))
 FAST = SandboxLimits(task_timeout_s=10.0, exec_timeout_s=5.0, memory_mb=1024)
 
 
@@ -39,7 +42,6 @@ def cache_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("expected")
 
 
-@needs_data
 @pytest.mark.parametrize("task_id,broken", [
     ("HumanEval/0", "def has_close_elements(numbers, threshold):\n    return False\n"),
     # Off by one on the boundary: right on base tests of the sorted kind, wrong elsewhere.
@@ -55,7 +57,6 @@ def test_humaneval_plus_canonical_passes_broken_fails(task_id, broken, cache_dir
     assert not bad.plus_pass and "wrong output" in bad.error
 
 
-@needs_data
 def test_humaneval_32_find_zero_uses_root_oracle(cache_dir):
     item = _item("humaneval_plus", "HumanEval/32")
     exp = compute_expected(item.gold, cache_dir=cache_dir)
@@ -73,7 +74,6 @@ def test_humaneval_32_find_zero_uses_root_oracle(cache_dir):
     assert not check_candidate(item.gold, "def find_zero(xs):\n    return 'x'\n", exp, limits=FAST).plus_pass
 
 
-@needs_data
 def test_mbpp_plus_canonical_passes_broken_fails(cache_dir):
     item = _item("mbpp_plus", "Mbpp/2")  # tuple inputs (deserialised) and the set-equality oracle
     exp = compute_expected(item.gold, cache_dir=cache_dir)
@@ -129,7 +129,6 @@ def test_extract_boxed_and_answer():
     assert extract_answer("") is None
 
 
-@needs_data
 @pytest.mark.parametrize("bench", MATH_BENCHMARKS)
 def test_math_benchmarks_right_and_wrong(bench):
     items = load_benchmark(bench, limit=2)
@@ -250,7 +249,6 @@ def _random_adapters(model_path: Path, root: Path, n: int) -> list[Path]:
     return out
 
 
-@needs_data
 def test_end_to_end_hf_base_and_two_adapters(tmp_path, capsys):
     from populora_verl.eval.cli import eval_main
 
