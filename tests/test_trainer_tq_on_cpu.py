@@ -1,0 +1,343 @@
+"""The verl trainer's TransferQueue plumbing on a real local Ray cluster (no GPU, no vLLM).
+
+``PopuLoRATrainer.step`` runs for real against a real TransferQueue (SimpleStorage, one storage unit): prompts go in
+through verl's ``_submit_batch_to_rollout``, a stand-in agent loop writes trajectories exactly as verl's
+``AgentLoopWorkerTQ._agent_loop_postprocess`` does (keys ``{uid}_{session}_0``), verl's sync ``ReplayBuffer`` samples
+them, the trainer decodes them, balances each adapter's sub-batch (verl pads it to the DP size in TQ), writes
+rm_scores / advantages / returns into TQ and hands each slot's batch to the (fake) actor workers. Only the pieces that
+need GPUs are stand-ins: the population logic (``pop_step``), the agent loop's generation and the actor workers.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+tq = pytest.importorskip("transfer_queue")
+ray = pytest.importorskip("ray")
+from hydra import compose, initialize_config_dir  # noqa: E402
+from omegaconf import OmegaConf, open_dict  # noqa: E402
+
+from populora_verl.step import GenRequest, Sample  # noqa: E402
+
+RECIPES = Path(__file__).resolve().parents[1] / "recipes" / "populora"
+PARTITION = "train"
+START_TIMEOUT_S = 60.0
+# member id -> adapter slot (2 teachers, 2 students)
+SLOTS = {"t0": 0, "t1": 1, "s0": 2, "s1": 3}
+# samples per request: t0 odd so verl pads its slot's batch to the DP size (2) with a synthetic row in TQ
+N = {"t0": 3, "t1": 2, "s0": 2, "s1": 3}
+DP = 2
+WORDS = ["<pad>", "<eos>", "def", "f", "x", "return", "answer", "is", "t0", "t1", "s0", "s1", "say", "prompt",
+         "0", "1", "2", "3", "4", "5", "6", "7", "8", "9"]
+
+
+# --- the cluster -------------------------------------------------------------------------------------------------
+
+
+def _tq_config():
+    """verl's own ``transfer_queue`` defaults (hydra, ppo_trainer) with one SimpleStorage unit for a 2-core box."""
+    import verl
+
+    cfg_dir = Path(verl.__file__).resolve().parent / "trainer" / "config"
+    with initialize_config_dir(config_dir=str(cfg_dir), version_base=None):
+        cfg = compose(config_name="ppo_trainer",
+                      overrides=["transfer_queue.enable=true",
+                                 "transfer_queue.backend.SimpleStorage.num_data_storage_units=1"])
+    return OmegaConf.create(OmegaConf.to_container(cfg.transfer_queue, resolve=True))
+
+
+def _start_cluster(conf, out: dict) -> None:
+    try:
+        # Above the physical count: TQ's controller + storage actors deadlock on a 2-CPU Ray budget.
+        ray.init(num_cpus=16, include_dashboard=False, log_to_driver=False,
+                 runtime_env={"env_vars": {"RAY_AUTH_MODE": "disabled"}})
+        tq.init(conf)
+        out["ok"] = True
+    except BaseException as e:  # reported by the fixture as the skip reason
+        out["error"] = e
+
+
+@pytest.fixture(scope="module")
+def tq_cluster():
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    if ray.is_initialized():
+        pytest.skip("a Ray cluster is already running in this process; this module starts its own")
+    conf = _tq_config()
+    assert conf.backend.SimpleStorage.num_data_storage_units == 1
+    out: dict = {}
+    th = threading.Thread(target=_start_cluster, args=(conf, out), daemon=True)
+    th.start()
+    th.join(START_TIMEOUT_S)
+    if not out.get("ok"):
+        if th.is_alive():
+            # ray.init / tq.init still running in the daemon thread: shutting Ray down under it could hang too
+            pytest.skip(f"TransferQueue did not start within {START_TIMEOUT_S:.0f}s on a local Ray cluster")
+        if ray.is_initialized():
+            ray.shutdown()
+        pytest.skip(f"TransferQueue could not start on a local Ray cluster: {out.get('error')!r}")
+    yield conf
+    try:
+        tq.close()
+    finally:
+        ray.shutdown()
+
+
+# --- stand-ins for the GPU parts ---------------------------------------------------------------------------------
+
+
+def _tokenizer():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece()  # joins words with spaces
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>")
+
+
+def _answer_text(adapter: str, session: int) -> str:
+    # lengths differ per session so every batch is jagged, as real rollouts are
+    return " ".join([adapter, "say"] + [str(d) for d in range(session + 1)])
+
+
+class _AgentLoop:
+    """Writes trajectories into TQ as verl's ``AgentLoopWorkerTQ`` does (status tags, ``{uid}_{session}_0`` keys,
+    ``_agent_loop_postprocess`` fields), synchronously, so the replay buffer's first poll sees every group done."""
+
+    def __init__(self, tokenizer):
+        self.tok = tokenizer
+        self.written: dict[str, dict] = {}  # key -> what the "engine" produced
+
+    def generate_sequences(self, batch) -> None:
+        from tensordict import NonTensorData, NonTensorStack
+
+        from verl.utils.tensordict_utils import list_of_dict_to_tensordict
+
+        for i in range(len(batch)):
+            row = {}
+            for k, v in batch.items():
+                if isinstance(v, torch.Tensor):
+                    row[k] = v[i]
+                elif isinstance(v, NonTensorStack):
+                    row[k] = v[i].data
+                elif isinstance(v, NonTensorData):
+                    row[k] = v.data
+            uid, n = row["uid"], int(row.pop("__rollout_n__"))
+            tq.kv_put(key=uid, partition_id=PARTITION, tag={"status": "running"})
+            keys, fields, tags = [], [], []
+            for session in range(n):
+                adapter = row["populora"]["adapter"]
+                text = _answer_text(adapter, session)
+                prompt_ids = self.tok.encode(row["raw_prompt"][0]["content"], add_special_tokens=False)
+                resp_ids = self.tok.encode(text, add_special_tokens=False) + [self.tok.eos_token_id]
+                # the trailing eos is masked out (as a tool/observation token would be): the reward must land on
+                # the last *masked-in* token, not the last position
+                mask = [1] * (len(resp_ids) - 1) + [0]
+                prompts, responses = torch.tensor(prompt_ids), torch.tensor(resp_ids)
+                input_ids = torch.cat([prompts, responses])
+                field = {
+                    "prompts": prompts, "responses": responses, "response_mask": torch.tensor(mask),
+                    "rollout_log_probs": torch.full((len(resp_ids),), -0.5),
+                    "num_turns": 2, "extra_fields": {"min_global_steps": row["global_steps"],
+                                                     "max_global_steps": row["global_steps"]},
+                    **row, "session_id": session,
+                }
+                field["loss_mask"] = field["response_mask"]
+                field["input_ids"] = input_ids
+                field["position_ids"] = torch.arange(input_ids.numel())
+                key = f"{uid}_{session}_0"
+                keys.append(key)
+                fields.append(field)
+                tags.append({"status": "success", "prompt_len": len(prompt_ids), "response_len": len(resp_ids),
+                             "seq_len": len(prompt_ids) + len(resp_ids), "global_steps": row["global_steps"],
+                             "min_global_steps": row["global_steps"], "max_global_steps": row["global_steps"]})
+                self.written[key] = {"text": text, "n_tokens": len(resp_ids) - 1, "adapter": adapter}
+            tq.kv_batch_put(keys=keys, fields=list_of_dict_to_tensordict(fields), tags=tags, partition_id=PARTITION)
+            tq.kv_put(key=uid, partition_id=PARTITION, tag={"status": "finished"})
+
+
+class _Workers:
+    """The actor worker group: ``DP`` ranks; reads what a real worker would read from TQ and records it."""
+
+    def __init__(self):
+        self._dispatch_info = {"actor": list(range(DP))}
+        self.updates: list[dict] = []
+
+    def populora_bank_info(self):
+        return [{"num_slots": 4, "slots": [{"slot": s, "lora_int_id": 1000 + s, "lora_name": f"{s}@v0"}
+                                           for s in range(4)]}] + [None] * (DP - 1)
+
+    def compute_log_prob(self, batch):
+        # the real worker writes full-sequence log-probs / entropy; verl's trainer then slices the responses
+        data = tq.kv_batch_get(keys=list(batch.keys), partition_id=PARTITION, select_fields=["input_ids"])
+        lens = [t.numel() for t in _rows(data["input_ids"])]
+        nested = lambda fill: torch.nested.as_nested_tensor(  # noqa: E731
+            [torch.full((n,), fill) for n in lens], layout=torch.jagged)
+        from tensordict import TensorDict
+
+        tq.kv_batch_put(keys=list(batch.keys), partition_id=PARTITION,
+                        fields=TensorDict({"log_probs": nested(-0.25), "entropy": nested(1.0)}, batch_size=len(lens)))
+        return batch
+
+    def update_actor(self, batch):
+        fields = ["rm_scores", "advantages", "returns", "response_mask", "old_log_probs", "responses"]
+        data = tq.kv_batch_get(keys=list(batch.keys), partition_id=PARTITION, select_fields=fields)
+        self.updates.append({"slot": batch.extra_info["populora_adapter"], "keys": list(batch.keys),
+                             "tags": list(batch.tags), "extra_info": dict(batch.extra_info),
+                             "data": {f: _rows(data[f]) for f in fields}})
+        return {"metrics": {"pg_loss": [0.5]}}
+
+
+def _rows(t):
+    from populora_verl.trainer.trainer import _rows as rows
+
+    return rows(t)
+
+
+def _reward(key_index: int) -> float:
+    return 0.25 * (key_index + 1)
+
+
+class _PopStep:
+    """The population step's data flow (requests in, samples out) without its logic: every completion becomes a
+    sample with a reward / advantage picked from its position, except s1's last answer, kept for estimation only."""
+
+    def __init__(self):
+        self.population = SimpleNamespace(members=[SimpleNamespace(id=m, slot=s) for m, s in SLOTS.items()])
+        self.teacher_resp = self.student_resp = None
+
+    def begin(self, step):
+        return [GenRequest(m, "teacher", "code_i", f"prompt {m} say", N[m]) for m in ("t0", "t1")]
+
+    def on_proposals(self, responses):
+        self.teacher_resp = responses
+        return [GenRequest(m, "student", "code_o", f"prompt {m} x", N[m]) for m in ("s0", "s1")]
+
+    def on_answers(self, responses):
+        self.student_resp = responses
+        samples, i = [], 0
+        for r in list(self.teacher_resp) + list(responses):
+            for j, (text, ln, key) in enumerate(zip(r.texts, r.lengths, r.extra, strict=True)):
+                if r.request.adapter == "s1" and j == r.request.n - 1:
+                    key = None  # estimation-only: scored, never trained on
+                samples.append(Sample(r.request.adapter, r.request.role, r.request.task_type, r.request.prompt, text,
+                                      reward=_reward(i), advantage=-1.0 + 0.5 * i, length=ln, extra=key))
+                i += 1
+        return SimpleNamespace(samples=samples, metrics={"populora/fake/samples": float(len(samples))})
+
+
+def _trainer(tmp_path):
+    from populora_verl.config import load_config
+    from populora_verl.trainer import register
+
+    cls = register()
+    with initialize_config_dir(config_dir=str(RECIPES), version_base=None):
+        cfg = compose(config_name="2t2s")
+    with open_dict(cfg):
+        cfg.trainer.default_local_dir = str(tmp_path / "ckpt")
+    t = cls.__new__(cls)  # verl's __init__ builds worker groups; the TQ path needs only these attributes
+    t.config = cfg
+    t.pcfg = load_config(cfg.populora)
+    t._init_populora_state()
+    t.trainer_mode = "sync"
+    t.debug_probes = False
+    t.global_steps = 1
+    t.tokenizer = _tokenizer()
+    t.replay_buffer = t._build_replay_buffer()
+    t.agent_loop_manager = _AgentLoop(t.tokenizer)
+    t.actor_rollout_wg = _Workers()
+    t.checkpoint_manager = SimpleNamespace(sleep_replicas=lambda: None)
+    t.pop_step = _PopStep()
+    return t
+
+
+def _listed() -> dict:
+    return (tq.kv_list(PARTITION) or {}).get(PARTITION, {})
+
+
+# --- tests -------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(120)
+def test_generate_round_trip_decodes_every_session(tq_cluster, tmp_path):
+    """prompts -> TQ -> agent loop -> replay buffer -> _fetch_responses: texts and masked lengths per key."""
+    t = _trainer(tmp_path)
+    reqs = t.pop_step.begin(1)
+    metrics: dict = {}
+    responses, batch, masks = t._generate(reqs, "teacher", metrics)
+    written = t.agent_loop_manager.written
+    assert sorted(batch.keys) == sorted(written) and len(batch.keys) == N["t0"] + N["t1"]
+    assert all(tag["status"] == "success" and tag["seq_len"] > 0 for tag in batch.tags)
+    for r in responses:
+        m = r.request.adapter
+        assert r.texts == [_answer_text(m, s) for s in range(N[m])]  # session order, eos skipped
+        assert r.lengths == [len(_answer_text(m, s).split()) for s in range(N[m])]  # masked tokens only
+        assert [written[k]["adapter"] for k in r.extra] == [m] * N[m]
+        assert [int(k.rsplit("_", 2)[1]) for k in r.extra] == list(range(N[m]))
+    assert {k: int(v.sum()) for k, v in masks.items()} == {k: w["n_tokens"] for k, w in written.items()}
+    assert metrics["populora/rollout/teacher/missing_sessions"] == 0
+    assert metrics["populora/rollout/teacher/prompts"] == 2
+    # the sampled prompt markers are gone, the trajectories stay until the trainer clears them
+    assert set(_listed()) == set(written)
+    tq.kv_clear(keys=list(batch.keys), partition_id=PARTITION)
+    assert _listed() == {}
+
+
+@pytest.mark.timeout(120)
+def test_step_writes_signals_per_adapter_batch_and_clears(tq_cluster, tmp_path):
+    t = _trainer(tmp_path)
+    metrics: dict = {}
+    out = t.step(metrics, {})
+    wg, pop, written = t.actor_rollout_wg, t.pop_step, t.agent_loop_manager.written
+    samples = pop.on_answers(pop.student_resp).samples  # same deterministic samples the step trained on
+    by_key = {s.extra: s for s in samples if s.extra is not None}
+    unused = [k for k in written if k not in by_key]
+    assert len(unused) == 1 and written[unused[0]]["adapter"] == "s1"
+
+    # one update per slot, slots ascending, each holding exactly its adapter's trained keys (+ verl's padding)
+    assert [u["slot"] for u in wg.updates] == sorted(SLOTS.values())
+    for u in wg.updates:
+        member = next(m for m, s in SLOTS.items() if s == u["slot"])
+        real = [k for k in u["keys"] if not k.startswith("pad")]
+        pads = [k for k in u["keys"] if k.startswith("pad")]
+        assert sorted(real) == sorted(k for k, s in by_key.items() if s.adapter == member)
+        assert len(u["keys"]) % DP == 0
+        assert len(pads) == (1 if member == "t0" else 0)
+        assert all(tag.get("is_padding") for k, tag in zip(u["keys"], u["tags"]) if k.startswith("pad"))
+        assert u["extra_info"]["global_batch_size"] == u["extra_info"]["mini_batch_size"] == len(u["keys"])
+        d = u["data"]
+        for i, k in enumerate(u["keys"]):
+            rm, adv, ret, mask = d["rm_scores"][i], d["advantages"][i], d["returns"][i], d["response_mask"][i]
+            assert rm.shape == adv.shape == ret.shape == mask.shape
+            if k in by_key:
+                s, n_tok = by_key[k], written[k]["n_tokens"]
+                expect_rm = torch.zeros(mask.numel())
+                expect_rm[n_tok - 1] = s.reward  # last masked-in token, not the trailing (masked) eos
+                torch.testing.assert_close(rm.float(), expect_rm)
+                torch.testing.assert_close(adv.float(), mask.float() * s.advantage)
+                torch.testing.assert_close(ret.float(), mask.float() * s.reward)
+                assert int(mask.sum()) == n_tok
+                assert d["old_log_probs"][i].numel() == mask.numel()  # verl's old log-prob pass saw the same rows
+            else:
+                assert not rm.any() and not adv.any() and not ret.any() and not mask.any()
+
+    # the returned batch is every slot's batch; the estimation-only key was cleared from TQ already
+    assert sorted(out.keys) == sorted(k for u in wg.updates for k in u["keys"])
+    listed = _listed()
+    assert unused[0] not in listed
+    assert set(out.keys) <= set(listed)
+    # what fit() does after the step: rm_scores etc. were readable through the public TQ API too
+    got = tq.kv_batch_get(keys=list(by_key), partition_id=PARTITION, select_fields=["rm_scores", "advantages"])
+    for k, rm, adv in zip(by_key, _rows(got["rm_scores"]), _rows(got["advantages"]), strict=True):
+        assert float(rm.sum()) == pytest.approx(by_key[k].reward)
+        assert float(adv.max() if by_key[k].advantage >= 0 else adv.min()) == pytest.approx(by_key[k].advantage)
+    tq.kv_clear(keys=list(out.keys), partition_id=PARTITION)
+    assert _listed() == {}
+    assert metrics["populora/fake/samples"] == float(len(samples))
+    assert metrics["populora/s1/populora/samples"] == N["s1"] - 1
