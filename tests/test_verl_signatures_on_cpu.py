@@ -202,7 +202,7 @@ def test_worker_weight_sync_pushes_every_slot_under_its_id(tmp_path):
     w2 = make_worker()
     info = w2.populora_load_bank(str(tmp_path))
     assert [s["lora_int_id"] for s in info["slots"]] == [1000, lora_int_id(1, 1, 3), 1002]
-    with pytest.raises(NotImplementedError, match="naive"):
+    with pytest.raises(ValueError, match="naive"):
         asyncio.run(w.update_weights(mode="nccl"))
 
 

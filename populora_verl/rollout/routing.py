@@ -60,8 +60,9 @@ class PopuLoRAServerMixin:
         self._populora_capacity: LoraCapacity | None = None
         self._populora_registry: LiveLoraRegistry | None = None
 
-    def _make_lora_request(self, lora_id: int, name: str) -> Any:  # overridden with vLLM's LoRARequest
-        raise NotImplementedError
+    def _make_lora_request(self, lora_id: int, name: str) -> Any:
+        # The concrete server builds vLLM's LoRARequest; the mixin stays importable without vLLM (tests use fakes).
+        raise TypeError(f"{type(self).__name__} must define _make_lora_request (PopuLoRAvLLMHttpServer does)")
 
     # --- launch: undo verl's max_loras=1 ---------------------------------------------------------------------
 

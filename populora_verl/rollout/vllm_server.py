@@ -42,7 +42,7 @@ class PopuLoRAvLLMHttpServer(PopuLoRAServerMixin, vLLMHttpServer):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         if self._disaggregation_role != "null":
-            raise NotImplementedError("populora_vllm does not support prefill/decode disaggregation")
+            raise ValueError("populora_vllm does not support prefill/decode disaggregation")
         if not self.lora_as_adapter:
             raise ValueError("populora_vllm needs model.lora_rank > 0 and lora.merge=false (adapters served by vLLM)")
 

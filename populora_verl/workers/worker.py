@@ -204,7 +204,7 @@ class PopuLoRAActorRolloutRefWorker(ActorRolloutRefWorker):
         effective_mode = mode if mode != "auto" else self.config.rollout.checkpoint_engine.backend
         if effective_mode != "naive":
             # LoRA adapters never reach vLLM through the other checkpoint engines in verl 0.9.1 (#7495).
-            raise NotImplementedError(
+            raise ValueError(
                 f"PopuLoRA needs rollout.checkpoint_engine.backend=naive (got {effective_mode!r}; see verl #7495)"
             )
         bank = self._require_bank()
