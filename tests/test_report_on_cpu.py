@@ -89,7 +89,9 @@ def _synthetic_run(run: Path, steps: int = 6) -> None:
                     "birth_step": 3, "generation": 1, "death_step": None, "final_mu": None, "final_sigma": None})
     pop = run / "checkpoints" / "step_6" / "population"
     pop.mkdir(parents=True)
-    (pop / "population.json").write_text(json.dumps({"format": "populora.population/1", "lineage": lineage}))
+    ratings = {"env": {}, "ratings": {"t0": [27.0, 5.0], "t2": [26.0, 6.0], "s0": [29.0, 4.0], "s1": [30.0, 4.5]}}
+    (pop / "population.json").write_text(json.dumps({"format": "populora.population/1", "lineage": lineage,
+                                                     "ratings": ratings}))
     (run / "checkpoints" / "latest").write_text("6\n")
 
 
@@ -113,7 +115,9 @@ def test_run_report_from_synthetic_run_dir(tmp_path):
     assert (out / "lineage.png").stat().st_size > 5000
     assert "| t2 | teacher | t0, t1 | dare_crossover | 3 | - |" in text
     assert "| t1 | teacher | - | - | 0 | 3 |" in text
-    assert "Final TrueSkill ratings" in text and "| t2 |" in text
+    assert "Final TrueSkill ratings" in text
+    assert "| t2 | 26.00 | 6.00 | 8.00 | alive |" in text  # the checkpoint's rating, not the last logged one
+    assert "| t1 | " in text and "replaced at step 3 (last logged rating)" in text
     assert (out / "eval.csv").is_file()
 
 

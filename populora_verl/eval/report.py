@@ -274,18 +274,29 @@ def build_run_report(run_dir: str | Path, out_dir: str | Path | None = None, *,
         parts.append(f"## Training dynamics\n\n{len(rows)} logged steps (last: {last_step}).\n")
         for p in plots:
             parts.append(f"### {p.stem.replace('_', ' ')}\n\n![{p.stem}](plots/{p.name})\n")
-        ratings = final_ratings(rows)
-        if ratings:
-            lines = ["| member | mu | sigma | mu - 3 sigma |", "|---|---:|---:|---:|"]
-            for mid in sorted(ratings, key=_id_key):
-                r = ratings[mid]
-                cons = r.get("conservative", r.get("mu", math.nan) - 3 * r.get("sigma", math.nan))
-                lines.append(f"| {mid} | {r.get('mu', math.nan):.2f} | {r.get('sigma', math.nan):.2f} | {cons:.2f} |")
-            parts.append("### Final TrueSkill ratings\n\n" + "\n".join(lines) + "\n")
     else:
         parts.append("## Training dynamics\n\nNo metrics.jsonl in the run directory.\n")
 
+    # Final ratings: the checkpoint's own (alive members, newborns of the last evolution included), then the last
+    # logged values of members that died, marked as such.
+    ratings = final_ratings(rows) if metrics.is_file() else {}
     pop_dir = find_population_dir(run)
+    died: dict[str, int] = {}
+    if pop_dir is not None:
+        pop_json = json.loads((pop_dir / "population.json").read_text(encoding="utf-8"))
+        for mid, (mu, sigma) in (pop_json.get("ratings", {}).get("ratings") or {}).items():
+            ratings[mid] = {"mu": float(mu), "sigma": float(sigma), "conservative": float(mu) - 3 * float(sigma)}
+        died = {r["id"]: r["death_step"] for r in pop_json.get("lineage", []) if r.get("death_step") is not None}
+    if ratings:
+        lines = ["| member | mu | sigma | mu - 3 sigma | status |", "|---|---:|---:|---:|---|"]
+        for mid in sorted(ratings, key=_id_key):
+            r = ratings[mid]
+            cons = r.get("conservative", r.get("mu", math.nan) - 3 * r.get("sigma", math.nan))
+            status = f"replaced at step {died[mid]} (last logged rating)" if mid in died else "alive"
+            lines.append(f"| {mid} | {r.get('mu', math.nan):.2f} | {r.get('sigma', math.nan):.2f} | {cons:.2f} "
+                         f"| {status} |")
+        parts.append("### Final TrueSkill ratings\n\n" + "\n".join(lines) + "\n")
+
     if pop_dir is not None:
         lineage = read_lineage(pop_dir)
         if lineage:
