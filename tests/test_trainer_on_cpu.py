@@ -2,6 +2,7 @@
 
 from pathlib import Path
 
+import json
 import pytest
 import torch
 
@@ -334,3 +335,19 @@ def test_step_scaling_parses_console_and_refuses_without_cuda(capsys):
     if not torch.cuda.is_available():
         assert ss.main(["--model", "/m"]) == 2
         assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_metrics_row_is_written_after_evolution(trainer_cls, tmp_path, monkeypatch):
+    """metrics.jsonl gets the step's population metrics with evolution's event count (known only in on_step_end)."""
+    from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
+
+    cfg = _compose("smoke_0.5b", ["actor_rollout_ref.model.path=/m", f"trainer.default_local_dir={tmp_path}"])
+    t = _bare(trainer_cls, cfg)
+    t.global_steps, t.timing_raw, t._save_pending = 2, {}, False
+    t._step_population_metrics = {"populora/validity/mean": 0.25, "populora/evolution/events": 0.0}
+    monkeypatch.setattr(t, "_evolve", lambda: {"populora/evolution/events": 2.0})
+    monkeypatch.setattr(PPOTrainerSync, "on_step_end", lambda self: None)  # the weight sync needs vLLM
+    t.on_step_end()
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert rows == [{"step": 2, "populora/validity/mean": 0.25, "populora/evolution/events": 2.0}]
+    assert t._pending_sync_metrics["populora/evolution/events"] == 2.0  # verl's own logger gets it too

@@ -281,7 +281,8 @@ class PopuLoRATrainer(PPOTrainerSync):
         with marked_timer("populora_score", timing_raw, color="yellow"):
             result = self.pop_step.on_answers(student_resp)
         metrics.update(result.metrics)
-        self._log_population_metrics(result.metrics, gs)
+        # Written to metrics.jsonl in on_step_end, once evolution's event count is known.
+        self._step_population_metrics = dict(result.metrics)
 
         all_meta = KVBatchMeta(partition_id=PARTITION, keys=list(t_batch.keys) + list(s_batch.keys),
                                tags=list(t_batch.tags) + list(s_batch.tags))
@@ -366,6 +367,10 @@ class PopuLoRATrainer(PPOTrainerSync):
     def on_step_end(self) -> None:
         with marked_timer("populora_evolve", self.timing_raw, color="green"):
             evo = self._evolve()
+        step_metrics = getattr(self, "_step_population_metrics", None)
+        if step_metrics is not None:
+            self._log_population_metrics({**step_metrics, **evo}, self.global_steps)
+            self._step_population_metrics = None
         if self._save_pending:
             with marked_timer("save_checkpoint", self.timing_raw, color="green"):
                 self._save_all()
