@@ -1,8 +1,8 @@
 """The verl trainer ``populora``: pure conversions, start-up validation and trainer wiring without GPUs."""
 
+import json
 from pathlib import Path
 
-import json
 import pytest
 import torch
 
