@@ -8,7 +8,6 @@ import torch
 
 pytest.importorskip("transfer_queue")
 from hydra import compose, initialize_config_dir  # noqa: E402
-from omegaconf import OmegaConf, open_dict  # noqa: E402
 
 from populora_verl.config import ConfigError, load_config  # noqa: E402
 from populora_verl.step import GenRequest, Sample  # noqa: E402
