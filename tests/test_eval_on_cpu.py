@@ -274,3 +274,60 @@ def test_end_to_end_hf_base_and_two_adapters(tmp_path, capsys):
     assert (out / "eval.md").read_text().count("|") > 20 and (out / "eval.csv").is_file()
     printed = capsys.readouterr().out
     assert "population mean" in printed and "HumanEval+" in printed
+
+
+def test_vllm_backend_routes_every_member_through_one_engine(tmp_path, monkeypatch):
+    """VLLMBackend's wiring against a stand-in vLLM (the real one runs on the GPU, BENCHMARKS.md §3): one engine
+    with max_loras = #adapters and the largest rank, one LoRARequest per (member, prompt) with a distinct int id,
+    base rows without an adapter in their own generate call, outputs mapped back to the right member."""
+    import sys
+    import types
+
+    from populora_verl.eval.backends import Member, VLLMBackend
+
+    calls = []
+
+    class FakeLLM:
+        def __init__(self, **kw):
+            calls.append(("init", kw))
+
+        def get_tokenizer(self):
+            return lambda text, add_special_tokens=False: {"input_ids": [len(text)]}
+
+        def generate(self, prompts, params, lora_request=None, use_tqdm=False):
+            calls.append(("generate", lora_request))
+            reqs = lora_request or [None] * len(prompts)
+            out = []
+            for p, r in zip(prompts, reqs, strict=True):
+                text = f"{r.lora_name}#{r.lora_int_id}@{r.lora_path}" if r else "base"
+                out.append(types.SimpleNamespace(outputs=[types.SimpleNamespace(text=f"{text}|{p['prompt_token_ids']}")]))
+            return out
+
+    class FakeLoRARequest:
+        def __init__(self, lora_name, lora_int_id, lora_path):
+            self.lora_name, self.lora_int_id, self.lora_path = lora_name, lora_int_id, lora_path
+
+    vllm = types.ModuleType("vllm")
+    vllm.LLM, vllm.SamplingParams = FakeLLM, lambda **kw: kw
+    lora_mod, req_mod = types.ModuleType("vllm.lora"), types.ModuleType("vllm.lora.request")
+    req_mod.LoRARequest = FakeLoRARequest
+    monkeypatch.setitem(sys.modules, "vllm", vllm)
+    monkeypatch.setitem(sys.modules, "vllm.lora", lora_mod)
+    monkeypatch.setitem(sys.modules, "vllm.lora.request", req_mod)
+
+    dirs = {}
+    for name, r in (("t0", 8), ("s0", 16)):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "adapter_config.json").write_text(json.dumps({"r": r}))
+        dirs[name] = str(d)
+    members = [Member("base", None, "base"), Member("t0", dirs["t0"], "teacher"), Member("s0", dirs["s0"], "student")]
+    backend = VLLMBackend("/model", members, max_new_tokens=7)
+    init = calls[0][1]
+    assert init["enable_lora"] and init["max_loras"] == 2 and init["max_lora_rank"] == 16
+    out = backend.generate(["ab", "abcd"], members)
+    assert out["base"] == ["base|[2]", "base|[4]"]
+    assert out["t0"] == [f"t0#1@{dirs['t0']}|[2]", f"t0#1@{dirs['t0']}|[4]"]
+    assert out["s0"] == [f"s0#2@{dirs['s0']}|[2]", f"s0#2@{dirs['s0']}|[4]"]
+    gens = [c[1] for c in calls if c[0] == "generate"]
+    assert gens[0] is None and all(r is not None for r in gens[1])  # base alone; every adapter row names its LoRA
