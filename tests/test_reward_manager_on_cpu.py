@@ -72,9 +72,21 @@ def test_register_is_idempotent_and_visible_to_verl():
 async def test_init_class_reads_the_populora_section(manager):
     assert PopuLoRACodeRewardManager.cfg.executor.timeout_s == 2.0
     assert PopuLoRACodeRewardManager.cfg.rewards.zero_learnability_reward == 0.0
-    ex = PopuLoRACodeRewardManager.executor
+    ex = PopuLoRACodeRewardManager._get_executor()  # started on first use
+    assert ex is not None and PopuLoRACodeRewardManager._get_executor() is ex
     PopuLoRACodeRewardManager.init_class(None, None)  # second call: no new executor
     assert PopuLoRACodeRewardManager.executor is ex
+
+
+async def test_rows_scored_by_the_population_step_are_deferred(manager, monkeypatch):
+    """The populora trainer scores in the step: the manager must neither decode nor execute those rows."""
+    calls = []
+    monkeypatch.setattr(PopuLoRACodeRewardManager, "_get_executor", classmethod(lambda cls: calls.append(1)))
+    monkeypatch.setattr(manager, "_decode", lambda item: calls.append("decode") or "")
+    info = {"role": "propose", "task_type": "code_o", "adapter": "t0", "step": 3, "scored_by": "population_step"}
+    out = await manager.run_single(make_item(wrap("```python\ndef f(a):\n    return a\n```"), info))
+    assert out["reward_score"] == 0.0 and out["reward_extra_info"]["populora_status"] == "deferred"
+    assert set(out["reward_extra_info"]) == set(EXTRA_KEYS) and calls == []
 
 
 async def test_teacher_proposals(manager):

@@ -52,6 +52,8 @@ def test_requests_to_rows_carry_routing_and_reward_fields():
 
     assert lora_spec_from_prompt(p1) == {"lora_int_id": 1001, "lora_name": "1@v0"}
     assert populora_info(p0)["role"] == "propose"
+    # The step scores every row; the reward manager must defer instead of executing each program a second time.
+    assert populora_info(p0)["deferred"] and p1["scored_by"] == p0["scored_by"] == "population_step"
     with pytest.raises(KeyError, match="no LoRA id"):
         convert.requests_to_rows([GenRequest("zz", "teacher", "code_i", "x", 1)], LORA, step=0)
 

@@ -16,8 +16,13 @@ Per-sample input: ``non_tensor_batch["populora"]``, a dict (or its JSON string) 
 :data:`FIELD_DOC`. Every trajectory returns the same ``reward_extra_info`` keys (verl stacks them into arrays
 keyed by the first sample's keys).
 
-The executor is created once per process in :meth:`init_class` from the ``populora.executor`` section of the
-trainer config.
+The executor is created once per process, on first use, from the ``populora.executor`` section of the trainer
+config.
+
+**Deferred rows.** The ``populora`` verl trainer scores every trajectory itself in the population step (the only
+place that sees the matched students); it marks its prompts ``scored_by="population_step"``, and for those the
+manager returns a neutral 0.0 without decoding or executing anything, so no program runs twice and reward workers
+start no sandbox processes.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ __all__ = ["NAME", "FIELD", "FIELD_DOC", "EXTRA_KEYS", "PopuLoRACodeRewardManage
 
 NAME = "populora_code"
 FIELD = "populora"
+DEFERRED_TO = "population_step"  # ``populora.scored_by`` value of rows the trainer scores itself
 FIELD_DOC = {
     "role": "'propose' (teacher / proposer trajectory) or 'solve' (student / solver trajectory); "
             "'teacher' and 'student' are accepted as aliases",
@@ -48,6 +54,7 @@ FIELD_DOC = {
     "step": "training step (int), stamped on validated tasks",
     "task": "Task JSON: for 'solve', the task to solve; for a code_f 'propose', the buffered program shown",
     "think_prefilled": "optional bool (default true): the prompt ended with '<think>'",
+    "scored_by": "optional: 'population_step' when the populora trainer scores the trajectory itself (deferred)",
 }
 EXTRA_KEYS = ("populora_role", "populora_task_type", "populora_adapter", "populora_status", "populora_correct",
               "populora_valid", "populora_task", "populora_task_id", "populora_reason")
@@ -77,6 +84,7 @@ def populora_info(raw: Any) -> dict[str, Any]:
     info["adapter"] = str(info.get("adapter", ""))
     info["step"] = int(info.get("step", -1))
     info["think_prefilled"] = bool(info.get("think_prefilled", True))
+    info["deferred"] = info.get("scored_by") == DEFERRED_TO
     return info
 
 
@@ -102,8 +110,14 @@ class PopuLoRACodeRewardManager(RewardManagerBase):
         if cls._class_initialized:
             return
         cls.cfg = load_config(_populora_section(config))
-        cls.executor = cls._make_executor(cls.cfg)
+        cls.executor = None  # started on first use (_get_executor): deferred-only workers never need one
         cls._class_initialized = True
+
+    @classmethod
+    def _get_executor(cls) -> Any:
+        if cls.executor is None:
+            cls.executor = cls._make_executor(cls.cfg)
+        return cls.executor
 
     @classmethod
     def _make_executor(cls, cfg: PopuLoRAConfig) -> Any:
@@ -138,8 +152,11 @@ class PopuLoRACodeRewardManager(RewardManagerBase):
         extra = {"populora_role": info["role"], "populora_task_type": info["task_type"],
                  "populora_adapter": info["adapter"], "populora_status": "", "populora_correct": 0.0,
                  "populora_valid": 0.0, "populora_task": "", "populora_task_id": "", "populora_reason": ""}
+        if info.get("deferred"):
+            extra.update(populora_status="deferred", populora_reason=f"scored by the {DEFERRED_TO}")
+            return {"reward_score": 0.0, "reward_extra_info": extra}
         if info["role"] == "propose":
-            res = validate_proposal(text, info["task_type"], self.executor, cfg, program=info.get("task"),
+            res = validate_proposal(text, info["task_type"], self._get_executor(), cfg, program=info.get("task"),
                                     teacher=info["adapter"], step=info["step"],
                                     think_prefilled=info["think_prefilled"])
             extra.update(populora_status=res.status, populora_reason=res.reason, populora_valid=float(res.valid))
@@ -152,7 +169,7 @@ class PopuLoRACodeRewardManager(RewardManagerBase):
                 score = float(cfg.rewards.invalid_program)
         else:
             task: Task = info["task"]
-            s = score_answer(task, text, self.executor, cfg, think_prefilled=info["think_prefilled"])
+            s = score_answer(task, text, self._get_executor(), cfg, think_prefilled=info["think_prefilled"])
             extra.update(populora_status=s.status, populora_reason=s.reason, populora_correct=float(s.correct),
                          populora_valid=1.0, populora_task_id=task.id)
             score = float(s.reward)
@@ -161,6 +178,8 @@ class PopuLoRACodeRewardManager(RewardManagerBase):
     async def run_single(self, data: DataProto) -> dict:
         item = data[-1:][0]  # multi-sequence outputs: the last sequence carries the answer (as verl's naive)
         info = populora_info(item.non_tensor_batch[FIELD])
+        if info["deferred"]:
+            return self.score_text(info, "")
         loop = asyncio.get_running_loop()
         text = await loop.run_in_executor(None, self._decode, item)
         return await loop.run_in_executor(None, self.score_text, info, text)

@@ -75,6 +75,9 @@ def populora_field(request: Any, lora: Mapping[str, Any], step: int) -> dict[str
         "role": _ROLE_FOR_REWARD.get(request.role, request.role),
         "task_type": request.task_type,
         "step": int(step),
+        # The population step scores every trajectory (it alone sees the matched students): the populora_code
+        # reward manager skips these rows instead of running each program a second time.
+        "scored_by": "population_step",
     }
     if task is not None:
         # JSON text: TQ stores it as one opaque non-tensor value and the reward manager accepts it as is.
