@@ -68,7 +68,7 @@ def _matching(rows: Rows, pattern: re.Pattern) -> dict[str, tuple[str, ...]]:
     return found
 
 
-def _member_sort_key(member_id: str) -> tuple[str, float, str]:
+def member_sort_key(member_id: str) -> tuple[str, float, str]:
     m = re.match(r"^([A-Za-z_]*)(\d+)$", member_id)
     return (m.group(1), float(m.group(2)), "") if m else (member_id, math.inf, member_id)
 
@@ -110,7 +110,7 @@ def plot_solve_rates(metrics: str | os.PathLike | Rows, out_path: str | os.PathL
         _skip("solve_rates", f"'{PREFIX}/pair/<teacher>/<student>/solve_rate' keys")
         return None
     fig, (ax,) = _new_figure()
-    for key, (teacher, student) in sorted(keys.items(), key=lambda kv: tuple(map(_member_sort_key, kv[1]))):
+    for key, (teacher, student) in sorted(keys.items(), key=lambda kv: tuple(map(member_sort_key, kv[1]))):
         ax.plot(*series(rows, key), marker=".", linewidth=1, label=f"{teacher} -> {student}")
     ax.set(title="Student solve rate per (teacher, student) pair", xlabel="step", ylabel="solve rate",
            ylim=(-0.02, 1.02))
@@ -129,7 +129,7 @@ def plot_validity(metrics: str | os.PathLike | Rows, out_path: str | os.PathLike
         _skip("validity", f"'{PREFIX}/validity/<teacher>' keys")
         return None
     fig, (ax,) = _new_figure()
-    for key, (teacher,) in sorted(keys.items(), key=lambda kv: _member_sort_key(kv[1][0])):
+    for key, (teacher,) in sorted(keys.items(), key=lambda kv: member_sort_key(kv[1][0])):
         ax.plot(*series(rows, key), marker=".", linewidth=1, label=teacher)
     if has_mean:
         ax.plot(*series(rows, mean_key), color="black", linestyle="--", linewidth=2, label="mean")
@@ -182,7 +182,7 @@ def plot_ratings(metrics: str | os.PathLike | Rows, out_path: str | os.PathLike)
         return None
     # Role from the id prefix (t = teacher, s = student, anything else, e.g. the single agent a0, on its own).
     groups: dict[str, list[str]] = {}
-    for member_id in sorted((g[0] for g in keys.values()), key=_member_sort_key):
+    for member_id in sorted((g[0] for g in keys.values()), key=member_sort_key):
         role = {"t": "teachers", "s": "students"}.get(member_id[:1], "members")
         groups.setdefault(role, []).append(member_id)
     order = [r for r in ("teachers", "students", "members") if r in groups]
@@ -211,9 +211,10 @@ PLOTS: dict[str, Callable[[Any, Any], Path | None]] = {
 }
 
 
-def plot_all(metrics_path: str | os.PathLike, out_dir: str | os.PathLike) -> list[Path]:
-    """Every plot the log has data for, as ``<out_dir>/<name>.png``; returns the files written."""
-    rows = read_metrics(metrics_path)
+def plot_all(metrics: str | os.PathLike | Rows, out_dir: str | os.PathLike) -> list[Path]:
+    """Every plot the log (a path, or rows already read) has data for, as ``<out_dir>/<name>.png``; returns the
+    files written."""
+    rows = _rows(metrics)
     out_dir = Path(out_dir)
     written = []
     for name, plot in PLOTS.items():

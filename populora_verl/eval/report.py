@@ -16,6 +16,7 @@ import re
 from pathlib import Path
 from typing import Any, Sequence
 
+from populora_verl.diagnostics.plots import member_sort_key
 from populora_verl.eval.data import BENCHMARKS, CODE_BENCHMARKS, MATH_BENCHMARKS
 
 __all__ = ["population_table", "write_table", "markdown_table", "find_population_dir", "read_lineage",
@@ -176,7 +177,7 @@ def plot_lineage(lineage: Sequence[dict[str, Any]], out_path: str | Path, *, las
     import matplotlib.pyplot as plt
 
     role_rank = {"teacher": 0, "both": 1, "student": 2}
-    recs = sorted(lineage, key=lambda r: (role_rank.get(r.get("role"), 3), _id_key(r["id"])))
+    recs = sorted(lineage, key=lambda r: (role_rank.get(r.get("role"), 3), member_sort_key(r["id"])))
     lane = {r["id"]: i for i, r in enumerate(recs)}
     end = last_step if last_step is not None else max(
         [int(r.get("death_step") or 0) for r in recs] + [int(r.get("birth_step") or 0) for r in recs] + [1])
@@ -214,23 +215,6 @@ def plot_lineage(lineage: Sequence[dict[str, Any]], out_path: str | Path, *, las
     return out
 
 
-def _id_key(mid: str) -> tuple[str, float]:
-    m = re.fullmatch(r"([a-z]+)(\d+)", mid)
-    return (m.group(1), float(m.group(2))) if m else (mid, math.inf)
-
-
-def _read_metrics(path: Path) -> list[dict[str, Any]]:
-    rows = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if line.strip():
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError:
-                    raise ValueError(f"{path}:{n}: not valid JSON") from None
-    return rows
-
-
 def final_ratings(metrics_rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, float]]:
     """Last logged ``populora/rating/<id>/{mu,sigma,conservative}`` per member."""
     out: dict[str, dict[str, float]] = {}
@@ -266,11 +250,11 @@ def build_run_report(run_dir: str | Path, out_dir: str | Path | None = None, *,
     metrics = run / "metrics.jsonl"
     last_step = None
     if metrics.is_file():
-        from populora_verl.diagnostics import plot_all
+        from populora_verl.diagnostics import plot_all, read_metrics
 
-        rows = _read_metrics(metrics)
+        rows = read_metrics(metrics)
         last_step = max((int(r["step"]) for r in rows if "step" in r), default=None)
-        plots = plot_all(metrics, out / "plots")
+        plots = plot_all(rows, out / "plots")
         parts.append(f"## Training dynamics\n\n{len(rows)} logged steps (last: {last_step}).\n")
         for p in plots:
             parts.append(f"### {p.stem.replace('_', ' ')}\n\n![{p.stem}](plots/{p.name})\n")
@@ -289,7 +273,7 @@ def build_run_report(run_dir: str | Path, out_dir: str | Path | None = None, *,
         died = {r["id"]: r["death_step"] for r in pop_json.get("lineage", []) if r.get("death_step") is not None}
     if ratings:
         lines = ["| member | mu | sigma | mu - 3 sigma | status |", "|---|---:|---:|---:|---|"]
-        for mid in sorted(ratings, key=_id_key):
+        for mid in sorted(ratings, key=member_sort_key):
             r = ratings[mid]
             cons = r.get("conservative", r.get("mu", math.nan) - 3 * r.get("sigma", math.nan))
             status = f"replaced at step {died[mid]} (last logged rating)" if mid in died else "alive"
