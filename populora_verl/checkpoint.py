@@ -31,6 +31,8 @@ from typing import Any, Mapping
 import numpy as np
 import torch
 
+from populora_verl.fsutil import swap_dir, write_json, write_text_atomic
+
 __all__ = [
     "Checkpoint",
     "capture_rng_state",
@@ -119,19 +121,7 @@ class Checkpoint:
 
 
 def _write_json(path: Path, data: Any) -> None:
-    with open(path, "w") as f:
-        json.dump(data, f, indent=1, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _write_text_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    write_json(path, data, sort_keys=True)
 
 
 def save_checkpoint(run_dir: str | os.PathLike, step: int, *, population: Any,
@@ -170,16 +160,8 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, *, population: Any,
     })
     (tmp / COMPLETE).write_text(f"step_{step}\n")
 
-    if final.exists():  # re-saving a step (e.g. after a resume): replace it whole
-        old = root / f"step_{step}.old"
-        if old.exists():
-            shutil.rmtree(old)
-        os.replace(final, old)
-        os.replace(tmp, final)
-        shutil.rmtree(old)
-    else:
-        os.replace(tmp, final)
-    _write_text_atomic(root / LATEST, f"step_{step}\n")
+    swap_dir(tmp, final)  # re-saving a step (e.g. after a resume) replaces it whole
+    write_text_atomic(root / LATEST, f"step_{step}\n")
     return final
 
 

@@ -20,6 +20,8 @@ import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
 
+from populora_verl.fsutil import swap_dir, write_json
+
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
@@ -33,24 +35,8 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
 
 
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:  # not supported on this filesystem / platform
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def _write_json(path: Path, obj: Any) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=1, allow_nan=False)
-        f.flush()
-        os.fsync(f.fileno())
+    write_json(path, obj, allow_nan=False)
 
 
 def _jsonable(value: Any) -> Any:
@@ -140,15 +126,7 @@ def save_population(population: "Population", directory: str | Path,
                 write_adapter(tmp / "adapters" / mid, adapters[mid], lora_config)
         # population.json last: inside the temp dir it marks the save as complete.
         _write_json(tmp / POPULATION_FILE, state)
-        _fsync_dir(tmp)
-        old = None
-        if directory.exists():
-            old = directory.parent / f".{directory.name}.old-{uuid.uuid4().hex[:8]}"
-            os.rename(directory, old)
-        os.rename(tmp, directory)
-        _fsync_dir(directory.parent)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        swap_dir(tmp, directory)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
