@@ -8,11 +8,15 @@ same per-step budget (``proposals_per_type`` x task types teacher prompts, ``stu
 population's step does N times the single agent's generation and update work. Evolution and checkpoints are off
 (they are not per-step costs). Reported per configuration, from verl's console metrics:
 
-* seconds per step (``timing_s/step``), mean over steps 2..N (step 1 pays for warm-up/compilation);
+* seconds per step (``timing_s/step``), mean over steps 2..N (step 1 pays for warm-up/compilation), and the same
+  mean for the step's phases (generation, validation, scoring, old log-probs, update, weight sync);
 * peak GPU memory: the maximum of ``nvidia-smi`` polled every 0.5 s over the run (vLLM and the FSDP worker are
   separate processes, so a single process's ``torch.cuda.max_memory_allocated`` would miss most of it), and verl's
   ``perf/max_memory_allocated_gb`` (the trainer worker's own peak);
 * ratios against the single agent, and per adapter (seconds per step / number of adapters).
+
+Metrics are read from verl's ``file`` logger (one JSON line per step, ``VERL_FILE_LOGGER_PATH``), with verl's console
+lines in the run's log as the fallback.
 """
 
 from __future__ import annotations
@@ -39,6 +43,8 @@ ADAPTERS = {"single": 1, "1t1s": 2, "2t2s": 4, "4t4s": 8}
 # verl's console logger line, possibly behind Ray's "(TaskRunnerV1 pid=...)" prefix.
 _STEP_LINE = re.compile(r"(?:^|\s)step:(\d+) - ")
 _METRIC = re.compile(r"([\w/@.\-]+):([-+0-9.eE]+|nan|inf)")
+# Step phases worth a column: verl's and ours (trainer.step's marked_timer names).
+PHASES = ("gen", "populora_validate", "populora_score", "old_log_prob", "update_actor", "update_weights")
 
 
 @dataclass
@@ -50,11 +56,34 @@ class RunResult:
     step_s: dict[int, float] = field(default_factory=dict)
     verl_peak_gb: float | None = None
     smi_peak_mib: float | None = None
+    phases_s: dict[str, float] = field(default_factory=dict)
 
     @property
     def mean_step_s(self) -> float | None:
         steady = [v for k, v in self.step_s.items() if k >= 2]
         return sum(steady) / len(steady) if steady else None
+
+
+def parse_file_log(text: str) -> tuple[dict[int, float], float | None, dict[str, float]]:
+    """``{step: timing_s/step}``, the max ``perf/max_memory_allocated_gb`` and the mean (steps >= 2) of each phase's
+    ``timing_s/<phase>`` from verl's ``file`` logger (``{"step": n, "data": {...}}`` per line). A torn last line (a
+    killed run) is skipped."""
+    steps, peak, phases = {}, None, {}
+    for line in text.splitlines():
+        try:
+            row = json.loads(line)
+            step, data = int(row["step"]), row["data"]
+        except (ValueError, KeyError, TypeError):
+            continue
+        if isinstance(data.get("timing_s/step"), (int, float)):
+            steps[step] = float(data["timing_s/step"])
+        if isinstance(data.get("perf/max_memory_allocated_gb"), (int, float)):
+            peak = max(peak or 0.0, float(data["perf/max_memory_allocated_gb"]))
+        if step >= 2:
+            for ph in PHASES:
+                if isinstance(data.get(f"timing_s/{ph}"), (int, float)):
+                    phases.setdefault(ph, []).append(float(data[f"timing_s/{ph}"]))
+    return steps, peak, {ph: sum(v) / len(v) for ph, v in phases.items()}
 
 
 def parse_console(text: str) -> tuple[dict[int, float], float | None]:
@@ -106,7 +135,7 @@ class GpuMemoryPoller:
 
 def command(model: str, name: str, steps: int, out_dir: Path, extra: list[str]) -> list[str]:
     return [sys.executable, "-m", "verl.trainer.main_ppo", "--config-path", str(RECIPES), "--config-name", "smoke_0.5b",
-            f"actor_rollout_ref.model.path={model}", "trainer.logger=[console]", f"trainer.total_training_steps={steps}",
+            f"actor_rollout_ref.model.path={model}", "trainer.logger=[console,file]", f"trainer.total_training_steps={steps}",
             "trainer.save_freq=-1", "trainer.resume_mode=disable", "populora.pbt.enabled=false",
             f"trainer.default_local_dir={out_dir / name / 'ckpt'}",
             "++actor_rollout_ref.model.override_config.attn_implementation=sdpa",
@@ -115,7 +144,8 @@ def command(model: str, name: str, steps: int, out_dir: Path, extra: list[str]) 
 
 def run_one(model: str, name: str, steps: int, out_dir: Path, extra: list[str], timeout_s: int) -> RunResult:
     env = dict(os.environ, VLLM_WORKER_MULTIPROC_METHOD="spawn", VLLM_USE_FLASHINFER_SAMPLER="0",
-               RAY_AUTH_MODE="disabled", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+               RAY_AUTH_MODE="disabled", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1",
+               VERL_FILE_LOGGER_PATH=str(out_dir / f"{name}.metrics.jsonl"))
     log = out_dir / f"{name}.log"
     t0 = time.time()
     with GpuMemoryPoller() as poller, open(log, "w") as f:
@@ -124,9 +154,21 @@ def run_one(model: str, name: str, steps: int, out_dir: Path, extra: list[str], 
                                 env=env, timeout=timeout_s).returncode
         except subprocess.TimeoutExpired:
             rc = 124
-    text = log.read_text(errors="replace")
-    step_s, verl_peak = parse_console(text)
-    return RunResult(name, ADAPTERS[name], rc, time.time() - t0, step_s, verl_peak, poller.peak or None)
+    wall = time.time() - t0
+    step_s, verl_peak, phases = read_results(out_dir, name)
+    return RunResult(name, ADAPTERS[name], rc, wall, step_s, verl_peak, poller.peak or None, phases)
+
+
+def read_results(out_dir: Path, name: str) -> tuple[dict[int, float], float | None, dict[str, float]]:
+    """A configuration's figures from its file-logger output, else from its console log."""
+    jsonl, log = out_dir / f"{name}.metrics.jsonl", out_dir / f"{name}.log"
+    if jsonl.exists():
+        found = parse_file_log(jsonl.read_text(errors="replace"))
+        if found[0]:
+            return found
+    if log.exists():
+        return (*parse_console(log.read_text(errors="replace")), {})
+    return {}, None, {}
 
 
 def report(results: list[RunResult]) -> str:
@@ -140,6 +182,12 @@ def report(results: list[RunResult]) -> str:
         lines.append(f"| {r.name} | {r.adapters} | {s:.1f} | {ratio} | {s / r.adapters:.1f} | "
                      f"{r.smi_peak_mib or float('nan'):.0f} | {mem_ratio} | {r.verl_peak_gb or float('nan'):.2f} | {r.rc} |"
                      if s else f"| {r.name} | {r.adapters} | - | - | - | {r.smi_peak_mib or '-'} | - | - | {r.rc} |")
+    phase_rows = [r for r in results if r.phases_s]
+    if phase_rows:
+        cols = [ph for ph in PHASES if any(ph in r.phases_s for r in phase_rows)]
+        lines += ["", "| config | " + " | ".join(f"{c} s" for c in cols) + " |", "|---|" + "---|" * len(cols)]
+        lines += [f"| {r.name} | " + " | ".join(f"{r.phases_s[c]:.1f}" if c in r.phases_s else "-" for c in cols) + " |"
+                  for r in phase_rows]
     return "\n".join(lines)
 
 
@@ -180,9 +228,9 @@ def main(argv: list[str] | None = None) -> int:
             row["step_s"] = {int(k): v for k, v in row.get("step_s", {}).items()}
             if row["name"] not in names:
                 r = RunResult(**row)
-                log = out / f"{r.name}.log"
-                if log.exists():  # re-read with the current parser
-                    r.step_s, r.verl_peak_gb = parse_console(log.read_text(errors="replace"))
+                found = read_results(out, r.name)  # re-read with the current parser
+                if found[0]:
+                    r.step_s, r.verl_peak_gb, r.phases_s = found
                 results.append(r)
     for name in names:
         print(f"step_scaling: {name} ({ADAPTERS[name]} adapters, {args.steps} steps) ...", flush=True)
