@@ -344,7 +344,8 @@ def test_step_scaling_reads_verl_file_logger_first(tmp_path):
 
     rows = [{"step": 1, "data": {"timing_s/step": 90.0, "timing_s/gen": 80.0, "perf/max_memory_allocated_gb": 2.0}},
             {"step": 2, "data": {"timing_s/step": 10.0, "timing_s/gen": 6.0, "timing_s/update_actor": 3.0}},
-            {"step": 3, "data": {"timing_s/step": 12.0, "timing_s/gen": 8.0, "perf/max_memory_allocated_gb": 2.5}}]
+            {"step": 3, "data": {"timing_s/step": 12.0, "timing_s/gen": 8.0, "actor/perf/max_memory_allocated_gb": 2.5,
+                                  "populora/s0/actor/perf/max_memory_allocated_gb": 2.25}}]
     text = "\n".join(json.dumps(r) for r in rows) + '\n{"step": 4, "da'  # a killed run's torn last line
     (tmp_path / "2t2s.metrics.jsonl").write_text(text)
     (tmp_path / "2t2s.log").write_text("step:2 - timing_s/step:999.0\n")  # fallback only

@@ -77,8 +77,11 @@ def parse_file_log(text: str) -> tuple[dict[int, float], float | None, dict[str,
             continue
         if isinstance(data.get("timing_s/step"), (int, float)):
             steps[step] = float(data["timing_s/step"])
-        if isinstance(data.get("perf/max_memory_allocated_gb"), (int, float)):
-            peak = max(peak or 0.0, float(data["perf/max_memory_allocated_gb"]))
+        # verl logs the worker's peak as actor/perf/..., we add populora/<member>/actor/perf/... per adapter
+        mem = [float(v) for k, v in data.items()
+               if k.endswith("perf/max_memory_allocated_gb") and isinstance(v, (int, float))]
+        if mem:
+            peak = max(peak or 0.0, *mem)
         if step >= 2:
             for ph in PHASES:
                 if isinstance(data.get(f"timing_s/{ph}"), (int, float)):
