@@ -321,12 +321,13 @@ def test_per_adapter_partition_of_a_combined_batch():
 def test_step_scaling_parses_console_and_refuses_without_cuda(capsys):
     from populora_verl.bench import step_scaling as ss
 
-    steps, peak = ss.parse_console("noise\nstep:1 - timing_s/step:12.5 - perf/max_memory_allocated_gb:3.2\n"
-                                   "step:2 - timing_s/step:10.0 - perf/max_memory_allocated_gb:3.5 - x:nan\n")
+    steps, peak, _ = ss.summarize(ss.console_rows("noise\nstep:1 - timing_s/step:12.5 - perf/max_memory_allocated_gb:3.2\n"
+                                   "step:2 - timing_s/step:10.0 - perf/max_memory_allocated_gb:3.5 - x:nan\n"))
     assert steps == {1: 12.5, 2: 10.0} and peak == 3.5
     # on a real run verl's console lines sit behind Ray's actor prefix
-    steps, _ = ss.parse_console("\x1b[36m(TaskRunnerV1 pid=7)\x1b[0m step:2 - timing_s/step:54.0\n")
-    assert steps == {2: 54.0}
+    steps, peak, _ = ss.summarize(ss.console_rows(
+        "\x1b[36m(TaskRunnerV1 pid=7)\x1b[0m step:2 - timing_s/step:54.0 - actor/perf/max_memory_allocated_gb:4.0\n"))
+    assert steps == {2: 54.0} and peak == 4.0  # verl's key for the worker's peak, as in the file logger
     r = ss.RunResult("2t2s", 4, 0, 1.0, {1: 99.0, 2: 8.0, 3: 12.0})
     assert r.mean_step_s == 10.0  # step 1 (warm-up) excluded
     table = ss.report([ss.RunResult("single", 1, 0, 1.0, {2: 5.0}, 1.0, 1000.0), r])

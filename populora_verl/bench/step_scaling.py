@@ -6,13 +6,13 @@ Runs ``python -m verl.trainer.main_ppo`` with the ``smoke_0.5b`` recipe once per
 GPU(s), one after another: the single agent (AZR baseline, 1 adapter), 1T1S, 2T2S and 4T4S. Every adapter gets the
 same per-step budget (``proposals_per_type`` x task types teacher prompts, ``student_n`` answers per task), so a
 population's step does N times the single agent's generation and update work. Evolution and checkpoints are off
-(they are not per-step costs). Reported per configuration, from verl's console metrics:
+(they are not per-step costs). Reported per configuration:
 
 * seconds per step (``timing_s/step``), mean over steps 2..N (step 1 pays for warm-up/compilation), and the same
   mean for the step's phases (generation, validation, scoring, old log-probs, update, weight sync);
 * peak GPU memory: the maximum of ``nvidia-smi`` polled every 0.5 s over the run (vLLM and the FSDP worker are
   separate processes, so a single process's ``torch.cuda.max_memory_allocated`` would miss most of it), and verl's
-  ``perf/max_memory_allocated_gb`` (the trainer worker's own peak);
+  ``actor/perf/max_memory_allocated_gb`` (the trainer worker's own peak);
 * ratios against the single agent, and per adapter (seconds per step / number of adapters).
 
 Metrics are read from verl's ``file`` logger (one JSON line per step, ``VERL_FILE_LOGGER_PATH``), with verl's console
@@ -29,8 +29,10 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 RECIPES = Path(__file__).resolve().parents[2] / "recipes" / "populora"
 CONFIGS: dict[str, list[str]] = {
@@ -64,44 +66,45 @@ class RunResult:
         return sum(steady) / len(steady) if steady else None
 
 
-def parse_file_log(text: str) -> tuple[dict[int, float], float | None, dict[str, float]]:
-    """``{step: timing_s/step}``, the max ``perf/max_memory_allocated_gb`` and the mean (steps >= 2) of each phase's
-    ``timing_s/<phase>`` from verl's ``file`` logger (``{"step": n, "data": {...}}`` per line). A torn last line (a
-    killed run) is skipped."""
+Figures = tuple[dict[int, float], float | None, dict[str, float]]
+
+
+def summarize(rows: Iterable[tuple[int, Mapping[str, Any]]]) -> Figures:
+    """``{step: timing_s/step}``, the max trainer peak memory and the mean (steps >= 2) of each phase's
+    ``timing_s/<phase>`` from ``(step, metrics)`` rows. verl logs the worker's peak as
+    ``actor/perf/max_memory_allocated_gb`` and we add ``populora/<member>/actor/perf/...`` per adapter."""
     steps, peak, phases = {}, None, {}
-    for line in text.splitlines():
-        try:
-            row = json.loads(line)
-            step, data = int(row["step"]), row["data"]
-        except (ValueError, KeyError, TypeError):
-            continue
-        if isinstance(data.get("timing_s/step"), (int, float)):
-            steps[step] = float(data["timing_s/step"])
-        # verl logs the worker's peak as actor/perf/..., we add populora/<member>/actor/perf/... per adapter
-        mem = [float(v) for k, v in data.items()
-               if k.endswith("perf/max_memory_allocated_gb") and isinstance(v, (int, float))]
+    for step, data in rows:
+        num = {k: float(v) for k, v in data.items() if isinstance(v, (int, float))}
+        if "timing_s/step" in num:
+            steps[step] = num["timing_s/step"]
+        mem = [v for k, v in num.items() if k.endswith("perf/max_memory_allocated_gb")]
         if mem:
             peak = max(peak or 0.0, *mem)
         if step >= 2:
             for ph in PHASES:
-                if isinstance(data.get(f"timing_s/{ph}"), (int, float)):
-                    phases.setdefault(ph, []).append(float(data[f"timing_s/{ph}"]))
+                if f"timing_s/{ph}" in num:
+                    phases.setdefault(ph, []).append(num[f"timing_s/{ph}"])
     return steps, peak, {ph: sum(v) / len(v) for ph, v in phases.items()}
 
 
-def parse_console(text: str) -> tuple[dict[int, float], float | None]:
-    """``{step: timing_s/step}`` and the max ``perf/max_memory_allocated_gb`` from verl's console logger lines."""
-    steps, peak = {}, None
+def file_log_rows(text: str) -> Iterator[tuple[int, dict[str, Any]]]:
+    """``(step, metrics)`` from verl's ``file`` logger (``{"step": n, "data": {...}}`` per line); a torn last line
+    (a killed run) is skipped."""
+    for line in text.splitlines():
+        try:
+            row = json.loads(line)
+            yield int(row["step"]), dict(row["data"])
+        except (ValueError, KeyError, TypeError):
+            continue
+
+
+def console_rows(text: str) -> Iterator[tuple[int, dict[str, float]]]:
+    """``(step, metrics)`` from verl's console logger lines (possibly behind Ray's actor prefix)."""
     for line in text.splitlines():
         m = _STEP_LINE.search(line)
-        if not m:
-            continue
-        vals = {k: float(v) for k, v in _METRIC.findall(line)}
-        if "timing_s/step" in vals:
-            steps[int(m.group(1))] = vals["timing_s/step"]
-        if "perf/max_memory_allocated_gb" in vals:
-            peak = max(peak or 0.0, vals["perf/max_memory_allocated_gb"])
-    return steps, peak
+        if m:
+            yield int(m.group(1)), {k: float(v) for k, v in _METRIC.findall(line)}
 
 
 class GpuMemoryPoller:
@@ -162,15 +165,13 @@ def run_one(model: str, name: str, steps: int, out_dir: Path, extra: list[str], 
     return RunResult(name, ADAPTERS[name], rc, wall, step_s, verl_peak, poller.peak or None, phases)
 
 
-def read_results(out_dir: Path, name: str) -> tuple[dict[int, float], float | None, dict[str, float]]:
+def read_results(out_dir: Path, name: str) -> Figures:
     """A configuration's figures from its file-logger output, else from its console log."""
-    jsonl, log = out_dir / f"{name}.metrics.jsonl", out_dir / f"{name}.log"
-    if jsonl.exists():
-        found = parse_file_log(jsonl.read_text(errors="replace"))
-        if found[0]:
-            return found
-    if log.exists():
-        return (*parse_console(log.read_text(errors="replace")), {})
+    for path, rows in ((out_dir / f"{name}.metrics.jsonl", file_log_rows), (out_dir / f"{name}.log", console_rows)):
+        if path.exists():
+            found = summarize(rows(path.read_text(errors="replace")))
+            if found[0]:
+                return found
     return {}, None, {}
 
 
