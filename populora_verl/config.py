@@ -144,7 +144,11 @@ class TasksConfig:
     probabilities: list[float] | None = None  # None: uniform over ``types``
     num_references: int = 6  # K reference triplets in code_i / code_o proposer prompts
     num_inputs: int = 10  # code_f: inputs a teacher proposes; half shown to the student, half hidden
-    min_valid_inputs: int = 2  # code_f: fewest distinct valid inputs for a usable task
+    min_valid_inputs: int = 2  # code_f, lenient rule only: fewest distinct valid inputs for a usable task
+    # code_f validity. azr: the last num_inputs input blocks are used, fewer is a format error and any input that
+    # fails to run makes the proposal invalid (AZR). lenient: the first <= num_inputs, failing and duplicate inputs
+    # dropped, at least min_valid_inputs kept.
+    code_f_rule: str = "azr"
     max_program_chars: int = 5600
     banned_keywords: list[str] = field(default_factory=lambda: list(AZR_BANNED_MODULES))
     prompt_template: str = "azr"  # azr (plain "User:/Assistant: <think>") | chat (tokenizer chat template)
@@ -166,6 +170,7 @@ class TasksConfig:
         _check(1 <= self.min_valid_inputs <= self.num_inputs, f"{p}.min_valid_inputs",
                "must be in [1, num_inputs]")
         _check(self.max_program_chars > 0, f"{p}.max_program_chars", "must be > 0")
+        _choice(self.code_f_rule, ("azr", "lenient"), f"{p}.code_f_rule")
         _choice(self.prompt_template, ("azr", "chat"), f"{p}.prompt_template")
 
 

@@ -11,12 +11,13 @@ sentence that matches the task (code_o: the output is hard to deduce; code_i: th
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from populora_verl.config import TasksConfig
 from populora_verl.tasks.task import Task
 
-__all__ = ["proposer_prompt", "solver_prompt", "render_prompt", "proposer_request", "solver_request", "AZR_PREAMBLE", "CHAT_FORMAT_NOTE"]
+__all__ = ["proposer_prompt", "solver_prompt", "render_prompt", "proposer_request", "solver_request", "encode_prompt",
+           "AZR_PREAMBLE", "CHAT_FORMAT_NOTE"]
 
 AZR_PREAMBLE = (
     "A conversation between User and Assistant. The User asks a question and the Assistant answers it. "
@@ -39,6 +40,22 @@ def render_prompt(question: str, template: str = "azr") -> str | list[dict[str, 
     if template == "chat":
         return [{"role": "user", "content": f"{question}\n\n{CHAT_FORMAT_NOTE}"}]
     raise ValueError(f"unknown prompt template {template!r} (expected 'azr' or 'chat')")
+
+
+def encode_prompt(tokenizer: Any, prompt: str | Sequence[Mapping[str, str]]) -> list[int]:
+    """Prompt token ids, the same in every engine (the CPU driver and verl's agent loop both call this).
+
+    ``azr`` prompts are plain text, tokenized as they are: no chat template and no special tokens added, as AZR
+    feeds its base models. ``chat`` prompts go through ``tokenizer.apply_chat_template`` with the generation prompt.
+    """
+    if isinstance(prompt, str):
+        return [int(i) for i in tokenizer(prompt, add_special_tokens=False)["input_ids"]]
+    out = tokenizer.apply_chat_template([dict(m) for m in prompt], add_generation_prompt=True, tokenize=True)
+    if isinstance(out, Mapping):  # transformers may return a BatchEncoding
+        out = out["input_ids"]
+    if out and isinstance(out[0], (list, tuple)):
+        out = out[0]
+    return [int(i) for i in out]
 
 
 def _fence(tag: str, body: str) -> str:

@@ -114,11 +114,13 @@ class ProposalResult:
         return self.status == "valid"
 
 
-def parse_proposal(response: str, task_type: str, *, num_inputs: int = 10, think_prefilled: bool = True) -> Proposal:
+def parse_proposal(response: str, task_type: str, *, num_inputs: int = 10, think_prefilled: bool = True,
+                   code_f_rule: str = "azr") -> Proposal:
     """Extract the blocks a proposal must contain; :class:`~populora_verl.tasks.parsing.ParseError` if missing.
 
-    code_i / code_o: the first python block and the first input block. code_f: up to ``num_inputs`` input
-    blocks (first ones) and the first message block.
+    code_i / code_o: the first python block and the first input block. code_f: the first message block and the
+    input blocks: ``code_f_rule="azr"`` needs at least ``num_inputs`` of them and keeps the last ``num_inputs``
+    (AZR); ``"lenient"`` keeps the first ``num_inputs``.
     """
     answer = P.extract_answer(response, think_prefilled)
     if task_type in ("code_i", "code_o"):
@@ -130,7 +132,13 @@ def parse_proposal(response: str, task_type: str, *, num_inputs: int = 10, think
             raise P.ParseError("no input block")
         return Proposal(task_type=task_type, program=program, input=inp.strip())
     if task_type == "code_f":
-        inputs = [b.strip() for tag, b in P.fenced_blocks(answer) if tag == "input" and b.strip()][:num_inputs]
+        inputs = [b.strip() for tag, b in P.fenced_blocks(answer) if tag == "input" and b.strip()]
+        if code_f_rule == "azr":
+            if len(inputs) < num_inputs:
+                raise P.ParseError(f"{len(inputs)} input blocks, need {num_inputs}")
+            inputs = inputs[-num_inputs:]
+        else:
+            inputs = inputs[:num_inputs]
         message = P.first_block(answer, ("message",))
         if not inputs:
             raise P.ParseError("no input block")
@@ -154,13 +162,15 @@ def validate_proposal(response: str, task_type: str, executor: ExecutorLike, cfg
     function, renamed ``f``; no banned names; no ``input(``), its input must be an argument list, and
     ``f(input)`` must run deterministically in the executor; the output (``repr``) is the gold answer, cut
     to 400 characters when ``executor.truncate_output``.
-    code_f: ``program`` is the buffered task whose program the proposer saw; each proposed input is run on it,
-    valid distinct ones are kept, at least ``tasks.min_valid_inputs`` are needed; the first half is shown to
-    the solver, the rest is hidden.
+    code_f: ``program`` is the buffered task whose program the proposer saw; each proposed input is run on it.
+    ``tasks.code_f_rule=azr``: all ``num_inputs`` inputs must parse and run (deterministically), else the proposal
+    is invalid. ``lenient``: valid distinct ones are kept, at least ``tasks.min_valid_inputs`` are needed. The first
+    half is shown to the solver, the rest is hidden.
     """
     tcfg = cfg.tasks
     try:
-        prop = parse_proposal(response, task_type, num_inputs=tcfg.num_inputs, think_prefilled=think_prefilled)
+        prop = parse_proposal(response, task_type, num_inputs=tcfg.num_inputs, think_prefilled=think_prefilled,
+                              code_f_rule=tcfg.code_f_rule)
     except P.ParseError as e:
         return ProposalResult("format_error", reason=str(e))
 
@@ -180,20 +190,28 @@ def validate_proposal(response: str, task_type: str, executor: ExecutorLike, cfg
     # code_f
     if program is None:
         raise ValueError("code_f validation needs the buffered program the proposer was shown")
+    strict = tcfg.code_f_rule == "azr"
     kept: list[str] = []
     seen: set[str] = set()
     for raw in prop.inputs:
         try:
             inp = P.check_call_args(raw)
-        except P.ParseError:
+        except P.ParseError as e:
+            if strict:
+                return ProposalResult("invalid", reason=f"input {raw[:40]!r}: {e}")
             continue
         key = _args_key(inp)
-        if key not in seen:
+        if strict or key not in seen:  # AZR keeps repeated inputs; the lenient rule counts each once
             seen.add(key)
             kept.append(inp)
-    results = executor.run_many([(program.program, inp) for inp in kept]) if kept else []
+    results = executor.run_many([(program.program, inp) for inp in kept],
+                                check_determinism=cfg.executor.check_determinism) if kept else []
+    if strict:
+        failed = [(inp, r) for inp, r in zip(kept, results) if not r.ok or r.output is None]
+        if failed:
+            return ProposalResult("invalid", reason=f"input {failed[0][0][:40]!r} failed: {failed[0][1].error}")
     pairs = [(inp, _maybe_truncate(r.output, cfg)) for inp, r in zip(kept, results) if r.ok and r.output is not None]
-    if len(pairs) < tcfg.min_valid_inputs:
+    if not strict and len(pairs) < tcfg.min_valid_inputs:
         return ProposalResult("invalid", reason=f"{len(pairs)} valid distinct inputs, need {tcfg.min_valid_inputs}")
     task = Task(type="code_f", program=program.program, inputs=[a for a, _ in pairs], outputs=[b for _, b in pairs],
                 message=prop.message, num_visible=len(pairs) // 2, teacher=teacher, step=step)

@@ -54,8 +54,9 @@ def new_uid() -> str:
 
 
 def prompt_to_messages(prompt: Any) -> list[dict[str, str]]:
-    """verl's single-turn agent loop reads ``raw_prompt`` as chat messages; a plain-text (``azr``) prompt becomes
-    one user message (the tokenizer's chat template is then applied around it)."""
+    """verl's single-turn agent loop reads ``raw_prompt`` as chat messages; a plain-text (``azr``) prompt travels as
+    one user message whose text the ``populora_agent`` loop tokenizes as it is (``populora.prompt_format=text``),
+    without the chat template, so both engines feed the model the same token ids."""
     if isinstance(prompt, str):
         return [{"role": "user", "content": prompt}]
     if isinstance(prompt, Sequence) and all(isinstance(m, Mapping) and "role" in m and "content" in m for m in prompt):
@@ -75,6 +76,9 @@ def populora_field(request: Any, lora: Mapping[str, Any], step: int) -> dict[str
         "role": _ROLE_FOR_REWARD.get(request.role, request.role),
         "task_type": request.task_type,
         "step": int(step),
+        # "text": raw_prompt[0].content is the whole prompt, tokenized without a chat template (tasks.prompt_template
+        # azr); "chat": verl's chat template renders raw_prompt.
+        "prompt_format": "text" if isinstance(request.prompt, str) else "chat",
         # The population step scores every trajectory (it alone sees the matched students): the populora_code
         # reward manager skips these rows instead of running each program a second time.
         "scored_by": "population_step",
