@@ -152,7 +152,18 @@ class TasksConfig:
     max_program_chars: int = 5600
     banned_keywords: list[str] = field(default_factory=lambda: list(AZR_BANNED_MODULES))
     prompt_template: str = "azr"  # azr (plain "User:/Assistant: <think>") | chat (tokenizer chat template)
+    prompt_file: str | None = None  # YAML/JSON {template name: format string}; None: our default wording
     _prefix: str = field(default=f"{ROOT}.tasks", repr=False, compare=False)
+    _templates: dict[str, str] | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def templates(self) -> dict[str, str]:
+        """The prompt templates in force (:mod:`populora_verl.tasks.templates`)."""
+        if self._templates is None:
+            from populora_verl.tasks.templates import DEFAULT_TEMPLATES
+
+            return DEFAULT_TEMPLATES
+        return self._templates
 
     def __post_init__(self) -> None:
         p = self._prefix
@@ -172,6 +183,13 @@ class TasksConfig:
         _check(self.max_program_chars > 0, f"{p}.max_program_chars", "must be > 0")
         _choice(self.code_f_rule, ("azr", "lenient"), f"{p}.code_f_rule")
         _choice(self.prompt_template, ("azr", "chat"), f"{p}.prompt_template")
+        if self.prompt_file is not None:
+            from populora_verl.tasks.templates import load_prompt_file  # lazy: tasks imports this module
+
+            try:
+                self._templates = load_prompt_file(self.prompt_file)
+            except ValueError as e:
+                _fail(f"{p}.prompt_file", str(e))
 
 
 @dataclass

@@ -79,3 +79,110 @@ async def test_same_prompt_token_ids_in_cpu_driver_and_verl_agent_loop(tokenizer
         assert all(row["populora"]["prompt_format"] == "text" for row in rows)
     else:
         assert tokenizer.decode(cpu_ids[0]).startswith("<|user|>")
+
+
+# --- item 3: prompts that keep AZR's pressure, and tasks.prompt_file ----------------------------------------
+
+# Each requirement AZR's proposer prompts state, as a phrase our wording must carry (checked case-insensitively).
+IO_REQUIREMENTS = {
+    "entry function f": "function named `f`",
+    "at least one parameter": "at least one argument",
+    "returns a value": "returns a value",
+    "nested helpers": "nested inside `f`",
+    "classes and imports at the top": "custom classes are allowed and go at the top, together with every import",
+    "nothing after the return": "anything written after it is cut off",
+    "determinism": "deterministic",
+    "no randomness / time / I/O / printing / logging / outside state":
+        "randomness, dates or clocks, files or the network, printing or logging, or any state outside",
+    "10 s budget": "10 seconds",
+    "state tracking across transformations": "keeping track of state",
+    "multi-step reasoning": "long chain of reasoning",
+    "several transformations": "several successive transformations",
+    "data structures": "trees, heaps, stacks, queues or graphs",
+    "algorithms": "dynamic programming, recursion, divide and conquer, greedy choices or backtracking",
+    "must execute on the input": "execute on your input without errors",
+    "different from the references": "different from every reference",
+    "banned words even in comments": "even inside comments",
+    "input not inside the program": "do not write the test input inside the program",
+    "exactly one input": "exactly one input",
+    "call-argument format, strings quoted": "strings are quoted",
+    "plan first": "make a plan",
+}
+CODE_F_REQUIREMENTS = {
+    "num_inputs inputs": "exactly 10 inputs",
+    "diverse outputs": "varied set of outputs",
+    "each input in its own block": "each in its own input block",
+    "a message that helps": "message",
+    "no code in the message": "must not contain the program",
+    "message in any form": "coding question",
+    "coverage of the input space": "whole input space",
+    "inputs differ": "clearly different from one another",
+    "challenging but not impossible": "challenging for the solver, but not impossible",
+    "inputs must run": "run on the program without errors",
+    "plan first": "make a plan",
+    "subset shown (IQ test)": "intelligence test",
+}
+
+
+def test_default_proposer_prompts_carry_every_azr_requirement():
+    from populora_verl.tasks import identity_task, proposer_prompt
+
+    cfg = load_config({}).tasks
+    refs = [identity_task("code_o")]
+    for tt in ("code_o", "code_i"):
+        q = proposer_prompt(tt, cfg, references=refs).lower()
+        missing = [k for k, phrase in IO_REQUIREMENTS.items() if phrase.lower() not in q]
+        assert not missing, (tt, missing)
+        assert all(b in q for b in cfg.banned_keywords) and "'hello world'" in q
+        assert "worked out by hand" not in q and "found by hand" not in q  # the old, easy-task pressure
+    assert "hard to predict" in proposer_prompt("code_o", cfg, references=refs)
+    assert "hard to invert" in proposer_prompt("code_i", cfg, references=refs)
+    qf = proposer_prompt("code_f", cfg, program=refs[0]).lower()
+    missing = [k for k, phrase in CODE_F_REQUIREMENTS.items() if phrase.lower() not in qf]
+    assert not missing, missing
+
+
+def test_prompt_file_replaces_templates_and_is_checked_at_start_up(tmp_path):
+    from populora_verl.config import ConfigError
+    from populora_verl.tasks import identity_task, proposer_prompt, solver_request
+
+    good = tmp_path / "prompts.yaml"
+    good.write_text(
+        "propose_code_o: |\n  Make a hard program. Banned: {banned_keywords}.\n  {references}\n"
+        "reference: \"<snippet_{index}>{program}|{input}|{output}</snippet_{index}>\"\n"
+        "solve_code_o: \"Deduce f({input}) for {{the}} snippet:\\n{program}\"\n")
+    cfg = load_config({"tasks": {"prompt_file": str(good)}}).tasks
+    q = proposer_prompt("code_o", cfg, references=[identity_task("code_o")])
+    assert q.startswith("Make a hard program. Banned: logging, random")
+    assert "<snippet_1>def f(a):\n    return a|'Hello world'|'Hello world'</snippet_1>" in q
+    s = solver_request(identity_task("code_o"), cfg)
+    assert "Deduce f('Hello world') for {the} snippet:\ndef f(a):" in s and s.endswith("Assistant: <think>")
+    # Names the file leaves out keep our wording.
+    assert "exactly 10 inputs" in proposer_prompt("code_f", cfg, program=identity_task("code_o"))
+
+    def err(text: str, suffix: str = ".yaml") -> str:
+        f = tmp_path / f"bad{suffix}"
+        f.write_text(text)
+        with pytest.raises(ConfigError) as e:
+            load_config({"tasks": {"prompt_file": str(f)}})
+        msg = str(e.value)
+        assert msg.startswith("populora.tasks.prompt_file: ") and "\n" not in msg, msg
+        return msg
+
+    assert "unknown placeholder {snippet}" in err("solve_code_o: 'Run {snippet} on {input} {program}'")
+    assert "'solve_code_o'" in err("solve_code_o: 'Run {snippet} on {input} {program}'")
+    assert "lacks the placeholder {input}" in err("solve_code_o: 'Run {program}'")
+    assert "unknown template 'propose_code_x'" in err("propose_code_x: '{references}'")
+    assert "bad placeholder {}" in err("azr_wrapper: 'Q: {} {question}'")
+    assert "literal braces" in err("azr_wrapper: 'Q: {question} }'")
+    assert "format spec" in err("azr_wrapper: '{question!r}'")
+    assert "unknown placeholder {nope}" in err('{"pair": "{input} {output} {nope}"}', ".json")
+    assert "no such file" in err_missing(tmp_path)
+
+
+def err_missing(tmp_path) -> str:
+    from populora_verl.config import ConfigError
+
+    with pytest.raises(ConfigError) as e:
+        load_config({"tasks": {"prompt_file": str(tmp_path / "absent.yaml")}})
+    return str(e.value)

@@ -58,12 +58,13 @@ class TaskEnv:
             refs = self.buffers.references(task_type, tcfg.num_references, rng) if tcfg.num_references else []
             question = proposer_prompt(task_type, tcfg, references=refs)
             meta = {"program": None, "references": [t.id for t in refs]}
-        return render_prompt(question, tcfg.prompt_template), meta
+        return render_prompt(question, tcfg.prompt_template, tcfg.templates), meta
 
     def solver_request(self, task: Any) -> Any:
         from populora_verl.tasks import render_prompt, solver_prompt
 
-        return render_prompt(solver_prompt(task), self.cfg.tasks.prompt_template)
+        tcfg = self.cfg.tasks
+        return render_prompt(solver_prompt(task, tcfg), tcfg.prompt_template, tcfg.templates)
 
     def buffer_tasks(self, task_type: str, k: int, rng: Any) -> list[Any]:
         """Up to ``k`` buffer tasks of ``task_type`` for a student whose teacher gave none (or ``student_mix``)."""
