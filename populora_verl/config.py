@@ -121,6 +121,7 @@ class RolloutConfig:
     proposals_per_type: int = 4  # teacher prompts per task type per teacher per step
     max_loras: int | None = None  # None: population size
     max_cpu_loras: int | None = None  # None: 2 x population size
+    buffer_task_n: int | None = None  # answers per buffer task a student trains on (AZR: 1); None: student_n
     max_new_tokens: int = 1024
     temperature: float = 1.0
     _prefix: str = field(default=f"{ROOT}.rollout", repr=False, compare=False)
@@ -130,6 +131,8 @@ class RolloutConfig:
         for k in ("teacher_n", "student_n", "proposals_per_type", "max_new_tokens"):
             v = getattr(self, k)
             _check(isinstance(v, int) and v >= 1, f"{p}.{k}", f"must be an integer >= 1, got {v!r}")
+        _check(self.buffer_task_n is None or (isinstance(self.buffer_task_n, int) and self.buffer_task_n >= 1),
+               f"{p}.buffer_task_n", f"must be null or an integer >= 1, got {self.buffer_task_n!r}")
         for k in ("max_loras", "max_cpu_loras"):
             v = getattr(self, k)
             _check(v is None or (isinstance(v, int) and v >= 1), f"{p}.{k}", f"must be null or >= 1, got {v!r}")
@@ -198,7 +201,11 @@ class BufferConfig:
 
     max_programs: int = 16384
     seed_file: str | None = None  # JSONL of {program, input, output} (code_f: + inputs/outputs/message)
-    student_mix: bool = False  # students also draw buffer tasks (AZR max_new)
+    # What students train on besides the estimation answers (rewards.train_on_estimation_rollouts):
+    # fallback: buffer tasks (uniform) stand in for each task their teacher failed to make valid, so a student always
+    # answers proposals_per_type x teacher_n tasks per type; max_new: AZR's solver batch, that many buffer tasks per
+    # type drawn newest first, whatever the teacher made (rollout.buffer_task_n answers each).
+    student_mix: str = "fallback"
     valid_program_filter: str = "all"  # all | non_one | non_extremes
     _prefix: str = field(default=f"{ROOT}.buffer", repr=False, compare=False)
 
@@ -206,6 +213,7 @@ class BufferConfig:
         p = self._prefix
         _check(self.max_programs >= 1, f"{p}.max_programs", "must be >= 1")
         _choice(self.valid_program_filter, ("all", "non_one", "non_extremes"), f"{p}.valid_program_filter")
+        _choice(self.student_mix, ("fallback", "max_new"), f"{p}.student_mix")
 
 
 @dataclass

@@ -136,9 +136,8 @@ async def test_student_answers_and_teacher_assembly(manager):
     assert all(tuple(o["reward_extra_info"]) == EXTRA_KEYS for o in outs)
     # Driver side: the matched student's correctness gives the teacher's learnability (Z = 0 in this config).
     correct = [o["reward_extra_info"]["populora_correct"] for o in outs]
-    r = levels.assemble_teacher_rewards([levels.TeacherSample("valid", task.id)], {task.id: correct},
-                                        PopuLoRACodeRewardManager.cfg.rewards)
-    assert r == [pytest.approx(0.5)]
+    r = levels.teacher_reward("valid", levels.solve_rate(correct), PopuLoRACodeRewardManager.cfg.rewards)
+    assert r == pytest.approx(0.5)
 
 
 async def test_code_f_student_and_rm_scores(manager):

@@ -186,3 +186,93 @@ def err_missing(tmp_path) -> str:
     with pytest.raises(ConfigError) as e:
         load_config({"tasks": {"prompt_file": str(tmp_path / "absent.yaml")}})
     return str(e.value)
+
+
+# --- item 5: solver batches as AZR ----------------------------------------------------------------------------
+
+PROGRAM = "def f(x):\n    return x + 1\n"
+GOOD_PROPOSAL = f"plan</think>\n<answer>\n```python\n{PROGRAM}```\n```input\n3\n```\n</answer>"
+RIGHT = "4 it is</think>\n<answer>\n```output\n4\n```\n</answer>"
+
+
+@pytest.fixture(scope="module")
+def executor():
+    from populora_verl.executor import Executor
+
+    ex = Executor(timeout_s=5.0, memory_mb=256, max_workers=1)
+    yield ex
+    ex.close()
+
+
+def _cfg(**over):
+    base = {
+        "population": {"num_teachers": 2, "num_students": 2},
+        "matchmaking": {"method": "round_robin"},
+        "tasks": {"types": ["code_o"], "num_references": 1},
+        "rollout": {"teacher_n": 1, "student_n": 4, "proposals_per_type": 2},
+        "pbt": {"interval_steps": 1},
+        "diagnostics": {"cvt_cells": 8, "cvt_samples": 500},
+    }
+    for k, v in over.items():
+        base.setdefault(k, {}).update(v)
+    return load_config(base)
+
+
+def _answer(requests, fn):
+    from populora_verl.step import GenResponse
+
+    return [GenResponse(r, [fn(r, k) for k in range(r.n)], lengths=[5] * r.n) for r in requests]
+
+
+def test_single_agent_trains_on_max_new_buffer_batch_not_on_estimation(executor):
+    """AZR's solver batch: buffer tasks, the last step's proposals first, n = 1; the n = student_n estimation
+    answers give s̄ (the proposer's reward) but are not trained on."""
+    from populora_verl.step import PopulationStep
+
+    cfg = _cfg(population={"mode": "single_agent"}, buffer={"student_mix": "max_new"},
+               rollout={"buffer_task_n": 1}, rewards={"train_on_estimation_rollouts": False})
+    ps = PopulationStep(cfg, executor=executor, seed=0)
+    for step in (1, 2):
+        reqs = ps.begin(step)
+        sreqs = ps.on_proposals(_answer(reqs, lambda r, k: GOOD_PROPOSAL))
+        est = [r for r in sreqs if r.meta["source"] == "teacher"]
+        buf = [r for r in sreqs if r.meta["source"] == "buffer"]
+        assert [r.n for r in est] == [4, 4] and len(buf) == 2 and all(r.n == 1 for r in buf)
+        if step == 1:  # only the identity seed is buffered: AZR pads the batch by repeating it
+            assert all("Hello world" in r.prompt for r in buf)
+        else:  # step 1's valid proposal (x + 1) is the newest task: it comes first
+            assert "return x + 1" in buf[0].prompt and buf[0].meta["task"].step == 1
+        res = ps.on_answers(_answer(sreqs, lambda r, k: RIGHT if k < 2 else "no"))
+        trained = res.updates["a0"]
+        assert [s.role for s in trained].count("teacher") == 2
+        assert sorted(s.meta["source"] for s in trained if s.role == "student") == ["buffer", "buffer"]
+        # s̄ still comes from the 4 estimation answers per task: 2 of 4 right -> 1 - 0.5.
+        assert max(s.reward for s in trained if s.role == "teacher") == pytest.approx(0.5)
+
+
+def test_fallback_stands_in_for_each_missing_valid_task(executor):
+    """student_mix=fallback: a teacher with 1 valid task of 2 leaves its student 1 buffer task, so every student
+    answers proposals_per_type x teacher_n tasks per type (today's code gave a buffer task only when none was
+    valid)."""
+    from populora_verl.step import PopulationStep
+
+    ps = PopulationStep(_cfg(), executor=executor, seed=0)
+    reqs = ps.begin(1)
+    pairs = dict(ps._pairs)
+    sreqs = ps.on_proposals(_answer(reqs, lambda r, k: GOOD_PROPOSAL if r.meta.get("i", 0) == 0 and
+                                    r is [q for q in reqs if q.adapter == r.adapter][0] else "garbage"))
+    for teacher in ("t0", "t1"):
+        mine = [r for r in sreqs if r.adapter == pairs[teacher]]
+        assert sorted(r.meta["source"] for r in mine) == ["buffer", "teacher"], teacher
+    ps.on_answers(_answer(sreqs, lambda r, k: RIGHT))
+
+
+def test_student_mix_names_its_choices():
+    from populora_verl.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^populora.buffer.student_mix: must be one of \['fallback', 'max_new'\]"):
+        load_config({"buffer": {"student_mix": "uniform"}})
+    with pytest.raises(ConfigError, match=r"^populora.buffer.student_mix: must be a string"):
+        load_config({"buffer": {"student_mix": True}})  # the old boolean
+    with pytest.raises(ConfigError, match="populora.rollout.buffer_task_n"):
+        load_config({"rollout": {"buffer_task_n": 0}})

@@ -360,8 +360,11 @@ def test_buffer_sampling_is_deterministic_and_checkpointable(tmp_path):
     assert pick(random.Random(7)) == pick(random.Random(7))
     assert len(set(pick(np.random.default_rng(1)))) == 6
     assert len(bufs.references("code_i", 6, np.random.default_rng(0))) == 1  # fewer than K available
-    new_first = bufs["code_o"].newest_first(4, np.random.default_rng(0), since_step=18)
-    assert [t.step for t in new_first[:2]] == [19, 18] and len(new_first) == 4
+    batch = bufs["code_o"].max_new(4, np.random.default_rng(0), since_step=18)
+    assert sorted(t.step for t in batch[:2]) == [18, 19] and len(batch) == 4 and all(t.step < 18 for t in batch[2:])
+    # AZR pads a batch larger than the buffer by repeating tasks: always exactly n.
+    assert len(bufs["code_i"].max_new(5, np.random.default_rng(0), since_step=0)) == 5
+    assert TaskBuffer("code_o").max_new(3, np.random.default_rng(0), since_step=0) == []
     assert bufs.sample_program(np.random.default_rng(0)).type in ("code_i", "code_o")
     path = tmp_path / "buffers.json"
     bufs.save(path)

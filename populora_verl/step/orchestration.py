@@ -20,10 +20,12 @@ Decisions (documented in the README, "Running on CPU"):
   the learnability of the proposal for its matched student(s): ``1 - s̄`` for ``0 < s̄ < 1`` else ``Z``
   (``rewards.teacher=one_minus``; ``inverse``: ``1 - s̄`` always), with ``s̄`` the mean correctness of the matched
   student's ``student_n`` answers (averaged over students when ``students_per_problem > 1``).
-* When a teacher proposes no valid task of a type, each of its matched students gets buffer tasks of that type
-  instead (the buffers are seeded with AZR's identity tasks, so there always is one), as many as the teacher would
-  have produced. Students therefore always have data; these fallback answers train the student but never touch the
-  teacher's reward, the pair's solve rate or the ratings. ``buffer.student_mix`` tops up every student this way.
+* Students answer their teacher's valid tasks ``student_n`` times: these estimation answers give s̄ and are
+  trained on when ``rewards.train_on_estimation_rollouts``. ``buffer.student_mix=fallback``: for each task the
+  teacher failed to make valid, each matched student gets one buffer task of that type instead, so every student
+  answers ``teacher_n x proposals_per_type`` tasks per type. ``max_new`` (AZR's solver batch): each student trains
+  on that many buffer tasks per type, the last step's proposals first, whatever its teacher made. Buffer answers
+  (``rollout.buffer_task_n`` each) train the student but never touch the teacher's reward, s̄ or the ratings.
 * The match outcome uses the solve rates on the teacher's valid tasks only; a match without any valid task is a
   student win (``populora.population.ratings.match_outcomes``).
 * Valid tasks enter the buffers after they are solved, filtered by ``buffer.valid_program_filter`` on ``s̄``.
@@ -200,6 +202,8 @@ class PopulationStep:
         for t, s in self._pairs:
             students_of.setdefault(t, []).append(s)
         n_ans = self.cfg.rollout.student_n
+        n_buf = self.cfg.rollout.buffer_task_n or n_ans
+        max_new = self.cfg.buffer.student_mix == "max_new"
         quota = self.cfg.rollout.teacher_n * self.cfg.rollout.proposals_per_type
         requests: list[GenRequest] = []
         for teacher in self.population.teachers():
@@ -212,10 +216,13 @@ class PopulationStep:
                                                            "record": i, "source": "teacher"}))
                 asked = sorted({r["task_type"] for _, r in mine})
                 for task_type in asked:
-                    got = sum(1 for _, r in mine if r["task_type"] == task_type and r["task"] is not None)
-                    want = quota - got if self.cfg.buffer.student_mix else (quota if got == 0 else 0)
-                    for task in self.tasks.buffer_tasks(task_type, want, self._rng):
-                        requests.append(GenRequest(s, STUDENT, task_type, self.tasks.solver_request(task), n_ans,
+                    if max_new:  # AZR's solver batch: newest buffer tasks first (last step's proposals)
+                        tasks = self.tasks.buffer_tasks(task_type, quota, self._rng, since_step=self._current - 1)
+                    else:  # stand-ins for the teacher's missing valid tasks
+                        got = sum(1 for _, r in mine if r["task_type"] == task_type and r["task"] is not None)
+                        tasks = self.tasks.buffer_tasks(task_type, quota - got, self._rng)
+                    for task in tasks:
+                        requests.append(GenRequest(s, STUDENT, task_type, self.tasks.solver_request(task), n_buf,
                                                    {"task": task, "teacher": teacher.id, "record": None,
                                                     "source": "buffer"}))
         self._student_requests = requests

@@ -66,10 +66,13 @@ class TaskEnv:
         tcfg = self.cfg.tasks
         return render_prompt(solver_prompt(task, tcfg), tcfg.prompt_template, tcfg.templates)
 
-    def buffer_tasks(self, task_type: str, k: int, rng: Any) -> list[Any]:
-        """Up to ``k`` buffer tasks of ``task_type`` for a student whose teacher gave none (or ``student_mix``)."""
+    def buffer_tasks(self, task_type: str, k: int, rng: Any, *, since_step: int | None = None) -> list[Any]:
+        """``k`` buffer tasks of ``task_type`` for a student: uniform and distinct (up to the buffer's size), or with
+        ``since_step`` AZR's ``max_new`` batch (tasks proposed at ``step >= since_step`` first, exactly ``k``)."""
         if k <= 0 or task_type not in self.buffers.buffers:
             return []
+        if since_step is not None:
+            return self.buffers[task_type].max_new(k, rng, since_step)
         return self.buffers[task_type].sample(k, rng)
 
     # --- checks ---------------------------------------------------------------------------------------------

@@ -91,12 +91,20 @@ class TaskBuffer:
         tasks = self.tasks
         return [tasks[i] for i in _choose(rng, len(tasks), k)]
 
-    def newest_first(self, n: int, rng: Any, since_step: int) -> list[Task]:
-        """AZR's ``max_new`` mix: tasks from ``step >= since_step`` first (newest first), the rest uniform."""
+    def max_new(self, n: int, rng: Any, since_step: int) -> list[Task]:
+        """AZR's ``max_new`` solver batch of exactly ``n`` tasks (an empty buffer gives none): the tasks proposed at
+        ``step >= since_step`` come first (a uniform sample of them when there are more than ``n``), the rest is
+        uniform over the older tasks; a buffer with fewer tasks than ``n`` repeats them (AZR pads its batch)."""
         tasks = self.tasks
-        new = [t for t in reversed(tasks) if t.step >= since_step][:n]
+        if n <= 0 or not tasks:
+            return []
+        new = [t for t in tasks if t.step >= since_step]
         old = [t for t in tasks if t.step < since_step]
-        return new + [old[i] for i in _choose(rng, len(old), n - len(new))]
+        out = [new[i] for i in _choose(rng, len(new), n)]
+        out += [old[i] for i in _choose(rng, len(old), n - len(out))]
+        while len(out) < n:  # fewer distinct tasks than n: draw again from all of them
+            out += [tasks[i] for i in _choose(rng, len(tasks), n - len(out))]
+        return out
 
     def state_dict(self) -> dict[str, Any]:
         return {"task_type": self.task_type, "max_programs": self.max_programs, "evicted": self.evicted,
