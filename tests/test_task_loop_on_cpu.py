@@ -276,3 +276,23 @@ def test_student_mix_names_its_choices():
         load_config({"buffer": {"student_mix": True}})  # the old boolean
     with pytest.raises(ConfigError, match="populora.rollout.buffer_task_n"):
         load_config({"rollout": {"buffer_task_n": 0}})
+
+
+# --- item 11: diagnostics count teacher-written programs only ---------------------------------------------------
+
+
+def test_complexity_and_coverage_leave_out_code_f_programs(executor):
+    """A valid code_f proposal carries a buffer program the teacher was shown: only the code_o program counts."""
+    from populora_verl.step import PopulationStep
+
+    cfg = _cfg(population={"mode": "single_agent"}, tasks={"types": ["code_o", "code_f"], "num_inputs": 2},
+               rollout={"proposals_per_type": 1})
+    ps = PopulationStep(cfg, executor=executor, seed=0)
+    reqs = ps.begin(1)
+    code_f = "ok</think>\n<answer>\n```input\n'a'\n```\n```input\n2\n```\n```message\nsame back\n```\n</answer>"
+    sreqs = ps.on_proposals(_answer(reqs, lambda r, k: GOOD_PROPOSAL if r.task_type == "code_o" else code_f))
+    assert sorted(r.task_type for r in sreqs if r.meta["source"] == "teacher") == ["code_f", "code_o"]
+    res = ps.on_answers(_answer(sreqs, lambda r, k: RIGHT))
+    assert res.metrics["populora/validity/a0"] == 1.0
+    assert res.metrics["populora/complexity/num_programs"] == 1.0
+    assert ps.diagnostics.archive.num_tasks == 1

@@ -287,7 +287,10 @@ class PopulationStep:
         for smp in samples:
             updates.setdefault(smp.adapter, []).append(smp)
 
-        valid_programs = [r["task"].program for r in self._teacher_records if r["task"] is not None]
+        # Complexity and coverage describe what teachers wrote: a code_f task's program is a buffer program the
+        # teacher was shown (it only wrote inputs and a message), so it is left out.
+        valid_programs = [r["task"].program for r in self._teacher_records
+                          if r["task"] is not None and r["task"].type != "code_f"]
         self.tasks.add_to_buffers(new_tasks)
         metrics = self._metrics(samples, solve_rates, valid_programs)
         self.recent_rewards = {m: float(np.mean([x.reward for x in xs])) for m, xs in updates.items() if xs}
