@@ -296,3 +296,58 @@ def test_complexity_and_coverage_leave_out_code_f_programs(executor):
     assert res.metrics["populora/validity/a0"] == 1.0
     assert res.metrics["populora/complexity/num_programs"] == 1.0
     assert ps.diagnostics.archive.num_tasks == 1
+
+
+# --- item 7: compute matching by what is trained, on the CPU driver's logged counts -----------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from populora_verl.local.tiny import build_tiny
+
+    return build_tiny(seed=0)
+
+
+def _run_driver(tiny, run_dir, *extra):
+    import copy
+    import json
+
+    from populora_verl.local.__main__ import build_configs, parse_args
+    from populora_verl.local.driver import LocalDriver
+
+    args = parse_args(["--run-dir", str(run_dir), "-q", "--steps", "1", "populora.rollout.max_new_tokens=8",
+                       "populora.tasks.types=[code_o]",
+                       "local.tensorboard=false", "populora.diagnostics.plots=false", *extra])
+    cfg, local = build_configs(args)
+    d = LocalDriver(cfg, local, run_dir, model=copy.deepcopy(tiny[0]), tokenizer=tiny[1])
+    try:
+        d.run()
+    finally:
+        d.close()
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return cfg, rows[-1]
+
+
+def test_single_agent_recipe_rule_matches_a_population_member_on_logged_counts(tiny, tmp_path):
+    """Population 2T+2S on code_o (teacher: 2 x 1 = 2 proposals; student: 2 tasks x 3 answers = 6): mean member 4.
+    The single agent as the azr_single_agent recipe sets it (max_new, one answer per buffer task, estimation not
+    trained): 2 proposals + 2 buffer answers = 4, one update each."""
+    from populora_verl.step import planned_trajectories
+
+    pop_cfg, pop = _run_driver(tiny, tmp_path / "pop", "populora.rollout.student_n=3")
+    one_cfg, one = _run_driver(tiny, tmp_path / "one", "--single-agent", "populora.rollout.student_n=3",
+                               "populora.buffer.student_mix=max_new", "populora.rollout.buffer_task_n=1",
+                               "populora.rewards.train_on_estimation_rollouts=false")
+    traj = {k.split("/")[2]: v for k, v in pop.items() if k.startswith("populora/compute/") and
+            k.endswith("/trajectories")}
+    assert traj == {"t0": 2.0, "t1": 2.0, "s0": 6.0, "s1": 6.0, "member_mean": 4.0}
+    assert planned_trajectories(pop_cfg) == planned_trajectories(one_cfg) == 4.0
+    assert one["populora/compute/a0/trajectories"] == pop["populora/compute/member_mean/trajectories"] == 4.0
+    assert one["populora/compute/a0/updates"] == pop["populora/compute/member_mean/updates"] == 1.0
+    # Estimation answers are generated (s̄ for the proposer's reward) but not trained on: 2 + 2 x 3 for valid
+    # proposals (the random model rarely writes one) + 2.
+    assert one["populora/compute/a0/generated"] in (4.0, 7.0, 10.0)
+    for row, m in ((pop, "s0"), (one, "a0")):  # tokens: the response tokens of the trained trajectories
+        tokens = row[f"populora/compute/{m}/tokens"]
+        assert row[f"populora/compute/{m}/trajectories"] <= tokens <= 8 * row[f"populora/compute/{m}/trajectories"]
+        assert tokens == row[f"populora/train/{m}/tokens"]

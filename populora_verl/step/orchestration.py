@@ -43,7 +43,8 @@ from populora_verl.advantage import group_keys, trrpp_advantages
 from populora_verl.config import PopuLoRAConfig, load_config
 from populora_verl.reward.levels import solve_rate, teacher_reward
 
-__all__ = ["GenRequest", "GenResponse", "Sample", "StepResult", "PopulationStep"]
+__all__ = ["GenRequest", "GenResponse", "Sample", "StepResult", "PopulationStep", "compute_metrics",
+           "planned_trajectories"]
 
 TEACHER = "teacher"
 STUDENT = "student"
@@ -99,6 +100,43 @@ class StepResult:
     outcomes: dict[tuple[str, str], list[str]]  # rating games applied per pair
 
 
+def compute_metrics(updates: Mapping[str, Sequence[Sample]], generated: Mapping[str, int],
+                    updates_per_step: int = 1) -> dict[str, float]:
+    """What each adapter was trained on this step (the compute-matching rule, docs/tasks-and-rewards.md):
+    ``populora/compute/<member>/{trajectories,tokens,updates,generated}`` and their ``member_mean``.
+
+    trajectories: samples in its update; tokens: their response tokens; updates: optimizer steps (0 when it had
+    nothing to train on); generated: every completion sampled with it, estimation-only answers included."""
+    out: dict[str, float] = {}
+    rows = []
+    for m, xs in updates.items():
+        row = {"trajectories": float(len(xs)), "tokens": float(sum(max(1, s.length) for s in xs)),
+               "updates": float(updates_per_step if xs else 0), "generated": float(generated.get(m, 0))}
+        rows.append(row)
+        out.update({f"populora/compute/{m}/{k}": v for k, v in row.items()})
+    for k in ("trajectories", "tokens", "updates", "generated"):
+        out[f"populora/compute/member_mean/{k}"] = float(np.mean([r[k] for r in rows])) if rows else 0.0
+    return out
+
+
+def planned_trajectories(cfg: PopuLoRAConfig) -> float:
+    """Trained trajectories per adapter per step that ``cfg`` plans, averaged over members, when every proposal is
+    valid. Under ``student_mix=fallback`` with ``buffer_task_n`` = ``student_n`` (the default) and estimation
+    answers trained, the count does not depend on validity; the single-agent recipe (``max_new``, estimation not
+    trained) does not either. ``azr_single_agent`` is set so that this equals the population recipes' value."""
+    r, rw = cfg.rollout, cfg.rewards
+    proposals = r.teacher_n * r.proposals_per_type * len(cfg.tasks.types)
+    n_buf = r.buffer_task_n or r.student_n
+    solver = proposals * (r.student_n if rw.train_on_estimation_rollouts else 0)
+    if cfg.buffer.student_mix == "max_new":
+        solver += proposals * n_buf
+    if cfg.population.mode == "single_agent":
+        return float(proposals + solver)
+    nt, ns = cfg.population.num_teachers, cfg.population.num_students
+    spp = cfg.matchmaking.students_per_problem
+    return float(nt * proposals + nt * spp * solver) / (nt + ns)
+
+
 class PopulationStep:
     """The population step as phases with explicit data in and out (see the module docstring).
 
@@ -136,6 +174,8 @@ class PopulationStep:
         self._student_requests: list[GenRequest] = []
         self._pairs: list[tuple[str, str]] = []
         self._current = 0
+        # Optimizer steps an engine takes per adapter update (CPU driver: 1; verl: actor.ppo_epochs, one mini-batch).
+        self.updates_per_step = 1
 
     # --- phase 1: match + propose -------------------------------------------------------------------------
 
@@ -293,6 +333,12 @@ class PopulationStep:
                           if r["task"] is not None and r["task"].type != "code_f"]
         self.tasks.add_to_buffers(new_tasks)
         metrics = self._metrics(samples, solve_rates, valid_programs)
+        generated: dict[str, int] = {}
+        for rec in self._teacher_records:
+            generated[rec["adapter"]] = generated.get(rec["adapter"], 0) + 1
+        for resp, _ in items:
+            generated[resp.request.adapter] = generated.get(resp.request.adapter, 0) + 1
+        metrics.update(compute_metrics(updates, generated, self.updates_per_step))
         self.recent_rewards = {m: float(np.mean([x.reward for x in xs])) for m, xs in updates.items() if xs}
         for m in self.population.members:
             self.recent_rewards.setdefault(m.id, 0.0)

@@ -67,13 +67,17 @@ class TaskEnv:
         return render_prompt(solver_prompt(task, tcfg), tcfg.prompt_template, tcfg.templates)
 
     def buffer_tasks(self, task_type: str, k: int, rng: Any, *, since_step: int | None = None) -> list[Any]:
-        """``k`` buffer tasks of ``task_type`` for a student: uniform and distinct (up to the buffer's size), or with
-        ``since_step`` AZR's ``max_new`` batch (tasks proposed at ``step >= since_step`` first, exactly ``k``)."""
+        """Exactly ``k`` buffer tasks of ``task_type`` for a student (repeated when fewer are buffered): uniform, or
+        with ``since_step`` AZR's ``max_new`` batch (tasks proposed at ``step >= since_step`` first)."""
         if k <= 0 or task_type not in self.buffers.buffers:
             return []
+        buf = self.buffers[task_type]
         if since_step is not None:
-            return self.buffers[task_type].max_new(k, rng, since_step)
-        return self.buffers[task_type].sample(k, rng)
+            return buf.max_new(k, rng, since_step)
+        out = buf.sample(k, rng)
+        while out and len(out) < k:  # fewer tasks than k buffered: repeat them, so every student gets exactly k
+            out += buf.sample(k - len(out), rng)
+        return out
 
     # --- checks ---------------------------------------------------------------------------------------------
 

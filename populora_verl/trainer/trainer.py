@@ -124,6 +124,8 @@ class PopuLoRATrainer(PPOTrainerSync):
         from populora_verl.step import PopulationStep
 
         self.pop_step = PopulationStep(self.pcfg)
+        # One update_actor per slot with the slot's batch as one mini-batch: ppo_epochs optimizer steps.
+        self.pop_step.updates_per_step = int(OmegaConf.select(config, "actor_rollout_ref.actor.ppo_epochs", default=1))
         self._init_populora_state()
 
     def _init_populora_state(self) -> None:
