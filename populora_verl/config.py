@@ -207,6 +207,11 @@ class BufferConfig:
     # type drawn newest first, whatever the teacher made (rollout.buffer_task_n answers each).
     student_mix: str = "fallback"
     valid_program_filter: str = "all"  # all | non_one | non_extremes
+    # Seeding phase (AZR): before step 1 the base model (no adapter) proposes until this many valid code_i/code_o
+    # programs (and as many code_f tasks, when code_f is trained) are buffered; 0: start from the identity seeds.
+    # Skipped when seed_file is set (a saved seed set, e.g. <run dir>/seed_tasks.jsonl of an earlier run).
+    seed_programs: int = 0
+    seed_rounds: int = 16  # generation rounds the seeding phase may take before training starts anyway
     _prefix: str = field(default=f"{ROOT}.buffer", repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -214,6 +219,10 @@ class BufferConfig:
         _check(self.max_programs >= 1, f"{p}.max_programs", "must be >= 1")
         _choice(self.valid_program_filter, ("all", "non_one", "non_extremes"), f"{p}.valid_program_filter")
         _choice(self.student_mix, ("fallback", "max_new"), f"{p}.student_mix")
+        for k in ("seed_programs", "seed_rounds"):
+            v = getattr(self, k)
+            _check(isinstance(v, int) and not isinstance(v, bool) and v >= 0, f"{p}.{k}",
+                   f"must be an integer >= 0, got {v!r}")
 
 
 @dataclass

@@ -308,9 +308,8 @@ def tiny():
     return build_tiny(seed=0)
 
 
-def _run_driver(tiny, run_dir, *extra):
+def _driver(tiny, run_dir, *extra):
     import copy
-    import json
 
     from populora_verl.local.__main__ import build_configs, parse_args
     from populora_verl.local.driver import LocalDriver
@@ -319,13 +318,19 @@ def _run_driver(tiny, run_dir, *extra):
                        "populora.tasks.types=[code_o]",
                        "local.tensorboard=false", "populora.diagnostics.plots=false", *extra])
     cfg, local = build_configs(args)
-    d = LocalDriver(cfg, local, run_dir, model=copy.deepcopy(tiny[0]), tokenizer=tiny[1])
+    return LocalDriver(cfg, local, run_dir, model=copy.deepcopy(tiny[0]), tokenizer=tiny[1])
+
+
+def _run_driver(tiny, run_dir, *extra):
+    import json
+
+    d = _driver(tiny, run_dir, *extra)
     try:
         d.run()
     finally:
         d.close()
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return cfg, rows[-1]
+    return d.cfg, rows[-1]
 
 
 def test_single_agent_recipe_rule_matches_a_population_member_on_logged_counts(tiny, tmp_path):
@@ -351,3 +356,97 @@ def test_single_agent_recipe_rule_matches_a_population_member_on_logged_counts(t
         tokens = row[f"populora/compute/{m}/tokens"]
         assert row[f"populora/compute/{m}/trajectories"] <= tokens <= 8 * row[f"populora/compute/{m}/trajectories"]
         assert tokens == row[f"populora/train/{m}/tokens"]
+
+
+# --- item 6: the seeding phase ---------------------------------------------------------------------------------
+
+
+def _seed_script(requests, texts_by_request):
+    """Scripted proposals for the seeding rounds: every other one valid, each valid one a new program."""
+    out = []
+    for req, texts in zip(requests, texts_by_request):
+        k = _seed_script.counter = getattr(_seed_script, "counter", 0) + 1
+        if k % 2:
+            out.append(["no idea"] * len(texts))
+        elif req.task_type == "code_f":
+            blocks = "".join(f"```input\n{k * 10 + i}\n```\n" for i in range(4))
+            out.append([f"ok</think>\n<answer>\n{blocks}```message\nsame back\n```\n</answer>"] * len(texts))
+        else:
+            prog = f"def f(x):\n    return x + {k}\n"
+            out.append([f"plan</think>\n<answer>\n```python\n{prog}```\n```input\n{k}\n```\n</answer>"] * len(texts))
+    return out
+
+
+def test_seeding_phase_fills_buffers_from_the_base_model_and_is_reusable(tiny, tmp_path, monkeypatch):
+    import json
+
+    from populora_verl.local.hf_engine import HFEngine
+    from populora_verl.step import PopulationStep
+    from populora_verl.step.orchestration import BASE_POLICY
+    from populora_verl.tasks import load_seed_file
+
+    seen = []
+    real_generate = HFEngine.generate
+
+    def generate(self, requests, slot_of, seed):
+        out = real_generate(self, requests, slot_of, seed)  # the real model, so "__base__" really runs
+        if requests and requests[0].adapter == BASE_POLICY:
+            seen.append([(r.adapter, slot_of(r.adapter), r.role, r.task_type) for r in requests])
+            for resp, texts in zip(out, _seed_script(requests, [o.texts for o in out])):
+                resp.texts = texts
+        return out
+
+    monkeypatch.setattr(HFEngine, "generate", generate)
+    _seed_script.counter = 0
+    cfg, row = _run_driver(tiny, tmp_path / "a", "populora.tasks.types=[code_o,code_i,code_f]",
+                           "populora.buffer.seed_programs=3", "populora.buffer.seed_rounds=5")
+    assert len(seen) >= 2 and all(a == BASE_POLICY and s == "__base__" and role == "seed"
+                                  for rnd in seen for a, s, role, _ in rnd)
+    assert sorted({t for _, _, _, t in seen[0]}) == ["code_f", "code_i", "code_o"]
+    assert row["populora/seeding/io_programs"] == 3.0 and row["populora/seeding/code_f_tasks"] == 3.0
+    assert 0.0 < row["populora/seeding/valid_rate"] < 1.0
+    assert row["populora/seeding/rounds"] == float(len(seen))
+    seed_file = tmp_path / "a" / "seed_tasks.jsonl"
+    lines = [json.loads(x) for x in seed_file.read_text().splitlines()]
+    assert len(lines) == 6 and sum("inputs" in d for d in lines) == 3
+    seeds = load_seed_file(seed_file)
+    assert sorted(t.type for t in seeds) == ["code_f"] * 3 + ["code_i"] * 3 + ["code_o"] * 3
+
+    # Reuse: the saved set seeds a new run through buffer.seed_file, with no seeding round.
+    seen.clear()
+    ps = PopulationStep(load_config({"buffer": {"seed_file": str(seed_file), "seed_programs": 3}}))
+    assert ps.seeded and ps.seed_begin() == []
+    assert {t.program for t in ps.tasks.buffers["code_i"]} == {t.program for t in seeds if t.type == "code_i"}
+    d = _driver(tiny, tmp_path / "b", f"populora.buffer.seed_file={seed_file}", "populora.buffer.seed_programs=3")
+    try:
+        assert d.seed_buffers() == 0 and seen == [] and not (tmp_path / "b" / "seed_tasks.jsonl").exists()
+    finally:
+        d.close()
+
+
+def test_step_refuses_to_start_before_seeding():
+    from populora_verl.step import PopulationStep
+
+    ps = PopulationStep(load_config({"buffer": {"seed_programs": 2, "seed_rounds": 1}}), executor=object())
+    with pytest.raises(RuntimeError, match="seeding"):
+        ps.begin(1)
+    requests = ps.seed_begin()
+    assert len(requests) == 4 and {r.n for r in requests} == {1}  # 2 io + 2 code_f prompts
+    ps.tasks.validate_many = lambda items: [(None, "format_error")] * len(items)
+    ps.seed_on_proposals([["junk"] for _ in requests])
+    assert ps.seed_begin() == [] and ps.seeded  # rounds spent: training starts with the identity seeds
+    assert ps.begin(1)
+
+
+def test_seeding_requests_route_to_a_fresh_lora_id_on_verl():
+    from populora_verl.step import GenRequest
+    from populora_verl.step.orchestration import BASE_POLICY
+    from populora_verl.trainer import convert
+
+    table = {"t0": {"slot": 0, "lora_int_id": 1000, "lora_name": "0@v0"},
+             "s0": {"slot": 1, "lora_int_id": 1001, "lora_name": "1@v0"}}
+    rows = convert.requests_to_rows([GenRequest(BASE_POLICY, "seed", "code_o", "p", 1, {})],
+                                    convert.with_base_policy(table, "t0"), 1)
+    assert rows[0]["populora"]["lora_int_id"] == 1000 and rows[0]["populora"]["role"] == "seed"
+    with pytest.raises(KeyError):
+        convert.with_base_policy(table, "zz")

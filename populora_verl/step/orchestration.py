@@ -44,10 +44,15 @@ from populora_verl.config import PopuLoRAConfig, load_config
 from populora_verl.reward.levels import solve_rate, teacher_reward
 
 __all__ = ["GenRequest", "GenResponse", "Sample", "StepResult", "PopulationStep", "compute_metrics",
-           "planned_trajectories"]
+           "planned_trajectories", "BASE_POLICY"]
 
 TEACHER = "teacher"
 STUDENT = "student"
+SEED = "seed"
+#: ``GenRequest.adapter`` of the seeding phase: the base model without any adapter. The CPU driver runs it with
+#: PEFT's ``__base__``; verl serves it under a fresh member's LoRA id (``lora_B`` is zero before step 1, so the
+#: adapter adds nothing).
+BASE_POLICY = "__base__"
 
 
 @dataclass
@@ -176,6 +181,82 @@ class PopulationStep:
         self._current = 0
         # Optimizer steps an engine takes per adapter update (CPU driver: 1; verl: actor.ppo_epochs, one mini-batch).
         self.updates_per_step = 1
+        bcfg = self.cfg.buffer
+        # Seeding phase state: done when off, when a seed file filled the buffers, or once run (checkpointed).
+        self.seeded = bcfg.seed_programs == 0 or bcfg.seed_file is not None
+        self.seed_set: list[Any] = []  # the valid seeding proposals that entered the buffers (save_seed_file)
+        self._seed_requests: list[GenRequest] = []
+        self._seed_counts = {"rounds": 0, "proposals": 0, "valid": 0, "io": 0, "code_f": 0}
+        self._pending_metrics: dict[str, float] = {}
+
+    # --- phase 0: seeding (once, before step 1) --------------------------------------------------------------
+
+    def _seed_missing(self) -> dict[str, int]:
+        target = self.cfg.buffer.seed_programs
+        types = self.cfg.tasks.types
+        out = {}
+        io = [t for t in ("code_o", "code_i") if t in types]
+        if io:
+            out["io"] = max(0, target - self._seed_counts["io"])
+        if "code_f" in types:
+            out["code_f"] = max(0, target - self._seed_counts["code_f"])
+        return out
+
+    def seed_begin(self) -> list[GenRequest]:
+        """One round of the seeding phase (AZR): proposer prompts for the base model (``BASE_POLICY``), one answer
+        each, as many as programs are still missing; ``[]`` once the buffers hold ``buffer.seed_programs`` of each
+        or ``buffer.seed_rounds`` rounds are spent (training then starts with what was found)."""
+        if self._phase != "idle":
+            raise RuntimeError(f"PopulationStep.seed_begin: a step is in phase {self._phase!r}")
+        missing = self._seed_missing()
+        if self.seeded or self._seed_counts["rounds"] >= self.cfg.buffer.seed_rounds or not any(missing.values()):
+            self._finish_seeding()
+            return []
+        io = [t for t in ("code_o", "code_i") if t in self.cfg.tasks.types]
+        requests = []
+        for i in range(missing.get("io", 0)):
+            task_type = io[i % len(io)]  # alternate: one triplet seeds both io types
+            prompt, meta = self.tasks.proposer_request(task_type, self._rng)
+            requests.append(GenRequest(BASE_POLICY, SEED, task_type, prompt, 1, meta))
+        for _ in range(missing.get("code_f", 0)):
+            prompt, meta = self.tasks.proposer_request("code_f", self._rng)
+            requests.append(GenRequest(BASE_POLICY, SEED, "code_f", prompt, 1, meta))
+        self._seed_requests = requests
+        self._phase = "seeding"
+        return requests
+
+    def seed_on_proposals(self, responses: Sequence[Any]) -> None:
+        """Validate a seeding round; valid, new programs enter the buffers and :attr:`seed_set`."""
+        if self._phase != "seeding":
+            raise RuntimeError(f"PopulationStep.seed_on_proposals called in phase {self._phase!r}")
+        responses = self._align(responses, self._seed_requests, "seed_on_proposals")
+        verdicts = self.tasks.validate_many([(r.request.task_type, text, r.request.meta, SEED, 0)
+                                             for r in responses for text in r.texts])
+        valid = [task for task, _ in verdicts if task is not None]
+        added = self.tasks.add_seeds(valid)
+        c = self._seed_counts
+        c["rounds"] += 1
+        c["proposals"] += len(verdicts)
+        c["valid"] += len(valid)
+        c["io"] += sum(1 for t in added if t.type != "code_f")
+        c["code_f"] += sum(1 for t in added if t.type == "code_f")
+        self.seed_set.extend(added)
+        self._seed_requests = []
+        self._phase = "idle"
+
+    def _finish_seeding(self) -> None:
+        if self.seeded:
+            return
+        self.seeded = True
+        c = self._seed_counts
+        # Logged with step 1's metrics (metrics.jsonl has one row per step).
+        self._pending_metrics = {
+            "populora/seeding/rounds": float(c["rounds"]),
+            "populora/seeding/proposals": float(c["proposals"]),
+            "populora/seeding/valid_rate": c["valid"] / c["proposals"] if c["proposals"] else 0.0,
+            "populora/seeding/io_programs": float(c["io"]),
+            "populora/seeding/code_f_tasks": float(c["code_f"]),
+        }
 
     # --- phase 1: match + propose -------------------------------------------------------------------------
 
@@ -193,6 +274,8 @@ class PopulationStep:
         """Match teachers with students and build the teacher (proposer) requests of step ``step``."""
         if self._phase != "idle":
             raise RuntimeError(f"PopulationStep.begin: previous step still in phase {self._phase!r}")
+        if not self.seeded:
+            raise RuntimeError("PopulationStep.begin: run the seeding phase first (seed_begin until it returns [])")
         self._current = int(step)
         self._pairs = self.matchmaker.pairs(self.population, self._current)
         requests = []
@@ -339,6 +422,8 @@ class PopulationStep:
         for resp, _ in items:
             generated[resp.request.adapter] = generated.get(resp.request.adapter, 0) + 1
         metrics.update(compute_metrics(updates, generated, self.updates_per_step))
+        metrics.update(self._pending_metrics)
+        self._pending_metrics = {}
         self.recent_rewards = {m: float(np.mean([x.reward for x in xs])) for m, xs in updates.items() if xs}
         for m in self.population.members:
             self.recent_rewards.setdefault(m.id, 0.0)
@@ -428,6 +513,7 @@ class PopulationStep:
             "pbt": self.pbt.state_dict() if self.pbt is not None else None,
             "recent_rewards": dict(self.recent_rewards),
             "buffers": self.tasks.buffers_state(),
+            "seeded": self.seeded,
             "coverage": self.diagnostics.archive.state_dict(),
         }
 
@@ -443,5 +529,6 @@ class PopulationStep:
             self.pbt.load_state_dict(state["pbt"])
         self.recent_rewards = {k: float(v) for k, v in state.get("recent_rewards", {}).items()}
         self.tasks.load_buffers_state(state["buffers"])
+        self.seeded = bool(state.get("seeded", True))  # checkpoints from before the seeding phase: trained already
         self.diagnostics.archive.load_state_dict(state["coverage"])
         self._phase = "idle"

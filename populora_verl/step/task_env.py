@@ -113,6 +113,20 @@ class TaskEnv:
         """Add solved valid tasks (with their solve rate, for ``buffer.valid_program_filter``)."""
         return sum(bool(self.buffers.add(task, rate)) for task, rate in tasks)
 
+    def add_seeds(self, tasks: Sequence[Any]) -> list[Any]:
+        """Buffer the seeding phase's valid proposals; returns the new ones (duplicates are not).
+
+        A code_i / code_o triplet seeds both io buffers (AZR keeps one io seed set); code_f tasks their own."""
+        from dataclasses import replace
+
+        added = []
+        for task in tasks:
+            types = ["code_f"] if task.type == "code_f" else [t for t in ("code_i", "code_o") if t in self.buffers.buffers]
+            new = [self.buffers.add(replace(task, type=t, id="")) for t in types]
+            if any(new):
+                added.append(task)
+        return added
+
     def buffers_state(self) -> dict[str, Any]:
         return self.buffers.state_dict()
 

@@ -29,6 +29,7 @@ __all__ = [
     "prompt_to_messages",
     "populora_field",
     "requests_to_rows",
+    "with_base_policy",
     "split_key",
     "group_trajectory_keys",
     "build_gen_responses",
@@ -87,6 +88,17 @@ def populora_field(request: Any, lora: Mapping[str, Any], step: int) -> dict[str
         # JSON text: TQ stores it as one opaque non-tensor value and the reward manager accepts it as is.
         out["task"] = task.to_json() if hasattr(task, "to_json") else json.dumps(task)
     return out
+
+
+def with_base_policy(lora_of: Mapping[str, Mapping[str, Any]], member_id: str) -> dict[str, Mapping[str, Any]]:
+    """``lora_of`` plus a route for the seeding phase's base-policy requests (``BASE_POLICY``): ``member_id``'s
+    LoRA id. Seeding runs before step 1, when every slot's ``lora_B`` is still zero, so that adapter adds nothing and
+    vLLM samples the base model (our routing serves no request without an adapter)."""
+    from populora_verl.step.orchestration import BASE_POLICY
+
+    if member_id not in lora_of:
+        raise KeyError(f"no LoRA id for member {member_id!r}")
+    return {**lora_of, BASE_POLICY: lora_of[member_id]}
 
 
 def requests_to_rows(requests: Sequence[Any], lora_of: Mapping[str, Mapping[str, Any]], step: int, *,

@@ -249,7 +249,10 @@ class PopuLoRATrainer(PPOTrainerSync):
         """Submit one phase's requests, wait for all groups, decode. Returns (GenResponses, batch meta, masks)."""
         if not requests:
             return [], KVBatchMeta(partition_id=PARTITION), {}
-        rows = convert.requests_to_rows(requests, self._lora_table(), self.global_steps, start_index=self._next_index)
+        lora_of = self._lora_table()
+        if name == "seed":  # the seeding phase's base-policy requests (PopulationStep.seed_begin)
+            lora_of = convert.with_base_policy(lora_of, self.pop_step.population.members[0].id)
+        rows = convert.requests_to_rows(requests, lora_of, self.global_steps, start_index=self._next_index)
         self._next_index += len(rows)
         self._phase = _Phase(name, list(requests), [r["uid"] for r in rows], rows)
         try:
@@ -363,8 +366,31 @@ class PopuLoRATrainer(PPOTrainerSync):
     # --- hooks: probes, evolution, checkpoint, weight sync ---------------------------------------------------
 
     def on_step_begin(self) -> None:
+        if not self.pop_step.seeded:
+            self._seed_buffers()
         if self.debug_probes:
             self._probe_adapters()
+
+    def _seed_buffers(self) -> None:
+        """The seeding phase (``populora.buffer.seed_programs``) before step 1: the base policy proposes until the
+        buffers hold the target; nothing of it is trained. The seed set goes to ``<default_local_dir>/seed_tasks.jsonl``
+        (reuse it with ``populora.buffer.seed_file``)."""
+        from populora_verl.tasks import save_seed_file
+
+        ps, rounds, metrics = self.pop_step, 0, {}
+        while True:
+            requests = ps.seed_begin()
+            if not requests:
+                break
+            responses, batch, _ = self._generate(requests, "seed", metrics)
+            tq.kv_clear(keys=list(batch.keys), partition_id=PARTITION)  # never trained on
+            ps.seed_on_proposals(responses)
+            rounds += 1
+        if rounds:
+            path = os.path.join(self._step_folder().rsplit(os.sep, 1)[0], "seed_tasks.jsonl")
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            save_seed_file(ps.seed_set, path)
+            print(f"[populora] seeding: {rounds} rounds, {len(ps.seed_set)} seed tasks -> {path}", flush=True)
 
     def on_step_end(self) -> None:
         with marked_timer("populora_evolve", self.timing_raw, color="green"):
