@@ -47,6 +47,7 @@ def test_paper_recipes_share_per_adapter_budget():
     assert base.buffer.student_mix == "max_new" and base.rollout.buffer_task_n == 1
     assert not base.rewards.train_on_estimation_rollouts  # AZR: estimation answers are not trained on
     assert planned_trajectories(base) == 54.0
+    assert base.buffer.seed_programs == 256  # AZR's seeding phase (64 x 4 base-model programs)
     for name in ["1t1s", "2t2s", "4t4s", "8t8s"]:
         cfg = _compose(name)
         p = load_config(cfg.populora)
