@@ -325,6 +325,13 @@ class PopulationStep:
             out[f"populora/validity/{t}"] = v / n if n else 0.0
         total = sum(n for _, n in counts.values())
         out["populora/validity/mean"] = sum(v for v, _ in counts.values()) / total if total else 0.0
+        by_type: dict[str, list[int]] = {}
+        for rec in self._teacher_records:
+            c = by_type.setdefault(rec["task_type"], [0, 0])
+            c[0] += rec["task"] is not None
+            c[1] += 1
+        for tt, (v, n) in by_type.items():
+            out[f"populora/task_type/{tt}/validity"] = v / n
         out.update(self.diagnostics.observe(list(valid_programs), self._current))
         by_member: dict[str, list[float]] = {}
         by_role: dict[str, list[float]] = {}
@@ -335,6 +342,11 @@ class PopulationStep:
             out[f"populora/reward/{m}/mean"] = float(np.mean(rs))
         for role, rs in by_role.items():
             out[f"populora/role/{role}/reward_mean"] = float(np.mean(rs))  # not an id: own prefix
+        lengths: dict[str, list[int]] = {}
+        for s in samples:
+            lengths.setdefault(s.role, []).append(s.length)
+        for role, ls in lengths.items():
+            out[f"populora/role/{role}/response_length_mean"] = float(np.mean(ls))
         correct = [s.meta["correct"] for s in samples if s.role == STUDENT]
         if correct:
             out["populora/student/accuracy"] = float(np.mean(correct))
