@@ -149,11 +149,22 @@ def eval_main(argv: Sequence[str] | None = None) -> int:
 
 def report_main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="populora-report", description="Markdown report of a PopuLoRA run: evaluation "
-                                "table, training-dynamics plots, ratings and the lineage tree.")
-    p.add_argument("run_dir")
-    p.add_argument("--out", help="output folder (default: <run_dir>/report)")
+                                "table, training-dynamics plots, ratings and the lineage tree; or, with --compare, "
+                                "several runs drawn together (one figure per quantity).")
+    p.add_argument("run_dir", nargs="?")
+    p.add_argument("--compare", nargs="+", metavar="RUN_DIR", help="draw these runs on shared axes instead")
+    p.add_argument("--labels", nargs="+", help="--compare: one legend label per run (default: folder names)")
+    p.add_argument("--out", help="output folder (default: <run_dir>/report, or ./populora_compare)")
     p.add_argument("--eval", dest="eval_results", help="results.json of populora-eval (default: <run_dir>/eval/)")
     args = p.parse_args(argv)
+    if args.compare:
+        from populora_verl.eval.report import build_compare_report
+
+        runs = ([args.run_dir] if args.run_dir else []) + list(args.compare)
+        print(build_compare_report(runs, args.out or "populora_compare", labels=args.labels))
+        return 0
+    if not args.run_dir:
+        p.error("give a run directory, or --compare RUN_DIR [RUN_DIR ...]")
     from populora_verl.eval.report import build_run_report
 
     results = json.loads(Path(args.eval_results).read_text(encoding="utf-8")) if args.eval_results else None
