@@ -417,7 +417,29 @@ def plot_all(metrics: str | os.PathLike | Rows, out_dir: str | os.PathLike, *,
         path = plot(rows, out_dir / f"{name}.png", events=events)
         if path is not None:
             written.append(path)
+    if isinstance(metrics, (str, os.PathLike)):
+        lineage = _plot_lineage(Path(metrics), out_dir / "lineage.png", rows)
+        if lineage is not None:
+            written.append(lineage)
     return written
+
+
+def _plot_lineage(run: Path, out_path: Path, rows: Rows) -> Path | None:
+    """The lineage tree of the run's latest population checkpoint (None without one, or with no children)."""
+    from populora_verl.eval.report import find_population_dir, plot_lineage, read_lineage
+
+    run = run.parent if run.is_file() else run
+    try:
+        pop_dir = find_population_dir(run)
+        lineage = read_lineage(pop_dir) if pop_dir is not None else []
+    except (OSError, ValueError) as e:
+        logger.info("plot lineage skipped: %s", e)
+        return None
+    if not any(r.get("parents") for r in lineage):
+        _skip("lineage", "population checkpoint with children")
+        return None
+    last = max((int(r["step"]) for r in rows if "step" in r), default=None)
+    return plot_lineage(lineage, out_path, last_step=last)
 
 
 # --- several runs ----------------------------------------------------------------------------------------------
@@ -455,14 +477,19 @@ def _compare_panels(runs: Sequence[_Run], out_path: Path, title: str, ylabel: st
     drawn = [(name, fn) for name, fn in panels if any(fn(r.rows)[0] for r in runs)]
     if not drawn:
         return None
-    fig, axes = _new_figure(1, len(drawn), width=6.0 if len(drawn) > 1 else 8.0)
-    for ax, (name, fn) in zip(axes, drawn):
+    ncols = 2 if len(drawn) == 4 else min(3, len(drawn))
+    nrows = math.ceil(len(drawn) / ncols)
+    fig, axes = _new_figure(nrows, ncols, width=6.0 if len(drawn) > 1 else 8.0)
+    for k, (ax, (name, fn)) in enumerate(zip(axes, drawn)):
         for i, run in enumerate(runs):
             xs, ys = fn(run.rows)
             if xs:
                 ax.plot(xs, ys, color=f"C{i}", linewidth=1.5, label=run.label, **_marker(i))
-        _style(ax, title=f"{title}: {name}" if len(drawn) > 1 or name else title, ylabel=ylabel, ylim=ylim,
-               legend=len(runs))
+        # Runs keep their colour in every panel: one legend, right of the first row.
+        _style(ax, title=f"{title}: {name}" if name else title, ylabel=ylabel, ylim=ylim,
+               legend=len(runs) if k == ncols - 1 else 0)
+    for ax in axes[len(drawn):]:
+        ax.set_visible(False)
     return _save(fig, out_path)
 
 
@@ -488,6 +515,8 @@ def _compare_ratings(runs: Sequence[_Run], out_path: Path) -> Path | None:
                 _draw_rating(ax, run.rows, member_id, f"{run.label}: {member_id}", color=f"C{i}",
                              linestyle=styles[j % len(styles)], index=j)
             n += len(members)
+            if not members:  # another run's panel: its events would mislead here
+                continue
             evs = [e for e in run.events if e.child[:1] == role[:1] or role == "members" or not e.child]
             _mark_events(ax, evs, color=f"C{i}", prefix=f"{run.label}: " if len(runs) > 1 else "")
         _style(ax, title=f"TrueSkill rating ({role}): mu \u00b1 sigma", ylabel="mu", legend=n)

@@ -318,7 +318,7 @@ def plot_lineage(lineage: Sequence[dict[str, Any]], out_path: str | Path, *, las
     end = last_step if last_step is not None else max(
         [int(r.get("death_step") or 0) for r in recs] + [int(r.get("birth_step") or 0) for r in recs] + [1])
     colors = {"teacher": "tab:blue", "student": "tab:orange", "both": "tab:green"}
-    fig, ax = plt.subplots(figsize=(max(6.0, 0.1 * end + 6), max(2.5, 0.45 * len(recs) + 1)))
+    fig, ax = plt.subplots(figsize=(max(7.5, 0.1 * end + 7.5), max(2.5, 0.45 * len(recs) + 1)))
     for r in recs:
         y = lane[r["id"]]
         b = int(r.get("birth_step") or 0)
@@ -335,13 +335,26 @@ def plot_lineage(lineage: Sequence[dict[str, Any]], out_path: str | Path, *, las
             ax.annotate("", xy=(b, y), xytext=(b, lane[p]),
                         arrowprops=dict(arrowstyle="->", color="gray", lw=1.0, connectionstyle="arc3,rad=0.25"))
         if r.get("parents"):
-            ax.text(b, y + 0.22, str(r.get("operator") or "?"), fontsize=7, ha="center", color="dimgray")
+            # Right of the birth dot, just above the child's lane, on white so the lane line stays readable.
+            ax.text(b + 0.12, y - 0.18, f"{r.get('operator') or '?'}({', '.join(r['parents'])})", fontsize=7,
+                    ha="left", va="bottom", color="dimgray",
+                    bbox=dict(facecolor="white", alpha=0.8, edgecolor="none", pad=0.5))
+    from matplotlib.lines import Line2D
+    from matplotlib.ticker import MaxNLocator
+
+    roles = [k for k in colors if any(r.get("role") == k for r in recs)]
+    ax.legend(handles=[Line2D([], [], color=colors[k], lw=2.5, label=k) for k in roles]
+              + [Line2D([], [], color="gray", marker="o", lw=0, label="born"),
+                 Line2D([], [], color="gray", lw=2.5, ls="--", alpha=0.5, marker="x", mec="black",
+                        label="replaced")],
+              fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
     ax.set_yticks(range(len(recs)))
     ax.set_yticklabels([r["id"] for r in recs])
     ax.invert_yaxis()
     ax.set_xlabel("step")
-    ax.set_title("Population lineage (o birth, x death, arrows parent -> child)")
+    ax.set_title("Population lineage: arrows parent -> child, labelled operator(parents)", fontsize=10)
     ax.set_xlim(-0.5, end + 0.5)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.grid(axis="x", alpha=0.3)
     fig.tight_layout()
     out = Path(out_path)
