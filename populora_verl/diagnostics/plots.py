@@ -216,6 +216,9 @@ def _style(ax: Any, *, title: str, ylabel: str, ylim: tuple[float, float] | None
     from matplotlib.ticker import MaxNLocator
 
     ax.set(title=title, xlabel="step", ylabel=ylabel)
+    for line in ax.get_lines():  # long runs: small markers, so points stay apart (a lone point keeps its size)
+        if len(line.get_xdata()) > 40:
+            line.set_markersize(min(line.get_markersize(), 2.5))
     if ylim is not None:
         ax.set_ylim(*ylim)
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
