@@ -177,7 +177,7 @@ def _mark_events(ax: Any, events: Sequence[EvolutionEvent], color: str = "dimgra
         ax.axvline(x, color=color, linestyle=":", linewidth=1.2, alpha=0.8)
         text = prefix + ", ".join(e.label for e in evs)
         ax.text(x, 0.98, text, transform=ax.get_xaxis_transform(), rotation=90, va="top", ha="right",
-                fontsize=7, color=color, bbox=dict(facecolor="white", alpha=0.75, edgecolor="none", pad=1.0))
+                fontsize=7, color=color, bbox=dict(facecolor="white", alpha=0.6, edgecolor="none", pad=1.0))
 
 
 # --- figure helpers --------------------------------------------------------------------------------------------
@@ -230,7 +230,7 @@ def _style(ax: Any, *, title: str, ylabel: str, ylim: tuple[float, float] | None
 RATE = (-0.02, 1.02)
 
 
-def _role_panels(rows: Rows, pattern: re.Pattern) -> list[str]:
+def _group_values(rows: Rows, pattern: re.Pattern) -> list[str]:
     roles = {g[0] for g in _matching(rows, pattern).values()}
     return [r for r in ("teacher", "student") if r in roles] + sorted(roles - {"teacher", "student"})
 
@@ -276,22 +276,6 @@ def plot_validity(metrics: str | os.PathLike | Rows, out_path: str | os.PathLike
         ax.plot(*series(rows, mean_key), color="black", linestyle="--", linewidth=2, label="all teachers", **MARKER)
     _style(ax, title="Valid proposals per teacher", ylabel="valid / proposals", ylim=RATE,
            legend=len(keys) + has_mean, events=events)
-    return _save(fig, Path(out_path))
-
-
-def plot_validity_by_type(metrics: str | os.PathLike | Rows, out_path: str | os.PathLike, *,
-                          events: Sequence[EvolutionEvent] = ()) -> Path | None:
-    """Valid-proposal rate per task type (all teachers together)."""
-    rows = _rows(metrics)
-    keys = _matching(rows, _TYPE_VALIDITY)
-    if not keys:
-        _skip("validity_by_type", f"'{PREFIX}/task_type/<type>/validity' keys")
-        return None
-    fig, (ax,) = _new_figure()
-    for j, (key, (tt,)) in enumerate(sorted(keys.items(), key=lambda kv: kv[1])):
-        ax.plot(*series(rows, key), linewidth=1.5, label=tt, **_marker(j))
-    _style(ax, title="Valid proposals per task type", ylabel="valid / proposals", ylim=RATE, legend=len(keys),
-           events=events)
     return _save(fig, Path(out_path))
 
 
@@ -368,29 +352,33 @@ def plot_ratings(metrics: str | os.PathLike | Rows, out_path: str | os.PathLike,
     return _save(fig, Path(out_path))
 
 
-def _plot_roles(name: str, pattern: re.Pattern, key_fmt: str, title: str, ylabel: str) -> Callable[..., Path | None]:
+def _plot_groups(name: str, pattern: re.Pattern, key_fmt: str, title: str, ylabel: str,
+                 ylim: tuple[float, float] | None = None) -> Callable[..., Path | None]:
+    """A plot with one line per value of the key's one captured group (a role, a task type)."""
     def plot(metrics: str | os.PathLike | Rows, out_path: str | os.PathLike, *,
              events: Sequence[EvolutionEvent] = ()) -> Path | None:
         rows = _rows(metrics)
-        roles = _role_panels(rows, pattern)
-        if not roles:
-            _skip(name, f"'{key_fmt.format(role='<role>')}' keys")
+        groups = _group_values(rows, pattern)
+        if not groups:
+            _skip(name, f"'{key_fmt.format('<group>')}' keys")
             return None
         fig, (ax,) = _new_figure()
-        for j, role in enumerate(roles):
-            ax.plot(*series(rows, key_fmt.format(role=role)), linewidth=1.5, label=role, **_marker(j))
-        _style(ax, title=title, ylabel=ylabel, legend=len(roles), events=events)
+        for j, group in enumerate(groups):
+            ax.plot(*series(rows, key_fmt.format(group)), linewidth=1.5, label=group, **_marker(j))
+        _style(ax, title=title, ylabel=ylabel, ylim=ylim, legend=len(groups), events=events)
         return _save(fig, Path(out_path))
 
     plot.__name__ = f"plot_{name}"
-    plot.__doc__ = f"{title} per role over steps."
+    plot.__doc__ = f"{title} over steps."
     return plot
 
 
-plot_response_length = _plot_roles("response_length", _ROLE_LENGTH, f"{PREFIX}/role/{{role}}/response_length_mean",
-                                   "Mean response length", "tokens")
-plot_reward = _plot_roles("reward", _ROLE_REWARD, f"{PREFIX}/role/{{role}}/reward_mean", "Mean training reward",
-                          "reward")
+plot_validity_by_type = _plot_groups("validity_by_type", _TYPE_VALIDITY, f"{PREFIX}/task_type/{{}}/validity",
+                                     "Valid proposals per task type (all teachers)", "valid / proposals", RATE)
+plot_response_length = _plot_groups("response_length", _ROLE_LENGTH, f"{PREFIX}/role/{{}}/response_length_mean",
+                                    "Mean response length per role", "tokens")
+plot_reward = _plot_groups("reward", _ROLE_REWARD, f"{PREFIX}/role/{{}}/reward_mean", "Mean training reward per role",
+                           "reward")
 
 
 PLOTS: dict[str, Callable[..., Path | None]] = {
