@@ -316,21 +316,20 @@ class PopulationStep:
         out: dict[str, float] = dict(self.population.ratings.metrics())
         for (t, s), r in solve_rates.items():
             out[f"populora/pair/{t}/{s}/solve_rate"] = r
-        counts: dict[str, list[int]] = {}
-        for rec in self._teacher_records:
-            c = counts.setdefault(rec["adapter"], [0, 0])
-            c[0] += rec["task"] is not None
-            c[1] += 1
+        def valid_rates(field: str) -> dict[str, list[int]]:  # {teacher or task type: [valid, proposals]}
+            counts: dict[str, list[int]] = {}
+            for rec in self._teacher_records:
+                c = counts.setdefault(rec[field], [0, 0])
+                c[0] += rec["task"] is not None
+                c[1] += 1
+            return counts
+
+        counts = valid_rates("adapter")
         for t, (v, n) in counts.items():
             out[f"populora/validity/{t}"] = v / n if n else 0.0
         total = sum(n for _, n in counts.values())
         out["populora/validity/mean"] = sum(v for v, _ in counts.values()) / total if total else 0.0
-        by_type: dict[str, list[int]] = {}
-        for rec in self._teacher_records:
-            c = by_type.setdefault(rec["task_type"], [0, 0])
-            c[0] += rec["task"] is not None
-            c[1] += 1
-        for tt, (v, n) in by_type.items():
+        for tt, (v, n) in valid_rates("task_type").items():
             out[f"populora/task_type/{tt}/validity"] = v / n
         out.update(self.diagnostics.observe(list(valid_programs), self._current))
         by_member: dict[str, list[float]] = {}
