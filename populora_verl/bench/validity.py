@@ -513,7 +513,11 @@ def main(argv: Sequence[str] | None = None, *, engine_factory: Callable[[str], P
                 (out / "results.json").write_text(json.dumps({"args": vars(args), "results": results}, indent=1),
                                                   encoding="utf-8")
                 bar.update(1)
+            # Free this model's engine before the next one is built (vLLM's engine core exits when collected).
             del engine
+            import gc
+
+            gc.collect()
     table = render_table(results)
     header = (f"# Validity probe\n\nengine {args.engine}, {args.proposals} proposals per type, {args.student_n} "
               f"student answers per task, seed file {seed_file or 'AZR identity seeds'}, "
