@@ -117,7 +117,12 @@ def test_command_on_hf_engine_with_tiny_model(tmp_path, capsys):
     model.save_pretrained(tmp_path / "tiny")
     tok.save_pretrained(tmp_path / "tiny")
     out = tmp_path / "out"
+    seed = tmp_path / "seed.jsonl"
+    seed.write_text(json.dumps({"program": "def f(a):\n    return a * 2\n", "input": "3", "output": "6"}) + "\n"
+                    + json.dumps({"program": "def f(a):\n    return -a\n", "inputs": ["1", "2"], "outputs": ["-1", "-2"],
+                                  "message": "negate"}) + "\n")
     rc = V.main(["--model", str(tmp_path / "tiny"), "--engine", "hf", "--templates", "chat", "azr-raw",
+                 "--seed-file", str(seed),
                  "--lengths", "8", "--temperatures", "1.0", "--proposals", "2", "--student-n", "1",
                  "--types", "code_o", "code_f", "--workers", "2", "--set", "populora.tasks.num_references=1",
                  "--out", str(out)])
@@ -131,8 +136,8 @@ def test_command_on_hf_engine_with_tiny_model(tmp_path, capsys):
             assert r["valid"] + r["format_error"] + r["invalid"] == 2
             assert sum(r["reasons"].values()) == 2 - r["valid"]
             assert r["mean_tokens"] <= 8
-        # every seed task of the probed types gets one answer
-        assert sum(res["types"][tt]["answers_seed"] for tt in ("code_o", "code_f")) == res["seed_tasks"] > 0
+        # every seed task of the probed types (one code_o, one code_f) gets one answer
+        assert [res["types"][tt]["answers_seed"] for tt in ("code_o", "code_f")] == [1, 1] and res["seed_tasks"] == 2
     md = (out / "results.md").read_text()
     assert md.count("| tiny |") == 4
     assert "wrote" in capsys.readouterr().out
@@ -144,3 +149,18 @@ def test_bad_override_is_one_line(tmp_path, capsys):
     assert rc == 2
     err = capsys.readouterr().err.strip()
     assert "populora.tasks.num_inputs" in err and "\n" not in err
+
+
+def test_model_without_chat_template_is_one_line(tmp_path, capsys):
+    from populora_verl.local.tiny import build_tiny
+
+    model, tok = build_tiny(seed=0)
+    model.save_pretrained(tmp_path / "tiny")
+    tok.save_pretrained(tmp_path / "tiny")
+    rc = V.main(["--model", str(tmp_path / "tiny"), "--engine", "hf", "--templates", "chat", "--proposals", "1",
+                 "--out", str(tmp_path / "out")])
+    assert rc == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("error:") and "no chat template" in err and "azr-raw" in err
+    assert V.main(["--model", str(tmp_path / "nowhere"), "--engine", "hf", "--out", str(tmp_path / "o")]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == f"error: --model {tmp_path / 'nowhere'}: not a folder"

@@ -473,12 +473,9 @@ def _build_engine(args: argparse.Namespace, model: str) -> ProbeEngine:
                            enforce_eager=args.enforce_eager, seed=args.seed)
 
 
-def main(argv: Sequence[str] | None = None, *, engine_factory: Callable[[str], ProbeEngine] | None = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from tqdm.auto import tqdm
-
     from populora_verl.config import ConfigError
-    from populora_verl.executor import Executor
 
     seed_file = None if str(args.seed_file).lower() == "none" else args.seed_file
     overrides = _parse_set(args.set)
@@ -496,13 +493,48 @@ def main(argv: Sequence[str] | None = None, *, engine_factory: Callable[[str], P
                 for temp in args.temperatures]
     results: list[dict[str, Any]] = []
     t_start = time.perf_counter()
+    try:
+        _run_all(args, settings, seed_file, overrides, cfg, results)
+    except _ProbeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    table = render_table(results)
+    header = (f"# Validity probe\n\nengine {args.engine}, {args.proposals} proposals per type, {args.student_n} "
+              f"student answers per task, seed file {seed_file or 'AZR identity seeds'}, "
+              f"{time.perf_counter() - t_start:.0f} s in all.\n\n")
+    (out / "results.md").write_text(header + table, encoding="utf-8")
+    print(table)
+    print(f"wrote {out / 'results.md'} and {out / 'results.json'}")
+    return 0
+
+
+class _ProbeError(Exception):
+    """A setting the probe cannot run; reported in one line."""
+
+
+def _run_all(args: argparse.Namespace, settings: Sequence[Setting], seed_file: str | None,
+             overrides: Mapping[str, Any], cfg: Any, results: list[dict[str, Any]]) -> None:
+    from tqdm.auto import tqdm
+
+    from populora_verl.executor import Executor
+
+    out = Path(args.out)
     with Executor.from_config(cfg.executor, max_workers=args.workers) as executor, \
             tqdm(total=len(settings), desc="validity", unit="setting") as bar:
         for model in args.model:
             t0 = time.perf_counter()
             bar.set_postfix_str(f"loading {Path(model).name}")
-            engine = engine_factory(model) if engine_factory else _build_engine(args, model)
+            if not Path(model).is_dir():
+                raise _ProbeError(f"--model {model}: not a folder")
+            try:
+                engine = _build_engine(args, model)
+            except (OSError, ValueError) as e:  # no weights / no tokenizer / unsupported architecture
+                raise _ProbeError(f"--model {model}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
             load_s = time.perf_counter() - t0
+            wrapped = [t for t in args.templates if t != "azr-raw"]
+            if wrapped and not getattr(engine.tokenizer, "chat_template", None):
+                raise _ProbeError(f"{model}: the tokenizer has no chat template, needed by --templates "
+                                  f"{' '.join(wrapped)} (use azr-raw)")
             for s in (s for s in settings if s.model == model):
                 res = run_setting(engine, s, types=args.types, proposals=args.proposals, student_n=args.student_n,
                                   seed_file=seed_file, executor=executor, seed=args.seed, top_p=args.top_p,
@@ -518,14 +550,6 @@ def main(argv: Sequence[str] | None = None, *, engine_factory: Callable[[str], P
             import gc
 
             gc.collect()
-    table = render_table(results)
-    header = (f"# Validity probe\n\nengine {args.engine}, {args.proposals} proposals per type, {args.student_n} "
-              f"student answers per task, seed file {seed_file or 'AZR identity seeds'}, "
-              f"{time.perf_counter() - t_start:.0f} s in all.\n\n")
-    (out / "results.md").write_text(header + table, encoding="utf-8")
-    print(table)
-    print(f"wrote {out / 'results.md'} and {out / 'results.json'}")
-    return 0
 
 
 if __name__ == "__main__":
