@@ -30,7 +30,7 @@ def resolve_benchmarks(spec: str, data_dir: str | None, lcb_path: str | None) ->
                  "math": list(MATH_BENCHMARKS)}[spec]
         if "livecodebench" in names and lcb_path is None and \
                 find_benchmark_file("livecodebench", resolve_data_dir(data_dir)) is None:
-            _log("LiveCodeBench skipped: no file (pass --lcb-path; see the README, 'Evaluation and the population report')")
+            _log("LiveCodeBench skipped: no file (pass --lcb-path; see docs/evaluation.md)")
             names.remove("livecodebench")
         return names
     names = [s.strip() for s in spec.split(",") if s.strip()]

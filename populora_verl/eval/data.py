@@ -200,7 +200,7 @@ def resolve_data_dir(data_dir: str | os.PathLike | None = None) -> Path:
     if p.is_dir():
         return p
     raise FileNotFoundError("no benchmark data: pass --data-dir or set POPULORA_BENCHMARKS "
-                            f"(looked for {p}); the layout is described in the README, 'Evaluation and the population report'")
+                            f"(looked for {p}); the layout is described in docs/evaluation.md")
 
 
 def find_benchmark_file(name: str, data_dir: Path) -> Path | None:
