@@ -98,7 +98,12 @@ def build_configs(args: argparse.Namespace) -> tuple[PopuLoRAConfig, LocalConfig
     for path in files:
         if not path.is_file():
             raise ConfigError(f"--config: no such file {path}")
-        data = yaml.safe_load(path.read_text()) or {}
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            where = f" (line {mark.line + 1})" if mark is not None else ""
+            raise ConfigError(f"--config: {path} is not valid YAML{where}: {getattr(e, 'problem', None) or e}") from e
         if not isinstance(data, Mapping):
             raise ConfigError(f"--config: {path} must hold a mapping with populora: / local: sections")
         unknown = set(data) - {"populora", "local"}
@@ -125,24 +130,10 @@ def build_configs(args: argparse.Namespace) -> tuple[PopuLoRAConfig, LocalConfig
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    try:
-        return _run(args)
-    except KeyboardInterrupt:
-        print("\n" + interrupted_message(args.run_dir, resume_cmd(args)), file=sys.stderr)
-        return 130
-    except Exception as e:  # one line for the user; --debug for the traceback
-        if args.debug:
-            raise
-        print(f"error: {one_line(e)} (--debug shows the traceback)", file=sys.stderr)
-        return 1
+    from populora_verl.cli_errors import run_cli
 
-
-def one_line(e: BaseException) -> str:
-    """An exception as one line: its message with whitespace collapsed, else its type."""
-    text = " ".join(str(e).split())
-    if isinstance(e, (ConfigError, FileNotFoundError, FileExistsError)) or type(e).__name__ == "CheckpointError":
-        return text or type(e).__name__
-    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+    return run_cli("populora-local", lambda: _run(args), debug=args.debug,
+                   on_interrupt=lambda: interrupted_message(args.run_dir, resume_cmd(args)))
 
 
 def resume_cmd(args: argparse.Namespace) -> str:
@@ -176,6 +167,8 @@ def _run(args: argparse.Namespace) -> int:
     except (ConfigError, FileNotFoundError, FileExistsError, CheckpointError) as e:
         if args.debug:
             raise
+        from populora_verl.cli_errors import one_line
+
         print(f"error: {one_line(e)}", file=sys.stderr)
         return 2
     pop = driver.population

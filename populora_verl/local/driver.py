@@ -48,6 +48,9 @@ def load_model(model_path: str | None = None, gguf: str | None = None, *, seed: 
     else:
         if not Path(model_path).is_dir():
             raise FileNotFoundError(f"--model: no such directory {model_path}")
+        if not (Path(model_path) / "config.json").is_file():
+            raise FileNotFoundError(f"--model: {model_path} holds no HF model (no config.json); convert a GGUF with "
+                                    "`python -m populora_verl.models convert` or pass --gguf")
         tok = AutoTokenizer.from_pretrained(model_path)
         model = AutoModelForCausalLM.from_pretrained(model_path, torch_dtype=torch_dtype)
     if tok.pad_token is None:
