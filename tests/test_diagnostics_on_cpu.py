@@ -483,3 +483,11 @@ def test_report_compare_cli_writes_figures_and_summary(tmp_path):
     md = (out / "compare.md").read_text()
     assert "| A | 3 |" in md and "| B | 3 |" in md and "![ratings](ratings.png)" in md
     assert (out / "ratings.png").read_bytes()[:8] == PNG_MAGIC
+
+
+def test_report_compare_missing_run_is_one_line(tmp_path, capsys):
+    from populora_verl.eval.cli import report_main
+
+    assert report_main(["--compare", str(tmp_path / "nope"), "--out", str(tmp_path / "cmp")]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err == f"populora-report: error: {tmp_path / 'nope'}: no metrics.jsonl (--debug shows the traceback)"
