@@ -427,7 +427,7 @@ def _plot_lineage(run: Path, out_path: Path, rows: Rows) -> Path | None:
         logger.info("plot lineage skipped: %s", e)
         return None
     if not any(r.get("parents") for r in lineage):
-        _skip("lineage", "population checkpoint with children")
+        logger.info("plot lineage skipped: the run has no population checkpoint with children")
         return None
     last = max((int(r["step"]) for r in rows if "step" in r), default=None)
     return plot_lineage(lineage, out_path, last_step=last)
