@@ -14,7 +14,7 @@ rollout phases::
 The single-agent AZR baseline (``populora.population.mode=single_agent``) is the same code: the one member ``a0``
 is matched with itself, so it proposes and solves, and it is not rated (TrueSkill needs two players).
 
-Decisions (documented in the README, "Running on CPU"):
+Decisions (documented in docs/cpu-driver.md, "Decisions in the population step"):
 
 * A teacher's reward for a proposal is ``invalid_program`` (-1) if it is malformed or fails validation; otherwise
   the learnability of the proposal for its matched student(s): ``1 - s̄`` for ``0 < s̄ < 1`` else ``Z``
@@ -457,15 +457,21 @@ class PopulationStep:
         out: dict[str, float] = dict(self.population.ratings.metrics())
         for (t, s), r in solve_rates.items():
             out[f"populora/pair/{t}/{s}/solve_rate"] = r
-        counts: dict[str, list[int]] = {}
-        for rec in self._teacher_records:
-            c = counts.setdefault(rec["adapter"], [0, 0])
-            c[0] += rec["task"] is not None
-            c[1] += 1
+        def valid_rates(field: str) -> dict[str, list[int]]:  # {teacher or task type: [valid, proposals]}
+            counts: dict[str, list[int]] = {}
+            for rec in self._teacher_records:
+                c = counts.setdefault(rec[field], [0, 0])
+                c[0] += rec["task"] is not None
+                c[1] += 1
+            return counts
+
+        counts = valid_rates("adapter")
         for t, (v, n) in counts.items():
             out[f"populora/validity/{t}"] = v / n if n else 0.0
         total = sum(n for _, n in counts.values())
         out["populora/validity/mean"] = sum(v for v, _ in counts.values()) / total if total else 0.0
+        for tt, (v, n) in valid_rates("task_type").items():
+            out[f"populora/task_type/{tt}/validity"] = v / n
         out.update(self.diagnostics.observe(list(valid_programs), self._current))
         by_member: dict[str, list[float]] = {}
         by_role: dict[str, list[float]] = {}
@@ -476,6 +482,11 @@ class PopulationStep:
             out[f"populora/reward/{m}/mean"] = float(np.mean(rs))
         for role, rs in by_role.items():
             out[f"populora/role/{role}/reward_mean"] = float(np.mean(rs))  # not an id: own prefix
+        lengths: dict[str, list[int]] = {}
+        for s in samples:
+            lengths.setdefault(s.role, []).append(s.length)
+        for role, ls in lengths.items():
+            out[f"populora/role/{role}/response_length_mean"] = float(np.mean(ls))
         correct = [s.meta["correct"] for s in samples if s.role == STUDENT]
         if correct:
             out["populora/student/accuracy"] = float(np.mean(correct))
