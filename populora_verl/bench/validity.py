@@ -213,6 +213,7 @@ _REASON_RULES: tuple[tuple[str, str], ...] = (
     ("positional parameter", "no parameter"),
     ("longer than", "program too long"),
     ("valid distinct inputs", "too few valid inputs"),
+    ("input blocks, need", "too few input blocks"),  # code_f under tasks.code_f_rule=azr
     ("execution failed", "runtime error"),
     ("failed", "runtime error"),
 )
