@@ -29,7 +29,7 @@ __all__ = [
 STUDENT_WINS = "student"
 TEACHER_WINS = "teacher"
 DRAW = "draw"
-OUTCOME_RULES = ("vs_expected", "vs_half", "per_problem")
+OUTCOME_RULES = ("learnable", "vs_expected", "vs_half", "per_problem")
 
 
 def _compare(observed: float, expected: float) -> str:
@@ -43,7 +43,11 @@ def _compare(observed: float, expected: float) -> str:
 def match_outcomes(solve_rates: Sequence[float], expected: float, rule: str = "vs_expected") -> list[str]:
     """Game outcomes of one match, from the student's solve rate on each of the teacher's valid problems.
 
-    - ``vs_expected``: one game; the mean solve rate against ``expected`` (the win probability p).
+    - ``learnable``: ``vs_expected`` where a problem no answer solved (s̄ = 0) counts as fully solved (s̄ -> 1):
+      an unsolvable problem teaches nothing, so it is a point for the student, never for the teacher. A teacher
+      wins by posing problems its student solves sometimes, less often than the ratings predict.
+    - ``vs_expected``: one game; the mean solve rate against ``expected`` (the win probability p). A teacher
+      also wins with problems nobody can solve.
     - ``vs_half``: one game; the mean solve rate against 0.5.
     - ``per_problem``: one game per problem; a problem is won by the student when its solve rate is above 0.5
       (with one sample per problem: solved), by the teacher below 0.5, drawn at exactly 0.5.
@@ -61,6 +65,8 @@ def match_outcomes(solve_rates: Sequence[float], expected: float, rule: str = "v
         return [STUDENT_WINS]
     if rule == "per_problem":
         return [_compare(r, 0.5) for r in rates]
+    if rule == "learnable":
+        rates = [1.0 if r == 0.0 else r for r in rates]
     mean = math.fsum(rates) / len(rates)
     return [_compare(mean, expected if rule == "vs_expected" else 0.5)]
 

@@ -106,7 +106,8 @@ class PopulationStep:
     """
 
     def __init__(self, cfg: PopuLoRAConfig | Mapping[str, Any] | None = None, *, executor: Any = None,
-                 seed: int | None = None, population: Any = None, tasks_env: Any = None) -> None:
+                 seed: int | None = None, population: Any = None, tasks_env: Any = None,
+                 total_steps: int | None = None) -> None:
         from populora_verl.diagnostics.tracker import ProblemDiagnostics
         from populora_verl.population import Matchmaker, Population
 
@@ -118,7 +119,7 @@ class PopulationStep:
         if self.cfg.pbt.enabled and self.cfg.population.mode != "single_agent":
             from populora_verl.evolution.pbt import PBTController
 
-            self.pbt = PBTController(self.cfg.pbt, seed=self.seed + 2)
+            self.pbt = PBTController(self.cfg.pbt, seed=self.seed + 2, total_steps=total_steps)
             self.pbt.validate(self.cfg.population)
         from populora_verl.step.task_env import TaskEnv
 
@@ -134,6 +135,11 @@ class PopulationStep:
         self._student_requests: list[GenRequest] = []
         self._pairs: list[tuple[str, str]] = []
         self._current = 0
+
+    def set_total_steps(self, total_steps: int | None) -> None:
+        """The run's last step, so that PBT keeps the final ``pbt.final_quiet_steps`` free of evolution."""
+        if self.pbt is not None:
+            self.pbt.total_steps = None if total_steps is None else int(total_steps)
 
     # --- phase 1: match + propose -------------------------------------------------------------------------
 
@@ -288,6 +294,7 @@ class PopulationStep:
             self.recent_rewards.setdefault(m.id, 0.0)
         self.step = self._current
         self.population.step = self._current
+        self.population.tick()  # every living member has trained one more step (after this step's update)
         self._phase = "idle"
         self._teacher_requests, self._student_requests, self._teacher_records = [], [], []
         return StepResult(self._current, samples, updates, metrics, solve_rates, outcomes)
