@@ -267,7 +267,7 @@ class PBTConfig:
     # null: one interval_steps. Needs the run's length (CPU driver: --steps; verl: trainer.total_training_steps).
     final_quiet_steps: int | None = None
     # Newborn protection: a member younger than this many trained steps is never culled (0: off).
-    min_age: int = 10
+    min_age: int = 20
     _prefix: str = field(default=f"{ROOT}.pbt", repr=False, compare=False)
 
     def __post_init__(self) -> None:

@@ -12,7 +12,7 @@ A child is damaged by its operator and recovers over ``recovery`` steps (the pap
 extra ``1 - age / recovery`` share of its proposals is invalid (teachers) or its skill is lowered by that share
 (students). This is what newborn protection (``pbt.min_age``) is about.
 
-Figures per setting, means over seeds at the end of the run: the teachers' learnable / unsolvable / invalid
+Figures per setting, means (± standard error) over seeds at the end of the run: the teachers' learnable / unsolvable / invalid
 shares (from their traits), the teachers' mean AZR learnability reward over the last ``interval`` steps, and the
 share of culled members that were still recovering when they died.
 """
@@ -65,6 +65,9 @@ class SimResult:
     teacher_reward: float  # mean AZR teacher reward over the last interval
     recovering_culled: float  # share of victims still recovering (age < recovery) when culled
     seconds: float
+    learnable_sem: float = 0.0  # standard error over seeds of final_learnable
+    stump_sem: float = 0.0
+    reward_sem: float = 0.0
 
 
 class _Mutate:
@@ -108,11 +111,12 @@ def _one_run(cfg: SimConfig, seed: int) -> tuple[float, float, float, float, flo
             damage_t = max(0.0, 1.0 - tm.age / cfg.recovery) if tm.parents else 0.0
             damage_s = max(0.0, 1.0 - sm.age / cfg.recovery) if sm.parents else 0.0
             skill = 1.0 / (1.0 + math.exp(-float(traits[s]["x"][0]))) * (1.0 - damage_s)
-            rates = []
+            rates, invalid = [], 0
             last = step > cfg.steps - cfg.interval
             for _ in range(cfg.proposals):
                 kind = "invalid" if rng.random() < damage_t else KINDS[int(rng.choice(len(KINDS), p=mix))]
                 if kind == "invalid":
+                    invalid += 1
                     if last:
                         rewards.append(-1.0)
                     continue
@@ -126,7 +130,7 @@ def _one_run(cfg: SimConfig, seed: int) -> tuple[float, float, float, float, flo
                 rates.append(rate)
                 if last:
                     rewards.append(1.0 - rate if 0.0 < rate < 1.0 else cfg.zero_learnability_reward)
-            pop.ratings.rate_match(t, s, rates, cfg.outcome)
+            pop.ratings.rate_match(t, s, rates, cfg.outcome, invalid=invalid)
         pop.step = step
         pop.tick()
         if ctl.due(step):
@@ -146,7 +150,12 @@ def simulate(cfg: SimConfig) -> SimResult:
     t0 = time.perf_counter()
     runs = [_one_run(cfg, seed) for seed in range(cfg.seeds)]
     cols = list(zip(*runs))
-    return SimResult(*(statistics.fmean(c) for c in cols), seconds=time.perf_counter() - t0)
+
+    def sem(c: Sequence[float]) -> float:
+        return statistics.stdev(c) / math.sqrt(len(c)) if len(c) > 1 else 0.0
+
+    return SimResult(*(statistics.fmean(c) for c in cols), seconds=time.perf_counter() - t0,
+                     learnable_sem=sem(cols[0]), stump_sem=sem(cols[1]), reward_sem=sem(cols[3]))
 
 
 def table(rows: Sequence[tuple[SimConfig, SimResult]]) -> str:
@@ -154,9 +163,9 @@ def table(rows: Sequence[tuple[SimConfig, SimResult]]) -> str:
             "teacher reward (last interval) | culled while recovering |")
     lines = [head, "|---|---:|---|---:|---:|---:|---:|---:|"]
     for c, r in rows:
-        lines.append(f"| {c.outcome} | {c.min_age} | {c.child_rating} | {r.final_learnable:.3f} | "
-                     f"{r.final_stump:.3f} | {r.final_invalid:.3f} | {r.teacher_reward:+.3f} | "
-                     f"{r.recovering_culled:.2f} |")
+        lines.append(f"| {c.outcome} | {c.min_age} | {c.child_rating} | {r.final_learnable:.2f} ± "
+                     f"{r.learnable_sem:.2f} | {r.final_stump:.2f} ± {r.stump_sem:.2f} | {r.final_invalid:.2f} | "
+                     f"{r.teacher_reward:+.3f} ± {r.reward_sem:.3f} | {r.recovering_culled:.2f} |")
     return "\n".join(lines)
 
 

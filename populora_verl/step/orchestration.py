@@ -24,8 +24,9 @@ Decisions (documented in the README, "Running on CPU"):
   instead (the buffers are seeded with AZR's identity tasks, so there always is one), as many as the teacher would
   have produced. Students therefore always have data; these fallback answers train the student but never touch the
   teacher's reward, the pair's solve rate or the ratings. ``buffer.student_mix`` tops up every student this way.
-* The match outcome uses the solve rates on the teacher's valid tasks only; a match without any valid task is a
-  student win (``populora.population.ratings.match_outcomes``).
+* The match outcome uses the solve rates on the teacher's valid tasks; a match without any valid task is a
+  student win. Under ``matchmaking.outcome=learnable`` (default) an invalid proposal or a task nobody solved counts
+  as solved, so only learnable tasks win games for a teacher (``populora.population.ratings.match_outcomes``).
 * Valid tasks enter the buffers after they are solved, filtered by ``buffer.valid_program_filter`` on ``s̄``.
 """
 
@@ -274,10 +275,15 @@ class PopulationStep:
                 length=rec["length"], extra=rec["extra"],
                 meta={"status": rec["status"], "solve_rate": rate, "task_id": task.id if task else None}))
 
-        # Ratings: one match per (teacher, student) pair over the teacher's valid tasks.
+        # Ratings: one match per (teacher, student) pair over the teacher's valid tasks (matchmaking.outcome
+        # = learnable also counts the teacher's invalid proposals against it).
+        invalid: dict[str, int] = {}
+        for rec in self._teacher_records:
+            invalid[rec["adapter"]] = invalid.get(rec["adapter"], 0) + (rec["task"] is None)
         outcomes = {}
         for (t, s), rates in pair_rates.items():
-            outcomes[(t, s)] = self.population.ratings.rate_match(t, s, rates, self.cfg.matchmaking.outcome)
+            outcomes[(t, s)] = self.population.ratings.rate_match(t, s, rates, self.cfg.matchmaking.outcome,
+                                                                  invalid=invalid.get(t, 0))
         solve_rates = {p: float(np.mean(r)) for p, r in pair_rates.items() if r}
 
         samples = teacher_samples + student_samples
