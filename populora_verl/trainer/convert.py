@@ -330,7 +330,32 @@ def validate_verl_config(config: Any, pcfg: PopuLoRAConfig) -> None:
     max_cpu = _get(ek, "max_cpu_loras", max_loras)
     if not (isinstance(max_cpu, int) and max_cpu >= max_loras):
         _bad(f"{ar}.rollout.engine_kwargs.vllm.max_cpu_loras", f"must be >= max_loras ({max_loras}), got {max_cpu!r}")
+    _validate_overridden_keys(config, pcfg)
     if pcfg.rollout.max_loras is not None and pcfg.rollout.max_loras > max_loras:
         _bad("populora.rollout.max_loras",
              f"({pcfg.rollout.max_loras}) exceeds {ar}.rollout.engine_kwargs.vllm.max_loras ({max_loras}), "
              "which is what vLLM gets")
+
+
+def _validate_overridden_keys(config: Any, pcfg: PopuLoRAConfig) -> None:
+    """verl keys whose job PopuLoRA does itself, and ``populora.rollout`` keys verl's rollout never reads: each
+    must agree with what really happens, so no value a user sets is silently ignored."""
+    ar = "actor_rollout_ref"
+    n = _get(config, f"{ar}.rollout.n")
+    if n != 1:
+        _bad(f"{ar}.rollout.n", "must be 1: PopuLoRA sets samples per prompt itself (populora.rollout.teacher_n / "
+             f"student_n), got {n!r}")
+    # The trainer makes each slot's whole batch one PPO mini-batch; in verl's terms that is
+    # ppo_mini_batch_size == train_batch_size (one optimizer step per epoch), so ask for exactly that.
+    mini, batch = _get(config, f"{ar}.actor.ppo_mini_batch_size"), _get(config, "data.train_batch_size")
+    if mini != batch:
+        _bad(f"{ar}.actor.ppo_mini_batch_size", f"must equal data.train_batch_size ({batch!r}): PopuLoRA trains each "
+             f"adapter's whole batch as one mini-batch (one optimizer step per ppo_epoch), got {mini!r}")
+    length = _get(config, f"{ar}.rollout.response_length") or _get(config, "data.max_response_length")
+    if pcfg.rollout.max_new_tokens is not None and pcfg.rollout.max_new_tokens != length:
+        _bad("populora.rollout.max_new_tokens", f"({pcfg.rollout.max_new_tokens}) differs from {ar}.rollout."
+             f"response_length ({length!r}), which is what vLLM generates with: set that, or leave this null")
+    temp = _get(config, f"{ar}.rollout.temperature")
+    if pcfg.rollout.temperature is not None and pcfg.rollout.temperature != temp:
+        _bad("populora.rollout.temperature", f"({pcfg.rollout.temperature}) differs from {ar}.rollout.temperature "
+             f"({temp!r}), which is what vLLM samples with: set that, or leave this null")

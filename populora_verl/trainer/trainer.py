@@ -123,7 +123,8 @@ class PopuLoRATrainer(PPOTrainerSync):
         self.debug_probes = bool(OmegaConf.select(config, DEBUG_PROBES_KEY, default=False))
         from populora_verl.step import PopulationStep
 
-        self.pop_step = PopulationStep(self.pcfg)
+        # The run's length places the final evolution-free window (pbt.final_quiet_steps).
+        self.pop_step = PopulationStep(self.pcfg, total_steps=int(config.trainer.total_training_steps))
         # One update_actor per slot with the slot's batch as one mini-batch: ppo_epochs optimizer steps.
         self.pop_step.updates_per_step = int(OmegaConf.select(config, "actor_rollout_ref.actor.ppo_epochs", default=1))
         self._init_populora_state()
@@ -416,8 +417,11 @@ class PopuLoRATrainer(PPOTrainerSync):
         plan, children = self.pop_step.maybe_evolve(step, _LazyAdapters(self._get_adapter, slot_of))
         events = 0 if plan is None else len(plan.replacements)
         for r in (plan.replacements if plan is not None else []):
+            # reset_optimizer=false: the child takes its fitter parent's moments (as the CPU driver), never keeps
+            # its victim's. Parents are survivors, so no earlier replacement of this plan has touched them.
             self._rpc("populora_set_adapter", int(r.victim_slot), children[r.child_id],
-                      reset_optimizer=bool(r.reset_optimizer))
+                      reset_optimizer=bool(r.reset_optimizer),
+                      optimizer_from=None if r.reset_optimizer else slot_of[r.parent_ids[0]])
             print(f"[populora] step {step} evolution: {r.victim_id} (slot {r.victim_slot}) <- {r.child_id} = "
                   f"{r.operator}({', '.join(r.parent_ids)})", flush=True)
         return {"populora/evolution/events": float(events)}
@@ -448,7 +452,8 @@ class PopuLoRATrainer(PPOTrainerSync):
         print(f"[populora] step {self.global_steps}: checkpoint {pdir}", flush=True)
 
     def _load_checkpoint(self) -> None:
-        info = self._rpc("populora_init_bank", self.pcfg.population.num_adapters, self.pcfg.population.seed)
+        info = self._rpc("populora_init_bank", self.pcfg.population.num_adapters, self.pcfg.population.seed,
+                         shared_a=self.pcfg.population.founder_init == "shared_a")
         logger.info("populora: adapter bank initialised: %s", info)
         ck = None
         if self.config.trainer.resume_mode == "auto":
