@@ -146,6 +146,7 @@ class TasksConfig:
     num_inputs: int = 10  # code_f: inputs a teacher proposes; half shown to the student, half hidden
     min_valid_inputs: int = 2  # code_f: fewest distinct valid inputs for a usable task
     max_program_chars: int = 5600
+    max_response_chars: int = 65_536  # longer model responses are format errors, never parsed
     banned_keywords: list[str] = field(default_factory=lambda: list(AZR_BANNED_MODULES))
     prompt_template: str = "azr"  # azr (plain "User:/Assistant: <think>") | chat (tokenizer chat template)
     _prefix: str = field(default=f"{ROOT}.tasks", repr=False, compare=False)
@@ -166,6 +167,7 @@ class TasksConfig:
         _check(1 <= self.min_valid_inputs <= self.num_inputs, f"{p}.min_valid_inputs",
                "must be in [1, num_inputs]")
         _check(self.max_program_chars > 0, f"{p}.max_program_chars", "must be > 0")
+        _check(self.max_response_chars > 0, f"{p}.max_response_chars", "must be > 0")
         _choice(self.prompt_template, ("azr", "chat"), f"{p}.prompt_template")
 
 
