@@ -445,9 +445,12 @@ def _child(req: dict, wfd: int, cfg: dict, workdir: str, role: str, time_fd: int
         os.closerange(wfd + 1, 1 << 16)
         if cfg.get("ipc_per_call"):
             _libc_call("unshare", _CLONE_NEWIPC)  # SysV shm / message queues die with this call
-        if cfg.get("oom_adj"):
-            with open("/proc/self/oom_score_adj", "w") as fh:
-                fh.write("1000")  # the runner is -1000: an out-of-memory kill picks the program
+        try:  # an out-of-memory kill in the slot's cgroup picks the program, never the runner
+            fd = os.open("/proc/self/oom_score_adj", os.O_WRONLY)
+            os.write(fd, b"1000")
+            os.close(fd)
+        except OSError:
+            pass
         os.chdir(workdir)
         mem = int(req["memory_mb"]) << 20
         cpu = int(float(req["timeout_s"])) + 1
@@ -577,12 +580,11 @@ class Runner:
                 self.protections["memory_cgroup"] = True
             except OSError as e:
                 self.notes.append(f"memory cgroup: {e}")
-        try:
+        try:  # best effort (some hosts pin it); the children raise theirs to the maximum anyway
             with open("/proc/self/oom_score_adj", "w") as fh:
                 fh.write("-1000")
-            cfg["oom_adj"] = True
         except OSError:
-            cfg["oom_adj"] = False
+            pass
         if cfg.get("setup_mounts"):
             self.protections.update(_setup_mounts(cfg, self.notes))
         base = "/tmp" if self.protections.get("private_tmp") else None
