@@ -159,6 +159,7 @@ class TasksConfig:
     # dropped, at least min_valid_inputs kept.
     code_f_rule: str = "azr"
     max_program_chars: int = 5600
+    max_response_chars: int = 65_536  # longer model responses are format errors, never parsed
     banned_keywords: list[str] = field(default_factory=lambda: list(AZR_BANNED_MODULES))
     prompt_template: str = "azr"  # azr (plain "User:/Assistant: <think>") | chat (tokenizer chat template)
     prompt_file: str | None = None  # YAML/JSON {template name: format string}; None: our default wording
@@ -191,6 +192,7 @@ class TasksConfig:
                "must be in [1, num_inputs]")
         _check(self.max_program_chars > 0, f"{p}.max_program_chars", "must be > 0")
         _choice(self.code_f_rule, ("azr", "lenient"), f"{p}.code_f_rule")
+        _check(self.max_response_chars > 0, f"{p}.max_response_chars", "must be > 0")
         _choice(self.prompt_template, ("azr", "chat"), f"{p}.prompt_template")
         if self.prompt_file is not None:
             from populora_verl.tasks.templates import load_prompt_file  # lazy: tasks imports this module
