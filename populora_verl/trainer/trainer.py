@@ -123,6 +123,19 @@ def fused_batch(subs: Mapping[int, KVBatchMeta], dp: int) -> KVBatchMeta:
     return batch
 
 
+def rollout_counts(tags: Sequence[Mapping[str, Any]], lengths: Mapping[str, int]) -> dict[str, float]:
+    """Work of one rollout phase: sequences, prompt tokens (verl's per-trajectory ``prompt_len`` tag) and generated
+    tokens (masked response lengths), for throughput figures (``populora_verl.bench.step_scaling``)."""
+    prompt = 0
+    for tag in tags:
+        try:
+            prompt += int((tag or {}).get("prompt_len") or 0)
+        except (TypeError, ValueError):
+            continue
+    return {"sequences": float(len(lengths)), "prompt_tokens": float(prompt),
+            "response_tokens": float(sum(lengths.values()))}
+
+
 def _rows(t: Any) -> list[torch.Tensor]:
     """Per-sample 1-D tensors from a TQ field (jagged nested tensor, padded tensor or list)."""
     if isinstance(t, torch.Tensor):
@@ -287,6 +300,7 @@ class PopuLoRATrainer(PPOTrainerSync):
         metrics[f"populora/rollout/{name}/prompts"] = len(rows)
         metrics[f"populora/rollout/{name}/missing_sessions"] = missing
         metrics[f"populora/rollout/{name}/resubmitted"] = phase.resubmitted
+        metrics.update(convert.prefix_metrics(rollout_counts(batch.tags, lengths), f"populora/rollout/{name}"))
         if missing:
             logger.warning("populora step %d: %d %s sessions produced no trajectory (scored as empty answers)",
                            self.global_steps, missing, name)

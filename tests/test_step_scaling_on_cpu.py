@@ -1,0 +1,225 @@
+"""The step-scaling and ceiling benchmarks' logic (their runs need a GPU): parsing, statistics, plumbing, status."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from populora_verl.bench import ceiling as cl
+from populora_verl.bench import step_scaling as ss
+
+
+def _row(step, **data):
+    return {"step": step, "data": data}
+
+
+def test_console_parsing_and_refusal_without_cuda(capsys):
+    steps, peak, _ = ss.summarize(ss.console_rows("noise\nstep:1 - timing_s/step:12.5 - perf/max_memory_allocated_gb:3.2\n"
+                                                  "step:2 - timing_s/step:10.0 - perf/max_memory_allocated_gb:3.5 - x:nan\n"))
+    assert steps == {1: 12.5, 2: 10.0} and peak == 3.5
+    # on a real run verl's console lines sit behind Ray's actor prefix
+    steps, peak, _ = ss.summarize(ss.console_rows(
+        "\x1b[36m(TaskRunnerV1 pid=7)\x1b[0m step:2 - timing_s/step:54.0 - actor/perf/max_memory_allocated_gb:4.0\n"))
+    assert steps == {2: 54.0} and peak == 4.0
+    if not torch.cuda.is_available():
+        assert ss.main(["--model", "m=/m"]) == 2
+        assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_file_logger_first_with_warmup_spread_and_tokens(tmp_path):
+    rows = [_row(1, **{"timing_s/step": 90.0, "timing_s/gen": 80.0, "perf/max_memory_allocated_gb": 2.0}),
+            _row(2, **{"timing_s/step": 10.0, "timing_s/gen": 6.0, "timing_s/update_actor": 3.0,
+                       "populora/rollout/teacher/response_tokens": 2048, "populora/rollout/student/response_tokens": 4096,
+                       "populora/rollout/teacher/sequences": 2, "populora/rollout/student/sequences": 4,
+                       "populora/rollout/teacher/prompt_tokens": 600, "populora/rollout/student/prompt_tokens": 800}),
+            _row(3, **{"timing_s/step": 12.0, "timing_s/gen": 8.0, "actor/perf/max_memory_allocated_gb": 2.5,
+                       "populora/s0/actor/perf/max_memory_allocated_gb": 2.25,
+                       # no counters of ours: verl's means over the trained batch (2 sequences of 100 + 1000)
+                       "response_length/mean": 1000.0, "prompt_length/mean": 100.0, "perf/total_num_tokens": 2200})]
+    text = "\n".join(json.dumps(r) for r in rows) + '\n{"step": 4, "da'  # a killed run's torn last line
+    (tmp_path / "2t2s.metrics.jsonl").write_text(text)
+    (tmp_path / "2t2s.log").write_text("step:2 - timing_s/step:999.0\n")  # fallback only
+    fig = ss.read_results(tmp_path, "2t2s")
+    assert fig.step_s == {1: 90.0, 2: 10.0, 3: 12.0} and fig.peak_gb == 2.5
+    assert fig.phases_s == {"gen": 7.0, "update_actor": 3.0}  # step 1 (warm-up) excluded
+    assert fig.gen_tokens == pytest.approx((6144 + 2000) / 2)
+    assert fig.rollout["teacher"] == {"sequences": 2, "prompt_tokens": 600, "response_tokens": 2048}
+    (tmp_path / "single.log").write_text("(TaskRunnerV1 pid=7) step:2 - timing_s/step:5.0\n")
+    assert ss.read_results(tmp_path, "single").step_s == {2: 5.0}
+
+    r = ss.RunResult("2t2s", 4, 0, 1.0, fig.step_s, fig.peak_gb, 1000.0, fig.phases_s, startup_s=61.0,
+                     gen_tokens=fig.gen_tokens, rollout=fig.rollout, ceiling_tok_s=2000.0)
+    assert r.mean_step_s == 11.0 and r.std_step_s == pytest.approx(2 ** 0.5)
+    assert r.gen_tok_s == pytest.approx(4072 / 7.0)
+    table = ss.report([ss.RunResult("single", 1, 0, 1.0, {2: 5.0}, 1.0, 1000.0, {"gen": 4.0}), r])
+    assert "| 2t2s | 4 | 11.0 | 1.4 | 10.0-12.0 | 2 | 2.20 | 2.8 | 61 | 90.0 | 1000 | 1.00 | 2.50 | 0 |" in table
+    assert "| config | gen s | update_actor s |" in table and "| 2t2s | 7.0 | 3.0 |" in table
+    assert "| 2t2s | 2 | 4 | 4072 | 7.0 | 582 | 2000 | 0.29 |" in table
+    # warm-up of 2 leaves one step
+    assert ss.RunResult("x", 1, 0, 0.0, {1: 9.0, 2: 9.0, 3: 4.0}, warmup=2).steady == [4.0]
+
+
+def test_command_profiles_and_model_tags():
+    extra = ss.plan_overrides("fast", 1024, True)
+    assert "actor_rollout_ref.rollout.enforce_eager=false" in extra
+    assert "actor_rollout_ref.model.enable_gradient_checkpointing=false" in extra
+    assert "+trainer.populora_fused_rpc=true" in extra
+    assert "data.max_response_length=1024" in extra and "actor_rollout_ref.rollout.ignore_eos=true" in extra
+    assert "+trainer.populora_fused_rpc=false" in ss.plan_overrides("baseline", None, False)
+    assert not any("ignore_eos" in x or "max_response_length" in x for x in ss.plan_overrides("baseline", 0, False))
+    with pytest.raises(ValueError):
+        ss.plan_overrides("turbo", None, False)
+    cmd = ss.command("/m", "8t8s", 3, Path("/tmp/o"), extra)
+    assert "populora.population.num_teachers=8" in cmd and "trainer.total_training_steps=3" in cmd
+    assert "actor_rollout_ref.rollout.engine_kwargs.vllm.max_loras=16" in cmd
+    assert "trainer.logger=[console,file]" in cmd and cmd[-len(extra):] == extra
+    assert ss.parse_models(["1.5b=/a/b", "/x/qwen-0.5b"]) == [("1.5b", "/a/b"), ("qwen-0.5b", "/x/qwen-0.5b")]
+    for bad in (["a=/x", "a=/y"], ["bad tag=/x"], ["=/x"]):
+        with pytest.raises(ValueError):
+            ss.parse_models(bad)
+
+
+def test_recipe_composes_with_every_config_and_profile():
+    """Every key the bench overrides exists in verl's schema (hydra would fail on the GPU otherwise)."""
+    hydra = pytest.importorskip("hydra")
+    from hydra import compose, initialize_config_dir
+
+    from populora_verl.config import load_config
+    from populora_verl.trainer import convert
+
+    with initialize_config_dir(config_dir=str(ss.RECIPES), version_base=None):
+        for name in ss.CONFIGS:
+            for profile in ss.PROFILES:
+                cmd = ss.command("/m", name, 6, Path("/tmp/o"), ss.plan_overrides(profile, 1024, True))
+                overrides = cmd[cmd.index("smoke_0.5b") + 1:]
+                cfg = compose(config_name="smoke_0.5b", overrides=overrides)
+                pcfg = load_config(cfg.populora)
+                convert.validate_verl_config(cfg, pcfg)
+                assert pcfg.population.num_adapters == ss.ADAPTERS[name]
+                assert cfg.data.max_response_length == 1024 and cfg.actor_rollout_ref.rollout.ignore_eos
+                if profile == "fast":
+                    assert cfg.actor_rollout_ref.rollout.enforce_eager is False
+                    assert list(cfg.actor_rollout_ref.rollout.cudagraph_capture_sizes) == ss.CUDAGRAPH_SIZES
+                    assert cfg.actor_rollout_ref.model.enable_gradient_checkpointing is False
+                    assert cfg.trainer.populora_fused_rpc is True
+    assert hydra
+
+
+def test_ceiling_spec_from_measured_rollouts():
+    roll = {"teacher": {"sequences": 24, "prompt_tokens": 24 * 310, "response_tokens": 24 * 700},
+            "student": {"sequences": 48, "prompt_tokens": 48 * 420, "response_tokens": 48 * 1024}}
+    rs = [ss.RunResult("4t4s", 8, 0, 1.0, rollout=roll), ss.RunResult("single", 1, 0, 1.0, rollout={}),
+          ss.RunResult("single", 1, 0, 1.0, rollout={"teacher": {"sequences": 6, "prompt_tokens": 600,
+                                                                 "response_tokens": 600}})]
+    spec = ss.ceiling_spec(rs, 1024, force_length=True)
+    assert spec["4t4s"] == {"adapters": 8, "phases": [
+        {"phase": "teacher", "requests": 24, "prompt_tokens": 310, "answer_tokens": 1024, "loras": 4},
+        {"phase": "student", "requests": 48, "prompt_tokens": 420, "answer_tokens": 1024, "loras": 4}]}
+    assert spec["single"]["phases"] == [{"phase": "teacher", "requests": 6, "prompt_tokens": 100,
+                                         "answer_tokens": 1024, "loras": 1}]
+    natural = ss.ceiling_spec(rs[:1], 1024, force_length=False)
+    assert [p["answer_tokens"] for p in natural["4t4s"]["phases"]] == [700, 1024]
+    ss.attach_ceiling(rs, {"configs": {"4t4s": {"tok_s": 5000.0}}})
+    assert rs[0].ceiling_tok_s == 5000.0 and rs[1].ceiling_tok_s is None
+
+
+def test_results_persist_and_status_reports_progress(tmp_path):
+    out = tmp_path / "1.5b"
+    out.mkdir()
+    rows = [ss.RunResult("4t4s", 8, 0, 300.0, {1: 50.0, 2: 12.0, 3: 14.0}, startup_s=100.0),
+            ss.RunResult("single", 1, 0, 250.0, {1: 40.0, 2: 10.0, 3: 10.0})]
+    table = ss.save_results(out, rows)
+    assert table.index("| single |") < table.index("| 4t4s |")  # sorted in CONFIGS order
+    back = ss.load_results(out, keep=["single"])
+    assert [r.name for r in back] == ["4t4s"] and back[0].step_s == {1: 50.0, 2: 12.0, 3: 14.0}
+    assert back[0].startup_s == 100.0
+    (out / "2t2s.metrics.jsonl").write_text(json.dumps(_row(1, **{"timing_s/step": 33.3})) + "\n")
+    (out / "2t2s.log").write_text("ok\nRuntimeError: CUDA out of memory\n")
+    ss.write_progress(tmp_path, pid=os.getpid(), state="running", started=0.0, plan=["1.5b/single", "1.5b/2t2s"],
+                      done=["1.5b/single"])
+    ss.write_progress(tmp_path, current={"model": "1.5b", "config": "2t2s", "since": 0.0, "steps": 6})
+    text = ss.status(tmp_path)
+    assert "running; state running" in text and "now: 1.5b/2t2s" in text and "steps done 1/6: [33.3]" in text
+    assert "CUDA out of memory" in text and "## 1.5b" in text and "| 4t4s | 8 | 13.0 |" in text
+    assert "no run under" in ss.status(tmp_path / "nothing")
+    assert ss.main(["--status", "--out", str(tmp_path)]) == 0
+
+
+def test_rollout_counts_from_tags_and_lengths():
+    pytest.importorskip("transfer_queue")
+    from populora_verl.trainer.trainer import rollout_counts
+
+    got = rollout_counts([{"prompt_len": 10}, {"prompt_len": "7"}, {}, None, {"prompt_len": "x"}],
+                         {"a": 5, "b": 6, "c": 0, "d": 1, "e": 2})
+    assert got == {"sequences": 5.0, "prompt_tokens": 17.0, "response_tokens": 14.0}
+
+
+# --- ceiling ---------------------------------------------------------------------------------------------------------
+
+QWEN_1_5B = {"hidden_size": 1536, "num_attention_heads": 12, "num_key_value_heads": 2, "intermediate_size": 8960,
+             "num_hidden_layers": 28}
+
+
+def test_lora_shapes_match_peft_on_a_qwen2_model(tmp_path):
+    """Our shape rule names exactly the modules PEFT's all-linear wraps, with their shapes (tiny Qwen2)."""
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    cfg = transformers.Qwen2Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96,
+                                   num_hidden_layers=2, vocab_size=128)
+    model = peft.get_peft_model(transformers.Qwen2ForCausalLM(cfg),
+                                peft.LoraConfig(r=4, lora_alpha=4, target_modules="all-linear"))
+    want = {}
+    for name, p in model.named_parameters():
+        if ".lora_A." in name:
+            mod = name.split("base_model.model.", 1)[1].split(".lora_A.")[0]
+            want[mod] = (p.shape[1], None)
+        if ".lora_B." in name:
+            mod = name.split("base_model.model.", 1)[1].split(".lora_B.")[0]
+            want[mod] = (want[mod][0], p.shape[0])
+    assert cl.lora_shapes(cfg.to_dict()) == want
+    shapes = cl.lora_shapes(QWEN_1_5B)
+    assert len(shapes) == 28 * 7 and shapes["model.layers.3.self_attn.k_proj"] == (1536, 256)
+    assert shapes["model.layers.27.mlp.down_proj"] == (8960, 1536)
+    with pytest.raises(ValueError, match="no shape rule"):
+        cl.lora_shapes(QWEN_1_5B, ["lm_head"])
+
+
+def test_random_adapters_are_loadable_peft_folders(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    cfg = transformers.Qwen2Config(hidden_size=32, num_attention_heads=2, num_key_value_heads=1, intermediate_size=48,
+                                   num_hidden_layers=1, vocab_size=64)
+    model_dir = tmp_path / "m"
+    transformers.Qwen2ForCausalLM(cfg).save_pretrained(model_dir)
+    dirs = cl.write_random_adapters(model_dir, tmp_path / "ad", 2, rank=4, alpha=8)
+    assert [d.name for d in dirs] == ["adapter_0", "adapter_1"]
+    loaded = peft.PeftModel.from_pretrained(transformers.Qwen2ForCausalLM(cfg), str(dirs[1]))
+    b = [p for n, p in loaded.named_parameters() if ".lora_B." in n]
+    assert b and all(p.abs().sum() > 0 for p in b)  # non-zero: the LoRA path really changes the output
+    from safetensors.torch import load_file
+
+    t0, t1 = load_file(str(dirs[0] / "adapter_model.safetensors")), load_file(str(dirs[1] / "adapter_model.safetensors"))
+    assert t0.keys() == t1.keys() and any(not torch.equal(t0[k], t1[k]) for k in t0)
+
+
+def test_plan_requests_and_spec_validation(tmp_path):
+    phases = [{"requests": 5, "prompt_tokens": 7, "answer_tokens": 9, "loras": 2},
+              {"requests": 3, "prompt_tokens": 4, "answer_tokens": 6, "loras": 3}]
+    plan = cl.plan_requests(phases, vocab=1000, seed=1)
+    assert [len(p) for p in plan] == [5, 3]
+    assert [k for _, k, _ in plan[0]] == [0, 1, 0, 1, 0] and [k for _, k, _ in plan[1]] == [2, 3, 4]
+    assert all(len(ids) == 7 and a == 9 for ids, _, a in plan[0]) and all(100 <= i < 999 for i in plan[0][0][0])
+    assert plan == cl.plan_requests(phases, vocab=1000, seed=1)
+    good = tmp_path / "s.json"
+    good.write_text(json.dumps({"4t4s": {"adapters": 8, "phases": phases}}))
+    assert cl.load_spec(good)["4t4s"]["phases"][1]["loras"] == 3
+    for bad in ({}, {"x": {"phases": []}}, {"x": {"phases": [dict(phases[0], requests=0)]}}):
+        good.write_text(json.dumps(bad))
+        with pytest.raises(ValueError):
+            cl.load_spec(good)
+    if not torch.cuda.is_available():
+        assert cl.main(["--model", str(tmp_path)]) == 2
