@@ -67,9 +67,9 @@ def test_command_profiles_and_model_tags():
     extra = ss.plan_overrides("fast", 1024, True)
     assert "actor_rollout_ref.rollout.enforce_eager=false" in extra
     assert "actor_rollout_ref.model.enable_gradient_checkpointing=false" in extra
-    assert "+trainer.populora_fused_rpc=true" in extra
+    assert "++trainer.populora_fused_rpc=true" in extra
     assert "data.max_response_length=1024" in extra and "actor_rollout_ref.rollout.ignore_eos=true" in extra
-    assert "+trainer.populora_fused_rpc=false" in ss.plan_overrides("baseline", None, False)
+    assert "++trainer.populora_fused_rpc=false" in ss.plan_overrides("baseline", None, False)
     assert not any("ignore_eos" in x or "max_response_length" in x for x in ss.plan_overrides("baseline", 0, False))
     with pytest.raises(ValueError):
         ss.plan_overrides("turbo", None, False)
@@ -77,36 +77,35 @@ def test_command_profiles_and_model_tags():
     assert "populora.population.num_teachers=8" in cmd and "trainer.total_training_steps=3" in cmd
     assert "actor_rollout_ref.rollout.engine_kwargs.vllm.max_loras=16" in cmd
     assert "trainer.logger=[console,file]" in cmd and cmd[-len(extra):] == extra
-    assert ss.parse_models(["1.5b=/a/b", "/x/qwen-0.5b"]) == [("1.5b", "/a/b"), ("qwen-0.5b", "/x/qwen-0.5b")]
-    for bad in (["a=/x", "a=/y"], ["bad tag=/x"], ["=/x"]):
+    assert ss.parse_models(["1.5b=/a/b", "/x/qwen-0.5b:single,2t2s"], ["single", "4t4s"]) == [
+        ("1.5b", "/a/b", ["single", "4t4s"]), ("qwen-0.5b", "/x/qwen-0.5b", ["single", "2t2s"])]
+    for bad in (["a=/x", "a=/y"], ["bad tag=/x"], ["a="], ["a=/x:9t9s"], ["a=/x"]):
         with pytest.raises(ValueError):
-            ss.parse_models(bad)
+            ss.parse_models(bad, [] if bad == ["a=/x"] else ["single"])
 
 
 def test_recipe_composes_with_every_config_and_profile():
     """Every key the bench overrides exists in verl's schema (hydra would fail on the GPU otherwise)."""
-    hydra = pytest.importorskip("hydra")
+    pytest.importorskip("hydra")
     from hydra import compose, initialize_config_dir
 
     from populora_verl.config import load_config
     from populora_verl.trainer import convert
 
     with initialize_config_dir(config_dir=str(ss.RECIPES), version_base=None):
-        for name in ss.CONFIGS:
-            for profile in ss.PROFILES:
-                cmd = ss.command("/m", name, 6, Path("/tmp/o"), ss.plan_overrides(profile, 1024, True))
-                overrides = cmd[cmd.index("smoke_0.5b") + 1:]
-                cfg = compose(config_name="smoke_0.5b", overrides=overrides)
-                pcfg = load_config(cfg.populora)
-                convert.validate_verl_config(cfg, pcfg)
-                assert pcfg.population.num_adapters == ss.ADAPTERS[name]
-                assert cfg.data.max_response_length == 1024 and cfg.actor_rollout_ref.rollout.ignore_eos
-                if profile == "fast":
-                    assert cfg.actor_rollout_ref.rollout.enforce_eager is False
-                    assert list(cfg.actor_rollout_ref.rollout.cudagraph_capture_sizes) == ss.CUDAGRAPH_SIZES
-                    assert cfg.actor_rollout_ref.model.enable_gradient_checkpointing is False
-                    assert cfg.trainer.populora_fused_rpc is True
-    assert hydra
+        for name, profile in [(n, "fast") for n in ss.CONFIGS] + [("4t4s", "baseline")]:
+            cmd = ss.command("/m", name, 6, Path("/tmp/o"), ss.plan_overrides(profile, 1024, True))
+            overrides = cmd[cmd.index("smoke_0.5b") + 1:]
+            cfg = compose(config_name="smoke_0.5b", overrides=overrides)
+            pcfg = load_config(cfg.populora)
+            convert.validate_verl_config(cfg, pcfg)
+            assert pcfg.population.num_adapters == ss.ADAPTERS[name]
+            assert cfg.data.max_response_length == 1024 and cfg.actor_rollout_ref.rollout.ignore_eos
+            if profile == "fast":
+                assert cfg.actor_rollout_ref.rollout.enforce_eager is False
+                assert list(cfg.actor_rollout_ref.rollout.cudagraph_capture_sizes) == ss.CUDAGRAPH_SIZES
+                assert cfg.actor_rollout_ref.model.enable_gradient_checkpointing is False
+                assert cfg.trainer.populora_fused_rpc is True
 
 
 def test_ceiling_spec_from_measured_rollouts():

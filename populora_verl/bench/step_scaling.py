@@ -67,10 +67,10 @@ PROFILES: dict[str, list[str]] = {
     "fast": ["actor_rollout_ref.rollout.enforce_eager=false",
              f"actor_rollout_ref.rollout.cudagraph_capture_sizes=[{','.join(map(str, CUDAGRAPH_SIZES))}]",
              "actor_rollout_ref.model.enable_gradient_checkpointing=false",
-             "+trainer.populora_fused_rpc=true"],
+             "++trainer.populora_fused_rpc=true"],
     "baseline": ["actor_rollout_ref.rollout.enforce_eager=true",
                  "actor_rollout_ref.model.enable_gradient_checkpointing=true",
-                 "+trainer.populora_fused_rpc=false"],
+                 "++trainer.populora_fused_rpc=false"],
 }
 # verl's console logger line, possibly behind Ray's "(TaskRunnerV1 pid=...)" prefix.
 _STEP_LINE = re.compile(r"(?:^|\s)step:(\d+) - ")
@@ -78,6 +78,8 @@ _METRIC = re.compile(r"([\w/@.\-]+):([-+0-9.eE]+|nan|inf)")
 # Step phases worth a column: verl's and ours (trainer.step's marked_timer names).
 PHASES = ("gen", "populora_validate", "populora_score", "old_log_prob", "update_actor", "update_weights")
 ROLLOUT_PHASES = ("teacher", "student")
+# The configuration's process (own session: verl, Ray, vLLM under it), ended with the driver on SIGTERM.
+_CHILDREN: list[subprocess.Popen] = []
 
 
 @dataclass
@@ -291,11 +293,7 @@ def run_one(model: str, name: str, steps: int, out_dir: Path, extra: list[str], 
     with GpuMemoryPoller(watch=metrics) as poller, open(log, "w") as f:
         proc = subprocess.Popen(command(model, name, steps, out_dir, extra), stdout=f, stderr=subprocess.STDOUT,
                                 env=env, start_new_session=True)
-        try:
-            rc = proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            _kill_group(proc)
-            rc = 124
+        rc = _wait(proc, timeout_s)
     end = time.time()
     fig = read_results(out_dir, name, warmup)
     r = RunResult(name, ADAPTERS[name], rc, end - t0, fig.step_s, fig.peak_gb, poller.peak or None, fig.phases_s,
@@ -308,6 +306,23 @@ def run_one(model: str, name: str, steps: int, out_dir: Path, extra: list[str], 
     return r
 
 
+def _wait(proc: subprocess.Popen, timeout_s: int) -> int:
+    _CHILDREN.append(proc)
+    try:
+        return proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        _kill_group(proc)
+        return 124
+    finally:
+        _CHILDREN.remove(proc)
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    for proc in list(_CHILDREN):
+        _kill_group(proc)
+    raise SystemExit(143)
+
+
 def _kill_group(proc: subprocess.Popen) -> None:
     # verl starts Ray, vLLM and worker processes under the trainer: end the whole session we started.
     try:
@@ -318,7 +333,10 @@ def _kill_group(proc: subprocess.Popen) -> None:
             os.killpg(proc.pid, signal.SIGKILL)
         except OSError:
             pass
-    subprocess.run(["ray", "stop", "--force"], capture_output=True, timeout=60, check=False)
+    try:  # Ray's daemons outlive the killed driver; the next configuration starts its own cluster
+        subprocess.run(["ray", "stop", "--force"], capture_output=True, timeout=60, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        pass
 
 
 def read_results(out_dir: Path, name: str, warmup: int = 1) -> Figures:
@@ -410,11 +428,7 @@ def run_ceiling(model: str, out_dir: Path, results: list[RunResult], answer_toke
            str(out_dir / "ceiling_spec.json"), "--out", str(out_dir / "ceiling.json"), *extra]
     with open(out_dir / "ceiling.log", "w") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            rc = proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            _kill_group(proc)
-            rc = 124
+        rc = _wait(proc, timeout_s)
     if (out_dir / "ceiling.json").exists():
         attach_ceiling(results, json.loads((out_dir / "ceiling.json").read_text()))
     return rc
@@ -423,18 +437,25 @@ def run_ceiling(model: str, out_dir: Path, results: list[RunResult], answer_toke
 # --- bookkeeping ---------------------------------------------------------------------------------------------------
 
 
-def parse_models(specs: Sequence[str]) -> list[tuple[str, str]]:
-    """``TAG=PATH`` (or a bare path, tagged by its folder name) -> ``[(tag, path)]``; tags must be unique."""
-    out: list[tuple[str, str]] = []
+def parse_models(specs: Sequence[str], default_configs: Sequence[str] = ()) -> list[tuple[str, str, list[str]]]:
+    """``TAG=PATH[:cfg,cfg]`` (or a bare path, tagged by its folder name) -> ``[(tag, path, configs)]``; a model
+    without its own configuration list gets ``default_configs``; tags must be unique and configurations known."""
+    out: list[tuple[str, str, list[str]]] = []
     for s in specs:
-        tag, sep, path = s.partition("=")
+        tag, sep, rest = s.partition("=")
         if not sep:
-            tag, path = Path(s).name or "model", s
-        if not tag or not path or not re.fullmatch(r"[\w.\-]+", tag):
-            raise ValueError(f"--model {s!r}: expected TAG=PATH with a tag of letters, digits, '.', '_' or '-'")
-        if tag in {t for t, _ in out}:
+            tag, rest = "", s
+        path, _, cfgs = rest.partition(":")
+        tag = tag or Path(path).name or "model"
+        names = [c.strip() for c in cfgs.split(",") if c.strip()] or list(default_configs)
+        if not path or not re.fullmatch(r"[\w.\-]+", tag):
+            raise ValueError(f"--model {s!r}: expected TAG=PATH[:configs] with a tag of letters, digits, '.', '_', '-'")
+        if tag in {t for t, _, _ in out}:
             raise ValueError(f"--model tag {tag!r} given twice")
-        out.append((tag, path))
+        unknown = [n for n in names if n not in CONFIGS]
+        if unknown or not names:
+            raise ValueError(f"--model {s!r}: configurations {unknown or names} not in {list(CONFIGS)}")
+        out.append((tag, path, names))
     return out
 
 
@@ -518,10 +539,12 @@ def _has_cuda() -> bool:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", action="append", default=[],
-                    help="TAG=PATH of an HF checkpoint (repeatable; models run in the order given)")
+                    help="TAG=PATH[:cfg,cfg] of an HF checkpoint, optionally with its own configurations (repeatable; "
+                         "models run in the order given)")
     ap.add_argument("--steps", type=int, default=6, help="steps per configuration (the first --warmup are excluded)")
     ap.add_argument("--warmup", type=int, default=1, help="leading steps left out of the means (kernel JIT etc.)")
-    ap.add_argument("--configs", default="single,4t4s,2t2s,1t1s", help=f"comma-separated, in run order, of {list(CONFIGS)}")
+    ap.add_argument("--configs", default="single,4t4s,2t2s,1t1s",
+                    help=f"comma-separated, in run order, of {list(CONFIGS)} (for models without their own list)")
     ap.add_argument("--profile", default="fast", choices=sorted(PROFILES))
     ap.add_argument("--answer-tokens", type=int, default=1024, help="data.max_response_length (0: the recipe's)")
     ap.add_argument("--force-length", action=argparse.BooleanOptionalAction, default=True,
@@ -540,14 +563,11 @@ def main(argv: list[str] | None = None) -> int:
     if not args.model:
         ap.error("--model TAG=PATH is required (repeatable)")
     try:
-        models = parse_models(args.model)
+        default = [n.strip() for n in args.configs.split(",") if n.strip()]
+        models = parse_models(args.model, default)
         extra = plan_overrides(args.profile, args.answer_tokens, args.force_length) + list(args.overrides)
     except ValueError as e:
         ap.error(str(e))
-    names = [n.strip() for n in args.configs.split(",") if n.strip()]
-    unknown = [n for n in names if n not in CONFIGS]
-    if unknown:
-        ap.error(f"unknown configs {unknown}; known: {list(CONFIGS)}")
     if args.steps <= args.warmup:
         ap.error("--steps must exceed --warmup (the warm-up steps are left out)")
     if not _has_cuda():
@@ -555,11 +575,12 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     root.mkdir(parents=True, exist_ok=True)
-    plan = [f"{tag}/{n}" for tag, _ in models for n in names]
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    plan = [f"{tag}/{n}" for tag, _, names in models for n in names]
     write_progress(root, pid=os.getpid(), state="running", started=time.time(), plan=plan, done=[], current=None,
                    profile=args.profile, overrides=extra)
     ok = True
-    for tag, path in models:
+    for tag, path, names in models:
         out = root / tag
         out.mkdir(parents=True, exist_ok=True)
         results = load_results(out, keep=names)
