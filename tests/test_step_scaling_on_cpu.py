@@ -222,3 +222,112 @@ def test_plan_requests_and_spec_validation(tmp_path):
             cl.load_spec(good)
     if not torch.cuda.is_available():
         assert cl.main(["--model", str(tmp_path)]) == 2
+
+
+# --- one trainer process for all configurations (population schedule) -----------------------------------------------
+
+
+def test_schedule_parsing_and_step_mapping():
+    from populora_verl.config import ConfigError
+    from populora_verl.trainer import schedule as sc
+
+    raw = json.dumps([{"name": "single", "steps": 2, "population": {"mode": "single_agent"}},
+                      {"name": "4t4s", "steps": 3, "population": {"num_teachers": 4, "num_students": 4}}])
+    entries = sc.parse_schedule(raw, total_steps=5)
+    assert [(e.name, e.steps) for e in entries] == [("single", 2), ("4t4s", 3)]
+    assert sc.starts(entries) == {1: 0, 3: 1}
+    assert [sc.entry_at(entries, g) for g in (1, 2, 3, 5, 6)] == [(0, 1), (0, 2), (1, 1), (1, 3), None]
+    assert sc.parse_schedule(None) == [] and sc.parse_schedule("") == []
+    for bad, total in (("{", None), ("[]x", None), ('[{"steps": 0}]', None), ('[{"steps": 2}]', 3),
+                       ('[{"name": "a", "steps": 1}, {"name": "a", "steps": 1}]', None), ('[{"steps": 1, "population": 3}]', None),
+                       ('{"steps": 1}', None)):
+        with pytest.raises(ConfigError, match="trainer.populora_population_schedule"):
+            sc.parse_schedule(bad, total)
+
+
+def test_schedule_command_composes_and_the_trainer_reads_it():
+    """The JSON survives hydra's override grammar, and the trainer validates every entry at start-up."""
+    pytest.importorskip("hydra")
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from populora_verl.trainer import schedule as sc
+    from populora_verl.trainer.trainer import PopuLoRATrainer
+
+    names = ["single", "8t8s", "1t1s"]
+    cmd = ss.schedule_command("/m", names, 6, Path("/tmp/o"), ss.plan_overrides("fast", 1024, True))
+    with initialize_config_dir(config_dir=str(ss.RECIPES), version_base=None):
+        cfg = compose(config_name="smoke_0.5b", overrides=cmd[cmd.index("smoke_0.5b") + 1:])
+    assert cfg.trainer.total_training_steps == 18 and cfg.trainer.default_local_dir == "/tmp/o/schedule/ckpt"
+    assert cfg.actor_rollout_ref.rollout.engine_kwargs.vllm.max_loras == 16  # sized for 8t8s from the start
+    assert cfg.populora.population.mode == "single_agent"
+    entries = sc.parse_schedule(OmegaConf.select(cfg, sc.SCHEDULE_KEY), cfg.trainer.total_training_steps)
+    pcfgs = [PopuLoRATrainer._scheduled_config(cfg, e) for e in entries]
+    assert [p.population.num_adapters for p in pcfgs] == [1, 16, 2]
+    assert pcfgs[1].population.mode == "population" and pcfgs[0].population.mode == "single_agent"
+    with pytest.raises(ValueError, match="no population"):
+        ss.population_of("big")
+
+
+def test_trainer_switches_population_bank_and_adapters_at_an_entry_start(monkeypatch):
+    pytest.importorskip("transfer_queue")
+    from hydra import compose, initialize_config_dir
+
+    from populora_verl.config import load_config
+    from populora_verl.trainer import schedule as sc
+    from populora_verl.trainer.trainer import PopuLoRATrainer
+
+    names = ["single", "2t2s"]
+    cmd = ss.schedule_command("/m", names, 2, Path("/tmp/o"), [])
+    with initialize_config_dir(config_dir=str(ss.RECIPES), version_base=None):
+        cfg = compose(config_name="smoke_0.5b", overrides=cmd[cmd.index("smoke_0.5b") + 1:])
+    t = PopuLoRATrainer.__new__(PopuLoRATrainer)
+    t.config, t.debug_probes, t.timing_raw = cfg, False, {}
+    t._schedule = sc.parse_schedule(cfg.trainer.populora_population_schedule, 4)
+    t._schedule_cfgs = [t._scheduled_config(cfg, e) for e in t._schedule]
+    t.pcfg = t._schedule_cfgs[0]
+    t._init_populora_state()
+    calls = []
+
+    class _Step:
+        def __init__(self, pcfg, executor=None):
+            self.cfg, self.tasks = pcfg, type("T", (), {"executor": executor or "pool"})()
+            self.population = type("P", (), {"members": [None] * pcfg.population.num_adapters})()
+
+    monkeypatch.setattr("populora_verl.step.PopulationStep", _Step)
+    t.pop_step = _Step(t.pcfg)
+    t.checkpoint_manager = type("CM", (), {"sleep_replicas": lambda self: calls.append("sleep"),
+                                           "update_weights": lambda self, s: calls.append(("push", s))})()
+    t._rpc = lambda name, *a, **k: calls.append((name, *a)) or {"num_slots": a[0]}
+    for step in (1, 2):
+        t.global_steps = step
+        t.on_step_begin()
+    assert calls == [] and t.pcfg.population.num_adapters == 1  # entry 0 is set up by init, not switched
+    t.global_steps = 3
+    t.on_step_begin()
+    assert calls == ["sleep", ("populora_init_bank", 4, t.pcfg.population.seed), ("push", 3)]
+    assert t.pcfg.population.num_adapters == 4 and len(t.pop_step.population.members) == 4
+    assert t.pop_step.tasks.executor == "pool"  # the executor is shared, not leaked
+    assert "populora_switch" in t.timing_raw
+    assert load_config(cfg.populora).population.num_adapters == 1  # the run's own config is untouched
+
+
+def test_split_schedule_per_configuration():
+    rows = []
+    for g in range(1, 7):
+        d = {"timing_s/step": 10.0 + g, "timing_s/gen": 5.0, "actor/perf/max_memory_allocated_gb": float(g)}
+        if g == 4:
+            d["timing_s/populora_switch"] = 7.5
+        rows.append((g, d))
+    poller = ss.GpuMemoryPoller()
+    poller.row_t = {g: 100.0 + 20 * g for g in range(1, 7)}
+    poller.samples = [(110.0, 500.0), (150.0, 900.0), (170.0, 700.0), (190.0, 800.0)]
+    got = ss.split_schedule(rows, ["single", "4t4s"], 3, 1, poller, t0=50.0)
+    assert [r.name for r in got] == ["single", "4t4s"] and all(r.rc == 0 for r in got)
+    assert got[0].step_s == {1: 11.0, 2: 12.0, 3: 13.0} and got[1].step_s == {1: 14.0, 2: 15.0, 3: 16.0}
+    assert got[0].startup_s == pytest.approx(120.0 - 50.0 - 11.0) and got[1].startup_s == 7.5
+    assert got[0].verl_peak_gb == 3.0 and got[1].verl_peak_gb == 6.0
+    assert got[0].smi_peak_mib == 900.0 and got[1].smi_peak_mib == 800.0  # windows (t0,160] and [160,220]
+    assert got[1].mean_step_s == 15.5
+    partial = ss.split_schedule(rows[:4], ["single", "4t4s"], 3, 1, None, t0=0.0)
+    assert [r.rc for r in partial] == [0, 1]  # 4t4s logged one step of three: rerun it on its own

@@ -215,13 +215,31 @@ def console_rows(text: str) -> Iterator[tuple[int, dict[str, float]]]:
 
 
 class GpuMemoryPoller:
-    """Peak ``memory.used`` (MiB, summed over visible GPUs) from ``nvidia-smi``, polled in a thread; also notes when
-    the metrics file first gets a row (the end of start-up) and last grows."""
+    """``memory.used`` (MiB, summed over visible GPUs) from ``nvidia-smi``, polled in a thread, with the time each
+    step's metrics row first appears in the watched file (start-up ends at the first; windows split a schedule)."""
 
     def __init__(self, interval_s: float = 0.5, watch: Path | None = None) -> None:
-        self.interval_s, self.peak, self._stop = interval_s, 0.0, threading.Event()
-        self.watch, self.first_row_t, self.last_row_t, self._size = watch, None, None, 0
+        self.interval_s, self._stop = interval_s, threading.Event()
+        self.watch, self._size = watch, 0
+        self.samples: list[tuple[float, float]] = []
+        self.row_t: dict[int, float] = {}
         self._thread = threading.Thread(target=self._run, daemon=True)
+
+    @property
+    def peak(self) -> float:
+        return max((m for _, m in self.samples), default=0.0)
+
+    @property
+    def first_row_t(self) -> float | None:
+        return min(self.row_t.values()) if self.row_t else None
+
+    @property
+    def last_row_t(self) -> float | None:
+        return max(self.row_t.values()) if self.row_t else None
+
+    def peak_between(self, start: float, end: float) -> float | None:
+        vals = [m for t, m in self.samples if start <= t <= end]
+        return max(vals) if vals else None
 
     def _sample(self) -> float | None:
         try:
@@ -235,18 +253,20 @@ class GpuMemoryPoller:
     def _watch(self) -> None:
         try:
             size = self.watch.stat().st_size if self.watch is not None else 0
+            if size <= self._size:
+                return
+            text = self.watch.read_text(errors="replace")
         except OSError:
             return
-        if size > self._size:
-            now = time.time()
-            self.first_row_t = self.first_row_t or now
-            self.last_row_t, self._size = now, size
+        now, self._size = time.time(), size
+        for step, _ in file_log_rows(text):
+            self.row_t.setdefault(step, now)
 
     def _run(self) -> None:
         while not self._stop.is_set():
             v = self._sample()
             if v is not None:
-                self.peak = max(self.peak, v)
+                self.samples.append((time.time(), v))
             self._watch()
             self._stop.wait(self.interval_s)
 
@@ -304,6 +324,76 @@ def run_one(model: str, name: str, steps: int, out_dir: Path, extra: list[str], 
     if poller.last_row_t is not None:
         r.teardown_s = max(0.0, end - poller.last_row_t)
     return r
+
+
+def population_of(name: str) -> dict[str, Any]:
+    """``populora.population`` keys of a configuration (for a population schedule)."""
+    if name == "single":
+        return {"mode": "single_agent"}
+    m = re.fullmatch(r"(\d+)t(\d+)s", name)
+    if not m:
+        raise ValueError(f"no population for configuration {name!r}")
+    return {"mode": "population", "num_teachers": int(m.group(1)), "num_students": int(m.group(2))}
+
+
+def schedule_command(model: str, names: Sequence[str], steps: int, out_dir: Path, extra: list[str]) -> list[str]:
+    """One trainer process for all ``names`` (``trainer.populora_population_schedule``): the first configuration's
+    command with the schedule added, the steps summed, and vLLM sized for the largest population."""
+    sched = json.dumps([{"name": n, "steps": steps, "population": population_of(n)} for n in names],
+                       separators=(",", ":"))
+    cmd = command(model, names[0], steps * len(names), out_dir, [])
+    cmd[cmd.index(f"trainer.default_local_dir={out_dir / names[0] / 'ckpt'}")] = \
+        f"trainer.default_local_dir={out_dir / 'schedule' / 'ckpt'}"
+    engine = [x for n in names for x in CONFIGS[n] if "engine_kwargs" in x]
+    return [*cmd, *dict.fromkeys(engine), f"++trainer.populora_population_schedule='{sched}'", *extra]
+
+
+def split_schedule(rows: list[tuple[int, dict[str, Any]]], names: Sequence[str], steps: int, warmup: int,
+                   poller: GpuMemoryPoller | None, t0: float, model: str = "") -> list[RunResult]:
+    """Per-configuration results of a schedule run from its metrics rows (global steps ``i*steps+1 ..``): steps
+    renumbered from 1, the first configuration's start-up from the clock, later ones' switch time as their start-up,
+    GPU peaks over each configuration's window."""
+    out = []
+    for i, name in enumerate(names):
+        lo, hi = i * steps + 1, (i + 1) * steps
+        mine = [(g - lo + 1, d) for g, d in rows if lo <= g <= hi]
+        if not mine:
+            continue
+        fig = summarize(mine, warmup)
+        complete = len(fig.step_s) == steps
+        r = RunResult(name, ADAPTERS[name], 0 if complete else 1, sum(fig.step_s.values()), fig.step_s, fig.peak_gb,
+                      None, fig.phases_s, warmup=warmup, gen_tokens=fig.gen_tokens, rollout=fig.rollout, model=model)
+        first = dict(mine).get(1, {})
+        if i == 0 and poller is not None and poller.row_t.get(lo) is not None and 1 in fig.step_s:
+            r.startup_s = max(0.0, poller.row_t[lo] - t0 - fig.step_s[1])
+        elif i > 0 and isinstance(first.get("timing_s/populora_switch"), (int, float)):
+            r.startup_s = float(first["timing_s/populora_switch"])
+        if poller is not None:
+            start = poller.row_t.get(lo - 1, t0)
+            end = poller.row_t.get(max(g for g, _ in rows if lo <= g <= hi), time.time())
+            r.smi_peak_mib = poller.peak_between(start, end)
+        out.append(r)
+    return out
+
+
+def run_schedule(model: str, names: Sequence[str], steps: int, out_dir: Path, extra: list[str], timeout_s: int,
+                 warmup: int = 1) -> tuple[list[RunResult], int]:
+    """All configurations in one trainer process; ``(per-configuration results, exit code)``."""
+    metrics = out_dir / "schedule.metrics.jsonl"
+    metrics.unlink(missing_ok=True)
+    env = dict(os.environ, VLLM_WORKER_MULTIPROC_METHOD="spawn", VLLM_USE_FLASHINFER_SAMPLER="0",
+               RAY_AUTH_MODE="disabled", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1",
+               VERL_FILE_LOGGER_PATH=str(metrics))
+    t0 = time.time()
+    with GpuMemoryPoller(watch=metrics) as poller, open(out_dir / "schedule.log", "w") as f:
+        proc = subprocess.Popen(schedule_command(model, names, steps, out_dir, extra), stdout=f,
+                                stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        rc = _wait(proc, timeout_s * len(names))
+    rows = list(file_log_rows(metrics.read_text(errors="replace"))) if metrics.exists() else []
+    results = split_schedule(rows, names, steps, warmup, poller, t0, model)
+    if results and poller.last_row_t is not None:
+        results[-1].teardown_s = max(0.0, time.time() - poller.last_row_t)
+    return results, rc
 
 
 def _wait(proc: subprocess.Popen, timeout_s: int) -> int:
@@ -517,6 +607,10 @@ def status(root: Path) -> str:
         steps = [round(float(d["timing_s/step"]), 1) for _, d in rows if "timing_s/step" in d]
         lines.append(f"now: {cur['model']}/{cur['config']} for {now - cur.get('since', now):.0f} s, "
                      f"steps done {len(steps)}/{cur.get('steps')}: {steps}")
+        if cur.get("configs") and cur.get("steps"):
+            per = int(cur["steps"]) // len(cur["configs"])
+            lines.append(f"  schedule {cur['configs']}, {per} steps each: in "
+                         f"{cur['configs'][min(len(steps) // per, len(cur['configs']) - 1)]}")
         log = mdir / f"{cur['config']}.log"
         if log.exists():
             errs = [ln.strip()[:300] for ln in log.read_text(errors="replace").splitlines()
@@ -551,6 +645,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="every answer exactly --answer-tokens long (vLLM ignore_eos)")
     ap.add_argument("--ceiling", action=argparse.BooleanOptionalAction, default=True,
                     help="after each model's configurations, measure plain vLLM generate on the same work")
+    ap.add_argument("--one-process", action=argparse.BooleanOptionalAction, default=True,
+                    help="a model's configurations in one trainer process (population schedule: start-up paid once); "
+                         "configurations it does not finish are rerun one process each")
     ap.add_argument("--out", default="bench_step_scaling", help="folder for logs and results (one sub-folder per model)")
     ap.add_argument("--timeout-s", type=int, default=1200, help="per configuration")
     ap.add_argument("--status", action="store_true", help="print the progress of a run writing to --out, then exit")
@@ -584,7 +681,22 @@ def main(argv: list[str] | None = None) -> int:
         out = root / tag
         out.mkdir(parents=True, exist_ok=True)
         results = load_results(out, keep=names)
-        for name in names:
+        todo = list(names)
+        if args.one_process and len(names) > 1:
+            write_progress(root, current={"model": tag, "config": "schedule", "since": time.time(),
+                                          "steps": args.steps * len(names), "configs": names})
+            print(f"step_scaling: {tag} {names} in one trainer process ({args.steps} steps each) ...", flush=True)
+            got, rc = run_schedule(path, names, args.steps, out, extra, args.timeout_s, args.warmup)
+            print(f"  exit={rc}; complete: {[r.name for r in got if r.rc == 0]}", flush=True)
+            for r in got:
+                results = [x for x in results if x.name != r.name] + [r]
+            save_results(out, results)
+            finished = [r.name for r in got if r.rc == 0]
+            done = json.loads((root / "progress.json").read_text()).get("done", [])
+            write_progress(root, done=done + [f"{tag}/{n}" for n in finished])
+            # whatever the schedule did not finish runs the old way, one process per configuration
+            todo = [n for n in names if n not in finished]
+        for name in todo:
             write_progress(root, current={"model": tag, "config": name, "since": time.time(), "steps": args.steps})
             print(f"step_scaling: {tag}/{name} ({ADAPTERS[name]} adapters, {args.steps} steps) ...", flush=True)
             r = run_one(path, name, args.steps, out, extra, args.timeout_s, args.warmup)

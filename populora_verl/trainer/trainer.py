@@ -37,8 +37,8 @@ from verl.utils.debug import marked_timer
 from verl.utils.metric import reduce_metrics
 from verl.utils.py_functional import rename_dict
 
-from populora_verl.config import PopuLoRAConfig, load_config
-from populora_verl.trainer import convert, fused
+from populora_verl.config import ConfigError, PopuLoRAConfig, load_config
+from populora_verl.trainer import convert, fused, schedule
 from populora_verl.workers import ADAPTER_KEY
 
 logger = logging.getLogger(__name__)
@@ -157,6 +157,11 @@ class PopuLoRATrainer(PPOTrainerSync):
         check_registrations()
         self.pcfg: PopuLoRAConfig = load_config(config.get("populora"))
         convert.validate_verl_config(config, self.pcfg)
+        self._schedule = schedule.parse_schedule(OmegaConf.select(config, schedule.SCHEDULE_KEY, default=None),
+                                                 int(config.trainer.total_training_steps))
+        self._schedule_cfgs = [self._scheduled_config(config, e) for e in self._schedule]
+        if self._schedule_cfgs:
+            self.pcfg = self._schedule_cfgs[0]
         self.debug_probes = bool(OmegaConf.select(config, DEBUG_PROBES_KEY, default=False))
         self.fused_rpc = bool(OmegaConf.select(config, fused.FUSED_KEY, default=True))
         from populora_verl.step import PopulationStep
@@ -470,8 +475,43 @@ class PopuLoRATrainer(PPOTrainerSync):
     # --- hooks: probes, evolution, checkpoint, weight sync ---------------------------------------------------
 
     def on_step_begin(self) -> None:
+        idx = schedule.starts(getattr(self, "_schedule", [])).get(self.global_steps)
+        if idx:  # a later entry of a population schedule starts with this step (entry 0 is set up by init)
+            with marked_timer("populora_switch", self.timing_raw, color="green"):
+                self._switch_population(idx)
         if self.debug_probes:
             self._probe_adapters()
+
+    # --- population schedule (one process, several configurations: populora_verl.bench.step_scaling) ---------
+
+    @staticmethod
+    def _scheduled_config(config: DictConfig, entry: schedule.Entry) -> PopuLoRAConfig:
+        """``populora`` with the entry's ``population`` keys, validated like the run's own configuration."""
+        base = OmegaConf.to_container(config.get("populora"), resolve=True) or {}
+        base["population"] = {**(base.get("population") or {}), **entry.population}
+        try:
+            pcfg = load_config(base)
+        except ConfigError as e:
+            raise ConfigError(f"{schedule.SCHEDULE_KEY} entry {entry.name!r}: {e}") from None
+        convert.validate_verl_config(config, pcfg)
+        return pcfg
+
+    def _switch_population(self, idx: int) -> None:
+        """Replace the population, the adapter bank and vLLM's adapters; keep Ray, FSDP and the vLLM engine.
+
+        Mirrors a step boundary: replicas asleep, fresh bank on the workers, every slot pushed under its id (same
+        ids as the previous entry's slots of the same number: the registry updates them in place)."""
+        from populora_verl.step import PopulationStep
+
+        entry, old = self._schedule[idx], self.pop_step
+        self.checkpoint_manager.sleep_replicas()
+        self.pcfg = self._schedule_cfgs[idx]
+        self.pop_step = PopulationStep(self.pcfg, executor=old.tasks.executor)
+        self._phase, self._checksums = None, None
+        info = self._rpc("populora_init_bank", self.pcfg.population.num_adapters, self.pcfg.population.seed)
+        self.checkpoint_manager.update_weights(self.global_steps)
+        print(f"[populora] step {self.global_steps}: population schedule entry {entry.name!r} "
+              f"({info['num_slots']} adapters)", flush=True)
 
     def on_step_end(self) -> None:
         with marked_timer("populora_evolve", self.timing_raw, color="green"):

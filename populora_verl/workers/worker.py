@@ -132,6 +132,10 @@ class PopuLoRAActorRolloutRefWorker(ActorRolloutRefWorker):
         self.bank = self._build_bank()
         self.bank.init_slots(int(num_slots), seed=seed, from_live=from_live)
         self._populora_pushed = {}
+        if _accelerator_ready():
+            # verl reports the worker's peak since the last reset: a new bank (a new population in a schedule)
+            # starts its own figure.
+            get_torch_device().reset_peak_memory_stats()
         return self._bank_info()
 
     def _bank_info(self) -> dict[str, Any]:
