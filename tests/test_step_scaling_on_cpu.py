@@ -245,26 +245,34 @@ def test_schedule_parsing_and_step_mapping():
             sc.parse_schedule(bad, total)
 
 
-def test_schedule_command_composes_and_the_trainer_reads_it():
+def test_schedule_command_composes_and_the_trainer_reads_it(tmp_path):
     """The JSON survives hydra's override grammar, and the trainer validates every entry at start-up."""
     pytest.importorskip("hydra")
     from hydra import compose, initialize_config_dir
-    from omegaconf import OmegaConf
+    from omegaconf import open_dict
 
     from populora_verl.trainer import schedule as sc
-    from populora_verl.trainer.trainer import PopuLoRATrainer
 
     names = ["single", "8t8s", "1t1s"]
-    cmd = ss.schedule_command("/m", names, 6, Path("/tmp/o"), ss.plan_overrides("fast", 1024, True))
+    (tmp_path / "config.json").write_text("{}")
+    cmd = ss.schedule_command(str(tmp_path), names, 6, Path("/tmp/o"), ss.plan_overrides("fast", 1024, True))
     with initialize_config_dir(config_dir=str(ss.RECIPES), version_base=None):
         cfg = compose(config_name="smoke_0.5b", overrides=cmd[cmd.index("smoke_0.5b") + 1:])
     assert cfg.trainer.total_training_steps == 18 and cfg.trainer.default_local_dir == "/tmp/o/schedule/ckpt"
     assert cfg.actor_rollout_ref.rollout.engine_kwargs.vllm.max_loras == 16  # sized for 8t8s from the start
     assert cfg.populora.population.mode == "single_agent"
-    entries = sc.parse_schedule(OmegaConf.select(cfg, sc.SCHEDULE_KEY), cfg.trainer.total_training_steps)
-    pcfgs = [PopuLoRATrainer._scheduled_config(cfg, e) for e in entries]
+    entries, pcfgs = sc.scheduled_configs(cfg)
+    assert [e.name for e in entries] == names
     assert [p.population.num_adapters for p in pcfgs] == [1, 16, 2]
     assert pcfgs[1].population.mode == "population" and pcfgs[0].population.mode == "single_agent"
+    from populora_verl.config import ConfigError
+    from populora_verl.startup import preflight
+
+    preflight(cfg, check_gpus=False)
+    with open_dict(cfg):  # 8t8s needs vLLM to hold 16 adapters: the entry is refused before Ray starts
+        cfg.actor_rollout_ref.rollout.engine_kwargs.vllm.max_loras = 8
+    with pytest.raises(ConfigError, match="entry '8t8s'"):
+        preflight(cfg, check_gpus=False)
     with pytest.raises(ValueError, match="no population"):
         ss.population_of("big")
 
@@ -283,8 +291,7 @@ def test_trainer_switches_population_bank_and_adapters_at_an_entry_start(monkeyp
         cfg = compose(config_name="smoke_0.5b", overrides=cmd[cmd.index("smoke_0.5b") + 1:])
     t = PopuLoRATrainer.__new__(PopuLoRATrainer)
     t.config, t.debug_probes, t.timing_raw = cfg, False, {}
-    t._schedule = sc.parse_schedule(cfg.trainer.populora_population_schedule, 4)
-    t._schedule_cfgs = [t._scheduled_config(cfg, e) for e in t._schedule]
+    t._schedule, t._schedule_cfgs = sc.scheduled_configs(cfg)
     t.pcfg = t._schedule_cfgs[0]
     t._init_populora_state()
     calls = []

@@ -18,7 +18,7 @@ from typing import Any
 
 from populora_verl.config import ConfigError
 
-__all__ = ["SCHEDULE_KEY", "Entry", "parse_schedule", "starts", "entry_at"]
+__all__ = ["SCHEDULE_KEY", "Entry", "parse_schedule", "starts", "entry_at", "entry_config", "scheduled_configs"]
 
 SCHEDULE_KEY = "trainer.populora_population_schedule"
 
@@ -84,3 +84,30 @@ def entry_at(schedule: list[Entry], global_step: int) -> tuple[int, int] | None:
             return (i, global_step - step + 1) if global_step >= step else None
         step += e.steps
     return None
+
+
+def entry_config(config: Any, entry: Entry) -> Any:
+    """The run's ``populora`` with the entry's ``population`` keys, validated like the run's own configuration
+    (``PopuLoRAConfig``; errors name the entry)."""
+    from omegaconf import OmegaConf
+
+    from populora_verl.config import load_config
+    from populora_verl.trainer.convert import validate_verl_config
+
+    base = OmegaConf.to_container(config.get("populora"), resolve=True) or {}
+    base["population"] = {**(base.get("population") or {}), **entry.population}
+    try:
+        pcfg = load_config(base)
+        validate_verl_config(config, pcfg)
+    except ConfigError as e:
+        raise ConfigError(f"{SCHEDULE_KEY} entry {entry.name!r}: {e}") from None
+    return pcfg
+
+
+def scheduled_configs(config: Any) -> tuple[list[Entry], list[Any]]:
+    """The schedule of a composed verl config and each entry's ``PopuLoRAConfig`` (``[], []`` when unset)."""
+    from omegaconf import OmegaConf
+
+    entries = parse_schedule(OmegaConf.select(config, SCHEDULE_KEY, default=None),
+                             OmegaConf.select(config, "trainer.total_training_steps", default=None))
+    return entries, [entry_config(config, e) for e in entries]

@@ -37,7 +37,7 @@ from verl.utils.debug import marked_timer
 from verl.utils.metric import reduce_metrics
 from verl.utils.py_functional import rename_dict
 
-from populora_verl.config import ConfigError, PopuLoRAConfig, load_config
+from populora_verl.config import PopuLoRAConfig, load_config
 from populora_verl.trainer import convert, fused, schedule
 from populora_verl.workers import ADAPTER_KEY
 
@@ -157,9 +157,7 @@ class PopuLoRATrainer(PPOTrainerSync):
         check_registrations()
         self.pcfg: PopuLoRAConfig = load_config(config.get("populora"))
         convert.validate_verl_config(config, self.pcfg)
-        self._schedule = schedule.parse_schedule(OmegaConf.select(config, schedule.SCHEDULE_KEY, default=None),
-                                                 int(config.trainer.total_training_steps))
-        self._schedule_cfgs = [self._scheduled_config(config, e) for e in self._schedule]
+        self._schedule, self._schedule_cfgs = schedule.scheduled_configs(config)
         if self._schedule_cfgs:
             self.pcfg = self._schedule_cfgs[0]
         self.debug_probes = bool(OmegaConf.select(config, DEBUG_PROBES_KEY, default=False))
@@ -483,18 +481,6 @@ class PopuLoRATrainer(PPOTrainerSync):
             self._probe_adapters()
 
     # --- population schedule (one process, several configurations: populora_verl.bench.step_scaling) ---------
-
-    @staticmethod
-    def _scheduled_config(config: DictConfig, entry: schedule.Entry) -> PopuLoRAConfig:
-        """``populora`` with the entry's ``population`` keys, validated like the run's own configuration."""
-        base = OmegaConf.to_container(config.get("populora"), resolve=True) or {}
-        base["population"] = {**(base.get("population") or {}), **entry.population}
-        try:
-            pcfg = load_config(base)
-        except ConfigError as e:
-            raise ConfigError(f"{schedule.SCHEDULE_KEY} entry {entry.name!r}: {e}") from None
-        convert.validate_verl_config(config, pcfg)
-        return pcfg
 
     def _switch_population(self, idx: int) -> None:
         """Replace the population, the adapter bank and vLLM's adapters; keep Ray, FSDP and the vLLM engine.
