@@ -8,8 +8,8 @@ The same model, the same number of LoRA adapters (random, non-zero, written as P
 alpha and target modules), the same requests per rollout phase and the same prompt and answer lengths as a measured
 configuration (answers forced to length with ``min_tokens``/``ignore_eos``), the same engine settings as our rollout
 (CUDA graphs, sampled log-probs, prefix caching), one engine for every configuration. Each configuration's two phases
-run back to back, as in our step; after a warm-up pass, ``--repeats`` rounds interleave the configurations and the
-median time is reported. Writes ``{"configs": {name: {"tok_s", "time_s", "tokens", ...}}, "startup_s", ...}``.
+run back to back, as in our step; after a warm-up pass with short answers, ``--repeats`` rounds interleave the
+configurations and the median time is reported. Writes ``{"configs": {name: {"tok_s", "time_s", "tokens", ...}}, "startup_s", ...}``.
 
 ``--spec`` is what :func:`populora_verl.bench.step_scaling.ceiling_spec` writes:
 ``{name: {"adapters": N, "phases": [{"requests", "prompt_tokens", "answer_tokens", "loras"}, ...]}}``; phase k's
@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lora-alpha", type=int, default=16)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.4)
     ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (our old rollout setting)")
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=2, help="timed rounds (interleaved over configurations)")
     ap.add_argument("--out", default="ceiling.json")
     ap.add_argument("--workdir", default="/tmp/populora-ceiling", help="where the random adapters are written")
     args = ap.parse_args(argv)
@@ -166,9 +166,9 @@ def main(argv: list[str] | None = None) -> int:
     vocab = int(llm.get_tokenizer().vocab_size)
     plans = {name: plan_requests(c["phases"], vocab, seed=7) for name, c in spec.items()}
 
-    def run(name: str) -> tuple[float, int]:
+    def run(plan: list[list[tuple[list[int], int, int]]]) -> tuple[float, int]:
         start, tokens = time.perf_counter(), 0
-        for phase in plans[name]:  # our step runs teachers, then students on the teachers' output
+        for phase in plan:  # our step runs teachers, then students on the teachers' output
             prompts = [TokensPrompt(prompt_token_ids=ids) for ids, _, _ in phase]
             params = [SamplingParams(temperature=1.0, top_p=1.0, max_tokens=a, min_tokens=a, ignore_eos=True,
                                      logprobs=0) for _, _, a in phase]
@@ -176,16 +176,17 @@ def main(argv: list[str] | None = None) -> int:
             tokens += sum(len(o.outputs[0].token_ids) for o in outs)
         return time.perf_counter() - start, tokens
 
-    # Warm-up: every adapter and batch shape once (LoRA kernel JIT, graph replays), not timed.
+    # Warm-up, not timed: every configuration's batches and adapters with short answers (LoRA kernel JIT,
+    # first graph replays), so the timed rounds pay only generation.
     t1 = time.time()
-    for name in spec:
-        run(name)
+    for plan in plans.values():
+        run([[(ids, k, min(a, 16)) for ids, k, a in phase] for phase in plan])
     warmup = time.time() - t1
     times: dict[str, list[float]] = {n: [] for n in spec}
     tokens: dict[str, int] = {}
-    for _ in range(args.repeats):
-        for name in spec:  # interleaved rounds
-            dt, tok = run(name)
+    for rnd in range(args.repeats):
+        for i, name in enumerate(spec):  # interleaved rounds; fresh prompts each time (no prefix-cache hits)
+            dt, tok = run(plan_requests(spec[name]["phases"], vocab, seed=1000 * (rnd + 1) + i))
             times[name].append(dt)
             tokens[name] = tok
     result = {"model": args.model, "gpu": torch.cuda.get_device_name(0), "startup_s": startup, "warmup_s": warmup,

@@ -407,10 +407,14 @@ def _wait(proc: subprocess.Popen, timeout_s: int) -> int:
         _CHILDREN.remove(proc)
 
 
+_STOP = threading.Event()
+
+
 def _on_sigterm(signum: int, frame: Any) -> None:
+    # Stop after the running configuration: end it, then save what it logged (a schedule's finished entries too).
+    _STOP.set()
     for proc in list(_CHILDREN):
         _kill_group(proc)
-    raise SystemExit(143)
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
@@ -648,6 +652,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--one-process", action=argparse.BooleanOptionalAction, default=True,
                     help="a model's configurations in one trainer process (population schedule: start-up paid once); "
                          "configurations it does not finish are rerun one process each")
+    ap.add_argument("--ceiling-models", default="", help="tags of the models to run the ceiling for (default: all)")
     ap.add_argument("--out", default="bench_step_scaling", help="folder for logs and results (one sub-folder per model)")
     ap.add_argument("--timeout-s", type=int, default=1200, help="per configuration")
     ap.add_argument("--status", action="store_true", help="print the progress of a run writing to --out, then exit")
@@ -697,6 +702,8 @@ def main(argv: list[str] | None = None) -> int:
             # whatever the schedule did not finish runs the old way, one process per configuration
             todo = [n for n in names if n not in finished]
         for name in todo:
+            if _STOP.is_set():
+                break
             write_progress(root, current={"model": tag, "config": name, "since": time.time(), "steps": args.steps})
             print(f"step_scaling: {tag}/{name} ({ADAPTERS[name]} adapters, {args.steps} steps) ...", flush=True)
             r = run_one(path, name, args.steps, out, extra, args.timeout_s, args.warmup)
@@ -707,14 +714,16 @@ def main(argv: list[str] | None = None) -> int:
             save_results(out, results)
             done = json.loads((root / "progress.json").read_text()).get("done", [])
             write_progress(root, done=done + [f"{tag}/{name}"])
-        if args.ceiling:
+        if args.ceiling and not _STOP.is_set() and (not args.ceiling_models or tag in args.ceiling_models.split(",")):
             write_progress(root, current={"model": tag, "config": "ceiling", "since": time.time(), "steps": 0})
             print(f"step_scaling: {tag} vLLM ceiling ...", flush=True)
             rc = run_ceiling(path, out, results, args.answer_tokens, args.force_length, args.timeout_s)
             print(f"  ceiling exit={rc}", flush=True)
             ok = ok and rc == 0
         print(save_results(out, results), flush=True)
-    write_progress(root, state="finished", current=None)
+        if _STOP.is_set():
+            break
+    write_progress(root, state="stopped" if _STOP.is_set() else "finished", current=None)
     return 0 if ok else 1
 
 

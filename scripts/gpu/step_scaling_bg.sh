@@ -3,6 +3,7 @@
 # while the caller polls with short calls. Results and logs land incrementally in /tmp/step_scaling.
 #   bash scripts/gpu/step_scaling_bg.sh start [step_scaling args...]   # returns at once
 #   bash scripts/gpu/step_scaling_bg.sh status                         # progress + tables so far (copied to $OUT)
+#   bash scripts/gpu/step_scaling_bg.sh wait 420                       # block until done or 420 s passed, then status
 #   bash scripts/gpu/step_scaling_bg.sh stop                           # ends the run's process group
 # The code runs from a private copy (/tmp/populora-src): each device call replaces the checkout under the run.
 set -uo pipefail
@@ -34,9 +35,17 @@ case "$cmd" in
       for f in "$d"/*.log; do [ -f "$f" ] && tail -c 200000 "$f" > "$OUT/$t/$(basename "$f")"; done
     done
     cp "$ROOT"/gpu.txt "$ROOT"/progress.json "$ROOT"/driver.log "$OUT/" 2>/dev/null; true ;;
+  wait)
+    # One long call instead of many short ones: the machine stays held, nothing idles between polls.
+    limit=${1:-420}; pid=$(cat "$ROOT/driver.pid" 2>/dev/null || echo 0); t=0
+    while [ "$t" -lt "$limit" ] && kill -0 "$pid" 2>/dev/null; do sleep 10; t=$((t + 10)); done
+    exec bash "$0" status ;;
   stop)
     pid=$(cat "$ROOT/driver.pid" 2>/dev/null) || { echo "no run"; exit 0; }
-    kill -TERM -- "-$pid" 2>/dev/null; sleep 5; kill -KILL -- "-$pid" 2>/dev/null
+    # SIGTERM: the driver ends the running configuration and saves what it logged, then exits
+    kill -TERM "$pid" 2>/dev/null
+    for _ in $(seq 60); do kill -0 "$pid" 2>/dev/null || break; sleep 1; done
+    kill -KILL -- "-$pid" 2>/dev/null
     ray stop --force >/dev/null 2>&1; echo "stopped $pid" ;;
-  *) echo "usage: step_scaling_bg.sh start|status|stop [args]" >&2; exit 2 ;;
+  *) echo "usage: step_scaling_bg.sh start|status|wait [seconds]|stop [args]" >&2; exit 2 ;;
 esac
