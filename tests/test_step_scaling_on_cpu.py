@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -338,3 +339,49 @@ def test_split_schedule_per_configuration():
     assert got[1].mean_step_s == 15.5
     partial = ss.split_schedule(rows[:4], ["single", "4t4s"], 3, 1, None, t0=0.0)
     assert [r.rc for r in partial] == [0, 1]  # 4t4s logged one step of three: rerun it on its own
+
+
+FAKE_TRAINER = r'''
+import json, os, sys, time
+args, path = sys.argv[1:], os.environ["VERL_FILE_LOGGER_PATH"]
+steps = int(next(a.split("=", 1)[1] for a in args if a.startswith("trainer.total_training_steps=")))
+sched = any("populora_population_schedule" in a for a in args)
+time.sleep(0.3)  # "start-up"
+with open(path, "w") as f:
+    for g in range(1, steps + 1):
+        if sched and g > steps // 2:  # the schedule dies at its first switch
+            sys.exit(1)
+        data = {"timing_s/step": 1.0 + g / 10, "timing_s/gen": 0.5,
+                "populora/rollout/teacher/response_tokens": 100, "populora/rollout/student/response_tokens": 300,
+                "populora/rollout/teacher/sequences": 2, "populora/rollout/student/sequences": 4,
+                "populora/rollout/teacher/prompt_tokens": 20, "populora/rollout/student/prompt_tokens": 40}
+        f.write(json.dumps({"step": g, "data": data}) + "\n")
+        f.flush()
+'''
+
+
+def test_main_runs_a_schedule_and_reruns_what_it_did_not_finish(tmp_path, monkeypatch):
+    """The driver end to end with a stand-in trainer: the schedule finishes its first configuration and dies at the
+    switch; the second configuration is rerun in a process of its own; both rows land with their figures."""
+    script = tmp_path / "fake_trainer.py"
+    script.write_text(FAKE_TRAINER)
+    real_command = ss.command
+
+    def fake_command(model, name, steps, out_dir, extra):
+        return [sys.executable, str(script), *real_command(model, name, steps, out_dir, extra)[5:]]
+
+    monkeypatch.setattr(ss, "command", fake_command)
+    monkeypatch.setattr(ss, "_has_cuda", lambda: True)
+    out = tmp_path / "run"
+    rc = ss.main(["--model", f"m={tmp_path}:single,2t2s", "--steps", "3", "--out", str(out), "--no-ceiling"])
+    assert rc == 0
+    rows = {r["name"]: r for r in json.loads((out / "m" / "results.json").read_text())}
+    assert set(rows) == {"single", "2t2s"} and all(r["rc"] == 0 for r in rows.values())
+    assert rows["single"]["step_s"] == {"1": 1.1, "2": 1.2, "3": 1.3}  # from the schedule's first entry
+    assert (out / "m" / "2t2s.metrics.jsonl").exists()  # rerun on its own
+    assert rows["2t2s"]["startup_s"] is not None and rows["2t2s"]["gen_tokens"] == 400
+    assert rows["2t2s"]["rollout"]["student"]["sequences"] == 4
+    progress = json.loads((out / "progress.json").read_text())
+    assert progress["state"] == "finished" and progress["done"] == ["m/single", "m/2t2s"]
+    assert "| 2t2s | 4 |" in (out / "m" / "results.md").read_text()
+    assert "state finished" in ss.status(out)
