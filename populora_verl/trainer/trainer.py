@@ -120,6 +120,7 @@ class PopuLoRATrainer(PPOTrainerSync):
         check_registrations()
         self.pcfg: PopuLoRAConfig = load_config(config.get("populora"))
         convert.validate_verl_config(config, self.pcfg)
+        print(f"[populora] layout: {convert.parallel_layout(config, self.pcfg).describe()}", flush=True)
         self.debug_probes = bool(OmegaConf.select(config, DEBUG_PROBES_KEY, default=False))
         from populora_verl.step import PopulationStep
 

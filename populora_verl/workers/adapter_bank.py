@@ -32,7 +32,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["AdapterBank", "AdapterBankError", "PlanEntry", "peft_key", "BANK_FORMAT_VERSION"]
+__all__ = ["AdapterBank", "AdapterBankError", "PlanEntry", "peft_key", "bank_filename", "bank_file_for",
+           "BANK_FORMAT_VERSION"]
 
 BANK_FORMAT_VERSION = 1
 
@@ -573,3 +574,26 @@ class AdapterBank:
 def bank_filename(world_size: int, rank: int) -> str:
     """Per-rank bank file name, next to verl's ``model_world_size_{W}_rank_{r}.pt`` naming."""
     return f"bank_world_size_{world_size}_rank_{rank}.pt"
+
+
+def bank_file_for(directory: str, world_size: int, rank: int) -> str:
+    """The bank file this rank resumes from; a one-line :class:`AdapterBankError` if it is not there.
+
+    Each file holds one rank's shards and optimizer state, so a bank saved at another world size cannot be loaded
+    (the shards would not line up). The message says which world sizes the folder holds and what to do.
+    """
+    import os
+    import re
+
+    path = os.path.join(directory, bank_filename(world_size, rank))
+    if os.path.exists(path):
+        return path
+    names = os.listdir(directory) if os.path.isdir(directory) else []
+    saved = sorted({int(m.group(1)) for n in names if (m := re.fullmatch(r"bank_world_size_(\d+)_rank_\d+\.pt", n))})
+    if saved and world_size not in saved:
+        raise AdapterBankError(
+            f"adapter bank in {directory} was saved by {', '.join(map(str, saved))} rank(s) but this run has "
+            f"{world_size}: resume with the same trainer.n_gpus_per_node x trainer.nnodes (and fsdp_size), or start "
+            "a new run from the full per-member adapters in the checkpoint's populora/ folder"
+        )
+    raise AdapterBankError(f"no adapter bank for world size {world_size}, rank {rank} at {path}")

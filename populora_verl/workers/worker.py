@@ -32,7 +32,7 @@ from verl.utils.profiler import log_gpu_memory_usage
 from verl.workers.engine_workers import ActorRolloutRefWorker
 
 from populora_verl.rollout.lora_registry import lora_int_id, lora_name
-from populora_verl.workers.adapter_bank import AdapterBank, AdapterBankError, bank_filename
+from populora_verl.workers.adapter_bank import AdapterBank, AdapterBankError, bank_file_for, bank_filename
 
 logger = logging.getLogger(__name__)
 logger.setLevel(os.getenv("VERL_LOGGING_LEVEL", "WARN"))
@@ -153,9 +153,7 @@ class PopuLoRAActorRolloutRefWorker(ActorRolloutRefWorker):
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def populora_load_bank(self, directory: str) -> dict[str, Any]:
-        path = os.path.join(directory, bank_filename(self.world_size, self.rank))
-        if not os.path.exists(path):
-            raise FileNotFoundError(f"no adapter bank for world size {self.world_size}, rank {self.rank} at {path}")
+        path = bank_file_for(directory, self.world_size, self.rank)  # refuses a bank of another world size
         if self.bank is None:
             self.bank = self._build_bank()
         self.bank.load(path)

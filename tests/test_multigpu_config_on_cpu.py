@@ -1,0 +1,95 @@
+"""Multi-GPU start-up checks: the GPU layout keys against each other, and resuming a bank at another world size."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from populora_verl.config import ConfigError, load_config
+from populora_verl.trainer import convert
+from populora_verl.workers.adapter_bank import AdapterBankError, bank_file_for, bank_filename
+
+RECIPES = Path(__file__).resolve().parents[1] / "recipes" / "populora"
+
+
+def _compose(name: str, overrides=()):
+    with initialize_config_dir(config_dir=str(RECIPES), version_base=None):
+        return compose(config_name=name, overrides=list(overrides))
+
+
+def _layout(name: str, *overrides: str) -> convert.ParallelLayout:
+    cfg = _compose(name, ["actor_rollout_ref.model.path=/m", *overrides] if name == "smoke_0.5b" else list(overrides))
+    pcfg = load_config(cfg.populora)
+    convert.validate_verl_config(cfg, pcfg)
+    return convert.parallel_layout(cfg, pcfg)
+
+
+@pytest.mark.parametrize("overrides,expected", [
+    ((), dict(n_gpus=1, replicas=1, rollout_tp=1, actor_dp=1, fsdp_size=1)),
+    (("trainer.n_gpus_per_node=2",), dict(n_gpus=2, replicas=2, rollout_tp=1, actor_dp=2, fsdp_size=2)),
+    (("trainer.n_gpus_per_node=2", "actor_rollout_ref.rollout.tensor_model_parallel_size=2"),
+     dict(n_gpus=2, replicas=1, rollout_tp=2, actor_dp=2, fsdp_size=2)),
+    (("trainer.n_gpus_per_node=4", "actor_rollout_ref.rollout.tensor_model_parallel_size=2"),
+     dict(n_gpus=4, replicas=2, rollout_tp=2, actor_dp=4, fsdp_size=4)),
+    (("trainer.n_gpus_per_node=8", "trainer.nnodes=2", "actor_rollout_ref.actor.fsdp_config.fsdp_size=8"),
+     dict(n_gpus=16, nnodes=2, replicas=16, actor_dp=16, fsdp_size=8)),
+    (("trainer.n_gpus_per_node=4", "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2"),
+     dict(n_gpus=4, actor_dp=2)),
+])
+def test_layout_of_one_to_many_gpus(overrides, expected):
+    layout = _layout("smoke_0.5b", *overrides)
+    assert {k: getattr(layout, k) for k in expected} == expected
+    assert layout.adapters == 4 and layout.max_loras == 8
+    assert f"{layout.replicas} vLLM replica(s)" in layout.describe()
+
+
+def test_paper_recipe_layout():
+    layout = _layout("4t4s")
+    assert (layout.n_gpus, layout.replicas, layout.adapters, layout.max_loras) == (8, 8, 8, 8)
+
+
+BAD = [
+    (("trainer.n_gpus_per_node=3", "actor_rollout_ref.rollout.tensor_model_parallel_size=2"),
+     "actor_rollout_ref.rollout.tensor_model_parallel_size"),
+    (("trainer.n_gpus_per_node=4", "trainer.nnodes=2", "actor_rollout_ref.rollout.tensor_model_parallel_size=8",
+      "actor_rollout_ref.rollout.data_parallel_size=1"), None),  # 8 GPUs = two whole nodes: allowed
+    (("trainer.n_gpus_per_node=4", "trainer.nnodes=3", "actor_rollout_ref.rollout.tensor_model_parallel_size=6"),
+     "actor_rollout_ref.rollout.tensor_model_parallel_size"),  # divides 12 but spans 1.5 nodes
+    (("trainer.n_gpus_per_node=2", "actor_rollout_ref.rollout.data_parallel_size=4"),
+     "actor_rollout_ref.rollout.tensor_model_parallel_size"),
+    (("trainer.n_gpus_per_node=0",), "trainer.n_gpus_per_node"),
+    (("trainer.nnodes=null",), "trainer.nnodes"),
+    (("trainer.n_gpus_per_node=6", "actor_rollout_ref.actor.ulysses_sequence_parallel_size=4"),
+     "actor_rollout_ref.actor.ulysses_sequence_parallel_size"),
+    (("trainer.n_gpus_per_node=6", "actor_rollout_ref.actor.fsdp_config.fsdp_size=4"),
+     "actor_rollout_ref.actor.fsdp_config.fsdp_size"),
+    (("actor_rollout_ref.actor.fsdp_config.fsdp_size=0",), "actor_rollout_ref.actor.fsdp_config.fsdp_size"),
+    (("trainer.n_gpus_per_node=2", "actor_rollout_ref.rollout.engine_kwargs.vllm.max_loras=2"),
+     "actor_rollout_ref.rollout.engine_kwargs.vllm.max_loras"),  # per replica: every replica serves all 4
+]
+
+
+@pytest.mark.parametrize("overrides,key", BAD, ids=[str(k) + "-" + "-".join(o) for o, k in BAD])
+def test_bad_layout_fails_at_start_up_naming_the_key(overrides, key):
+    cfg = _compose("smoke_0.5b", ["actor_rollout_ref.model.path=/m", *overrides])
+    if key is None:
+        convert.validate_verl_config(cfg, load_config(cfg.populora))
+        return
+    with pytest.raises(ConfigError) as e:
+        convert.validate_verl_config(cfg, load_config(cfg.populora))
+    msg = str(e.value)
+    assert msg.startswith(key + ":") and "\n" not in msg, msg
+
+
+def test_bank_file_for_refuses_another_world_size(tmp_path):
+    for r in range(2):
+        (tmp_path / bank_filename(2, r)).write_bytes(b"x")
+    assert bank_file_for(str(tmp_path), 2, 1) == str(tmp_path / bank_filename(2, 1))
+    with pytest.raises(AdapterBankError) as e:
+        bank_file_for(str(tmp_path), 4, 3)
+    msg = str(e.value)
+    assert "saved by 2 rank(s) but this run has 4" in msg and "trainer.n_gpus_per_node" in msg and "\n" not in msg
+    with pytest.raises(AdapterBankError, match="no adapter bank for world size 2, rank 0"):
+        bank_file_for(str(tmp_path / "missing"), 2, 0)
