@@ -93,3 +93,13 @@ def test_bank_file_for_refuses_another_world_size(tmp_path):
     assert "saved by 2 rank(s) but this run has 4" in msg and "trainer.n_gpus_per_node" in msg and "\n" not in msg
     with pytest.raises(AdapterBankError, match="no adapter bank for world size 2, rank 0"):
         bank_file_for(str(tmp_path / "missing"), 2, 0)
+
+
+def test_bank_files_the_driver_cannot_see_are_reported(tmp_path, caplog):
+    seen = tmp_path / bank_filename(2, 0)
+    seen.write_bytes(b"x")
+    other_node = str(tmp_path / "elsewhere" / bank_filename(2, 1))
+    assert convert.warn_if_bank_not_shared([str(seen), None]) == []
+    with caplog.at_level("WARNING"):
+        assert convert.warn_if_bank_not_shared([str(seen), other_node]) == [other_node]
+    assert "1 of 2 adapter bank file(s)" in caplog.text and "trainer.default_local_dir" in caplog.text

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
+import os
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -42,6 +44,7 @@ __all__ = [
     "validate_verl_config",
     "ParallelLayout",
     "parallel_layout",
+    "warn_if_bank_not_shared",
 ]
 
 AGENT_NAME = "populora_agent"
@@ -388,3 +391,20 @@ def parallel_layout(config: Any, pcfg: PopuLoRAConfig) -> ParallelLayout:
         replicas=n_gpus // rollout_world, max_loras=int(_get(ek, "max_loras", 0) or 0),
         adapters=pcfg.population.num_adapters,
     )
+
+
+def warn_if_bank_not_shared(paths: Sequence[str | None] | str | None) -> list[str]:
+    """Warn (once per save, one line) about per-rank bank files the driver cannot see; returns them.
+
+    Each rank writes its own shard file under ``trainer.default_local_dir``. On several nodes that folder must be
+    on a filesystem every node shares (as verl's own per-rank checkpoints need): otherwise a resume on other nodes
+    finds no bank for some ranks. Training goes on either way.
+    """
+    listed = [paths] if isinstance(paths, str) else list(paths or [])
+    unseen = [p for p in listed if p and not os.path.exists(p)]
+    if unseen:
+        logging.getLogger(__name__).warning(
+            "populora: %d of %d adapter bank file(s) are not visible from the driver (e.g. %s): put "
+            "trainer.default_local_dir on a filesystem shared by every node, or this checkpoint cannot be resumed "
+            "elsewhere", len(unseen), len(listed), unseen[0])
+    return unseen

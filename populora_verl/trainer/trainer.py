@@ -410,7 +410,8 @@ class PopuLoRATrainer(PPOTrainerSync):
         from populora_verl.checkpoint import save_checkpoint
 
         pdir = os.path.join(self._step_folder(), "populora")
-        self._rpc("populora_save_bank", os.path.join(pdir, "bank"))
+        written = self.actor_rollout_wg.populora_save_bank(os.path.join(pdir, "bank"))
+        convert.warn_if_bank_not_shared(written)  # M nodes: every rank's file must be where the driver resumes
         pop = self.pop_step.population
         adapters = {m.id: self._get_adapter(int(m.slot)) for m in pop.members}
         save_checkpoint(pdir, self.global_steps, population=pop, adapters=adapters, lora_config=self._lora_config(),
