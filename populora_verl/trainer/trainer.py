@@ -37,7 +37,7 @@ from verl.utils.metric import reduce_metrics
 from verl.utils.py_functional import rename_dict
 
 from populora_verl.config import PopuLoRAConfig, load_config
-from populora_verl.trainer import convert
+from populora_verl.trainer import convert, probes
 
 logger = logging.getLogger(__name__)
 logger.setLevel(os.getenv("VERL_LOGGING_LEVEL", "INFO"))
@@ -454,6 +454,7 @@ class PopuLoRATrainer(PPOTrainerSync):
             logger.warning("populora: metrics.jsonl not written: %s", e)
 
     def _debug_checksums(self) -> dict[int, str]:
+        self._rank_sums = self.actor_rollout_wg.populora_shard_checksums()  # each rank's own shards, same moment
         return {int(m.slot): convert.state_checksum(self._get_adapter(int(m.slot)))
                 for m in self.pop_step.population.members}
 
@@ -466,9 +467,11 @@ class PopuLoRATrainer(PPOTrainerSync):
                   f"pg_loss={m.get('actor/pg_loss')} rollout_vs_trainer={json.dumps(diff, default=float)}", flush=True)
         if before is None:
             return
+        rank_before = self._rank_sums
         after = self._debug_checksums()
         changed = sorted(s for s in after if after[s] != before.get(s))
         trained = sorted(parts)
+        print(probes.rank_report(step, rank_before, self._rank_sums, trained)[0], flush=True)
         ok = changed == trained
         print(f"[populora] step {step} bank checksums: " + " ".join(
             f"{member_of.get(s, s)}@{s}:{before.get(s)}->{after[s]}" for s in sorted(after))
@@ -516,6 +519,8 @@ class PopuLoRATrainer(PPOTrainerSync):
         for mid, text in outs.items():
             print(f"[populora]   {mid} lora_int_id={table[mid]['lora_int_id']} ({table[mid]['lora_name']}): "
                   f"sum_logp={logps.get(mid, float('nan')):.6f} {text[:100]!r}", flush=True)
+        probes.print_replica_probe(self.llm_server_manager.get_replicas(), self.tokenizer, PROBE_PROMPT, table,
+                                   self.global_steps)
 
 
 def register() -> type[PopuLoRATrainer]:

@@ -519,6 +519,21 @@ class AdapterBank:
             self.set_adapter_state(e.child_slot, child, reset_optimizer=e.reset_optimizer)
         return children
 
+    def shard_checksums(self) -> dict[int, str]:
+        """Per slot, a short hash of **this rank's** shards (no collective): which slots changed on which rank."""
+        import hashlib
+
+        self.swap_out()
+        out = {}
+        for k, s in enumerate(self._slots):
+            h = hashlib.sha1()
+            for n in sorted(s.params):
+                t = s.params[n].detach().contiguous()
+                h.update(n.encode())
+                h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+            out[k] = h.hexdigest()[:12]
+        return out
+
     # --- persistence -----------------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:

@@ -164,12 +164,14 @@ def _scenarios(rank: int, world: int, device: torch.device, outdir: str) -> dict
 
     untouched_ok, trained_changed = True, True
     for step, slot in enumerate(TRAIN_ORDER):
-        before = _locals(bank)
+        before, sums_before = _locals(bank), bank.shard_checksums()
         with bank.active(slot):
             _train(model, opt, sched, _ids(step, rank, device))
-        after = _locals(bank)
+        after, sums_after = _locals(bank), bank.shard_checksums()
         for k in range(NUM_SLOTS):
             same = _same_locals(before, after, k)
+            if (sums_before[k] == sums_after[k]) != same:  # the checksum the GPU proof logs must agree
+                untouched_ok = trained_changed = False
             if k == slot:
                 # A rank whose shard of every tensor is empty has nothing that could change.
                 trained_changed &= (not same) or all(t.numel() == 0 for t in after[k].values())

@@ -7,7 +7,7 @@
 * ``update_weights`` (``naive`` backend) pushes every slot to vLLM under its own LoRA id
   (:func:`populora_verl.rollout.lora_int_id`), retiring the id of a slot whose version changed.
 * ONE_TO_ALL RPCs for the trainer: ``populora_init_bank``, ``populora_apply_plan``, ``populora_set_adapter``,
-  ``populora_get_adapter``, ``populora_reset_optimizer``, ``populora_save_bank``, ``populora_load_bank``,
+  ``populora_get_adapter``, ``populora_shard_checksums``, ``populora_reset_optimizer``, ``populora_save_bank``, ``populora_load_bank``,
   ``populora_bank_info``.
 
 Every override repeats verl's ``@register`` with the parent's dispatch mode: driver-callable methods are bound only
@@ -138,6 +138,11 @@ class PopuLoRAActorRolloutRefWorker(ActorRolloutRefWorker):
         """A slot's full PEFT state dict (CPU). Every rank joins the gather; only rank 0 returns the tensors."""
         state = self._require_bank().get_adapter_state(int(slot))
         return state if self.rank == 0 else None
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def populora_shard_checksums(self) -> dict[str, Any]:
+        """This rank's per-slot shard hashes (no collective), for the per-rank 'only trained slots changed' probe."""
+        return {"rank": int(self.rank), "slots": self._require_bank().shard_checksums()}
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def populora_reset_optimizer(self, slot: int, reset_scheduler: bool = True) -> None:

@@ -103,3 +103,88 @@ def test_bank_files_the_driver_cannot_see_are_reported(tmp_path, caplog):
     with caplog.at_level("WARNING"):
         assert convert.warn_if_bank_not_shared([str(seen), other_node]) == [other_node]
     assert "1 of 2 adapter bank file(s)" in caplog.text and "trainer.default_local_dir" in caplog.text
+
+
+# --- multi-GPU debug probes (what scripts/gpu/multi_gpu_proof.sh greps) ------------------------------------------
+
+from populora_verl.trainer import probes  # noqa: E402
+
+
+def _sums(rank, **slots):
+    return {"rank": rank, "slots": {int(k[1:]): v for k, v in slots.items()}}
+
+
+def test_rank_report_flags_a_rank_that_changed_other_slots():
+    before = [_sums(0, s0="a", s1="b", s2="c"), _sums(1, s0="d", s1="e", s2="f")]
+    good = [_sums(0, s0="a", s1="B", s2="c"), _sums(1, s0="d", s1="E", s2="f")]
+    line, ok = probes.rank_report(3, before, good, [1])
+    assert ok and line == "[populora] step 3 rank checksums: rank0:[1] rank1:[1] | trained=[1] OK"
+    stale = [_sums(0, s0="a", s1="B", s2="c"), _sums(1, s0="d", s1="e", s2="f")]  # rank 1 kept its old shard
+    line, ok = probes.rank_report(3, before, stale, [1])
+    assert not ok and "rank1:[]" in line and line.endswith("MISMATCH")
+    assert not probes.rank_report(3, [], [], [1])[1]  # no ranks answered: not a pass
+
+
+TABLE = {"t0": {"lora_int_id": 1000, "lora_name": "0@v0"}, "s0": {"lora_int_id": 1003, "lora_name": "1@v1"}}
+
+
+def test_replica_report_needs_every_id_on_every_replica():
+    out = {"t0": {"token_ids": [1, 2], "sum_logp": -1.0}, "s0": {"token_ids": [1, 3], "sum_logp": -2.0}}
+    lines, ok = probes.replica_report(4, [{"loaded": [1000, 1003], "outputs": out},
+                                          {"loaded": [1000, 1003, 1001], "outputs": out}], TABLE)
+    assert ok and lines[0].startswith("[populora] step 4 replica probe: 2 replica(s), every LoRA id on every replica OK")
+    assert "2/2 adapters" in lines[0] and "replica 1: 2/2 LoRA ids loaded, 2/2 distinct" in lines[2]
+    # Replica 1 never got the evolved id 1003 (a weight sync that reached one replica only).
+    lines, ok = probes.replica_report(4, [{"loaded": [1000, 1003], "outputs": out},
+                                          {"loaded": [1000, 1001], "outputs": out}], TABLE)
+    assert not ok and "missing [1003]" in lines[2] and "MISMATCH" in lines[0]
+    lines, ok = probes.replica_report(4, [{"error": "RayActorError: dead"}], TABLE)
+    assert not ok and "probe failed" in lines[1]
+
+
+def test_probe_replicas_sends_each_member_to_each_replica(monkeypatch):
+    import ray
+
+    monkeypatch.setattr(ray, "get", lambda x: x)
+    sent = []
+
+    class _Out:
+        def __init__(self, lid):
+            self.token_ids, self.log_probs = [lid % 7], [-0.5, -lid / 1000]
+
+    class _Method:
+        def __init__(self, fn):
+            self.remote = fn
+
+    class _Server:
+        def __init__(self, i):
+            self.populora_live_loras = _Method(lambda: {"loaded": [1000, 1003]})
+            self.generate = _Method(lambda ids, sp, rid, populora_lora: sent.append((i, populora_lora["lora_int_id"],
+                                                                                     sp["temperature"]))
+                                    or _Out(populora_lora["lora_int_id"]))
+
+    class _Replica:
+        def __init__(self, i):
+            self.server_handle = _Server(i)
+
+    res = probes.probe_replicas([_Replica(0), _Replica(1)], [1, 2, 3], TABLE)
+    assert sorted(sent) == [(0, 1000, 0.0), (0, 1003, 0.0), (1, 1000, 0.0), (1, 1003, 0.0)]
+    assert res[1]["outputs"]["s0"] == {"token_ids": [1003 % 7], "sum_logp": -0.5 - 1.003}
+    assert probes.replica_report(2, res, TABLE)[1]
+
+
+def test_prompt_ids_with_and_without_chat_template():
+    class _Tok:
+        def __init__(self, template):
+            self.template = template
+
+        def apply_chat_template(self, msgs, add_generation_prompt, tokenize):
+            if not self.template:
+                raise ValueError("no chat template")
+            return f"<u>{msgs[0]['content']}</u><a>"
+
+        def encode(self, text, add_special_tokens):
+            return [len(text), ord(text[0])]
+
+    assert probes.prompt_ids(_Tok(True), "hi") == [len("<u>hi</u><a>"), ord("<")]
+    assert probes.prompt_ids(_Tok(False), "hi") == [2, ord("h")]
