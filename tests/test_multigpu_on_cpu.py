@@ -188,3 +188,44 @@ def test_prompt_ids_with_and_without_chat_template():
 
     assert probes.prompt_ids(_Tok(True), "hi") == [len("<u>hi</u><a>"), ord("<")]
     assert probes.prompt_ids(_Tok(False), "hi") == [2, ord("h")]
+
+
+# --- the GPU-count scaling benchmark (logic only: the runs need GPUs) -------------------------------------------
+
+from populora_verl.bench import gpu_scaling  # noqa: E402
+
+H100_RUN = Path(__file__).resolve().parents[1] / "docs" / "gpu" / "step_scaling_h100_bypass" / "4t4s.metrics.jsonl"
+
+
+def test_gpu_scaling_reads_tokens_and_step_time_of_a_real_run():
+    from populora_verl.bench import step_scaling as ss
+
+    step_s, tokens, phases = gpu_scaling.figures(ss.file_log_rows(H100_RUN.read_text()))
+    assert tokens[2] == 29678 and abs(step_s[2] - 34.64084849699998) < 1e-9  # the H100 4T4S run's step 2
+    row = gpu_scaling.ScalingRow(1, 1, "4t4s", "NVIDIA H100 80GB HBM3", 0, 1.0, step_s, tokens, phases)
+    steady = [k for k in step_s if k >= 2]
+    assert row.tokens_per_s == pytest.approx(sum(tokens[k] for k in steady) / sum(step_s[k] for k in steady))
+    assert set(phases) == set(gpu_scaling.PHASES)
+
+
+def test_gpu_scaling_speedup_only_against_one_gpu_of_the_same_kind():
+    def row(g, name, s):
+        return gpu_scaling.ScalingRow(g, 1, "4t4s", name, 0, 1.0, {1: 99.0, 2: s, 3: s}, {1: 1.0, 2: 3000.0, 3: 3000.0})
+
+    rows = [row(1, "H100", 30.0), row(2, "H100", 16.0), row(4, "H200", 8.0)]
+    table = gpu_scaling.report(rows)
+    assert "| 4t4s | 2 | 2 x TP1 | H100 | 16.0 | 188 | 1.88x | >= 1.7x |" in table
+    assert "| 4t4s | 4 | 4 x TP1 | H200 | 8.0 | 375 | - | >= 3.2x |" in table  # no H200 1-GPU row: no ratio
+    assert gpu_scaling.overrides_for(4, 2) == ["trainer.n_gpus_per_node=4", "trainer.nnodes=1",
+                                                "actor_rollout_ref.rollout.tensor_model_parallel_size=2"]
+
+
+def test_gpu_scaling_rows_round_trip_and_refuse_without_gpus(tmp_path, capsys):
+    r = gpu_scaling.ScalingRow(2, 2, "4t4s", "H100", 0, 5.0, {2: 10.0}, {2: 100.0}, {"gen": 5.0}, 1234.0)
+    gpu_scaling.save_rows(tmp_path / "results.json", [r])
+    (back,) = gpu_scaling.load_rows(tmp_path / "results.json")
+    assert back == r and back.tokens_per_s == 10.0
+    assert gpu_scaling.main(["--model", "/m", "--gpus", "1,2", "--out", str(tmp_path)]) == 2
+    assert "needs 2 CUDA GPU(s)" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        gpu_scaling.main(["--model", "/m", "--gpus", "2,3", "--tp", "2"])
