@@ -229,3 +229,50 @@ def test_gpu_scaling_rows_round_trip_and_refuse_without_gpus(tmp_path, capsys):
     assert "needs 2 CUDA GPU(s)" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         gpu_scaling.main(["--model", "/m", "--gpus", "2,3", "--tp", "2"])
+
+
+# --- scripts/gpu/multi_gpu_checks.sh against lines printed by the Python code above ------------------------------
+
+import subprocess  # noqa: E402
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu" / "multi_gpu_checks.sh"
+
+
+def _fake_proof_logs(tmp_path, n: int, tp: int, *, stale_rank: bool = False) -> None:
+    layout = _layout("smoke_0.5b", f"trainer.n_gpus_per_node={n}",
+                     f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp}",
+                     "populora.population.num_teachers=4", "populora.population.num_students=4")
+    table = {f"m{i}": {"lora_int_id": 1000 + i, "lora_name": f"{i}@v0"} for i in range(8)}
+    ids = sorted(t["lora_int_id"] for t in table.values())
+
+    def replicas(step, distinct):
+        res = [{"loaded": ids, "outputs": {m: {"token_ids": [1], "sum_logp": -float(i if distinct else 0)}
+                                           for i, m in enumerate(table)}} for _ in range(n // tp)]
+        return probes.replica_report(step, res, table)[0]
+
+    def ranks(step):
+        before = [{"rank": r, "slots": {k: "a" for k in range(8)}} for r in range(n)]
+        after = [{"rank": r, "slots": {k: ("b" if not (stale_rank and r == n - 1) else "a") for k in range(8)}}
+                 for r in range(n)]
+        return probes.rank_report(step, before, after, list(range(8)))[0]
+
+    run1 = [f"[populora] layout: {layout.describe()}", *replicas(1, False), ranks(1), *replicas(2, True), ranks(2)]
+    run2 = [*replicas(3, True), ranks(3), *replicas(4, True), ranks(4)]
+    (tmp_path / "run1_steps1-2.log").write_text("(TaskRunner pid=1) " + "\n(TaskRunner pid=1) ".join(run1) + "\n")
+    (tmp_path / "run2_resume_to4.log").write_text("\n".join(run2) + "\n")
+
+
+@pytest.mark.parametrize("n,tp", [(2, 1), (2, 2), (4, 1), (4, 2)])
+def test_multi_gpu_checks_pass_on_the_lines_the_trainer_prints(tmp_path, n, tp):
+    _fake_proof_logs(tmp_path, n, tp)
+    res = subprocess.run(["bash", str(SCRIPT), str(tmp_path), str(n), str(tp)], capture_output=True, text=True)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "MISS" not in res.stdout and res.stdout.count("OK   ") == 5 + n // tp
+
+
+def test_multi_gpu_checks_catch_a_rank_with_a_stale_shard(tmp_path):
+    _fake_proof_logs(tmp_path, 2, 1, stale_rank=True)
+    res = subprocess.run(["bash", str(SCRIPT), str(tmp_path), "2", "1"], capture_output=True, text=True)
+    assert res.returncode == 1
+    assert "MISS every rank changed exactly the trained slots (step 1)" in res.stdout
+    assert "MISS a per-rank or per-replica MISMATCH was logged" in res.stdout
