@@ -383,7 +383,7 @@ def test_task_json_round_trip():
 
 
 def test_readme_worked_examples(ex, cfg):
-    """The code_i and code_f worked examples of the README ("Tasks and rewards"), as written there."""
+    """The code_i and code_f worked examples of docs/tasks-and-rewards.md, as written there."""
     two_sum = ("def f(nums, target):\n    seen = {}\n    for i, x in enumerate(nums):\n        if target - x in seen:\n"
                "            return (seen[target - x], i)\n        seen[x] = i\n    return None")
     t = validate_proposal(io_proposal(two_sum, "[2, 7, 11, 15], 9"), "code_i", ex, cfg).task

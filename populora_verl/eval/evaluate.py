@@ -39,7 +39,7 @@ def load_items(benchmarks: Sequence[str], *, data_dir: str | None = None, limit:
     out = {}
     for b in benchmarks:
         if b == "livecodebench" and lcb_on_pickle != "error":
-            path = paths.get(b) or find_benchmark_file(b, resolve_data_dir(data_dir))
+            path = paths.get(b) or find_benchmark_file(b, resolve_data_dir(data_dir, b))
             if path is None:
                 raise FileNotFoundError("livecodebench: no file (pass its path)")
             out[b] = load_lcb_items(path, on_pickle=lcb_on_pickle)[:limit]

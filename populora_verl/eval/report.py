@@ -1,6 +1,6 @@
 """Population report: the member x benchmark table with population statistics, and the run report.
 
-Averages (documented in the README, "Evaluation and the population report"): **code** = mean of HumanEval+, MBPP+ and LiveCodeBench (those
+Averages (documented in docs/evaluation.md): **code** = mean of HumanEval+, MBPP+ and LiveCodeBench (those
 evaluated); **math** = mean of AIME24, AIME25, AMC23, MATH-500, Minerva, OlympiadBench and GSM8K (those evaluated;
 the PopuLoRA paper lists GSM8K with math, AZR's math average has the other six); **avg** = (code + math) / 2 as in
 AZR's "total". Population mean / min / max are taken column by column over the population members (every row

@@ -16,8 +16,8 @@ from typing import Any, Mapping
 import numpy as np
 import torch
 
-from populora_verl.checkpoint import (capture_rng_state, latest_checkpoint, load_checkpoint, restore_rng_state,
-                                      save_checkpoint)
+from populora_verl.checkpoint import (CheckpointError, Checkpoint, capture_rng_state, latest_checkpoint,
+                                      load_latest_checkpoint, restore_rng_state, save_checkpoint)
 from populora_verl.config import PopuLoRAConfig, to_dict
 from populora_verl.local.config import LocalConfig
 from populora_verl.local.hf_engine import HFEngine, seed_for, slot_name
@@ -48,6 +48,9 @@ def load_model(model_path: str | None = None, gguf: str | None = None, *, seed: 
     else:
         if not Path(model_path).is_dir():
             raise FileNotFoundError(f"--model: no such directory {model_path}")
+        if not (Path(model_path) / "config.json").is_file():
+            raise FileNotFoundError(f"--model: {model_path} holds no HF model (no config.json); convert a GGUF with "
+                                    "`python -m populora_verl.models convert` or pass --gguf")
         tok = AutoTokenizer.from_pretrained(model_path)
         model = AutoModelForCausalLM.from_pretrained(model_path, torch_dtype=torch_dtype)
     if tok.pad_token is None:
@@ -63,7 +66,18 @@ class LocalDriver:
                  resume: bool = False, executor: Any = None) -> None:
         self.cfg, self.local = cfg, local
         self.run_dir = Path(run_dir)
+        ckpt = latest_checkpoint(self.run_dir)
+        if resume and ckpt is None:
+            # Starting fresh here would silently throw away what the user meant to continue.
+            raise CheckpointError(f"--resume: no complete checkpoint in {self.run_dir / 'checkpoints'}; drop --resume "
+                                  "to start a new run there")
+        if ckpt is not None and not resume:
+            # A fresh run here would interleave its metrics and checkpoints with the old run's.
+            raise FileExistsError(f"run dir {self.run_dir} already holds a run (checkpoint {ckpt.name}): pass "
+                                  "--resume to continue it, or choose another --run-dir")
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        # On --resume, find a checkpoint that loads before spending time on the model.
+        resumed = load_latest_checkpoint(self.run_dir) if resume else None
         self.seed = int(cfg.population.seed)
         # Everything below that draws from the global RNGs (LoRA init) is reproducible from the seed.
         random.seed(self.seed)
@@ -76,15 +90,8 @@ class LocalDriver:
         self.engine = HFEngine(model, tokenizer, num_slots=len(self.step_obj.population.members), cfg=local,
                                temperature=cfg.rollout.temperature, max_new_tokens=cfg.rollout.max_new_tokens)
         self.start_step = 0
-        ckpt = latest_checkpoint(self.run_dir)
-        if ckpt is not None and not resume:
-            # A fresh run here would interleave its metrics and checkpoints with the old run's.
-            raise FileExistsError(f"run dir {self.run_dir} already holds a run (checkpoint {ckpt.name}): pass "
-                                  "--resume to continue it, or choose another --run-dir")
-        if resume and ckpt is None:
-            log.warning("--resume: no complete checkpoint in %s, starting fresh", self.run_dir)
-        if ckpt is not None:
-            self._restore(ckpt)
+        if resumed is not None:
+            self._restore(resumed)
         else:
             self._write_config()
         from populora_verl.diagnostics.metrics import MetricsLogger
@@ -135,8 +142,8 @@ class LocalDriver:
                                lora_config=lora_config, optimizers=optim,
                                step_state=self.step_obj.state_dict(), rng=capture_rng_state())
 
-    def _restore(self, path: Path) -> None:
-        ck = load_checkpoint(path)
+    def _restore(self, ck: Checkpoint) -> None:
+        path = ck.path
         members = ck.population.members
         if len(members) != len(self.engine.slots):
             raise ValueError(f"checkpoint {path} has {len(members)} members, this run has {len(self.engine.slots)} "

@@ -14,7 +14,7 @@ rollout phases::
 The single-agent AZR baseline (``populora.population.mode=single_agent``) is the same code: the one member ``a0``
 is matched with itself, so it proposes and solves, and it is not rated (TrueSkill needs two players).
 
-Decisions (documented in the README, "Running on CPU"):
+Decisions (documented in docs/cpu-driver.md, "Decisions in the population step"):
 
 * A teacher's reward for a proposal is ``invalid_program`` (-1) if it is malformed or fails validation; otherwise
   the learnability of the proposal for its matched student(s): ``1 - s̄`` for ``0 < s̄ < 1`` else ``Z``

@@ -3,7 +3,7 @@
 One :class:`TaskBuffer` per task type (AZR keeps them apart). References for code_i / code_o proposers come from
 their own buffer; code_f proposers are shown one program drawn from the union of the code_i and code_o buffers.
 
-Policy (documented in the README, "Tasks and rewards"):
+Policy (documented in docs/tasks-and-rewards.md):
 - **bounded**: at most ``max_programs`` tasks per buffer; adding to a full buffer evicts the *oldest* entry
   (FIFO), seeds included, so the buffer tracks the recent curriculum.
 - **de-duplicated** by (task type, normalised program, normalised input); a duplicate is not re-added.

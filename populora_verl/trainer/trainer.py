@@ -424,6 +424,18 @@ class PopuLoRATrainer(PPOTrainerSync):
     def _load_checkpoint(self) -> None:
         info = self._rpc("populora_init_bank", self.pcfg.population.num_adapters, self.pcfg.population.seed)
         logger.info("populora: adapter bank initialised: %s", info)
+        ck = None
+        if self.config.trainer.resume_mode == "auto":
+            # Check the newest checkpoint before verl loads it; fall back to an older one if it is damaged.
+            from populora_verl.trainer.resume import choose_resume_folder, tracked_folder
+
+            root = self.config.trainer.default_local_dir
+            root = root if os.path.isabs(root) else os.path.join(os.getcwd(), root)
+            folder, ck = choose_resume_folder(root)
+            if folder is not None and folder != tracked_folder(root):
+                with open_dict(self.config):
+                    self.config.trainer.resume_mode = "resume_path"
+                    self.config.trainer.resume_from_path = str(folder)
         super()._load_checkpoint()
         if self.global_steps == 0:
             return
@@ -433,7 +445,7 @@ class PopuLoRATrainer(PPOTrainerSync):
         if not os.path.isdir(pdir):
             raise RuntimeError(f"resuming step {self.global_steps} but {pdir} is missing: without the population and "
                                "adapter bank the run would silently restart from fresh adapters")
-        ck = load_checkpoint(pdir)
+        ck = ck if ck is not None else load_checkpoint(pdir)
         self.pop_step.load_state_dict(ck.step_state, population=ck.population)
         if ck.rng:
             restore_rng_state(ck.rng)
