@@ -608,7 +608,7 @@ def bank_file_for(directory: str, world_size: int, rank: int) -> str:
     if saved and world_size not in saved:
         raise AdapterBankError(
             f"adapter bank in {directory} was saved by {', '.join(map(str, saved))} rank(s) but this run has "
-            f"{world_size}: resume with the same trainer.n_gpus_per_node x trainer.nnodes (and fsdp_size), or start "
-            "a new run from the full per-member adapters in the checkpoint's populora/ folder"
+            f"{world_size}: resume with the same trainer.n_gpus_per_node x trainer.nnodes, or start a new run (the "
+            "full per-member PEFT adapters stay readable in the checkpoint's populora/population/adapters/)"
         )
     raise AdapterBankError(f"no adapter bank for world size {world_size}, rank {rank} at {path}")
