@@ -38,7 +38,7 @@ from verl.utils.metric import reduce_metrics
 from verl.utils.py_functional import rename_dict
 
 from populora_verl.config import PopuLoRAConfig, load_config
-from populora_verl.trainer import convert, fused, schedule
+from populora_verl.trainer import convert, fused, probes, schedule
 from populora_verl.workers import ADAPTER_KEY
 
 logger = logging.getLogger(__name__)
@@ -157,6 +157,7 @@ class PopuLoRATrainer(PPOTrainerSync):
         check_registrations()
         self.pcfg: PopuLoRAConfig = load_config(config.get("populora"))
         convert.validate_verl_config(config, self.pcfg)
+        print(f"[populora] layout: {convert.parallel_layout(config, self.pcfg).describe()}", flush=True)
         self._schedule, self._schedule_cfgs = schedule.scheduled_configs(config)
         if self._schedule_cfgs:
             self.pcfg = self._schedule_cfgs[0]
@@ -576,7 +577,8 @@ class PopuLoRATrainer(PPOTrainerSync):
         from populora_verl.checkpoint import save_checkpoint
 
         pdir = os.path.join(self._step_folder(), "populora")
-        self._rpc("populora_save_bank", os.path.join(pdir, "bank"))
+        written = self.actor_rollout_wg.populora_save_bank(os.path.join(pdir, "bank"))
+        convert.warn_if_bank_not_shared(written)  # M nodes: every rank's file must be where the driver resumes
         pop = self.pop_step.population
         adapters = {m.id: self._get_adapter(int(m.slot)) for m in pop.members}
         save_checkpoint(pdir, self.global_steps, population=pop, adapters=adapters, lora_config=self._lora_config(),
@@ -632,6 +634,7 @@ class PopuLoRATrainer(PPOTrainerSync):
             logger.warning("populora: metrics.jsonl not written: %s", e)
 
     def _debug_checksums(self) -> dict[int, str]:
+        self._rank_sums = self.actor_rollout_wg.populora_shard_checksums()  # each rank's own shards, same moment
         return {int(m.slot): convert.state_checksum(self._get_adapter(int(m.slot)))
                 for m in self.pop_step.population.members}
 
@@ -644,9 +647,11 @@ class PopuLoRATrainer(PPOTrainerSync):
                   f"pg_loss={m.get('actor/pg_loss')} rollout_vs_trainer={json.dumps(diff, default=float)}", flush=True)
         if before is None:
             return
+        rank_before = self._rank_sums
         after = self._debug_checksums()
         changed = sorted(s for s in after if after[s] != before.get(s))
         trained = sorted(parts)
+        print(probes.rank_report(step, rank_before, self._rank_sums, trained)[0], flush=True)
         ok = changed == trained
         print(f"[populora] step {step} bank checksums: " + " ".join(
             f"{member_of.get(s, s)}@{s}:{before.get(s)}->{after[s]}" for s in sorted(after))
@@ -694,6 +699,8 @@ class PopuLoRATrainer(PPOTrainerSync):
         for mid, text in outs.items():
             print(f"[populora]   {mid} lora_int_id={table[mid]['lora_int_id']} ({table[mid]['lora_name']}): "
                   f"sum_logp={logps.get(mid, float('nan')):.6f} {text[:100]!r}", flush=True)
+        probes.print_replica_probe(self.llm_server_manager.get_replicas(), self.tokenizer, PROBE_PROMPT, table,
+                                   self.global_steps)
 
 
 def register() -> type[PopuLoRATrainer]:

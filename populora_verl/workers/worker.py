@@ -8,7 +8,7 @@
 * ``update_weights`` (``naive`` backend) pushes every slot to vLLM under its own LoRA id
   (:func:`populora_verl.rollout.lora_int_id`), retiring the id of a slot whose version changed.
 * ONE_TO_ALL RPCs for the trainer: ``populora_init_bank``, ``populora_apply_plan``, ``populora_set_adapter``,
-  ``populora_get_adapter``, ``populora_reset_optimizer``, ``populora_save_bank``, ``populora_load_bank``,
+  ``populora_get_adapter``, ``populora_shard_checksums``, ``populora_reset_optimizer``, ``populora_save_bank``, ``populora_load_bank``,
   ``populora_bank_info``.
 
 Every override repeats verl's ``@register`` with the parent's dispatch mode: driver-callable methods are bound only
@@ -34,7 +34,7 @@ from verl.workers.engine_workers import ActorRolloutRefWorker
 
 from populora_verl.rollout.lora_registry import lora_int_id, lora_name
 from populora_verl.trainer.fused import SEGMENTS_KEY, decode_segments, segment_bounds
-from populora_verl.workers.adapter_bank import AdapterBank, AdapterBankError, bank_filename
+from populora_verl.workers.adapter_bank import AdapterBank, AdapterBankError, bank_file_for, bank_filename
 
 logger = logging.getLogger(__name__)
 logger.setLevel(os.getenv("VERL_LOGGING_LEVEL", "WARN"))
@@ -179,6 +179,11 @@ class PopuLoRAActorRolloutRefWorker(ActorRolloutRefWorker):
         return state if self.rank == 0 else None
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def populora_shard_checksums(self) -> dict[str, Any]:
+        """This rank's per-slot shard hashes (no collective), for the per-rank 'only trained slots changed' probe."""
+        return {"rank": int(self.rank), "slots": self._require_bank().shard_checksums()}
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def populora_reset_optimizer(self, slot: int, reset_scheduler: bool = True) -> None:
         self._require_bank().reset_optimizer(int(slot), reset_scheduler=reset_scheduler)
 
@@ -192,9 +197,7 @@ class PopuLoRAActorRolloutRefWorker(ActorRolloutRefWorker):
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def populora_load_bank(self, directory: str) -> dict[str, Any]:
-        path = os.path.join(directory, bank_filename(self.world_size, self.rank))
-        if not os.path.exists(path):
-            raise FileNotFoundError(f"no adapter bank for world size {self.world_size}, rank {self.rank} at {path}")
+        path = bank_file_for(directory, self.world_size, self.rank)  # refuses a bank of another world size
         if self.bank is None:
             self.bank = self._build_bank()
         self.bank.load(path)
