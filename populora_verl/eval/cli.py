@@ -60,7 +60,7 @@ def members_from_args(args: argparse.Namespace):
     """Members to evaluate: base (unless --no-base), the baseline adapter, then --adapters and the run's
     population (alive members with an adapter folder)."""
     from populora_verl.eval.backends import Member
-    from populora_verl.eval.report import find_population_dir, read_population
+    from populora_verl.eval.report import find_population_dir, read_population, young_members
 
     members = []
     if not args.no_base:
@@ -77,6 +77,11 @@ def members_from_args(args: argparse.Namespace):
         if pop_dir is None:
             raise SystemExit(f"no population.json under {args.run_dir} (checkpoints/latest, step_<N>/population)")
         state = read_population(pop_dir)
+        young, window = young_members(state)
+        if young:
+            _log(f"members younger than the final quiet window ({window} steps), possibly not recovered from their "
+                 f"operator: {', '.join(f'{m} ({a} steps)' for m, a in young.items())}")
+        args.young_members, args.age_window = young, window
         alive = [r for r in state.get("lineage", []) if r.get("death_step") is None]
         for r in alive:
             folder = pop_dir / "adapters" / r["id"]
@@ -162,7 +167,9 @@ def _eval(args: argparse.Namespace) -> int:
     results = evaluate(backend, members, benches, data_dir=args.data_dir, limit=args.limit, paths=paths,
                        limits=limits, cache_dir=args.cache_dir or default_cache_dir(), workers=args.workers,
                        samples_path=out / "samples.jsonl", log=_log, lcb_on_pickle=args.lcb_on_pickle,
-                       info={"model": model, "backend": args.backend, "max_new_tokens": args.max_new_tokens})
+                       info={"model": model, "backend": args.backend, "max_new_tokens": args.max_new_tokens,
+                             "young_members": getattr(args, "young_members", {}),
+                             "age_window": getattr(args, "age_window", None)})
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(results, indent=1), encoding="utf-8")
     files = write_table(results, out)

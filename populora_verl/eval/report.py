@@ -21,7 +21,7 @@ from populora_verl.eval.data import BENCHMARKS, CODE_BENCHMARKS, MATH_BENCHMARKS
 
 __all__ = ["population_table", "write_table", "markdown_table", "find_population_dir", "read_lineage",
            "plot_lineage", "final_ratings", "build_run_report", "build_compare_report", "wilson_interval",
-           "table_intervals", "markdown_interval_table"]
+           "table_intervals", "markdown_interval_table", "young_members"]
 
 AGG_COLUMNS = ("code_avg", "math_avg", "avg")
 NON_POPULATION_ROLES = ("base", "baseline")
@@ -123,6 +123,10 @@ def _notes(results: dict[str, Any]) -> str:
         bits.append(f"Smoke run: first {results['limit']} items per benchmark only.")
     n = {b: max((s[b]["n"] for s in results["scores"].values() if b in s), default=0) for b in results["benchmarks"]}
     bits.append("Items: " + ", ".join(f"{_display(b)} {k}" for b, k in n.items()) + ".")
+    young = results.get("young_members") or {}
+    if young:
+        bits.append(f"Younger than the final quiet window ({results.get('age_window')} steps), so possibly not "
+                    "recovered from their operator: " + ", ".join(f"{m} ({a} steps)" for m, a in young.items()) + ".")
     return " ".join(bits)
 
 
@@ -249,6 +253,23 @@ def markdown_interval_table(results: dict[str, Any], table: dict[str, Any] | Non
 INTERVAL_NOTE = ("95% intervals: Wilson score interval for a member on one benchmark; percentile bootstrap over "
                  f"items ({BOOTSTRAP_SAMPLES} draws, resampled per benchmark, paired across members) for averages "
                  "and population rows, the best member re-chosen in every draw.")
+
+
+def young_members(state: dict[str, Any]) -> tuple[dict[str, int], int | None]:
+    """``({member id: age in steps}, window)``: alive members of a ``population.json`` younger than its
+    ``age_window`` (``pbt.final_quiet_steps``). A save without ages counts steps since birth."""
+    window = state.get("age_window")
+    if window is None:
+        return {}, None
+    step = int(state.get("step") or 0)
+    out = {}
+    for r in state.get("lineage", []):
+        if r.get("death_step") is not None:
+            continue
+        age = int(r["age"]) if r.get("age") is not None else step - int(r.get("birth_step") or 0)
+        if age < int(window):
+            out[r["id"]] = age
+    return out, int(window)
 
 
 # --- run directory ----------------------------------------------------------------------------------------------
@@ -434,14 +455,22 @@ def build_run_report(run_dir: str | Path, out_dir: str | Path | None = None, *,
     if pop_dir is not None:
         lineage = read_lineage(pop_dir)
         if lineage:
+            young, window = young_members(read_population(pop_dir))
             img = plot_lineage(lineage, out / "lineage.png", last_step=last_step)
-            lines = ["| id | role | parents | operator | born | died |", "|---|---|---|---|---:|---:|"]
+            lines = ["| id | role | parents | operator | born | died | age (steps) |",
+                     "|---|---|---|---|---:|---:|---:|"]
             for r in lineage:
+                age = "-" if r.get("age") is None else str(r["age"])
                 lines.append(f"| {r['id']} | {r.get('role', '')} | {', '.join(r.get('parents') or []) or '-'} | "
                              f"{r.get('operator') or '-'} | {r.get('birth_step', 0)} | "
-                             f"{'-' if r.get('death_step') is None else r['death_step']} |")
+                             f"{'-' if r.get('death_step') is None else r['death_step']} | "
+                             f"{age}{' (young)' if r['id'] in young else ''} |")
+            note = ""
+            if young:
+                note = (f"\n\nYoung members (alive, trained fewer than the final quiet window of {window} steps, "
+                        f"so possibly not recovered from their operator): {', '.join(young)}.")
             parts.append(f"## Lineage\n\nFrom `{pop_dir / 'population.json'}`.\n\n![lineage]({img.name})\n\n"
-                         + "\n".join(lines) + "\n")
+                         + "\n".join(lines) + note + "\n")
     else:
         parts.append("## Lineage\n\nNo population.json found in the run directory.\n")
     report = out / "report.md"

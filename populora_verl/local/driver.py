@@ -91,8 +91,11 @@ class LocalDriver:
             model, tokenizer = load_model(model_path, gguf, seed=self.seed, dtype=local.dtype)
         self.base_model_path = self._base_model_path(model, tokenizer, model_path, gguf)
         self.step_obj = PopulationStep(cfg, executor=executor, seed=self.seed)
+        # rollout.max_new_tokens / temperature null: the CPU driver's own defaults.
         self.engine = HFEngine(model, tokenizer, num_slots=len(self.step_obj.population.members), cfg=local,
-                               temperature=cfg.rollout.temperature, max_new_tokens=cfg.rollout.max_new_tokens)
+                               temperature=1.0 if cfg.rollout.temperature is None else cfg.rollout.temperature,
+                               max_new_tokens=cfg.rollout.max_new_tokens or 1024,
+                               shared_a=cfg.population.founder_init == "shared_a")
         self.start_step = 0
         if resumed is not None:
             self._restore(resumed)
@@ -231,6 +234,7 @@ class LocalDriver:
     def run(self, steps: int | None = None) -> list[dict[str, float]]:
         """Run up to step ``steps`` (total, counting resumed ones); checkpoint, log, plot at the end."""
         total = self.local.steps if steps is None else int(steps)
+        self.step_obj.set_total_steps(total)  # no evolution in the last pbt.final_quiet_steps steps
         bar = None
         if self.local.progress:
             from tqdm.auto import tqdm

@@ -40,7 +40,7 @@ class HFEngine:
     """Generation and training of a population of LoRA adapters on one HF causal LM."""
 
     def __init__(self, model: Any, tokenizer: Any, num_slots: int, cfg: LocalConfig, *, temperature: float = 1.0,
-                 max_new_tokens: int = 32) -> None:
+                 max_new_tokens: int = 32, shared_a: bool = False) -> None:
         from peft import LoraConfig, get_peft_model
 
         self.cfg = cfg
@@ -61,6 +61,10 @@ class HFEngine:
         self.model.eval()
         self._params: dict[str, dict[str, torch.nn.Parameter]] = {s: self._slot_params(s) for s in self.slots}
         self._optim: dict[str, torch.optim.Optimizer] = {}
+        if shared_a:  # population.founder_init=shared_a: every founder takes slot 0's lora_A (B is zero anyway)
+            first = self.get_adapter(self.slots[0])
+            for s in self.slots[1:]:
+                self.set_adapter(s, first)
 
     # --- adapters -----------------------------------------------------------------------------------------
 

@@ -26,8 +26,9 @@ Decisions (documented in docs/cpu-driver.md, "Decisions in the population step")
   answers ``teacher_n x proposals_per_type`` tasks per type. ``max_new`` (AZR's solver batch): each student trains
   on that many buffer tasks per type, the last step's proposals first, whatever its teacher made. Buffer answers
   (``rollout.buffer_task_n`` each) train the student but never touch the teacher's reward, s̄ or the ratings.
-* The match outcome uses the solve rates on the teacher's valid tasks only; a match without any valid task is a
-  student win (``populora.population.ratings.match_outcomes``).
+* The match outcome uses the solve rates on the teacher's valid tasks; a match without any valid task is a
+  student win. Under ``matchmaking.outcome=learnable`` (default) an invalid proposal or a task nobody solved counts
+  as solved, so only learnable tasks win games for a teacher (``populora.population.ratings.match_outcomes``).
 * Valid tasks enter the buffers after they are solved, filtered by ``buffer.valid_program_filter`` on ``s̄``.
 """
 
@@ -151,7 +152,8 @@ class PopulationStep:
     """
 
     def __init__(self, cfg: PopuLoRAConfig | Mapping[str, Any] | None = None, *, executor: Any = None,
-                 seed: int | None = None, population: Any = None, tasks_env: Any = None) -> None:
+                 seed: int | None = None, population: Any = None, tasks_env: Any = None,
+                 total_steps: int | None = None) -> None:
         from populora_verl.diagnostics.tracker import ProblemDiagnostics
         from populora_verl.population import Matchmaker, Population
 
@@ -163,7 +165,7 @@ class PopulationStep:
         if self.cfg.pbt.enabled and self.cfg.population.mode != "single_agent":
             from populora_verl.evolution.pbt import PBTController
 
-            self.pbt = PBTController(self.cfg.pbt, seed=self.seed + 2)
+            self.pbt = PBTController(self.cfg.pbt, seed=self.seed + 2, total_steps=total_steps)
             self.pbt.validate(self.cfg.population)
         from populora_verl.step.task_env import TaskEnv
 
@@ -257,6 +259,11 @@ class PopulationStep:
             "populora/seeding/io_programs": float(c["io"]),
             "populora/seeding/code_f_tasks": float(c["code_f"]),
         }
+
+    def set_total_steps(self, total_steps: int | None) -> None:
+        """The run's last step, so that PBT keeps the final ``pbt.final_quiet_steps`` free of evolution."""
+        if self.pbt is not None:
+            self.pbt.total_steps = None if total_steps is None else int(total_steps)
 
     # --- phase 1: match + propose -------------------------------------------------------------------------
 
@@ -398,10 +405,15 @@ class PopulationStep:
                 length=rec["length"], extra=rec["extra"],
                 meta={"status": rec["status"], "solve_rate": rate, "task_id": task.id if task else None}))
 
-        # Ratings: one match per (teacher, student) pair over the teacher's valid tasks.
+        # Ratings: one match per (teacher, student) pair over the teacher's valid tasks (matchmaking.outcome
+        # = learnable also counts the teacher's invalid proposals against it).
+        invalid: dict[str, int] = {}
+        for rec in self._teacher_records:
+            invalid[rec["adapter"]] = invalid.get(rec["adapter"], 0) + (rec["task"] is None)
         outcomes = {}
         for (t, s), rates in pair_rates.items():
-            outcomes[(t, s)] = self.population.ratings.rate_match(t, s, rates, self.cfg.matchmaking.outcome)
+            outcomes[(t, s)] = self.population.ratings.rate_match(t, s, rates, self.cfg.matchmaking.outcome,
+                                                                  invalid=invalid.get(t, 0))
         solve_rates = {p: float(np.mean(r)) for p, r in pair_rates.items() if r}
 
         samples = teacher_samples + student_samples
@@ -429,6 +441,7 @@ class PopulationStep:
             self.recent_rewards.setdefault(m.id, 0.0)
         self.step = self._current
         self.population.step = self._current
+        self.population.tick()  # every living member has trained one more step (after this step's update)
         self._phase = "idle"
         self._teacher_requests, self._student_requests, self._teacher_records = [], [], []
         return StepResult(self._current, samples, updates, metrics, solve_rates, outcomes)
