@@ -296,6 +296,7 @@ def command(model: str, name: str, steps: int, out_dir: Path, extra: list[str]) 
     return [sys.executable, "-m", "verl.trainer.main_ppo", "--config-path", str(RECIPES), "--config-name", "smoke_0.5b",
             f"actor_rollout_ref.model.path={model}", "trainer.logger=[console,file]", f"trainer.total_training_steps={steps}",
             "trainer.save_freq=-1", "trainer.resume_mode=disable", "populora.pbt.enabled=false",
+            "populora.buffer.seed_programs=0",  # the seeding phase is a one-off before step 1, not a step cost
             f"trainer.default_local_dir={out_dir / name / 'ckpt'}",
             "++actor_rollout_ref.model.override_config.attn_implementation=sdpa",
             *CONFIGS[name], *extra]

@@ -484,7 +484,7 @@ class PopuLoRATrainer(PPOTrainerSync):
         if idx:  # a later entry of a population schedule starts with this step (entry 0 is set up by init)
             with marked_timer("populora_switch", self.timing_raw, color="green"):
                 self._switch_population(idx)
-        if not self.pop_step.seeded:
+        if not getattr(self.pop_step, "seeded", True):  # buffer.seed_programs > 0 on a fresh run (or entry)
             self._seed_buffers()
         if self.debug_probes:
             self._probe_adapters()
