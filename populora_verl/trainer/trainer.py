@@ -523,6 +523,7 @@ class PopuLoRATrainer(PPOTrainerSync):
         self.checkpoint_manager.sleep_replicas()
         self.pcfg = self._schedule_cfgs[idx]
         self.pop_step = PopulationStep(self.pcfg, executor=old.tasks.executor)
+        self.pop_step.updates_per_step = getattr(old, "updates_per_step", 1)  # the compute metrics count it
         self._phase, self._checksums = None, None
         info = self._rpc("populora_init_bank", self.pcfg.population.num_adapters, self.pcfg.population.seed)
         self.checkpoint_manager.update_weights(self.global_steps)
