@@ -120,7 +120,8 @@ def test_ceiling_spec_from_measured_rollouts():
         {"phase": "teacher", "requests": 24, "prompt_tokens": 310, "answer_tokens": 1024, "loras": 4},
         {"phase": "student", "requests": 48, "prompt_tokens": 420, "answer_tokens": 1024, "loras": 4}]}
     assert spec["single"]["phases"] == [{"phase": "teacher", "requests": 6, "prompt_tokens": 100,
-                                         "answer_tokens": 1024, "loras": 1}]
+                                         "answer_tokens": 1024, "loras": 1, "first_lora": 0}]
+    assert cl.adapters_needed(spec) == 8
     natural = ss.ceiling_spec(rs[:1], 1024, force_length=False)
     assert [p["answer_tokens"] for p in natural["4t4s"]["phases"]] == [700, 1024]
     ss.attach_ceiling(rs, {"configs": {"4t4s": {"tok_s": 5000.0}}})
@@ -214,6 +215,9 @@ def test_plan_requests_and_spec_validation(tmp_path):
     assert [k for _, k, _ in plan[0]] == [0, 1, 0, 1, 0] and [k for _, k, _ in plan[1]] == [2, 3, 4]
     assert all(len(ids) == 7 and a == 9 for ids, _, a in plan[0]) and all(100 <= i < 999 for i in plan[0][0][0])
     assert plan == cl.plan_requests(phases, vocab=1000, seed=1)
+    shared = [dict(p, first_lora=0) for p in phases]  # the single agent: one adapter for both phases
+    assert [k for _, k, _ in cl.plan_requests(shared, 1000)[1]] == [0, 1, 2]
+    assert cl.adapters_needed({"a": {"phases": phases}, "b": {"phases": shared}}) == 5
     good = tmp_path / "s.json"
     good.write_text(json.dumps({"4t4s": {"adapters": 8, "phases": phases}}))
     assert cl.load_spec(good)["4t4s"]["phases"][1]["loras"] == 3

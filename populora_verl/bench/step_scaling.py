@@ -500,6 +500,8 @@ def ceiling_spec(results: Iterable[RunResult], answer_tokens: int | None, force_
             answer = answer_tokens if force_length and answer_tokens else d.get("response_tokens", 0) / n
             phases.append({"phase": p, "requests": n, "prompt_tokens": max(1, round(d.get("prompt_tokens", n) / n)),
                            "answer_tokens": max(1, round(answer)), "loras": loras})
+            if r.name == "single":
+                phases[-1]["first_lora"] = 0  # one adapter proposes and solves
         if phases:
             out[r.name] = {"adapters": r.adapters, "phases": phases}
     return out
