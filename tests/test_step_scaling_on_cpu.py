@@ -60,6 +60,9 @@ def test_file_logger_first_with_warmup_spread_and_tokens(tmp_path):
     assert "| 2t2s | 4 | 11.0 | 1.4 | 10.0-12.0 | 2 | 2.20 | 2.8 | 61 | 90.0 | 1000 | 1.00 | 2.50 | 0 |" in table
     assert "| config | gen s | update_actor s |" in table and "| 2t2s | 7.0 | 3.0 |" in table
     assert "| 2t2s | 2 | 4 | 4072 | 7.0 | 582 | 2000 | 0.29 |" in table
+    # the proposal validation (sandboxed execution) nested in verl's gen timer is not generation
+    v = ss.RunResult("x", 1, 0, 0.0, phases_s={"gen": 8.0, "populora_validate": 2.0}, gen_tokens=600.0)
+    assert v.gen_s == 6.0 and v.gen_tok_s == 100.0
     # warm-up of 2 leaves one step
     assert ss.RunResult("x", 1, 0, 0.0, {1: 9.0, 2: 9.0, 3: 4.0}, warmup=2).steady == [4.0]
 

@@ -18,7 +18,8 @@ Per configuration, from verl's ``file`` logger (one JSON line per step) and a cl
 * seconds per step over the steps after ``--warmup`` (mean, standard deviation, min, max), ``x single``, and the mean
   of each phase (generation, validation, scoring, old log-probs, update, weight sync);
 * start-up (process start to the first step's start), the warm-up step, and tear-down, separately;
-* generated tokens per step and generation tokens/s (both rollout phases, ``timing_s/gen``);
+* generated tokens per step and generation tokens/s (both rollout phases: ``timing_s/gen`` less the proposal
+  validation nested in it);
 * peak GPU memory (``nvidia-smi`` polled every 0.5 s: vLLM and the FSDP worker are separate processes) and verl's
   ``actor/perf/max_memory_allocated_gb`` (the trainer worker's own peak).
 
@@ -115,9 +116,15 @@ class RunResult:
         return statistics.stdev(s) if len(s) > 1 else (0.0 if s else None)
 
     @property
-    def gen_tok_s(self) -> float | None:
+    def gen_s(self) -> float | None:
+        """Rollout time: verl's ``gen`` timer less the proposal validation nested in it (sandboxed execution)."""
         gen = self.phases_s.get("gen")
-        return self.gen_tokens / gen if self.gen_tokens and gen else None
+        return None if gen is None else gen - self.phases_s.get("populora_validate", 0.0)
+
+    @property
+    def gen_tok_s(self) -> float | None:
+        gen = self.gen_s
+        return self.gen_tokens / gen if self.gen_tokens and gen and gen > 0 else None
 
     @classmethod
     def from_json(cls, row: Mapping[str, Any]) -> RunResult:
@@ -472,12 +479,12 @@ def report(results: list[RunResult]) -> str:
                   for r in phase_rows]
     gen_rows = [r for r in results if r.gen_tokens]
     if gen_rows:
-        lines += ["", "| config | teacher seqs | student seqs | tokens/step | gen s | our gen tok/s | "
+        lines += ["", "| config | teacher seqs | student seqs | tokens/step | rollout s | our gen tok/s | "
                   "vLLM ceiling tok/s | fraction |", "|---|---|---|---|---|---|---|---|"]
         for r in gen_rows:
             seqs = [_fmt(r.rollout.get(p, {}).get("sequences"), ".0f") for p in ROLLOUT_PHASES]
             frac = r.gen_tok_s / r.ceiling_tok_s if r.gen_tok_s and r.ceiling_tok_s else None
-            lines.append(f"| {r.name} | {seqs[0]} | {seqs[1]} | {r.gen_tokens:.0f} | {_fmt(r.phases_s.get('gen'))} | "
+            lines.append(f"| {r.name} | {seqs[0]} | {seqs[1]} | {r.gen_tokens:.0f} | {_fmt(r.gen_s)} | "
                          f"{_fmt(r.gen_tok_s, '.0f')} | {_fmt(r.ceiling_tok_s, '.0f')} | {_fmt(frac, '.2f')} |")
     return "\n".join(lines)
 
