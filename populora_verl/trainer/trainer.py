@@ -38,7 +38,7 @@ from verl.utils.metric import reduce_metrics
 from verl.utils.py_functional import rename_dict
 
 from populora_verl.config import PopuLoRAConfig, load_config
-from populora_verl.trainer import convert, fused, schedule
+from populora_verl.trainer import convert, fused, probes, schedule
 from populora_verl.workers import ADAPTER_KEY
 
 logger = logging.getLogger(__name__)
@@ -157,6 +157,7 @@ class PopuLoRATrainer(PPOTrainerSync):
         check_registrations()
         self.pcfg: PopuLoRAConfig = load_config(config.get("populora"))
         convert.validate_verl_config(config, self.pcfg)
+        print(f"[populora] layout: {convert.parallel_layout(config, self.pcfg).describe()}", flush=True)
         self._schedule, self._schedule_cfgs = schedule.scheduled_configs(config)
         if self._schedule_cfgs:
             self.pcfg = self._schedule_cfgs[0]
@@ -164,7 +165,10 @@ class PopuLoRATrainer(PPOTrainerSync):
         self.fused_rpc = bool(OmegaConf.select(config, fused.FUSED_KEY, default=True))
         from populora_verl.step import PopulationStep
 
-        self.pop_step = PopulationStep(self.pcfg)
+        # The run's length places the final evolution-free window (pbt.final_quiet_steps).
+        self.pop_step = PopulationStep(self.pcfg, total_steps=int(config.trainer.total_training_steps))
+        # One update_actor per slot with the slot's batch as one mini-batch: ppo_epochs optimizer steps.
+        self.pop_step.updates_per_step = int(OmegaConf.select(config, "actor_rollout_ref.actor.ppo_epochs", default=1))
         self._init_populora_state()
 
     def _init_populora_state(self) -> None:
@@ -288,7 +292,10 @@ class PopuLoRATrainer(PPOTrainerSync):
         """Submit one phase's requests, wait for all groups, decode. Returns (GenResponses, batch meta, masks)."""
         if not requests:
             return [], KVBatchMeta(partition_id=PARTITION), {}
-        rows = convert.requests_to_rows(requests, self._lora_table(), self.global_steps, start_index=self._next_index)
+        lora_of = self._lora_table()
+        if name == "seed":  # the seeding phase's base-policy requests (PopulationStep.seed_begin)
+            lora_of = convert.with_base_policy(lora_of, self.pop_step.population.members[0].id)
+        rows = convert.requests_to_rows(requests, lora_of, self.global_steps, start_index=self._next_index)
         self._next_index += len(rows)
         self._phase = _Phase(name, list(requests), [r["uid"] for r in rows], rows)
         try:
@@ -477,8 +484,31 @@ class PopuLoRATrainer(PPOTrainerSync):
         if idx:  # a later entry of a population schedule starts with this step (entry 0 is set up by init)
             with marked_timer("populora_switch", self.timing_raw, color="green"):
                 self._switch_population(idx)
+        if not self.pop_step.seeded:
+            self._seed_buffers()
         if self.debug_probes:
             self._probe_adapters()
+
+    def _seed_buffers(self) -> None:
+        """The seeding phase (``populora.buffer.seed_programs``) before step 1: the base policy proposes until the
+        buffers hold the target; nothing of it is trained. The seed set goes to ``<default_local_dir>/seed_tasks.jsonl``
+        (reuse it with ``populora.buffer.seed_file``)."""
+        from populora_verl.tasks import save_seed_file
+
+        ps, rounds, metrics = self.pop_step, 0, {}
+        while True:
+            requests = ps.seed_begin()
+            if not requests:
+                break
+            responses, batch, _ = self._generate(requests, "seed", metrics)
+            tq.kv_clear(keys=list(batch.keys), partition_id=PARTITION)  # never trained on
+            ps.seed_on_proposals(responses)
+            rounds += 1
+        if rounds:
+            path = os.path.join(self._step_folder().rsplit(os.sep, 1)[0], "seed_tasks.jsonl")
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            save_seed_file(ps.seed_set, path)
+            print(f"[populora] seeding: {rounds} rounds, {len(ps.seed_set)} seed tasks -> {path}", flush=True)
 
     # --- population schedule (one process, several configurations: populora_verl.bench.step_scaling) ---------
 
@@ -523,8 +553,11 @@ class PopuLoRATrainer(PPOTrainerSync):
         plan, children = self.pop_step.maybe_evolve(step, _LazyAdapters(self._get_adapter, slot_of))
         events = 0 if plan is None else len(plan.replacements)
         for r in (plan.replacements if plan is not None else []):
+            # reset_optimizer=false: the child takes its fitter parent's moments (as the CPU driver), never keeps
+            # its victim's. Parents are survivors, so no earlier replacement of this plan has touched them.
             self._rpc("populora_set_adapter", int(r.victim_slot), children[r.child_id],
-                      reset_optimizer=bool(r.reset_optimizer))
+                      reset_optimizer=bool(r.reset_optimizer),
+                      optimizer_from=None if r.reset_optimizer else slot_of[r.parent_ids[0]])
             print(f"[populora] step {step} evolution: {r.victim_id} (slot {r.victim_slot}) <- {r.child_id} = "
                   f"{r.operator}({', '.join(r.parent_ids)})", flush=True)
         return {"populora/evolution/events": float(events)}
@@ -544,7 +577,8 @@ class PopuLoRATrainer(PPOTrainerSync):
         from populora_verl.checkpoint import save_checkpoint
 
         pdir = os.path.join(self._step_folder(), "populora")
-        self._rpc("populora_save_bank", os.path.join(pdir, "bank"))
+        written = self.actor_rollout_wg.populora_save_bank(os.path.join(pdir, "bank"))
+        convert.warn_if_bank_not_shared(written)  # M nodes: every rank's file must be where the driver resumes
         pop = self.pop_step.population
         adapters = {m.id: self._get_adapter(int(m.slot)) for m in pop.members}
         save_checkpoint(pdir, self.global_steps, population=pop, adapters=adapters, lora_config=self._lora_config(),
@@ -555,7 +589,8 @@ class PopuLoRATrainer(PPOTrainerSync):
         print(f"[populora] step {self.global_steps}: checkpoint {pdir}", flush=True)
 
     def _load_checkpoint(self) -> None:
-        info = self._rpc("populora_init_bank", self.pcfg.population.num_adapters, self.pcfg.population.seed)
+        info = self._rpc("populora_init_bank", self.pcfg.population.num_adapters, self.pcfg.population.seed,
+                         shared_a=self.pcfg.population.founder_init == "shared_a")
         logger.info("populora: adapter bank initialised: %s", info)
         ck = None
         if self.config.trainer.resume_mode == "auto":
@@ -599,6 +634,7 @@ class PopuLoRATrainer(PPOTrainerSync):
             logger.warning("populora: metrics.jsonl not written: %s", e)
 
     def _debug_checksums(self) -> dict[int, str]:
+        self._rank_sums = self.actor_rollout_wg.populora_shard_checksums()  # each rank's own shards, same moment
         return {int(m.slot): convert.state_checksum(self._get_adapter(int(m.slot)))
                 for m in self.pop_step.population.members}
 
@@ -611,9 +647,11 @@ class PopuLoRATrainer(PPOTrainerSync):
                   f"pg_loss={m.get('actor/pg_loss')} rollout_vs_trainer={json.dumps(diff, default=float)}", flush=True)
         if before is None:
             return
+        rank_before = self._rank_sums
         after = self._debug_checksums()
         changed = sorted(s for s in after if after[s] != before.get(s))
         trained = sorted(parts)
+        print(probes.rank_report(step, rank_before, self._rank_sums, trained)[0], flush=True)
         ok = changed == trained
         print(f"[populora] step {step} bank checksums: " + " ".join(
             f"{member_of.get(s, s)}@{s}:{before.get(s)}->{after[s]}" for s in sorted(after))
@@ -661,6 +699,8 @@ class PopuLoRATrainer(PPOTrainerSync):
         for mid, text in outs.items():
             print(f"[populora]   {mid} lora_int_id={table[mid]['lora_int_id']} ({table[mid]['lora_name']}): "
                   f"sum_logp={logps.get(mid, float('nan')):.6f} {text[:100]!r}", flush=True)
+        probes.print_replica_probe(self.llm_server_manager.get_replicas(), self.tokenizer, PROBE_PROMPT, table,
+                                   self.global_steps)
 
 
 def register() -> type[PopuLoRATrainer]:

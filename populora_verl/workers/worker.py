@@ -8,7 +8,7 @@
 * ``update_weights`` (``naive`` backend) pushes every slot to vLLM under its own LoRA id
   (:func:`populora_verl.rollout.lora_int_id`), retiring the id of a slot whose version changed.
 * ONE_TO_ALL RPCs for the trainer: ``populora_init_bank``, ``populora_apply_plan``, ``populora_set_adapter``,
-  ``populora_get_adapter``, ``populora_reset_optimizer``, ``populora_save_bank``, ``populora_load_bank``,
+  ``populora_get_adapter``, ``populora_shard_checksums``, ``populora_reset_optimizer``, ``populora_save_bank``, ``populora_load_bank``,
   ``populora_bank_info``.
 
 Every override repeats verl's ``@register`` with the parent's dispatch mode: driver-callable methods are bound only
@@ -34,7 +34,7 @@ from verl.workers.engine_workers import ActorRolloutRefWorker
 
 from populora_verl.rollout.lora_registry import lora_int_id, lora_name
 from populora_verl.trainer.fused import SEGMENTS_KEY, decode_segments, segment_bounds
-from populora_verl.workers.adapter_bank import AdapterBank, AdapterBankError, bank_filename
+from populora_verl.workers.adapter_bank import AdapterBank, AdapterBankError, bank_file_for, bank_filename
 
 logger = logging.getLogger(__name__)
 logger.setLevel(os.getenv("VERL_LOGGING_LEVEL", "WARN"))
@@ -127,10 +127,12 @@ class PopuLoRAActorRolloutRefWorker(ActorRolloutRefWorker):
         return AdapterBank(engine.module, getattr(engine, "optimizer", None), getattr(engine, "lr_scheduler", None))
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def populora_init_bank(self, num_slots: int, seed: int, from_live: bool = False) -> dict[str, Any]:
-        """Create ``num_slots`` adapters (PEFT init from ``seed``, or copies of the live adapter)."""
+    def populora_init_bank(self, num_slots: int, seed: int, from_live: bool = False,
+                           shared_a: bool = False) -> dict[str, Any]:
+        """Create ``num_slots`` adapters (PEFT init from ``seed``, one lora_A for all if ``shared_a``, or copies of
+        the live adapter)."""
         self.bank = self._build_bank()
-        self.bank.init_slots(int(num_slots), seed=seed, from_live=from_live)
+        self.bank.init_slots(int(num_slots), seed=seed, from_live=from_live, shared_a=shared_a)
         self._populora_pushed = {}
         if _accelerator_ready():
             # verl reports the worker's peak since the last reset: a new bank (a new population in a schedule)
@@ -160,10 +162,14 @@ class PopuLoRAActorRolloutRefWorker(ActorRolloutRefWorker):
         return self._require_bank().apply_plan(entries)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def populora_set_adapter(self, slot: int, state: Mapping[str, torch.Tensor], reset_optimizer: bool = True) -> int:
-        """Overwrite a slot with a full PEFT state dict; returns the slot's new version."""
+    def populora_set_adapter(self, slot: int, state: Mapping[str, torch.Tensor], reset_optimizer: bool = True,
+                             optimizer_from: int | None = None) -> int:
+        """Overwrite a slot with a full PEFT state dict; returns the slot's new version. ``optimizer_from``: the
+        slot then takes a copy of that slot's optimizer state (a child keeping its parent's moments)."""
         bank = self._require_bank()
         bank.set_adapter_state(int(slot), state, reset_optimizer=reset_optimizer)
+        if optimizer_from is not None:
+            bank.copy_optimizer(int(optimizer_from), int(slot))
         return bank.version(int(slot))
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
@@ -171,6 +177,11 @@ class PopuLoRAActorRolloutRefWorker(ActorRolloutRefWorker):
         """A slot's full PEFT state dict (CPU). Every rank joins the gather; only rank 0 returns the tensors."""
         state = self._require_bank().get_adapter_state(int(slot))
         return state if self.rank == 0 else None
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def populora_shard_checksums(self) -> dict[str, Any]:
+        """This rank's per-slot shard hashes (no collective), for the per-rank 'only trained slots changed' probe."""
+        return {"rank": int(self.rank), "slots": self._require_bank().shard_checksums()}
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def populora_reset_optimizer(self, slot: int, reset_scheduler: bool = True) -> None:
@@ -186,9 +197,7 @@ class PopuLoRAActorRolloutRefWorker(ActorRolloutRefWorker):
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def populora_load_bank(self, directory: str) -> dict[str, Any]:
-        path = os.path.join(directory, bank_filename(self.world_size, self.rank))
-        if not os.path.exists(path):
-            raise FileNotFoundError(f"no adapter bank for world size {self.world_size}, rank {self.rank} at {path}")
+        path = bank_file_for(directory, self.world_size, self.rank)  # refuses a bank of another world size
         if self.bank is None:
             self.bank = self._build_bank()
         self.bank.load(path)
