@@ -73,6 +73,7 @@ def test_command_profiles_and_model_tags():
     assert "actor_rollout_ref.model.enable_gradient_checkpointing=false" in extra
     assert "++trainer.populora_fused_rpc=true" in extra
     assert "data.max_response_length=1024" in extra and "actor_rollout_ref.rollout.ignore_eos=true" in extra
+    assert "populora.buffer.seed_programs=0" in extra  # a one-off phase, not a step cost
     assert "++trainer.populora_fused_rpc=false" in ss.plan_overrides("baseline", None, False)
     assert not any("ignore_eos" in x or "max_response_length" in x for x in ss.plan_overrides("baseline", 0, False))
     with pytest.raises(ValueError):
@@ -105,6 +106,7 @@ def test_recipe_composes_with_every_config_and_profile():
             convert.validate_verl_config(cfg, pcfg)
             assert pcfg.population.num_adapters == ss.ADAPTERS[name]
             assert cfg.data.max_response_length == 1024 and cfg.actor_rollout_ref.rollout.ignore_eos
+            assert pcfg.buffer.seed_programs == 0
             if profile == "fast":
                 assert cfg.actor_rollout_ref.rollout.enforce_eager is False
                 assert list(cfg.actor_rollout_ref.rollout.cudagraph_capture_sizes) == ss.CUDAGRAPH_SIZES
@@ -307,6 +309,7 @@ def test_trainer_switches_population_bank_and_adapters_at_an_entry_start(monkeyp
     class _Step:
         def __init__(self, pcfg, executor=None):
             self.cfg, self.tasks = pcfg, type("T", (), {"executor": executor or "pool"})()
+            self.seeded = True  # seed_programs=0 (the bench's setting): nothing to seed
             self.population = type("P", (), {"members": [None] * pcfg.population.num_adapters})()
 
     monkeypatch.setattr("populora_verl.step.PopulationStep", _Step)

@@ -291,7 +291,8 @@ def plan_overrides(profile: str, answer_tokens: int | None, force_length: bool) 
     """The hydra overrides every configuration of a run shares (besides the model and the configuration)."""
     if profile not in PROFILES:
         raise ValueError(f"unknown profile {profile!r}; known: {sorted(PROFILES)}")
-    out = list(PROFILES[profile])
+    # The seeding phase runs once before step 1 (and after every schedule switch): not a per-step cost.
+    out = [*PROFILES[profile], "populora.buffer.seed_programs=0"]
     if answer_tokens:
         out.append(f"data.max_response_length={int(answer_tokens)}")
     if force_length:
