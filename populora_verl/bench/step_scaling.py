@@ -69,6 +69,14 @@ PROFILES: dict[str, list[str]] = {
              f"actor_rollout_ref.rollout.cudagraph_capture_sizes=[{','.join(map(str, CUDAGRAPH_SIZES))}]",
              "actor_rollout_ref.model.enable_gradient_checkpointing=false",
              "++trainer.populora_fused_rpc=true"],
+    # fast + packed training rows (verl's remove-padding path) with torch's varlen flash kernel
+    # (populora_verl.workers.varlen_attention): no padding and no quadratic packed mask.
+    "varlen": ["actor_rollout_ref.rollout.enforce_eager=false",
+               f"actor_rollout_ref.rollout.cudagraph_capture_sizes=[{','.join(map(str, CUDAGRAPH_SIZES))}]",
+               "actor_rollout_ref.model.enable_gradient_checkpointing=false",
+               "++trainer.populora_fused_rpc=true",
+               "actor_rollout_ref.model.use_remove_padding=true",
+               "++actor_rollout_ref.model.override_config.attn_implementation=populora_varlen"],
     "baseline": ["actor_rollout_ref.rollout.enforce_eager=true",
                  "actor_rollout_ref.model.enable_gradient_checkpointing=true",
                  "++trainer.populora_fused_rpc=false"],
