@@ -443,7 +443,11 @@ def _kill_group(proc: subprocess.Popen) -> None:
             os.killpg(proc.pid, signal.SIGKILL)
         except OSError:
             pass
-    try:  # Ray's daemons outlive the killed driver; the next configuration starts its own cluster
+    _ray_stop()
+
+
+def _ray_stop() -> None:
+    try:  # Ray's daemons can outlive a killed or finished trainer and hold GPU memory; the next run starts its own
         subprocess.run(["ray", "stop", "--force"], capture_output=True, timeout=60, check=False)
     except (OSError, subprocess.TimeoutExpired):
         pass
@@ -536,6 +540,7 @@ def run_ceiling(model: str, out_dir: Path, results: list[RunResult], answer_toke
     if not spec:
         return 0
     (out_dir / "ceiling_spec.json").write_text(json.dumps(spec, indent=1))
+    _ray_stop()  # vLLM checks free GPU memory at start: nothing of the trainer's cluster may linger
     cmd = [sys.executable, "-m", "populora_verl.bench.ceiling", "--model", model, "--spec",
            str(out_dir / "ceiling_spec.json"), "--out", str(out_dir / "ceiling.json"), *extra]
     with open(out_dir / "ceiling.log", "w") as f:
