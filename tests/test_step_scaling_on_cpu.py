@@ -82,9 +82,10 @@ def test_command_profiles_and_model_tags():
     assert "populora.population.num_teachers=8" in cmd and "trainer.total_training_steps=3" in cmd
     assert "actor_rollout_ref.rollout.engine_kwargs.vllm.max_loras=16" in cmd
     assert "trainer.logger=[console,file]" in cmd and cmd[-len(extra):] == extra
-    assert ss.parse_models(["1.5b=/a/b", "/x/qwen-0.5b:single,2t2s"], ["single", "4t4s"]) == [
-        ("1.5b", "/a/b", ["single", "4t4s"]), ("qwen-0.5b", "/x/qwen-0.5b", ["single", "2t2s"])]
-    for bad in (["a=/x", "a=/y"], ["bad tag=/x"], ["a="], ["a=/x:9t9s"], ["a=/x"]):
+    assert ss.parse_models(["1.5b=/a/b:single,4t4s+8t8s", "/x/qwen-0.5b:single,2t2s"], ["single", "4t4s"]) == [
+        ("1.5b", "/a/b", ["single", "4t4s"], ["8t8s"]), ("qwen-0.5b", "/x/qwen-0.5b", ["single", "2t2s"], [])]
+    assert ss.parse_models(["m=/p"], ["single"]) == [("m", "/p", ["single"], [])]
+    for bad in (["a=/x", "a=/y"], ["bad tag=/x"], ["a="], ["a=/x:9t9s"], ["a=/x"], ["a=/x:single+single"]):
         with pytest.raises(ValueError):
             ss.parse_models(bad, [] if bad == ["a=/x"] else ["single"])
 
@@ -386,15 +387,22 @@ def test_main_runs_a_schedule_and_reruns_what_it_did_not_finish(tmp_path, monkey
     monkeypatch.setattr(ss, "command", fake_command)
     monkeypatch.setattr(ss, "_has_cuda", lambda: True)
     out = tmp_path / "run"
-    rc = ss.main(["--model", f"m={tmp_path}:single,2t2s", "--steps", "3", "--out", str(out), "--no-ceiling"])
+    ceilings = []
+    monkeypatch.setattr(ss, "run_ceiling", lambda path, o, results, *a: ceilings.append(sorted(r.name for r in results))
+                        or 0)
+    rc = ss.main(["--model", f"m={tmp_path}:single,2t2s+1t1s", "--model", f"n={tmp_path}:single", "--steps", "3",
+                  "--out", str(out)])
     assert rc == 0
+    # the optional configuration runs after every model's main rows and ceiling
+    assert ceilings == [["2t2s", "single"], ["single"]]
+    assert json.loads((out / "progress.json").read_text())["done"][-1] == "m/1t1s"
     rows = {r["name"]: r for r in json.loads((out / "m" / "results.json").read_text())}
-    assert set(rows) == {"single", "2t2s"} and all(r["rc"] == 0 for r in rows.values())
+    assert set(rows) == {"single", "2t2s", "1t1s"} and all(r["rc"] == 0 for r in rows.values())
     assert rows["single"]["step_s"] == {"1": 1.1, "2": 1.2, "3": 1.3}  # from the schedule's first entry
     assert (out / "m" / "2t2s.metrics.jsonl").exists()  # rerun on its own
     assert rows["2t2s"]["startup_s"] is not None and rows["2t2s"]["gen_tokens"] == 400
     assert rows["2t2s"]["rollout"]["student"]["sequences"] == 4
     progress = json.loads((out / "progress.json").read_text())
-    assert progress["state"] == "finished" and progress["done"] == ["m/single", "m/2t2s"]
+    assert progress["state"] == "finished" and progress["done"] == ["m/single", "m/2t2s", "n/single", "m/1t1s"]
     assert "| 2t2s | 4 |" in (out / "m" / "results.md").read_text()
     assert "state finished" in ss.status(out)

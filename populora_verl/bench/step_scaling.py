@@ -554,25 +554,29 @@ def run_ceiling(model: str, out_dir: Path, results: list[RunResult], answer_toke
 # --- bookkeeping ---------------------------------------------------------------------------------------------------
 
 
-def parse_models(specs: Sequence[str], default_configs: Sequence[str] = ()) -> list[tuple[str, str, list[str]]]:
-    """``TAG=PATH[:cfg,cfg]`` (or a bare path, tagged by its folder name) -> ``[(tag, path, configs)]``; a model
-    without its own configuration list gets ``default_configs``; tags must be unique and configurations known."""
-    out: list[tuple[str, str, list[str]]] = []
+def parse_models(specs: Sequence[str], default_configs: Sequence[str] = ()) -> list[tuple[str, str, list[str], list[str]]]:
+    """``TAG=PATH[:cfg,cfg[+cfg,cfg]]`` (or a bare path, tagged by its folder name) -> ``[(tag, path, configs,
+    extras)]``. ``extras`` (after ``+``) are optional rows (e.g. 8T8S) run after every model's main rows and ceiling,
+    so a run cut short has those; a model without its own list gets ``default_configs``; tags unique, names known."""
+    out: list[tuple[str, str, list[str], list[str]]] = []
     for s in specs:
         tag, sep, rest = s.partition("=")
         if not sep:
             tag, rest = "", s
         path, _, cfgs = rest.partition(":")
+        main_cfgs, _, extra_cfgs = cfgs.partition("+")
         tag = tag or Path(path).name or "model"
-        names = [c.strip() for c in cfgs.split(",") if c.strip()] or list(default_configs)
+        names = [c.strip() for c in main_cfgs.split(",") if c.strip()] or list(default_configs)
+        extras = [c.strip() for c in extra_cfgs.split(",") if c.strip()]
         if not path or not re.fullmatch(r"[\w.\-]+", tag):
             raise ValueError(f"--model {s!r}: expected TAG=PATH[:configs] with a tag of letters, digits, '.', '_', '-'")
-        if tag in {t for t, _, _ in out}:
+        if tag in {t for t, *_ in out}:
             raise ValueError(f"--model tag {tag!r} given twice")
-        unknown = [n for n in names if n not in CONFIGS]
-        if unknown or not names:
-            raise ValueError(f"--model {s!r}: configurations {unknown or names} not in {list(CONFIGS)}")
-        out.append((tag, path, names))
+        unknown = [n for n in names + extras if n not in CONFIGS]
+        if unknown or not names or len(set(names + extras)) != len(names + extras):
+            raise ValueError(f"--model {s!r}: configurations {unknown or names + extras} not in {list(CONFIGS)} "
+                             "(or repeated)")
+        out.append((tag, path, names, extras))
     return out
 
 
@@ -648,6 +652,43 @@ def status(root: Path) -> str:
     return "\n".join(lines)
 
 
+def _mark_done(root: Path, names: Iterable[str]) -> None:
+    done = json.loads((root / "progress.json").read_text()).get("done", [])
+    write_progress(root, done=done + list(names))
+
+
+def _run_configs(args: argparse.Namespace, root: Path, tag: str, path: str, names: list[str], out: Path,
+                 results: list[RunResult], extra: list[str]) -> tuple[list[RunResult], bool]:
+    """``names`` of one model: in one trainer process (a population schedule) when asked and there are several,
+    then whatever that did not finish one process each; every row saved as it lands."""
+    ok, todo = True, list(names)
+    if args.one_process and len(names) > 1 and not _STOP.is_set():
+        write_progress(root, current={"model": tag, "config": "schedule", "since": time.time(),
+                                      "steps": args.steps * len(names), "configs": names})
+        print(f"step_scaling: {tag} {names} in one trainer process ({args.steps} steps each) ...", flush=True)
+        got, rc = run_schedule(path, names, args.steps, out, extra, args.timeout_s, args.warmup)
+        print(f"  exit={rc}; complete: {[r.name for r in got if r.rc == 0]}", flush=True)
+        for r in got:
+            results = [x for x in results if x.name != r.name] + [r]
+        save_results(out, results)
+        finished = [r.name for r in got if r.rc == 0]
+        _mark_done(root, [f"{tag}/{n}" for n in finished])
+        todo = [n for n in names if n not in finished]
+    for name in todo:
+        if _STOP.is_set():
+            break
+        write_progress(root, current={"model": tag, "config": name, "since": time.time(), "steps": args.steps})
+        print(f"step_scaling: {tag}/{name} ({ADAPTERS[name]} adapters, {args.steps} steps) ...", flush=True)
+        r = run_one(path, name, args.steps, out, extra, args.timeout_s, args.warmup)
+        print(f"  exit={r.rc} wall={r.wall_s:.0f}s start-up={_fmt(r.startup_s, '.0f')}s steps={r.step_s} "
+              f"peak={r.smi_peak_mib} MiB", flush=True)
+        ok = ok and r.rc == 0
+        results = [x for x in results if x.name != name] + [r]
+        save_results(out, results)
+        _mark_done(root, [f"{tag}/{name}"])
+    return results, ok
+
+
 def _has_cuda() -> bool:
     try:
         import torch
@@ -660,7 +701,8 @@ def _has_cuda() -> bool:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", action="append", default=[],
-                    help="TAG=PATH[:cfg,cfg] of an HF checkpoint, optionally with its own configurations (repeatable; "
+                    help="TAG=PATH[:cfg,cfg[+cfg]] of an HF checkpoint, optionally with its own configurations; those "
+                         "after '+' are optional and run after every model's main rows and ceiling (repeatable; "
                          "models run in the order given)")
     ap.add_argument("--steps", type=int, default=6, help="steps per configuration (the first --warmup are excluded)")
     ap.add_argument("--warmup", type=int, default=1, help="leading steps left out of the means (kernel JIT etc.)")
@@ -701,51 +743,30 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     root.mkdir(parents=True, exist_ok=True)
     signal.signal(signal.SIGTERM, _on_sigterm)
-    plan = [f"{tag}/{n}" for tag, _, names in models for n in names]
+    plan = [f"{tag}/{n}" for tag, _, names, extras in models for n in names + extras]
     write_progress(root, pid=os.getpid(), state="running", started=time.time(), plan=plan, done=[], current=None,
                    profile=args.profile, overrides=extra)
-    ok = True
-    for tag, path, names in models:
+    ok, results_of = True, {}
+    for tag, path, names, extras in models:
         out = root / tag
         out.mkdir(parents=True, exist_ok=True)
-        results = load_results(out, keep=names)
-        todo = list(names)
-        if args.one_process and len(names) > 1:
-            write_progress(root, current={"model": tag, "config": "schedule", "since": time.time(),
-                                          "steps": args.steps * len(names), "configs": names})
-            print(f"step_scaling: {tag} {names} in one trainer process ({args.steps} steps each) ...", flush=True)
-            got, rc = run_schedule(path, names, args.steps, out, extra, args.timeout_s, args.warmup)
-            print(f"  exit={rc}; complete: {[r.name for r in got if r.rc == 0]}", flush=True)
-            for r in got:
-                results = [x for x in results if x.name != r.name] + [r]
-            save_results(out, results)
-            finished = [r.name for r in got if r.rc == 0]
-            done = json.loads((root / "progress.json").read_text()).get("done", [])
-            write_progress(root, done=done + [f"{tag}/{n}" for n in finished])
-            # whatever the schedule did not finish runs the old way, one process per configuration
-            todo = [n for n in names if n not in finished]
-        for name in todo:
-            if _STOP.is_set():
-                break
-            write_progress(root, current={"model": tag, "config": name, "since": time.time(), "steps": args.steps})
-            print(f"step_scaling: {tag}/{name} ({ADAPTERS[name]} adapters, {args.steps} steps) ...", flush=True)
-            r = run_one(path, name, args.steps, out, extra, args.timeout_s, args.warmup)
-            print(f"  exit={r.rc} wall={r.wall_s:.0f}s start-up={_fmt(r.startup_s, '.0f')}s steps={r.step_s} "
-                  f"peak={r.smi_peak_mib} MiB", flush=True)
-            ok = ok and r.rc == 0
-            results = [x for x in results if x.name != name] + [r]
-            save_results(out, results)
-            done = json.loads((root / "progress.json").read_text()).get("done", [])
-            write_progress(root, done=done + [f"{tag}/{name}"])
+        results = load_results(out, keep=names + extras)
+        results, ok_main = _run_configs(args, root, tag, path, names, out, results, extra)
+        ok = ok and ok_main
         if args.ceiling and not _STOP.is_set() and (not args.ceiling_models or tag in args.ceiling_models.split(",")):
             write_progress(root, current={"model": tag, "config": "ceiling", "since": time.time(), "steps": 0})
             print(f"step_scaling: {tag} vLLM ceiling ...", flush=True)
             rc = run_ceiling(path, out, results, args.answer_tokens, args.force_length, args.timeout_s)
             print(f"  ceiling exit={rc}", flush=True)
             ok = ok and rc == 0
+        results_of[tag] = results
         print(save_results(out, results), flush=True)
-        if _STOP.is_set():
-            break
+    # The optional configurations (after "+") last, once every model's main rows and ceiling have landed.
+    for tag, path, _, extras in models:
+        if extras and not _STOP.is_set():
+            results, ok_extra = _run_configs(args, root, tag, path, extras, root / tag, results_of[tag], extra)
+            ok = ok and ok_extra
+            print(save_results(root / tag, results), flush=True)
     write_progress(root, state="stopped" if _STOP.is_set() else "finished", current=None)
     return 0 if ok else 1
 
