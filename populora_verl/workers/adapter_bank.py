@@ -444,7 +444,9 @@ class AdapterBank:
                 full = DTensor.from_local(
                     local.to(_comm_device(p)), p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
                 ).full_tensor()
-                out[self._keys[n]] = full.detach().cpu()
+                # Always a copy: when no rank needs to send anything (a mesh of one shard group on CPU) the gather
+                # hands back the slot's own buffer, which the next swap_out overwrites in place.
+                out[self._keys[n]] = full.detach().to("cpu", copy=True)
             else:
                 out[self._keys[n]] = local.detach().clone()
         return out
