@@ -164,3 +164,21 @@ def test_model_without_chat_template_is_one_line(tmp_path, capsys):
     assert err.startswith("error:") and "no chat template" in err and "azr-raw" in err
     assert V.main(["--model", str(tmp_path / "nowhere"), "--engine", "hf", "--out", str(tmp_path / "o")]) == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == f"error: --model {tmp_path / 'nowhere'}: not a folder"
+
+
+def test_prompt_files_are_a_setting_dimension(tmp_path):
+    """--prompt-files runs every setting once per wording (one engine), and a bad file fails before any model."""
+    import json as _json
+
+    good = tmp_path / "w.yaml"
+    good.write_text("solve_code_o: |\n  Output of f for {input}?\n  ```python\n  {program}\n  ```\n", encoding="utf-8")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("solve_code_o: 'uses {nonsense}'\n", encoding="utf-8")
+    assert V.main(["--model", str(tmp_path / "nowhere"), "--prompt-files", str(bad), "--out", str(tmp_path / "o")]) == 2
+    settings = [V.Setting("m", "azr-raw", 8, 1.0, f) for f in (None, str(good))]
+    assert settings[1].label.endswith("w 8 T=1") and " w " in settings[1].label
+    cfg = V.build_config("azr-raw", None, {"tasks.prompt_file": str(good)})
+    assert cfg.tasks.templates["solve_code_o"].startswith("Output of f")
+    row = {"setting": {"model": "m", "template": "azr-raw", "max_tokens": 8, "temperature": 1.0,
+                       "prompt_file": str(good)}, "types": {}}
+    assert _json.dumps(row) and V.render_table([row]).count("\n") == 2

@@ -53,10 +53,12 @@ class Setting:
     template: str
     max_tokens: int
     temperature: float
+    prompt_file: str | None = None  # populora.tasks.prompt_file of this setting; None: the default wording
 
     @property
     def label(self) -> str:
-        return f"{Path(self.model).name} {self.template} {self.max_tokens} T={self.temperature:g}"
+        words = f" {Path(self.prompt_file).stem}" if self.prompt_file else ""
+        return f"{Path(self.model).name} {self.template}{words} {self.max_tokens} T={self.temperature:g}"
 
 
 @dataclass
@@ -312,6 +314,8 @@ def run_setting(engine: ProbeEngine, setting: Setting, *, types: Sequence[str], 
     from populora_verl.step.task_env import TaskEnv
     from populora_verl.tasks import validate_proposal
 
+    if setting.prompt_file:
+        overrides = {**(overrides or {}), "tasks.prompt_file": setting.prompt_file}
     cfg = build_config(setting.template, seed_file, overrides)
     env = TaskEnv(cfg, executor=executor)
     rng = random.Random(seed)
@@ -416,10 +420,11 @@ def render_table(results: Iterable[Mapping[str, Any]], top_reasons: int = 3) -> 
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for res in results:
         s = res["setting"]
+        words = f" ({Path(s['prompt_file']).stem})" if s.get("prompt_file") else ""
         for tt, r in res["types"].items():
             reasons = ", ".join(f"{k} {v}" for k, v in list(r["reasons"].items())[:top_reasons]) or "–"
             lines.append(
-                f"| {Path(s['model']).name} | {s['template']} | {s['max_tokens']} | {s['temperature']:g} | {tt} | "
+                f"| {Path(s['model']).name} | {s['template']}{words} | {s['max_tokens']} | {s['temperature']:g} | {tt} | "
                 f"{_frac(r['valid'], r['proposals'])} | {r['format_error']} | {r['invalid']} | {reasons} | "
                 f"{r['hit_cap']} | {r['mean_tokens']:.0f} | {_frac(r['solved_valid'], r['answers_valid'])} | "
                 f"{_frac(r['solved_seed'], r['answers_seed'])} |")
@@ -447,6 +452,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--templates", nargs="+", default=["azr", "chat"], choices=TEMPLATES)
     ap.add_argument("--lengths", nargs="+", type=int, default=[1024], help="max answer tokens")
     ap.add_argument("--temperatures", nargs="+", type=float, default=[1.0])
+    ap.add_argument("--prompt-files", nargs="+", default=["default"], metavar="FILE",
+                    help="populora.tasks.prompt_file per setting; 'default' is our own wording")
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--types", nargs="+", default=["code_o", "code_i", "code_f"])
     ap.add_argument("--proposals", type=int, default=64, help="proposals per task type and setting")
@@ -491,8 +498,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    settings = [Setting(m, t, n, temp) for m in args.model for t in args.templates for n in args.lengths
-                for temp in args.temperatures]
+    prompt_files = [None if f.lower() == "default" else str(Path(f).resolve()) for f in args.prompt_files]
+    try:
+        for f in prompt_files:
+            if f is not None:
+                build_config(args.templates[0], seed_file, {**overrides, "tasks.prompt_file": f})
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    settings = [Setting(m, t, n, temp, f) for m in args.model for t in args.templates for f in prompt_files
+                for n in args.lengths for temp in args.temperatures]
     results: list[dict[str, Any]] = []
     t_start = time.perf_counter()
     try:
