@@ -4,7 +4,7 @@
 set -uo pipefail
 source scripts/gpu/env.sh
 OUT=${OUT:-$PWD/gpu-out}; mkdir -p "$OUT"
-job=${1:?job: bench_operators | eval_base | proof | step_scaling}; shift || true
+job=${1:?job: bench_operators | eval_base | proof | step_scaling | retention}; shift || true
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 case "$job" in
   bench_operators)
@@ -23,5 +23,11 @@ case "$job" in
     python3 -m populora_verl.bench.step_scaling --model "$MODEL_DIR" --out /tmp/step_scaling "$@" 2>&1 \
       | grep -v "Warning\|warn(" | tee "$OUT/step_scaling.log"
     cp /tmp/step_scaling/results.md /tmp/step_scaling/results.json "$OUT/" 2>/dev/null ;;
+  retention)
+    # Operator retention on Qwen2.5-Coder-0.5B-Instruct with 3 fine-tuned adapters (BENCHMARKS.md); < 4 min on H100.
+    start=$(date +%s)
+    python3 -m populora_verl.bench.retention_real --model "$MODEL_DIR" --out "$OUT/retention_real.md" "$@" 2>&1 \
+      | grep -v "Warning\|warn(" | tee "$OUT/retention_real.log"
+    echo "retention wall-clock: $(( $(date +%s) - start )) s" | tee -a "$OUT/retention_real.log" ;;
   *) echo "unknown job $job" >&2; exit 2 ;;
 esac
