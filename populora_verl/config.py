@@ -125,6 +125,7 @@ class RolloutConfig:
     proposals_per_type: int = 4  # teacher prompts per task type per teacher per step
     max_loras: int | None = None  # None: population size
     max_cpu_loras: int | None = None  # None: 2 x population size
+    buffer_task_n: int | None = None  # answers per buffer task a student trains on (AZR: 1); None: student_n
     # null: the engine's own (CPU driver: 1024 / 1.0; verl: actor_rollout_ref.rollout.response_length /
     # .temperature). Set on a verl run, each must equal verl's value: the verl rollout never reads these.
     max_new_tokens: int | None = None
@@ -136,6 +137,8 @@ class RolloutConfig:
         for k in ("teacher_n", "student_n", "proposals_per_type"):
             v = getattr(self, k)
             _check(isinstance(v, int) and v >= 1, f"{p}.{k}", f"must be an integer >= 1, got {v!r}")
+        _check(self.buffer_task_n is None or (isinstance(self.buffer_task_n, int) and self.buffer_task_n >= 1),
+               f"{p}.buffer_task_n", f"must be null or an integer >= 1, got {self.buffer_task_n!r}")
         for k in ("max_loras", "max_cpu_loras", "max_new_tokens"):
             v = getattr(self, k)
             _check(v is None or (isinstance(v, int) and v >= 1), f"{p}.{k}", f"must be null or >= 1, got {v!r}")
@@ -150,11 +153,27 @@ class TasksConfig:
     probabilities: list[float] | None = None  # None: uniform over ``types``
     num_references: int = 6  # K reference triplets in code_i / code_o proposer prompts
     num_inputs: int = 10  # code_f: inputs a teacher proposes; half shown to the student, half hidden
-    min_valid_inputs: int = 2  # code_f: fewest distinct valid inputs for a usable task
+    min_valid_inputs: int = 2  # code_f, lenient rule only: fewest distinct valid inputs for a usable task
+    # code_f validity. azr: the last num_inputs input blocks are used, fewer is a format error and any input that
+    # fails to run makes the proposal invalid (AZR). lenient: the first <= num_inputs, failing and duplicate inputs
+    # dropped, at least min_valid_inputs kept.
+    code_f_rule: str = "azr"
     max_program_chars: int = 5600
+    max_response_chars: int = 65_536  # longer model responses are format errors, never parsed
     banned_keywords: list[str] = field(default_factory=lambda: list(AZR_BANNED_MODULES))
     prompt_template: str = "azr"  # azr (plain "User:/Assistant: <think>") | chat (tokenizer chat template)
+    prompt_file: str | None = None  # YAML/JSON {template name: format string}; None: our default wording
     _prefix: str = field(default=f"{ROOT}.tasks", repr=False, compare=False)
+    _templates: dict[str, str] | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def templates(self) -> dict[str, str]:
+        """The prompt templates in force (:mod:`populora_verl.tasks.templates`)."""
+        if self._templates is None:
+            from populora_verl.tasks.templates import DEFAULT_TEMPLATES
+
+            return DEFAULT_TEMPLATES
+        return self._templates
 
     def __post_init__(self) -> None:
         p = self._prefix
@@ -172,7 +191,16 @@ class TasksConfig:
         _check(1 <= self.min_valid_inputs <= self.num_inputs, f"{p}.min_valid_inputs",
                "must be in [1, num_inputs]")
         _check(self.max_program_chars > 0, f"{p}.max_program_chars", "must be > 0")
+        _choice(self.code_f_rule, ("azr", "lenient"), f"{p}.code_f_rule")
+        _check(self.max_response_chars > 0, f"{p}.max_response_chars", "must be > 0")
         _choice(self.prompt_template, ("azr", "chat"), f"{p}.prompt_template")
+        if self.prompt_file is not None:
+            from populora_verl.tasks.templates import load_prompt_file  # lazy: tasks imports this module
+
+            try:
+                self._templates = load_prompt_file(self.prompt_file)
+            except ValueError as e:
+                _fail(f"{p}.prompt_file", str(e))
 
 
 @dataclass
@@ -181,14 +209,28 @@ class BufferConfig:
 
     max_programs: int = 16384
     seed_file: str | None = None  # JSONL of {program, input, output} (code_f: + inputs/outputs/message)
-    student_mix: bool = False  # students also draw buffer tasks (AZR max_new)
+    # What students train on besides the estimation answers (rewards.train_on_estimation_rollouts):
+    # fallback: buffer tasks (uniform) stand in for each task their teacher failed to make valid, so a student always
+    # answers proposals_per_type x teacher_n tasks per type; max_new: AZR's solver batch, that many buffer tasks per
+    # type drawn newest first, whatever the teacher made (rollout.buffer_task_n answers each).
+    student_mix: str = "fallback"
     valid_program_filter: str = "all"  # all | non_one | non_extremes
+    # Seeding phase (AZR): before step 1 the base model (no adapter) proposes until this many valid code_i/code_o
+    # programs (and as many code_f tasks, when code_f is trained) are buffered; 0: start from the identity seeds.
+    # Skipped when seed_file is set (a saved seed set, e.g. <run dir>/seed_tasks.jsonl of an earlier run).
+    seed_programs: int = 0
+    seed_rounds: int = 16  # generation rounds the seeding phase may take before training starts anyway
     _prefix: str = field(default=f"{ROOT}.buffer", repr=False, compare=False)
 
     def __post_init__(self) -> None:
         p = self._prefix
         _check(self.max_programs >= 1, f"{p}.max_programs", "must be >= 1")
         _choice(self.valid_program_filter, ("all", "non_one", "non_extremes"), f"{p}.valid_program_filter")
+        _choice(self.student_mix, ("fallback", "max_new"), f"{p}.student_mix")
+        for k in ("seed_programs", "seed_rounds"):
+            v = getattr(self, k)
+            _check(isinstance(v, int) and not isinstance(v, bool) and v >= 0, f"{p}.{k}",
+                   f"must be an integer >= 0, got {v!r}")
 
 
 @dataclass

@@ -28,7 +28,7 @@ X3    svd_crossover              crossover top-k components of parents[0] + comp
 X4    extrapolative_crossover    crossover θ = θ₁ + η(θ₀ − θ₁), η ~ U(1, 1.5): past the fitter parents[0]
 ====  =========================  ========  ============================================================
 
-Design decisions (documented in the README, "Evolution operators" as well):
+Design decisions (documented in docs/operators.md as well):
 
 * **Raw factors, no α/r.** Operators act on the stored ``lora_A``/``lora_B``; PEFT multiplies by α/r at forward
   time. Rank and α are identical across the population, so α/r is one common constant factor on every ΔW: it

@@ -120,10 +120,9 @@ class HFEngine:
     # --- generation ---------------------------------------------------------------------------------------
 
     def _encode(self, prompt: Any) -> list[int]:
-        if not isinstance(prompt, str):  # chat messages (tasks.prompt_template=chat)
-            prompt = self.tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=False)
-        ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
-        return ids[-self.cfg.max_prompt_tokens:]
+        from populora_verl.tasks.prompts import encode_prompt
+
+        return encode_prompt(self.tokenizer, prompt)[-self.cfg.max_prompt_tokens:]
 
     @torch.no_grad()
     def generate(self, requests: Sequence[GenRequest], slot_of: Callable[[str], str], seed: int) -> list[GenResponse]:
