@@ -277,6 +277,20 @@ def test_bank_founders_share_lora_a_by_choice(shared):
     assert all(float(s[k].abs().max()) > 0 for s in states for k in a_keys)
 
 
+@pytest.mark.parametrize("shared", [True, False])
+def test_cpu_driver_founders_share_lora_a_by_choice(shared):
+    pytest.importorskip("peft")
+    from populora_verl.local.config import LocalConfig
+    from populora_verl.local.hf_engine import HFEngine
+    from populora_verl.local.tiny import build_tiny_model, build_tiny_tokenizer
+
+    tok = build_tiny_tokenizer()
+    eng = HFEngine(build_tiny_model(tok, hidden_size=32), tok, num_slots=3, cfg=LocalConfig(), shared_a=shared)
+    states = [eng.get_adapter(s) for s in eng.slots]
+    a_keys = [k for k in states[0] if "lora_A" in k]
+    assert all(torch.equal(states[0][k], s[k]) for s in states[1:] for k in a_keys) is shared
+
+
 def test_founder_init_default_is_shared_a():
     assert load_config({}).population.founder_init == "shared_a"
 
