@@ -157,6 +157,38 @@ def test_learnable_outcome_makes_unsolvable_tasks_a_teacher_loss():
     assert match_outcomes([0.0, 0.25], 0.5, "vs_expected") == [TEACHER_WINS]
 
 
+def test_learnable_outcome_counts_invalid_proposals_against_the_teacher():
+    assert match_outcomes([0.25], 0.5, "learnable", invalid=3) == [STUDENT_WINS]
+    assert match_outcomes([0.25], 0.5, "vs_expected", invalid=3) == [TEACHER_WINS]  # ignored there
+    with pytest.raises(ValueError, match="invalid"):
+        match_outcomes([0.25], 0.5, "learnable", invalid=-1)
+
+
+@pytest.mark.parametrize("rule,winner", [("vs_expected", "teacher"), ("learnable", "student")])
+def test_step_rates_a_half_invalid_teacher_by_the_outcome_rule(rule, winner):
+    from populora_verl.executor import Executor
+    from populora_verl.step import GenResponse, PopulationStep
+
+    good = "plan</think>\n<answer>\n```python\ndef f(x):\n    return x + 1\n```\n```input\n3\n```\n</answer>"
+    right, wrong = ("4</think>\n<answer>\n```output\n4\n```\n</answer>",
+                    "5</think>\n<answer>\n```output\n5\n```\n</answer>")
+    cfg = load_config({"population": {"num_teachers": 1, "num_students": 1}, "matchmaking": {"outcome": rule},
+                       "tasks": {"types": ["code_o"], "num_references": 1},
+                       "rollout": {"teacher_n": 1, "student_n": 4, "proposals_per_type": 2},
+                       "diagnostics": {"cvt_cells": 4, "cvt_samples": 100}})
+    ex = Executor(timeout_s=5.0, memory_mb=256, max_workers=1)
+    try:
+        ps = PopulationStep(cfg, executor=ex, seed=0)
+        reqs = ps.begin(1)
+        # Two proposals: one valid, one garbage. The student solves the valid one 1 time in 4 (s̄ = 0.25 < p).
+        sreqs = ps.on_proposals([GenResponse(r, [good if i == 0 else "garbage"]) for i, r in enumerate(reqs)])
+        res = ps.on_answers([GenResponse(r, [right if (k == 0 and r.meta["source"] == "teacher") else wrong
+                                             for k in range(r.n)]) for r in sreqs])
+    finally:
+        ex.close()
+    assert res.outcomes[("t0", "s0")] == [winner]
+
+
 def _aged(nt=4, **pbt):
     cfg = load_config({"population": {"num_teachers": nt, "num_students": 2}, "pbt": {"roles": ["teacher"], **pbt}})
     pop = Population.create(cfg)
