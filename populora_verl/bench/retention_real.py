@@ -86,7 +86,7 @@ TASKS: tuple[tuple[str, str], ...] = (
 SWEEP: tuple[tuple[str, dict[str, Any]], ...] = (
     ("svd_mutation", {"eps": 0.05}), ("svd_mutation", {"eps": 0.2}),
     ("layer_gaussian", {"eps": 0.3}),
-    ("component_mask", {"rho": 0.05}), ("component_mask", {"rho": 0.3}),
+    ("component_mask", {"rho": 0.1}), ("component_mask", {"rho": 0.3}),
     ("full_gaussian", {"eps": 0.05}), ("full_gaussian", {"eps": 0.3}),
     ("neftune", {"alpha": 0.3}), ("neftune", {"alpha": 3.0}), ("neftune", {"alpha": 10.0}),
 )
