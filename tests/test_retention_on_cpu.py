@@ -74,7 +74,9 @@ def test_retention_all_operators(tiny):
     # or work on ΔW's SVD cannot tell them apart; the factor-space extrapolation loses skill across gauges.
     for name in ("layer_crossover", "svd_crossover"):
         assert by[(name, "unrelated")].retention == pytest.approx(by[(name, "related")].retention, rel=1e-3)
-    assert by[("extrapolative_crossover", "unrelated")].retention < by[("extrapolative_crossover", "related")].retention
+    related, unrelated = retention_test(adapter, evaluate, [("extrapolative_crossover",
+                                                             {"eta_min": 1.5, "eta_max": 1.5})], seed=3)
+    assert unrelated.retention < related.retention - 0.05
     assert all(torch.equal(adapter[k], before[k]) for k in adapter)
     # The table names every operator, in both renderings, and marks the crossover pairs.
     md, plain = format_retention_table(rows), format_retention_table(rows, style="plain")
@@ -89,7 +91,7 @@ def test_recalibrated_mutations_are_gentler_than_lucidrains_defaults(tiny):
     rows = retention_test(adapter, evaluate, ["neftune", ("neftune", {"alpha": 10.0}), "component_mask",
                                               ("component_mask", {"rho": 0.3})], children=3, seed=3)
     new_neft, old_neft, new_mask, old_mask = rows
-    assert new_neft.params["alpha"] == 1.0 and new_mask.params["rho"] == 0.1
+    assert new_neft.params["alpha"] == 1.0 and new_mask.params["rho"] == 0.05
     assert new_neft.retention >= 0.9 and new_neft.retention > old_neft.retention + 0.3
     assert new_mask.retention > old_mask.retention
 
@@ -102,15 +104,14 @@ def test_retention_real_end_to_end_on_a_tiny_model(tmp_path):
     tok = build_tiny_tokenizer()
     build_tiny_model(tok, seed=0, hidden_size=32).save_pretrained(tmp_path / "m")
     tok.save_pretrained(tmp_path / "m")
-    out = tmp_path / "retention.md"
-    assert retention_real.main(["--model", str(tmp_path / "m"), "--rank", "4", "--alpha", "8", "--steps", "12",
-                                "--lr", "5e-3", "--children", "1", "--no-sweep", "--out", str(out)]) == 0
-    text = out.read_text()
+    with pytest.raises(SystemExit):  # no model folder: one clear line, nothing run
+        retention_real.main(["--model", str(tmp_path / "missing")])
+    rows, info = retention_real.run(str(tmp_path / "m"), rank=4, alpha=8, steps=12, lr=5e-3, children=1,
+                                    sweep=[("neftune", {"alpha": 10.0})], tasks_per_adapter=2)
+    text = retention_real.format_table(rows, info)
     for name, op in OPERATORS.items():
         assert f"| {name} | {op.kind}" in text
     assert "crossover (related)" in text and "crossover (unrelated)" in text
-    rows, info = retention_real.run(str(tmp_path / "m"), rank=4, alpha=8, steps=12, lr=5e-3, children=1,
-                                    sweep=[("neftune", {"alpha": 10.0})])
     # The fine-tune moved the answers' log-probs and made B non-zero.
     assert all(p > b + 0.05 for p, b in zip(info["parent_logp"], info["base_logp"]))
     mutations = {r.operator: r for r in rows if r.kind == "mutation" and r.params == dict(OPERATORS[r.operator].defaults)}

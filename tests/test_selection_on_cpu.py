@@ -157,6 +157,38 @@ def test_learnable_outcome_makes_unsolvable_tasks_a_teacher_loss():
     assert match_outcomes([0.0, 0.25], 0.5, "vs_expected") == [TEACHER_WINS]
 
 
+def test_learnable_outcome_counts_invalid_proposals_against_the_teacher():
+    assert match_outcomes([0.25], 0.5, "learnable", invalid=3) == [STUDENT_WINS]
+    assert match_outcomes([0.25], 0.5, "vs_expected", invalid=3) == [TEACHER_WINS]  # ignored there
+    with pytest.raises(ValueError, match="invalid"):
+        match_outcomes([0.25], 0.5, "learnable", invalid=-1)
+
+
+@pytest.mark.parametrize("rule,winner", [("vs_expected", "teacher"), ("learnable", "student")])
+def test_step_rates_a_half_invalid_teacher_by_the_outcome_rule(rule, winner):
+    from populora_verl.executor import Executor
+    from populora_verl.step import GenResponse, PopulationStep
+
+    good = "plan</think>\n<answer>\n```python\ndef f(x):\n    return x + 1\n```\n```input\n3\n```\n</answer>"
+    right, wrong = ("4</think>\n<answer>\n```output\n4\n```\n</answer>",
+                    "5</think>\n<answer>\n```output\n5\n```\n</answer>")
+    cfg = load_config({"population": {"num_teachers": 1, "num_students": 1}, "matchmaking": {"outcome": rule},
+                       "tasks": {"types": ["code_o"], "num_references": 1},
+                       "rollout": {"teacher_n": 1, "student_n": 4, "proposals_per_type": 2},
+                       "diagnostics": {"cvt_cells": 4, "cvt_samples": 100}})
+    ex = Executor(timeout_s=5.0, memory_mb=256, max_workers=1)
+    try:
+        ps = PopulationStep(cfg, executor=ex, seed=0)
+        reqs = ps.begin(1)
+        # Two proposals: one valid, one garbage. The student solves the valid one 1 time in 4 (s̄ = 0.25 < p).
+        sreqs = ps.on_proposals([GenResponse(r, [good if i == 0 else "garbage"]) for i, r in enumerate(reqs)])
+        res = ps.on_answers([GenResponse(r, [right if (k == 0 and r.meta["source"] == "teacher") else wrong
+                                             for k in range(r.n)]) for r in sreqs])
+    finally:
+        ex.close()
+    assert res.outcomes[("t0", "s0")] == [winner]
+
+
 def _aged(nt=4, **pbt):
     cfg = load_config({"population": {"num_teachers": nt, "num_students": 2}, "pbt": {"roles": ["teacher"], **pbt}})
     pop = Population.create(cfg)
@@ -219,15 +251,33 @@ def test_new_keys_fail_naming_the_key(bad, key):
     assert str(e.value).startswith(key + ":")
 
 
-def test_selection_simulation_prefers_learnable_teachers():
-    from populora_verl.bench.selection_sim import SimConfig, simulate
+@pytest.mark.parametrize("rule,culled", [("vs_expected", "t1"), ("learnable", "t0")])
+def test_pbt_culls_the_stumping_teacher_only_under_learnable(rule, culled):
+    # t0 stumps its students (every task s̄ = 0); t1 poses learnable tasks (s̄ = 0.25, 0.5, 0.75). Same students,
+    # same number of matches: the outcome rule alone decides who PBT replaces.
+    cfg = load_config({"population": {"num_teachers": 3, "num_students": 2},
+                       "matchmaking": {"outcome": rule}, "pbt": {"roles": ["teacher"], "protect_top": 0}})
+    pop = Population.create(cfg)
+    for k in range(12):
+        s = f"s{k % 2}"
+        pop.ratings.rate_match("t0", s, [0.0, 0.0, 0.0], rule)
+        pop.ratings.rate_match("t1", s, [0.25, 0.5, 0.75], rule)
+        pop.ratings.rate_match("t2", s, [0.125, 0.25, 0.25], rule)  # a good teacher under both rules
+    plan = PBTController(cfg.pbt, seed=0, operators={"m": type("Op", (), {"kind": "mutation", "num_parents": 1,
+                                                                            "defaults": {}})()}).plan(pop, 10)
+    assert [r.victim_id for r in plan.replacements] == [culled]
 
-    out = {rule: simulate(SimConfig(outcome=rule, min_age=0, steps=120, seeds=4)) for rule in ("vs_expected",
-                                                                                              "learnable")}
-    # Under vs_expected a stumping teacher collects rating wins; under learnable it loses them, so the final
-    # teachers pose more learnable tasks and fewer unsolvable ones.
-    assert out["learnable"].final_learnable > out["vs_expected"].final_learnable + 0.1
-    assert out["learnable"].final_stump < out["vs_expected"].final_stump - 0.1
+
+def test_selection_simulation_runs_and_protects_newborns():
+    from populora_verl.bench.selection_sim import SimConfig, simulate, table
+
+    res = simulate(SimConfig(outcome="learnable", min_age=20, steps=40, seeds=2))
+    shares = (res.final_learnable, res.final_stump, res.final_invalid)
+    assert all(0 < x < 1 for x in shares) and sum(shares) < 1
+    assert res.recovering_culled == 0.0  # min_age=20 >= recovery: no child is culled while recovering
+    exposed = simulate(SimConfig(outcome="learnable", min_age=0, steps=40, seeds=2))
+    assert exposed.recovering_culled > 0.0  # without protection, recovering children are culled
+    assert "| learnable | 20 | prior |" in table([(SimConfig(), res)])
 
 
 # --- item 9: one founder lora_A ----------------------------------------------------------------------------------
@@ -257,6 +307,20 @@ def test_bank_founders_share_lora_a_by_choice(shared):
     same = all(torch.equal(states[0][k], s[k]) for s in states[1:] for k in a_keys)
     assert same is shared
     assert all(float(s[k].abs().max()) > 0 for s in states for k in a_keys)
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_cpu_driver_founders_share_lora_a_by_choice(shared):
+    pytest.importorskip("peft")
+    from populora_verl.local.config import LocalConfig
+    from populora_verl.local.hf_engine import HFEngine
+    from populora_verl.local.tiny import build_tiny_model, build_tiny_tokenizer
+
+    tok = build_tiny_tokenizer()
+    eng = HFEngine(build_tiny_model(tok, hidden_size=32), tok, num_slots=3, cfg=LocalConfig(), shared_a=shared)
+    states = [eng.get_adapter(s) for s in eng.slots]
+    a_keys = [k for k in states[0] if "lora_A" in k]
+    assert all(torch.equal(states[0][k], s[k]) for s in states[1:] for k in a_keys) is shared
 
 
 def test_founder_init_default_is_shared_a():

@@ -86,7 +86,7 @@ TASKS: tuple[tuple[str, str], ...] = (
 SWEEP: tuple[tuple[str, dict[str, Any]], ...] = (
     ("svd_mutation", {"eps": 0.05}), ("svd_mutation", {"eps": 0.2}),
     ("layer_gaussian", {"eps": 0.3}),
-    ("component_mask", {"rho": 0.05}), ("component_mask", {"rho": 0.3}),
+    ("component_mask", {"rho": 0.1}), ("component_mask", {"rho": 0.3}),
     ("full_gaussian", {"eps": 0.05}), ("full_gaussian", {"eps": 0.3}),
     ("neftune", {"alpha": 0.3}), ("neftune", {"alpha": 3.0}), ("neftune", {"alpha": 10.0}),
 )
@@ -162,7 +162,7 @@ def _train(model: Any, batch: Mapping[str, torch.Tensor], steps: int, lr: float)
 
 def run(model_dir: str, *, device: str | None = None, dtype: str | None = None, rank: int = 16, alpha: int = 16,
         steps: int = 40, lr: float = 5e-4, children: int = 3,
-        sweep: bool | Sequence[tuple[str, Mapping[str, Any]]] = True, seed: int = 0,
+        sweep: bool | Sequence[tuple[str, Mapping[str, Any]]] = True, seed: int = 0, tasks_per_adapter: int = 6,
         log: Callable[[str], None] = lambda s: None) -> tuple[list[RetentionResult], dict[str, Any]]:
     """Train the three adapters, measure every operator; returns ``(rows, info)``.
 
@@ -187,7 +187,7 @@ def run(model_dir: str, *, device: str | None = None, dtype: str | None = None, 
     model = get_peft_model(base, LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0, target_modules=targets))
     model.eval()
     template = {k: v.detach().clone() for k, v in get_peft_model_state_dict(model).items()}
-    thirds = [TASKS[i::3] for i in range(3)]
+    thirds = [TASKS[i::3][:tasks_per_adapter] for i in range(3)]
     batches = [_encode(tok, t, dev) for t in thirds]
 
     def score_logp(state: Mapping[str, torch.Tensor], k: int) -> float:
@@ -233,6 +233,7 @@ def run(model_dir: str, *, device: str | None = None, dtype: str | None = None, 
         "model": str(model_dir), "device": str(dev), "gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else
         platform.processor() or platform.machine(), "dtype": str(torch_dtype).replace("torch.", ""), "rank": rank,
         "alpha": alpha, "targets": targets, "steps": steps, "lr": lr, "children": children,
+        "tasks_per_adapter": len(thirds[0]),
         "base_logp": base_logp, "parent_logp": parent_logp, "train_loss": train_losses,
         "seconds": time.perf_counter() - t_start, "torch": torch.__version__,
     }
@@ -243,7 +244,7 @@ def format_table(rows: Sequence[RetentionResult], info: Mapping[str, Any]) -> st
     lines = [
         f"Model `{info['model']}` ({info['dtype']}) on {info['gpu']}, torch {info['torch']}; LoRA r={info['rank']}, "
         f"alpha={info['alpha']} on {', '.join(info['targets'])}; 3 adapters fine-tuned {info['steps']} AdamW steps "
-        f"(lr {info['lr']}) on 6 tasks each (loss "
+        f"(lr {info['lr']}) on {info['tasks_per_adapter']} tasks each (loss "
         + ", ".join(f"{a:.2f} -> {b:.2f}" for a, b in info["train_loss"]) + "); mean answer log-prob base "
         + ", ".join(f"{x:.3f}" for x in info["base_logp"]) + " -> parents "
         + ", ".join(f"{x:.3f}" for x in info["parent_logp"]) + f"; {info['children']} children per parent (pair); "

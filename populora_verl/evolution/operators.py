@@ -11,7 +11,7 @@ generator state gives the same child (on the same device). Noise is drawn in fp3
 the child is cast back to the parent's dtype (bf16 adapters work). Crossover parents are ordered fittest first.
 
 Candidate set (formulas and defaults: lucidrains/populora, see /work/shared/reference/paper-and-azr.md §6; two
-defaults are ours, recalibrated on trained adapters so a mutation keeps its parent's skill: M3 ρ = 0.1 instead of
+defaults are ours, recalibrated on trained adapters so a mutation keeps its parent's skill: M3 ρ = 0.05 instead of
 0.3 and M5 α = 1 instead of 10, see ``populora_verl.bench.retention_real`` and BENCHMARKS.md):
 
 ====  =========================  ========  ============================================================
@@ -19,7 +19,7 @@ id    name                       kind      what it does
 ====  =========================  ========  ============================================================
 M1    svd_mutation               mutation  S' = S·exp(ε z); U, V rotated by orth(I + ε·skew(M)); rebuild
 M2    layer_gaussian             mutation  ε·std(X)·N(0,1) on A and B of max(1, ⌊f·L⌋) random modules
-M3    component_mask             mutation  zero ⌈ρ·r⌉ random singular values per module; rebuild (ρ = 0.1)
+M3    component_mask             mutation  zero ⌈ρ·r⌉ random singular values per module; rebuild (ρ = 0.05)
 M4    full_gaussian              mutation  M2 on every module
 M5    neftune                    mutation  A += U(-b, b), b = α / sqrt(in·r) (α = 1)
 X1    dare_crossover             crossover mean over parents of DARE(X) = X·Bernoulli(1-p)/(1-p), A and B apart
@@ -239,7 +239,7 @@ def layer_gaussian(parents: Sequence[LoRAStack], *, generator: torch.Generator, 
 
 
 @register_operator("component_mask", kind="mutation", num_parents=1)
-def component_mask(parents: Sequence[LoRAStack], *, generator: torch.Generator, rho: float = 0.1) -> LoRAStack:
+def component_mask(parents: Sequence[LoRAStack], *, generator: torch.Generator, rho: float = 0.05) -> LoRAStack:
     """M3 component masking: per module, zero ⌈ρ·r⌉ random singular values and rebuild.
 
     The tensors keep rank r; the effective rank drops. A masked component keeps its A row (B column = 0), so

@@ -544,6 +544,8 @@ class PopulationStep:
     def load_state_dict(self, state: Mapping[str, Any], population: Any = None) -> None:
         if population is not None:
             self.population = population
+            if self.pbt is not None:  # the window of this run's config (final_quiet_steps may change on resume)
+                self.population.age_window = self.cfg.pbt.quiet_steps
         self.step = int(state["step"])
         self.seed = int(state["seed"])
         self._rng = np.random.Generator(np.random.PCG64())

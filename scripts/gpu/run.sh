@@ -4,7 +4,7 @@
 set -uo pipefail
 source scripts/gpu/env.sh
 OUT=${OUT:-$PWD/gpu-out}; mkdir -p "$OUT"
-job=${1:?job: bench_operators | eval_base | proof | step_scaling | validity}; shift || true
+job=${1:?job: bench_operators | eval_base | proof | step_scaling | validity | retention}; shift || true
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 case "$job" in
   bench_operators)
@@ -32,5 +32,11 @@ case "$job" in
       --lengths 1024 --temperatures 1.0 --proposals 64 --student-n 4 --gpu-memory-utilization 0.85 \
       --out "$OUT/validity" "$@" 2>&1 | grep -v "Warning\|warn(" | tee "$OUT/validity.log"
     echo "validity wall-clock: $(( $(date +%s) - start )) s" | tee -a "$OUT/validity.log" ;;
+  retention)
+    # Operator retention on Qwen2.5-Coder-0.5B-Instruct with 3 fine-tuned adapters (BENCHMARKS.md); < 4 min on H100.
+    start=$(date +%s)
+    python3 -m populora_verl.bench.retention_real --model "$MODEL_DIR" --out "$OUT/retention_real.md" "$@" 2>&1 \
+      | grep -v "Warning\|warn(" | tee "$OUT/retention_real.log"
+    echo "retention wall-clock: $(( $(date +%s) - start )) s" | tee -a "$OUT/retention_real.log" ;;
   *) echo "unknown job $job" >&2; exit 2 ;;
 esac
