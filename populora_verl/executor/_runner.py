@@ -319,12 +319,17 @@ class _ImportGuard:
         return None
 
 
+def _purge_banned_modules() -> None:
+    """Drop banned modules from ``sys.modules`` (cached modules bypass finders; their stdlib users keep their
+    own references). Done once in the runner, so that no child pays for the scan."""
+    for mod in [m for m in sys.modules if _banned_match(m, _BANNED) and m not in ("os.path",)]:
+        del sys.modules[mod]
+
+
 def _install_import_guard() -> None:
     global _ORIG_IMPORT
     import builtins
 
-    for mod in [m for m in sys.modules if _banned_match(m, _BANNED) and m not in ("os.path",)]:
-        del sys.modules[mod]  # cached modules bypass finders; stdlib users keep their own references
     _ORIG_IMPORT = builtins.__import__
     builtins.__import__ = _guarded_import
     sys.meta_path.insert(0, _ImportGuard())
@@ -482,7 +487,6 @@ def _child(req: dict, wfd: int, cfg: dict, workdir: str, role: str, time_fd: int
         os.environ.update({"PATH": "/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8"})
         signal.signal(signal.SIGPIPE, signal.SIG_DFL)
         sys.setrecursionlimit(1000)
-        _BANNED[:] = cfg.get("banned", [])
         pad = None
         if role == "B":
             # Shift this process's heap against the first run's, so that id()/address-based results differ.
@@ -609,6 +613,8 @@ class Runner:
                 __import__(mod)  # warm the fork parent: children import from memory, not from disk
             except ImportError:
                 pass
+        _BANNED[:] = cfg.get("banned", [])
+        _purge_banned_modules()
         import gc
 
         gc.collect()
