@@ -40,7 +40,10 @@ setup(
     license="Apache-2.0",
     python_requires=">=3.10,<3.13",
     packages=find_packages(include=["populora_verl", "populora_verl.*"]),
-    package_data={"populora_verl": ["data/*.jsonl", "recipes/*.yaml"]},
+    package_data={"populora_verl": ["data/*.jsonl", "recipes/*.yaml",
+                                     # benchmark files for populora-eval (1.7 MB, licences in MANIFEST.md)
+                                     "eval/benchmark_data/*/*.jsonl.gz", "eval/benchmark_data/MANIFEST.md",
+                                     "eval/benchmark_data/SHA256SUMS"]},
     include_package_data=True,
     install_requires=INSTALL_REQUIRES,
     extras_require={

@@ -14,19 +14,24 @@
 Atomicity: everything is written into ``step_<N>.tmp`` which is renamed to ``step_<N>`` only when complete, and
 ``latest`` is updated last through a temporary file and ``os.replace``. A crash at any point leaves either the
 previous checkpoint or the new one; a ``*.tmp`` folder (or any folder without ``COMPLETE``) is never loaded.
+
+Damage after the fact (a truncated or deleted file, a disk that filled up under another tool) is caught on load:
+:func:`load_checkpoint` raises :class:`CheckpointError` naming the file, and :func:`load_latest_checkpoint` reports
+it in one line and falls back to the newest older checkpoint that loads.
 """
 
 from __future__ import annotations
 
 import base64
 import json
+import logging
 import os
 import random
 import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import numpy as np
 import torch
@@ -35,6 +40,8 @@ from populora_verl.fsutil import swap_dir, write_json, write_text_atomic
 
 __all__ = [
     "Checkpoint",
+    "CheckpointError",
+    "load_latest_checkpoint",
     "capture_rng_state",
     "restore_rng_state",
     "save_checkpoint",
@@ -47,6 +54,12 @@ CHECKPOINTS = "checkpoints"
 LATEST = "latest"
 COMPLETE = "COMPLETE"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+
+log = logging.getLogger(__name__)
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used. The message is one line and names the file at fault."""
 
 
 # --- RNG state -----------------------------------------------------------------------------------------------
@@ -157,6 +170,8 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, *, population: Any,
         "populora": state,
         "rng": dict(rng) if rng is not None else capture_rng_state(),
         "extra": dict(extra or {}),
+        # which optimizer files belong to this checkpoint, so a deleted one is noticed instead of silently reset
+        "optimizers": sorted(optimizers),
     })
     (tmp / COMPLETE).write_text(f"step_{step}\n")
 
@@ -191,25 +206,104 @@ def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
     return done[-1] if done else None
 
 
+def _one_line(e: BaseException) -> str:
+    text = " ".join(str(e).split())
+    return f"{type(e).__name__}: {text[:200]}" if text else type(e).__name__
+
+
+def _read(path: Path, reader: Callable[[Path], Any]) -> Any:
+    """``reader(path)``, with any failure turned into a :class:`CheckpointError` that names ``path``."""
+    if not path.is_file():
+        raise CheckpointError(f"{path}: missing")
+    try:
+        return reader(path)
+    except Exception as e:  # truncated zip/pickle/safetensors/JSON all raise different types
+        raise CheckpointError(f"{path}: unreadable ({_one_line(e)})") from e
+
+
+def _read_json(path: Path) -> Any:
+    return _read(path, lambda p: json.loads(p.read_text(encoding="utf-8")))
+
+
+def _read_npz(path: Path) -> dict[str, np.ndarray]:
+    def read(p: Path) -> dict[str, np.ndarray]:
+        with np.load(p, allow_pickle=False) as z:
+            return {k: z[k] for k in z.files}  # reads every array: a truncated member fails here, not later
+    return _read(path, read)
+
+
+def _population_culprit(pop_dir: Path) -> None:
+    """Find the file that made ``Population.load`` fail and raise a :class:`CheckpointError` naming it."""
+    from safetensors.torch import load_file
+
+    from populora_verl.population.state import ADAPTER_CONFIG, ADAPTER_WEIGHTS, POPULATION_FILE
+
+    state = _read_json(pop_dir / POPULATION_FILE)
+    for mid in (state.get("adapters") or []) if isinstance(state, dict) else []:
+        _read_json(pop_dir / "adapters" / mid / ADAPTER_CONFIG)
+        _read(pop_dir / "adapters" / mid / ADAPTER_WEIGHTS, lambda p: load_file(str(p)))
+
+
 def load_checkpoint(path: str | os.PathLike, *, population_cls: Any = None) -> Checkpoint:
-    """Load a checkpoint folder (or a run directory: its latest complete checkpoint)."""
+    """Load a checkpoint folder (or a run directory: its newest checkpoint that loads, see
+    :func:`load_latest_checkpoint`). Raises :class:`CheckpointError` naming the first damaged or missing file."""
     path = Path(path)
     if not (path / COMPLETE).is_file():
-        found = latest_checkpoint(path)
-        if found is None:
-            raise FileNotFoundError(f"no complete checkpoint in {path}")
-        path = found
+        return load_latest_checkpoint(path, population_cls=population_cls)
     if population_cls is None:
         from populora_verl.population import Population as population_cls
-    population, adapters = population_cls.load(path / "population")
+    pop_dir = path / "population"
+    try:
+        population, adapters = population_cls.load(pop_dir)
+    except Exception as e:
+        _population_culprit(pop_dir)  # raises naming the file when it can find it
+        raise CheckpointError(f"{pop_dir}: unreadable ({_one_line(e)})") from e
+    meta = _read_json(path / "state.json")
+    if not isinstance(meta, dict) or "step" not in meta or "populora" not in meta:
+        raise CheckpointError(f"{path / 'state.json'}: not a checkpoint state (no step / populora entries)")
     optimizers = {}
     opt_dir = path / "optimizer"
-    for f in sorted(opt_dir.glob("*.pt")):
-        optimizers[f.stem] = torch.load(f, map_location="cpu", weights_only=False)
-    meta = json.loads((path / "state.json").read_text())
-    with np.load(path / "coverage.npz", allow_pickle=False) as z:
-        arrays = {k: z[k] for k in z.files}
-    step_state = _join_arrays(meta["populora"], arrays)
-    step_state["buffers"] = json.loads((path / "buffers.json").read_text())
+    names = meta.get("optimizers")  # absent in checkpoints written before it was recorded
+    files = [opt_dir / f"{n}.pt" for n in names] if names is not None else sorted(opt_dir.glob("*.pt"))
+    for f in files:
+        optimizers[f.stem] = _read(f, lambda p: torch.load(p, map_location="cpu", weights_only=False))
+    arrays = _read_npz(path / "coverage.npz")
+    try:
+        step_state = _join_arrays(meta["populora"], arrays)
+    except KeyError as e:
+        raise CheckpointError(f"{path / 'coverage.npz'}: array {e} is missing") from e
+    step_state["buffers"] = _read_json(path / "buffers.json")
     return Checkpoint(path=path, step=int(meta["step"]), population=population, adapters=dict(adapters or {}),
                       optimizers=optimizers, step_state=step_state, rng=meta.get("rng"), extra=meta.get("extra", {}))
+
+
+def load_latest_checkpoint(run_dir: str | os.PathLike, *, population_cls: Any = None,
+                           warn: Callable[[str], None] | None = None) -> Checkpoint:
+    """The newest checkpoint of ``run_dir`` that loads. Each one skipped (no ``COMPLETE`` marker, or a damaged or
+    missing file) is reported in one line through ``warn`` (default: this module's logger). Raises
+    :class:`CheckpointError` when none loads."""
+    warn = warn or log.warning
+    root = Path(run_dir) / CHECKPOINTS
+    complete = list_checkpoints(run_dir)
+    newest = int(_STEP_DIR.match(complete[-1].name).group(1)) if complete else -1
+    if root.is_dir():
+        for p in sorted(root.iterdir()):
+            m = _STEP_DIR.match(p.name)
+            if m and p.is_dir() and int(m.group(1)) > newest and not (p / COMPLETE).is_file():
+                warn(f"checkpoint {p}: no {COMPLETE} marker (an interrupted or damaged save), skipped")
+    if not complete:
+        raise CheckpointError(f"no complete checkpoint in {root}")
+    first = latest_checkpoint(run_dir)  # what ``latest`` names, when complete
+    problems = []
+    for cand in [first] + [c for c in reversed(complete) if c != first]:
+        try:
+            ck = load_checkpoint(cand, population_cls=population_cls)
+        except CheckpointError as e:
+            warn(f"checkpoint {cand.name} cannot be loaded: {e}; trying the previous one")
+            problems.append(cand.name)
+            continue
+        if problems:
+            warn(f"resuming from {cand.name}, the newest checkpoint that loads")
+        return ck
+    raise CheckpointError(f"no checkpoint in {root} can be loaded (tried {', '.join(problems)}); "
+                          "see the lines above for the damaged files")

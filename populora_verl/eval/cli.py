@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Sequence
@@ -25,18 +26,33 @@ def resolve_benchmarks(spec: str, data_dir: str | None, lcb_path: str | None) ->
     from populora_verl.eval.data import BENCHMARKS, CODE_BENCHMARKS, MATH_BENCHMARKS, find_benchmark_file, \
         resolve_data_dir
 
+    def has_file(name: str) -> bool:
+        if name == "livecodebench" and lcb_path is not None:
+            return True
+        try:
+            root = resolve_data_dir(data_dir, name)
+        except FileNotFoundError:
+            if data_dir is not None or os.environ.get("POPULORA_BENCHMARKS"):
+                raise  # the user's own directory is missing: say so rather than skip everything
+            return False
+        return find_benchmark_file(name, root) is not None
+
     if spec in ("all", "code", "math"):
         names = {"all": list(CODE_BENCHMARKS) + list(MATH_BENCHMARKS), "code": list(CODE_BENCHMARKS),
                  "math": list(MATH_BENCHMARKS)}[spec]
-        if "livecodebench" in names and lcb_path is None and \
-                find_benchmark_file("livecodebench", resolve_data_dir(data_dir)) is None:
-            _log("LiveCodeBench skipped: no file (pass --lcb-path; see the README, 'Evaluation and the population report')")
-            names.remove("livecodebench")
-        return names
+        missing = [n for n in names if not has_file(n)]
+        if missing:
+            _log(f"skipped (no file; pass --data-dir or, for LiveCodeBench, --lcb-path; see docs/evaluation.md): "
+                 f"{', '.join(BENCHMARKS[n].display for n in missing)}")
+        return [n for n in names if n not in missing]
     names = [s.strip() for s in spec.split(",") if s.strip()]
     unknown = [n for n in names if n not in BENCHMARKS]
     if unknown:
         raise SystemExit(f"unknown benchmarks {unknown}; known: {sorted(BENCHMARKS)} or all/code/math")
+    for n in names:  # before any model is loaded
+        if n != "livecodebench" and not has_file(n):
+            raise FileNotFoundError(f"{n}: no benchmark file found; pass --data-dir or set POPULORA_BENCHMARKS "
+                                    "(layout in docs/evaluation.md)")
     return names
 
 
@@ -44,7 +60,7 @@ def members_from_args(args: argparse.Namespace):
     """Members to evaluate: base (unless --no-base), the baseline adapter, then --adapters and the run's
     population (alive members with an adapter folder)."""
     from populora_verl.eval.backends import Member
-    from populora_verl.eval.report import find_population_dir, read_population
+    from populora_verl.eval.report import find_population_dir, read_population, young_members
 
     members = []
     if not args.no_base:
@@ -61,6 +77,11 @@ def members_from_args(args: argparse.Namespace):
         if pop_dir is None:
             raise SystemExit(f"no population.json under {args.run_dir} (checkpoints/latest, step_<N>/population)")
         state = read_population(pop_dir)
+        young, window = young_members(state)
+        if young:
+            _log(f"members younger than the final quiet window ({window} steps), possibly not recovered from their "
+                 f"operator: {', '.join(f'{m} ({a} steps)' for m, a in young.items())}")
+        args.young_members, args.age_window = young, window
         alive = [r for r in state.get("lineage", []) if r.get("death_step") is None]
         for r in alive:
             folder = pop_dir / "adapters" / r["id"]
@@ -94,7 +115,8 @@ def eval_parser() -> argparse.ArgumentParser:
     p.add_argument("--baseline-name", default="baseline")
     p.add_argument("--no-base", action="store_true", help="skip the base model row")
     p.add_argument("--benchmarks", default="all", help="all | code | math | comma list of names")
-    p.add_argument("--data-dir", help="benchmark directory (default: $POPULORA_BENCHMARKS, ../shared/data/benchmarks)")
+    p.add_argument("--data-dir", help="benchmark directory (default: $POPULORA_BENCHMARKS, then the package's own "
+                   "copy, then ../shared/data/benchmarks)")
     p.add_argument("--lcb-path", help="LiveCodeBench release jsonl (private tests as JSON, see docs)")
     p.add_argument("--lcb-on-pickle", choices=("error", "public_only"), default="error")
     p.add_argument("--limit", type=int, help="first N items per benchmark (smoke runs)")
@@ -111,11 +133,18 @@ def eval_parser() -> argparse.ArgumentParser:
     p.add_argument("--memory-mb", type=int, default=4096, help="address-space limit of a test process")
     p.add_argument("--cache-dir", help="expected-output cache (default: $POPULORA_CACHE or ~/.cache/populora_verl)")
     p.add_argument("--out", help="output folder (default: <run-dir>/eval or ./populora_eval)")
+    p.add_argument("--debug", action="store_true", help="show the full traceback of an error")
     return p
 
 
 def eval_main(argv: Sequence[str] | None = None) -> int:
     args = eval_parser().parse_args(argv)
+    from populora_verl.cli_errors import run_cli
+
+    return run_cli("populora-eval", lambda: _eval(args), debug=args.debug)
+
+
+def _eval(args: argparse.Namespace) -> int:
     from populora_verl.eval.backends import build_backend
     from populora_verl.eval.evaluate import default_cache_dir, evaluate
     from populora_verl.eval.report import markdown_table, population_table, write_table
@@ -138,7 +167,9 @@ def eval_main(argv: Sequence[str] | None = None) -> int:
     results = evaluate(backend, members, benches, data_dir=args.data_dir, limit=args.limit, paths=paths,
                        limits=limits, cache_dir=args.cache_dir or default_cache_dir(), workers=args.workers,
                        samples_path=out / "samples.jsonl", log=_log, lcb_on_pickle=args.lcb_on_pickle,
-                       info={"model": model, "backend": args.backend, "max_new_tokens": args.max_new_tokens})
+                       info={"model": model, "backend": args.backend, "max_new_tokens": args.max_new_tokens,
+                             "young_members": getattr(args, "young_members", {}),
+                             "age_window": getattr(args, "age_window", None)})
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(results, indent=1), encoding="utf-8")
     files = write_table(results, out)
@@ -149,17 +180,35 @@ def eval_main(argv: Sequence[str] | None = None) -> int:
 
 def report_main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="populora-report", description="Markdown report of a PopuLoRA run: evaluation "
-                                "table, training-dynamics plots, ratings and the lineage tree.")
-    p.add_argument("run_dir")
-    p.add_argument("--out", help="output folder (default: <run_dir>/report)")
+                                "table, training-dynamics plots, ratings and the lineage tree; or, with --compare, "
+                                "several runs drawn together (one figure per quantity).")
+    p.add_argument("run_dir", nargs="?")
+    p.add_argument("--compare", nargs="+", metavar="RUN_DIR", help="draw these runs on shared axes instead")
+    p.add_argument("--labels", nargs="+", help="--compare: one legend label per run (default: folder names)")
+    p.add_argument("--out", help="output folder (default: <run_dir>/report, or ./populora_compare)")
     p.add_argument("--eval", dest="eval_results", help="results.json of populora-eval (default: <run_dir>/eval/)")
+    p.add_argument("--debug", action="store_true", help="show the full traceback of an error")
     args = p.parse_args(argv)
-    from populora_verl.eval.report import build_run_report
+    from populora_verl.cli_errors import run_cli
 
-    results = json.loads(Path(args.eval_results).read_text(encoding="utf-8")) if args.eval_results else None
-    path = build_run_report(args.run_dir, args.out, eval_results=results)
-    print(path)
-    return 0
+    if not args.run_dir and not args.compare:
+        p.error("give a run directory, or --compare RUN_DIR [RUN_DIR ...]")
+
+    def report() -> int:
+        from populora_verl.eval.report import build_compare_report, build_run_report
+
+        if args.compare:
+            runs = ([args.run_dir] if args.run_dir else []) + list(args.compare)
+            print(build_compare_report(runs, args.out or "populora_compare", labels=args.labels))
+            return 0
+        if not Path(args.run_dir).is_dir():
+            raise FileNotFoundError(f"run directory {args.run_dir} does not exist")
+        results = json.loads(Path(args.eval_results).read_text(encoding="utf-8")) if args.eval_results else None
+        path = build_run_report(args.run_dir, args.out, eval_results=results)
+        print(path)
+        return 0
+
+    return run_cli("populora-report", report, debug=args.debug)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,9 @@
 """Offline benchmark loaders: every benchmark reads from a local path, never from a hub.
 
-Data directory (first that applies): the ``data_dir`` argument / ``--data-dir``, env ``POPULORA_BENCHMARKS``, or
-``../shared/data/benchmarks`` next to the repository checkout. Layout and formats are those of
-``shared/data/benchmarks/MANIFEST.md`` (EvalPlus releases, the AZR / Qwen2.5-Math ``math_eval`` files);
+Data directory (first that applies): the ``data_dir`` argument / ``--data-dir``, env ``POPULORA_BENCHMARKS``, the
+package's own copy (``populora_verl/eval/benchmark_data``: HumanEval+, MBPP+, GSM8K, MATH-500, AIME24/25, AMC23; see
+its MANIFEST.md), then ``../shared/data/benchmarks`` next to the repository checkout for the rest. Layout and formats
+are the EvalPlus releases and the AZR / Qwen2.5-Math ``math_eval`` files;
 LiveCodeBench is read from a user-supplied release jsonl (see :mod:`populora_verl.eval.lcb`).
 """
 
@@ -18,7 +19,7 @@ from typing import Any, Callable, Iterator
 
 from populora_verl.eval.math_grader import extract_boxed
 
-__all__ = ["Item", "BenchmarkSpec", "BENCHMARKS", "CODE_BENCHMARKS", "MATH_BENCHMARKS", "resolve_data_dir",
+__all__ = ["Item", "BenchmarkSpec", "BENCHMARKS", "CODE_BENCHMARKS", "MATH_BENCHMARKS", "PACKAGE_DATA", "resolve_data_dir",
            "load_benchmark", "benchmark_names", "register_benchmark"]
 
 
@@ -182,12 +183,17 @@ def benchmark_names() -> list[str]:
     return list(BENCHMARKS)
 
 
-def resolve_data_dir(data_dir: str | os.PathLike | None = None) -> Path:
-    """The benchmark directory: argument, then ``$POPULORA_BENCHMARKS``, then ``<repo>/../shared/data/benchmarks``."""
+PACKAGE_DATA = Path(__file__).resolve().with_name("benchmark_data")
+
+
+def resolve_data_dir(data_dir: str | os.PathLike | None = None, name: str | None = None) -> Path:
+    """The benchmark directory: ``data_dir``, else ``$POPULORA_BENCHMARKS``, else the package's own copy, else
+    ``<repo>/../shared/data/benchmarks``. With ``name``, the last two are searched for that benchmark's file (the
+    package ships only the benchmarks whose licences allow it)."""
     if data_dir is not None:
         p = Path(data_dir)
         if not p.is_dir():
-            raise FileNotFoundError(f"benchmark data dir {p} does not exist")
+            raise FileNotFoundError(f"--data-dir: benchmark directory {p} does not exist")
         return p
     env = os.environ.get("POPULORA_BENCHMARKS")
     if env:
@@ -195,12 +201,14 @@ def resolve_data_dir(data_dir: str | os.PathLike | None = None) -> Path:
         if not p.is_dir():
             raise FileNotFoundError(f"POPULORA_BENCHMARKS={env} is not a directory")
         return p
-    repo = Path(__file__).resolve().parents[2]
-    p = repo.parent / "shared" / "data" / "benchmarks"
-    if p.is_dir():
-        return p
-    raise FileNotFoundError("no benchmark data: pass --data-dir or set POPULORA_BENCHMARKS "
-                            f"(looked for {p}); the layout is described in the README, 'Evaluation and the population report'")
+    shared = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "benchmarks"
+    candidates = [d for d in (PACKAGE_DATA, shared) if d.is_dir()]
+    for d in candidates:
+        if name is None or find_benchmark_file(name, d) is not None:
+            return d
+    what = f"no {name} file" if name else "no benchmark data"
+    raise FileNotFoundError(f"{what} in {', '.join(map(str, candidates)) or PACKAGE_DATA}: pass --data-dir or set "
+                            "POPULORA_BENCHMARKS (layout in docs/evaluation.md)")
 
 
 def find_benchmark_file(name: str, data_dir: Path) -> Path | None:
@@ -219,7 +227,7 @@ def load_benchmark(name: str, data_dir: str | os.PathLike | None = None, *, path
         raise KeyError(f"unknown benchmark {name!r}; known: {sorted(BENCHMARKS)}")
     spec = BENCHMARKS[name]
     if path is None:
-        root = resolve_data_dir(data_dir)
+        root = resolve_data_dir(data_dir, name)
         found = find_benchmark_file(name, root)
         if found is None:
             raise FileNotFoundError(f"{name}: no file matching {list(spec.patterns)} under {root}")

@@ -1,7 +1,7 @@
 """Sandboxed, deterministic execution of untrusted AZR-style programs (``f(<inputs>)``).
 
 ``Executor`` (local namespaced workers or a remote SandboxFusion service), ``ExecResult``, and the static
-banned-module check ``check_program``. See the README, "Executor and threat model" for the threat model.
+banned-module check ``check_program``. See docs/executor.md for the threat model.
 """
 
 from populora_verl.executor.core import AZR_BANNED, ExecResult, Executor, check_program, truncate_middle

@@ -1,4 +1,4 @@
-"""The single-process CPU driver: ``python -m populora_verl.local`` (see the README, "Running on CPU").
+"""The single-process CPU driver: ``python -m populora_verl.local`` (see docs/cpu-driver.md).
 
 Runs the shared population step (:mod:`populora_verl.step`) with HF transformers + PEFT mixed-adapter batches on
 an embedded tiny model (no download), a local HF model folder (``--model``) or a GGUF file (``--gguf``).

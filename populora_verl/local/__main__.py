@@ -75,6 +75,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, help="populora.population.seed")
     p.add_argument("--config", help="YAML with populora: and/or local: sections")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--debug", action="store_true", help="show the full traceback of an error")
     p.add_argument("overrides", nargs="*", help="populora.<section>.<key>=value or local.<key>=value")
     return p.parse_intermixed_args(argv)  # overrides may come before or after the flags
 
@@ -97,7 +98,12 @@ def build_configs(args: argparse.Namespace) -> tuple[PopuLoRAConfig, LocalConfig
     for path in files:
         if not path.is_file():
             raise ConfigError(f"--config: no such file {path}")
-        data = yaml.safe_load(path.read_text()) or {}
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            where = f" (line {mark.line + 1})" if mark is not None else ""
+            raise ConfigError(f"--config: {path} is not valid YAML{where}: {getattr(e, 'problem', None) or e}") from e
         if not isinstance(data, Mapping):
             raise ConfigError(f"--config: {path} must hold a mapping with populora: / local: sections")
         unknown = set(data) - {"populora", "local"}
@@ -124,6 +130,26 @@ def build_configs(args: argparse.Namespace) -> tuple[PopuLoRAConfig, LocalConfig
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    from populora_verl.cli_errors import run_cli
+
+    return run_cli("populora-local", lambda: _run(args), debug=args.debug,
+                   on_interrupt=lambda: interrupted_message(args.run_dir, resume_cmd(args)))
+
+
+def resume_cmd(args: argparse.Namespace) -> str:
+    return f"python -m populora_verl.local --run-dir {args.run_dir} --resume"
+
+
+def interrupted_message(run_dir: str | Path, resume: str) -> str:
+    from populora_verl.checkpoint import latest_checkpoint
+
+    ck = latest_checkpoint(run_dir)
+    if ck is None:
+        return "interrupted before the first checkpoint was complete: nothing to resume, start again"
+    return f"interrupted; last complete checkpoint: {ck}; continue with: {resume}"
+
+
+def _run(args: argparse.Namespace) -> int:
     try:
         cfg, local = build_configs(args)
     except ConfigError as e:
@@ -133,12 +159,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("error: --model and --gguf are exclusive", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    from populora_verl.checkpoint import CheckpointError
     from populora_verl.local.driver import LocalDriver
 
     try:
         driver = LocalDriver(cfg, local, args.run_dir, model_path=args.model, gguf=args.gguf, resume=args.resume)
-    except (ConfigError, FileNotFoundError, FileExistsError) as e:
-        print(f"error: {e}", file=sys.stderr)
+    except (ConfigError, FileNotFoundError, FileExistsError, CheckpointError) as e:
+        if args.debug:
+            raise
+        from populora_verl.cli_errors import one_line
+
+        print(f"error: {one_line(e)}", file=sys.stderr)
         return 2
     pop = driver.population
     what = "single agent (AZR baseline)" if cfg.population.mode == "single_agent" else \

@@ -16,16 +16,20 @@ from typing import Any, Mapping
 import numpy as np
 import torch
 
-from populora_verl.checkpoint import (capture_rng_state, latest_checkpoint, load_checkpoint, restore_rng_state,
-                                      save_checkpoint)
+from populora_verl.checkpoint import (CheckpointError, Checkpoint, capture_rng_state, latest_checkpoint,
+                                      load_latest_checkpoint, restore_rng_state, save_checkpoint)
 from populora_verl.config import PopuLoRAConfig, to_dict
 from populora_verl.local.config import LocalConfig
 from populora_verl.local.hf_engine import HFEngine, seed_for, slot_name
 from populora_verl.step import PopulationStep, StepResult
+from populora_verl.step.orchestration import BASE_POLICY
 
 __all__ = ["LocalDriver", "load_model"]
 
 log = logging.getLogger(__name__)
+
+#: The seeding phase's programs, in ``buffer.seed_file`` format.
+SEED_FILE = "seed_tasks.jsonl"
 
 
 def load_model(model_path: str | None = None, gguf: str | None = None, *, seed: int = 0,
@@ -48,6 +52,9 @@ def load_model(model_path: str | None = None, gguf: str | None = None, *, seed: 
     else:
         if not Path(model_path).is_dir():
             raise FileNotFoundError(f"--model: no such directory {model_path}")
+        if not (Path(model_path) / "config.json").is_file():
+            raise FileNotFoundError(f"--model: {model_path} holds no HF model (no config.json); convert a GGUF with "
+                                    "`python -m populora_verl.models convert` or pass --gguf")
         tok = AutoTokenizer.from_pretrained(model_path)
         model = AutoModelForCausalLM.from_pretrained(model_path, torch_dtype=torch_dtype)
     if tok.pad_token is None:
@@ -63,7 +70,18 @@ class LocalDriver:
                  resume: bool = False, executor: Any = None) -> None:
         self.cfg, self.local = cfg, local
         self.run_dir = Path(run_dir)
+        ckpt = latest_checkpoint(self.run_dir)
+        if resume and ckpt is None:
+            # Starting fresh here would silently throw away what the user meant to continue.
+            raise CheckpointError(f"--resume: no complete checkpoint in {self.run_dir / 'checkpoints'}; drop --resume "
+                                  "to start a new run there")
+        if ckpt is not None and not resume:
+            # A fresh run here would interleave its metrics and checkpoints with the old run's.
+            raise FileExistsError(f"run dir {self.run_dir} already holds a run (checkpoint {ckpt.name}): pass "
+                                  "--resume to continue it, or choose another --run-dir")
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        # On --resume, find a checkpoint that loads before spending time on the model.
+        resumed = load_latest_checkpoint(self.run_dir) if resume else None
         self.seed = int(cfg.population.seed)
         # Everything below that draws from the global RNGs (LoRA init) is reproducible from the seed.
         random.seed(self.seed)
@@ -73,18 +91,14 @@ class LocalDriver:
             model, tokenizer = load_model(model_path, gguf, seed=self.seed, dtype=local.dtype)
         self.base_model_path = self._base_model_path(model, tokenizer, model_path, gguf)
         self.step_obj = PopulationStep(cfg, executor=executor, seed=self.seed)
+        # rollout.max_new_tokens / temperature null: the CPU driver's own defaults.
         self.engine = HFEngine(model, tokenizer, num_slots=len(self.step_obj.population.members), cfg=local,
-                               temperature=cfg.rollout.temperature, max_new_tokens=cfg.rollout.max_new_tokens)
+                               temperature=1.0 if cfg.rollout.temperature is None else cfg.rollout.temperature,
+                               max_new_tokens=cfg.rollout.max_new_tokens or 1024,
+                               shared_a=cfg.population.founder_init == "shared_a")
         self.start_step = 0
-        ckpt = latest_checkpoint(self.run_dir)
-        if ckpt is not None and not resume:
-            # A fresh run here would interleave its metrics and checkpoints with the old run's.
-            raise FileExistsError(f"run dir {self.run_dir} already holds a run (checkpoint {ckpt.name}): pass "
-                                  "--resume to continue it, or choose another --run-dir")
-        if resume and ckpt is None:
-            log.warning("--resume: no complete checkpoint in %s, starting fresh", self.run_dir)
-        if ckpt is not None:
-            self._restore(ckpt)
+        if resumed is not None:
+            self._restore(resumed)
         else:
             self._write_config()
         from populora_verl.diagnostics.metrics import MetricsLogger
@@ -100,6 +114,8 @@ class LocalDriver:
         return self.step_obj.population
 
     def slot_of(self, member_id: str) -> str:
+        if member_id == BASE_POLICY:
+            return "__base__"  # PEFT's name for "no adapter" in a mixed-adapter batch
         return slot_name(self.population.member(member_id).slot)
 
     def adapters(self) -> dict[str, dict[str, torch.Tensor]]:
@@ -135,8 +151,8 @@ class LocalDriver:
                                lora_config=lora_config, optimizers=optim,
                                step_state=self.step_obj.state_dict(), rng=capture_rng_state())
 
-    def _restore(self, path: Path) -> None:
-        ck = load_checkpoint(path)
+    def _restore(self, ck: Checkpoint) -> None:
+        path = ck.path
         members = ck.population.members
         if len(members) != len(self.engine.slots):
             raise ValueError(f"checkpoint {path} has {len(members)} members, this run has {len(self.engine.slots)} "
@@ -153,6 +169,25 @@ class LocalDriver:
             restore_rng_state(ck.rng)
         self.start_step = ck.step
         log.info("resumed from %s (step %d)", path, ck.step)
+
+    # --- seeding and one step ----------------------------------------------------------------------------
+
+    def seed_buffers(self) -> int:
+        """The seeding phase (``buffer.seed_programs``): the base model proposes until the buffers hold the target;
+        the seed set is written to ``<run_dir>/seed_tasks.jsonl`` (reuse it with ``buffer.seed_file``)."""
+        ps, rounds = self.step_obj, 0
+        while True:
+            requests = ps.seed_begin()
+            if not requests:
+                break
+            ps.seed_on_proposals(self.engine.generate(requests, self.slot_of, seed_for(self.seed, 0, rounds)))
+            rounds += 1
+        if rounds:
+            from populora_verl.tasks import save_seed_file
+
+            save_seed_file(ps.seed_set, self.run_dir / SEED_FILE)
+            log.info("seeding: %d rounds, %d seed tasks -> %s", rounds, len(ps.seed_set), self.run_dir / SEED_FILE)
+        return rounds
 
     # --- one step ---------------------------------------------------------------------------------------
 
@@ -199,6 +234,7 @@ class LocalDriver:
     def run(self, steps: int | None = None) -> list[dict[str, float]]:
         """Run up to step ``steps`` (total, counting resumed ones); checkpoint, log, plot at the end."""
         total = self.local.steps if steps is None else int(steps)
+        self.step_obj.set_total_steps(total)  # no evolution in the last pbt.final_quiet_steps steps
         bar = None
         if self.local.progress:
             from tqdm.auto import tqdm
@@ -206,6 +242,7 @@ class LocalDriver:
             bar = tqdm(total=total, initial=self.start_step, desc="populora", unit="step", dynamic_ncols=True)
         step = self.start_step
         try:
+            self.seed_buffers()  # no-op unless buffer.seed_programs > 0 on a fresh run
             for step in range(self.start_step + 1, total + 1):
                 _, metrics = self.run_step(step)
                 self.history.append(self.logger.log(metrics, step))

@@ -10,6 +10,7 @@ Statuses: a proposal is ``valid``, ``format_error`` (envelope or required blocks
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any, Protocol, Sequence
 
 from populora_verl.config import PopuLoRAConfig
@@ -105,11 +106,12 @@ class ProposalResult:
 
 
 def parse_proposal(response: str, task_type: str, *, num_inputs: int = 10, think_prefilled: bool = True,
-                   max_chars: int | None = None) -> Proposal:
+                   max_chars: int | None = None, code_f_rule: str = "azr") -> Proposal:
     """Extract the blocks a proposal must contain; :class:`~populora_verl.tasks.parsing.ParseError` if missing.
 
-    code_i / code_o: the first python block and the first input block. code_f: up to ``num_inputs`` input
-    blocks (first ones) and the first message block.
+    code_i / code_o: the first python block and the first input block. code_f: the first message block and the
+    input blocks: ``code_f_rule="azr"`` needs at least ``num_inputs`` of them and keeps the last ``num_inputs``
+    (AZR); ``"lenient"`` keeps the first ``num_inputs``.
     """
     answer = P.extract_answer(response, think_prefilled, max_chars=max_chars)
     if task_type in ("code_i", "code_o"):
@@ -121,7 +123,13 @@ def parse_proposal(response: str, task_type: str, *, num_inputs: int = 10, think
             raise P.ParseError("no input block")
         return Proposal(task_type=task_type, program=program, input=inp.strip())
     if task_type == "code_f":
-        inputs = [b.strip() for tag, b in P.fenced_blocks(answer) if tag == "input" and b.strip()][:num_inputs]
+        inputs = [b.strip() for tag, b in P.fenced_blocks(answer) if tag == "input" and b.strip()]
+        if code_f_rule == "azr":
+            if len(inputs) < num_inputs:
+                raise P.ParseError(f"{len(inputs)} input blocks, need {num_inputs}")
+            inputs = inputs[-num_inputs:]
+        else:
+            inputs = inputs[:num_inputs]
         message = P.first_block(answer, ("message",))
         if not inputs:
             raise P.ParseError("no input block")
@@ -159,14 +167,15 @@ def _validate_proposal(response: str, task_type: str, executor: ExecutorLike, cf
     function, renamed ``f``; no banned names; no ``input(``), its input must be an argument list, and
     ``f(input)`` must run deterministically in the executor; the output (``repr``) is the gold answer, cut
     to 400 characters when ``executor.truncate_output``.
-    code_f: ``program`` is the buffered task whose program the proposer saw; each proposed input is run on it,
-    valid distinct ones are kept, at least ``tasks.min_valid_inputs`` are needed; the first half is shown to
-    the solver, the rest is hidden.
+    code_f: ``program`` is the buffered task whose program the proposer saw; each proposed input is run on it.
+    ``tasks.code_f_rule=azr``: all ``num_inputs`` inputs must parse and run (deterministically), else the proposal
+    is invalid. ``lenient``: valid distinct ones are kept, at least ``tasks.min_valid_inputs`` are needed. The first
+    half is shown to the solver, the rest is hidden.
     """
     tcfg = cfg.tasks
     try:
         prop = parse_proposal(response, task_type, num_inputs=tcfg.num_inputs, think_prefilled=think_prefilled,
-                              max_chars=tcfg.max_response_chars)
+                              max_chars=tcfg.max_response_chars, code_f_rule=tcfg.code_f_rule)
     except P.ParseError as e:
         return ProposalResult("format_error", reason=str(e))
 
@@ -191,6 +200,9 @@ def _validate_proposal(response: str, task_type: str, executor: ExecutorLike, cf
         return ProposalResult("valid", task=task)
 
     # code_f
+    if program is None:
+        raise ValueError("code_f validation needs the buffered program the proposer was shown")
+    strict = tcfg.code_f_rule == "azr"
     if _task_text_problem(prop.message):
         return ProposalResult("invalid", reason=f"message: {_task_text_problem(prop.message)}")
     kept: list[str] = []
@@ -198,19 +210,32 @@ def _validate_proposal(response: str, task_type: str, executor: ExecutorLike, cf
     for raw in prop.inputs:
         try:
             inp = P.check_call_args(raw)
-            P.literal_args(inp)
-        except P.ParseError:
+            P.literal_args(inp)  # inputs are plain data, like outputs
+            why = _task_text_problem(inp)
+            if why:
+                raise P.ParseError(why)
+        except P.ParseError as e:
+            if strict:
+                return ProposalResult("invalid", reason=f"input {raw[:40]!r}: {e}")
+            continue
             continue
         if _task_text_problem(inp):
             continue
         key = _args_key(inp)
-        if key not in seen:
+        if strict or key not in seen:  # AZR keeps repeated inputs; the lenient rule counts each once
             seen.add(key)
             kept.append(inp)
-    results = executor.run_many([(program.program, inp) for inp in kept]) if kept else []
-    pairs = [(inp, _maybe_truncate(r.output, cfg)) for inp, r in zip(kept, results)
-             if r.ok and r.output is not None and literal_problem(r.output) is None]
-    if len(pairs) < tcfg.min_valid_inputs:
+    results = executor.run_many([(program.program, inp) for inp in kept],
+                                check_determinism=cfg.executor.check_determinism) if kept else []
+    results = [r if not (r.ok and r.output is not None and literal_problem(r.output)) else
+               SimpleNamespace(ok=False, output=None, error=f"not plain data: {literal_problem(r.output)}")
+               for r in results]
+    if strict:
+        failed = [(inp, r) for inp, r in zip(kept, results) if not r.ok or r.output is None]
+        if failed:
+            return ProposalResult("invalid", reason=f"input {failed[0][0][:40]!r} failed: {failed[0][1].error}")
+    pairs = [(inp, _maybe_truncate(r.output, cfg)) for inp, r in zip(kept, results) if r.ok and r.output is not None]
+    if not strict and len(pairs) < tcfg.min_valid_inputs:
         return ProposalResult("invalid", reason=f"{len(pairs)} valid distinct inputs, need {tcfg.min_valid_inputs}")
     task = Task(type="code_f", program=program.program, inputs=[a for a, _ in pairs], outputs=[b for _, b in pairs],
                 message=prop.message, num_visible=len(pairs) // 2, teacher=teacher, step=step)

@@ -29,6 +29,7 @@ __all__ = [
     "prompt_to_messages",
     "populora_field",
     "requests_to_rows",
+    "with_base_policy",
     "split_key",
     "group_trajectory_keys",
     "build_gen_responses",
@@ -54,8 +55,9 @@ def new_uid() -> str:
 
 
 def prompt_to_messages(prompt: Any) -> list[dict[str, str]]:
-    """verl's single-turn agent loop reads ``raw_prompt`` as chat messages; a plain-text (``azr``) prompt becomes
-    one user message (the tokenizer's chat template is then applied around it)."""
+    """verl's single-turn agent loop reads ``raw_prompt`` as chat messages; a plain-text (``azr``) prompt travels as
+    one user message whose text the ``populora_agent`` loop tokenizes as it is (``populora.prompt_format=text``),
+    without the chat template, so both engines feed the model the same token ids."""
     if isinstance(prompt, str):
         return [{"role": "user", "content": prompt}]
     if isinstance(prompt, Sequence) and all(isinstance(m, Mapping) and "role" in m and "content" in m for m in prompt):
@@ -75,6 +77,9 @@ def populora_field(request: Any, lora: Mapping[str, Any], step: int) -> dict[str
         "role": _ROLE_FOR_REWARD.get(request.role, request.role),
         "task_type": request.task_type,
         "step": int(step),
+        # "text": raw_prompt[0].content is the whole prompt, tokenized without a chat template (tasks.prompt_template
+        # azr); "chat": verl's chat template renders raw_prompt.
+        "prompt_format": "text" if isinstance(request.prompt, str) else "chat",
         # The population step scores every trajectory (it alone sees the matched students): the populora_code
         # reward manager skips these rows instead of running each program a second time.
         "scored_by": "population_step",
@@ -83,6 +88,17 @@ def populora_field(request: Any, lora: Mapping[str, Any], step: int) -> dict[str
         # JSON text: TQ stores it as one opaque non-tensor value and the reward manager accepts it as is.
         out["task"] = task.to_json() if hasattr(task, "to_json") else json.dumps(task)
     return out
+
+
+def with_base_policy(lora_of: Mapping[str, Mapping[str, Any]], member_id: str) -> dict[str, Mapping[str, Any]]:
+    """``lora_of`` plus a route for the seeding phase's base-policy requests (``BASE_POLICY``): ``member_id``'s
+    LoRA id. Seeding runs before step 1, when every slot's ``lora_B`` is still zero, so that adapter adds nothing and
+    vLLM samples the base model (our routing serves no request without an adapter)."""
+    from populora_verl.step.orchestration import BASE_POLICY
+
+    if member_id not in lora_of:
+        raise KeyError(f"no LoRA id for member {member_id!r}")
+    return {**lora_of, BASE_POLICY: lora_of[member_id]}
 
 
 def requests_to_rows(requests: Sequence[Any], lora_of: Mapping[str, Mapping[str, Any]], step: int, *,
@@ -314,7 +330,32 @@ def validate_verl_config(config: Any, pcfg: PopuLoRAConfig) -> None:
     max_cpu = _get(ek, "max_cpu_loras", max_loras)
     if not (isinstance(max_cpu, int) and max_cpu >= max_loras):
         _bad(f"{ar}.rollout.engine_kwargs.vllm.max_cpu_loras", f"must be >= max_loras ({max_loras}), got {max_cpu!r}")
+    _validate_overridden_keys(config, pcfg)
     if pcfg.rollout.max_loras is not None and pcfg.rollout.max_loras > max_loras:
         _bad("populora.rollout.max_loras",
              f"({pcfg.rollout.max_loras}) exceeds {ar}.rollout.engine_kwargs.vllm.max_loras ({max_loras}), "
              "which is what vLLM gets")
+
+
+def _validate_overridden_keys(config: Any, pcfg: PopuLoRAConfig) -> None:
+    """verl keys whose job PopuLoRA does itself, and ``populora.rollout`` keys verl's rollout never reads: each
+    must agree with what really happens, so no value a user sets is silently ignored."""
+    ar = "actor_rollout_ref"
+    n = _get(config, f"{ar}.rollout.n")
+    if n != 1:
+        _bad(f"{ar}.rollout.n", "must be 1: PopuLoRA sets samples per prompt itself (populora.rollout.teacher_n / "
+             f"student_n), got {n!r}")
+    # The trainer makes each slot's whole batch one PPO mini-batch; in verl's terms that is
+    # ppo_mini_batch_size == train_batch_size (one optimizer step per epoch), so ask for exactly that.
+    mini, batch = _get(config, f"{ar}.actor.ppo_mini_batch_size"), _get(config, "data.train_batch_size")
+    if mini != batch:
+        _bad(f"{ar}.actor.ppo_mini_batch_size", f"must equal data.train_batch_size ({batch!r}): PopuLoRA trains each "
+             f"adapter's whole batch as one mini-batch (one optimizer step per ppo_epoch), got {mini!r}")
+    length = _get(config, f"{ar}.rollout.response_length") or _get(config, "data.max_response_length")
+    if pcfg.rollout.max_new_tokens is not None and pcfg.rollout.max_new_tokens != length:
+        _bad("populora.rollout.max_new_tokens", f"({pcfg.rollout.max_new_tokens}) differs from {ar}.rollout."
+             f"response_length ({length!r}), which is what vLLM generates with: set that, or leave this null")
+    temp = _get(config, f"{ar}.rollout.temperature")
+    if pcfg.rollout.temperature is not None and pcfg.rollout.temperature != temp:
+        _bad("populora.rollout.temperature", f"({pcfg.rollout.temperature}) differs from {ar}.rollout.temperature "
+             f"({temp!r}), which is what vLLM samples with: set that, or leave this null")

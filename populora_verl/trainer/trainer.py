@@ -123,7 +123,10 @@ class PopuLoRATrainer(PPOTrainerSync):
         self.debug_probes = bool(OmegaConf.select(config, DEBUG_PROBES_KEY, default=False))
         from populora_verl.step import PopulationStep
 
-        self.pop_step = PopulationStep(self.pcfg)
+        # The run's length places the final evolution-free window (pbt.final_quiet_steps).
+        self.pop_step = PopulationStep(self.pcfg, total_steps=int(config.trainer.total_training_steps))
+        # One update_actor per slot with the slot's batch as one mini-batch: ppo_epochs optimizer steps.
+        self.pop_step.updates_per_step = int(OmegaConf.select(config, "actor_rollout_ref.actor.ppo_epochs", default=1))
         self._init_populora_state()
 
     def _init_populora_state(self) -> None:
@@ -247,7 +250,10 @@ class PopuLoRATrainer(PPOTrainerSync):
         """Submit one phase's requests, wait for all groups, decode. Returns (GenResponses, batch meta, masks)."""
         if not requests:
             return [], KVBatchMeta(partition_id=PARTITION), {}
-        rows = convert.requests_to_rows(requests, self._lora_table(), self.global_steps, start_index=self._next_index)
+        lora_of = self._lora_table()
+        if name == "seed":  # the seeding phase's base-policy requests (PopulationStep.seed_begin)
+            lora_of = convert.with_base_policy(lora_of, self.pop_step.population.members[0].id)
+        rows = convert.requests_to_rows(requests, lora_of, self.global_steps, start_index=self._next_index)
         self._next_index += len(rows)
         self._phase = _Phase(name, list(requests), [r["uid"] for r in rows], rows)
         try:
@@ -361,8 +367,31 @@ class PopuLoRATrainer(PPOTrainerSync):
     # --- hooks: probes, evolution, checkpoint, weight sync ---------------------------------------------------
 
     def on_step_begin(self) -> None:
+        if not self.pop_step.seeded:
+            self._seed_buffers()
         if self.debug_probes:
             self._probe_adapters()
+
+    def _seed_buffers(self) -> None:
+        """The seeding phase (``populora.buffer.seed_programs``) before step 1: the base policy proposes until the
+        buffers hold the target; nothing of it is trained. The seed set goes to ``<default_local_dir>/seed_tasks.jsonl``
+        (reuse it with ``populora.buffer.seed_file``)."""
+        from populora_verl.tasks import save_seed_file
+
+        ps, rounds, metrics = self.pop_step, 0, {}
+        while True:
+            requests = ps.seed_begin()
+            if not requests:
+                break
+            responses, batch, _ = self._generate(requests, "seed", metrics)
+            tq.kv_clear(keys=list(batch.keys), partition_id=PARTITION)  # never trained on
+            ps.seed_on_proposals(responses)
+            rounds += 1
+        if rounds:
+            path = os.path.join(self._step_folder().rsplit(os.sep, 1)[0], "seed_tasks.jsonl")
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            save_seed_file(ps.seed_set, path)
+            print(f"[populora] seeding: {rounds} rounds, {len(ps.seed_set)} seed tasks -> {path}", flush=True)
 
     def on_step_end(self) -> None:
         with marked_timer("populora_evolve", self.timing_raw, color="green"):
@@ -388,8 +417,11 @@ class PopuLoRATrainer(PPOTrainerSync):
         plan, children = self.pop_step.maybe_evolve(step, _LazyAdapters(self._get_adapter, slot_of))
         events = 0 if plan is None else len(plan.replacements)
         for r in (plan.replacements if plan is not None else []):
+            # reset_optimizer=false: the child takes its fitter parent's moments (as the CPU driver), never keeps
+            # its victim's. Parents are survivors, so no earlier replacement of this plan has touched them.
             self._rpc("populora_set_adapter", int(r.victim_slot), children[r.child_id],
-                      reset_optimizer=bool(r.reset_optimizer))
+                      reset_optimizer=bool(r.reset_optimizer),
+                      optimizer_from=None if r.reset_optimizer else slot_of[r.parent_ids[0]])
             print(f"[populora] step {step} evolution: {r.victim_id} (slot {r.victim_slot}) <- {r.child_id} = "
                   f"{r.operator}({', '.join(r.parent_ids)})", flush=True)
         return {"populora/evolution/events": float(events)}
@@ -420,8 +452,21 @@ class PopuLoRATrainer(PPOTrainerSync):
         print(f"[populora] step {self.global_steps}: checkpoint {pdir}", flush=True)
 
     def _load_checkpoint(self) -> None:
-        info = self._rpc("populora_init_bank", self.pcfg.population.num_adapters, self.pcfg.population.seed)
+        info = self._rpc("populora_init_bank", self.pcfg.population.num_adapters, self.pcfg.population.seed,
+                         shared_a=self.pcfg.population.founder_init == "shared_a")
         logger.info("populora: adapter bank initialised: %s", info)
+        ck = None
+        if self.config.trainer.resume_mode == "auto":
+            # Check the newest checkpoint before verl loads it; fall back to an older one if it is damaged.
+            from populora_verl.trainer.resume import choose_resume_folder, tracked_folder
+
+            root = self.config.trainer.default_local_dir
+            root = root if os.path.isabs(root) else os.path.join(os.getcwd(), root)
+            folder, ck = choose_resume_folder(root)
+            if folder is not None and folder != tracked_folder(root):
+                with open_dict(self.config):
+                    self.config.trainer.resume_mode = "resume_path"
+                    self.config.trainer.resume_from_path = str(folder)
         super()._load_checkpoint()
         if self.global_steps == 0:
             return
@@ -431,7 +476,7 @@ class PopuLoRATrainer(PPOTrainerSync):
         if not os.path.isdir(pdir):
             raise RuntimeError(f"resuming step {self.global_steps} but {pdir} is missing: without the population and "
                                "adapter bank the run would silently restart from fresh adapters")
-        ck = load_checkpoint(pdir)
+        ck = ck if ck is not None else load_checkpoint(pdir)
         self.pop_step.load_state_dict(ck.step_state, population=ck.population)
         if ck.rng:
             restore_rng_state(ck.rng)

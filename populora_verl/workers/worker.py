@@ -98,10 +98,12 @@ class PopuLoRAActorRolloutRefWorker(ActorRolloutRefWorker):
         return AdapterBank(engine.module, getattr(engine, "optimizer", None), getattr(engine, "lr_scheduler", None))
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def populora_init_bank(self, num_slots: int, seed: int, from_live: bool = False) -> dict[str, Any]:
-        """Create ``num_slots`` adapters (PEFT init from ``seed``, or copies of the live adapter)."""
+    def populora_init_bank(self, num_slots: int, seed: int, from_live: bool = False,
+                           shared_a: bool = False) -> dict[str, Any]:
+        """Create ``num_slots`` adapters (PEFT init from ``seed``, one lora_A for all if ``shared_a``, or copies of
+        the live adapter)."""
         self.bank = self._build_bank()
-        self.bank.init_slots(int(num_slots), seed=seed, from_live=from_live)
+        self.bank.init_slots(int(num_slots), seed=seed, from_live=from_live, shared_a=shared_a)
         self._populora_pushed = {}
         return self._bank_info()
 
@@ -127,10 +129,14 @@ class PopuLoRAActorRolloutRefWorker(ActorRolloutRefWorker):
         return self._require_bank().apply_plan(entries)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def populora_set_adapter(self, slot: int, state: Mapping[str, torch.Tensor], reset_optimizer: bool = True) -> int:
-        """Overwrite a slot with a full PEFT state dict; returns the slot's new version."""
+    def populora_set_adapter(self, slot: int, state: Mapping[str, torch.Tensor], reset_optimizer: bool = True,
+                             optimizer_from: int | None = None) -> int:
+        """Overwrite a slot with a full PEFT state dict; returns the slot's new version. ``optimizer_from``: the
+        slot then takes a copy of that slot's optimizer state (a child keeping its parent's moments)."""
         bank = self._require_bank()
         bank.set_adapter_state(int(slot), state, reset_optimizer=reset_optimizer)
+        if optimizer_from is not None:
+            bank.copy_optimizer(int(optimizer_from), int(slot))
         return bank.version(int(slot))
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)

@@ -4,7 +4,7 @@
 set -uo pipefail
 source scripts/gpu/env.sh
 OUT=${OUT:-$PWD/gpu-out}; mkdir -p "$OUT"
-job=${1:?job: bench_operators | eval_base | proof | step_scaling}; shift || true
+job=${1:?job: bench_operators | eval_base | proof | step_scaling | validity}; shift || true
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 case "$job" in
   bench_operators)
@@ -23,5 +23,13 @@ case "$job" in
     python3 -m populora_verl.bench.step_scaling --model "$MODEL_DIR" --out /tmp/step_scaling "$@" 2>&1 \
       | grep -v "Warning\|warn(" | tee "$OUT/step_scaling.log"
     cp /tmp/step_scaling/results.md /tmp/step_scaling/results.json "$OUT/" 2>/dev/null ;;
+  validity)
+    # Valid-proposal rate per task type with failure reasons, and student solve rates (issue 13). Later arguments
+    # override these (argparse keeps the last), e.g. `bash scripts/gpu/run.sh validity --lengths 1024 2048`.
+    start=$(date +%s)
+    python3 -m populora_verl.bench.validity --model "$MODEL_DIR" --engine vllm --templates azr chat \
+      --lengths 1024 --temperatures 1.0 --proposals 64 --student-n 4 --gpu-memory-utilization 0.85 \
+      --out "$OUT/validity" "$@" 2>&1 | grep -v "Warning\|warn(" | tee "$OUT/validity.log"
+    echo "validity wall-clock: $(( $(date +%s) - start )) s" | tee -a "$OUT/validity.log" ;;
   *) echo "unknown job $job" >&2; exit 2 ;;
 esac

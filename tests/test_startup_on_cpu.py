@@ -1,0 +1,78 @@
+"""Start-up checks run before Ray/TransferQueue: a Hydra callback in the recipes ends a bad run in one line."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from populora_verl.config import ConfigError
+from populora_verl.startup import preflight
+
+REPO = Path(__file__).resolve().parents[1]
+RECIPES = REPO / "recipes" / "populora"
+
+
+def _compose(name, overrides=(), hydra=False):
+    with initialize_config_dir(config_dir=str(RECIPES), version_base=None):
+        return compose(config_name=name, overrides=list(overrides), return_hydra_config=hydra)
+
+
+@pytest.fixture
+def model_dir(tmp_path):
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text("{}")
+    return tmp_path / "m"
+
+
+@pytest.mark.parametrize("recipe", ["1t1s", "2t2s", "4t4s", "8t8s", "azr_single_agent", "smoke_0.5b"])
+def test_every_recipe_declares_the_preflight_callback(recipe):
+    cfg = _compose(recipe, ["actor_rollout_ref.model.path=/m"], hydra=True)
+    assert cfg.hydra.callbacks.populora_preflight._target_ == "populora_verl.startup.PreflightCallback"
+
+
+def test_model_path_is_checked(tmp_path, model_dir, monkeypatch):
+    with pytest.raises(ConfigError, match=r"^actor_rollout_ref\.model\.path: no such directory '/nonexistent'$"):
+        preflight(_compose("smoke_0.5b", ["actor_rollout_ref.model.path=/nonexistent"]), check_gpus=False)
+    with pytest.raises(ConfigError, match=r"holds no HF model \(no config.json\)"):
+        preflight(_compose("smoke_0.5b", [f"actor_rollout_ref.model.path={tmp_path}"]), check_gpus=False)
+    preflight(_compose("smoke_0.5b", [f"actor_rollout_ref.model.path={model_dir}"]), check_gpus=False)
+    # "org/name" is a hub id unless the hub is switched off
+    preflight(_compose("2t2s", ["actor_rollout_ref.model.path=Qwen/Qwen2.5-Coder-7B"]), check_gpus=False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ConfigError, match="HF_HUB_OFFLINE is set"):
+        preflight(_compose("2t2s", ["actor_rollout_ref.model.path=Qwen/Qwen2.5-Coder-7B"]), check_gpus=False)
+
+
+def test_gpus_and_keys_are_checked(model_dir, monkeypatch):
+    import torch
+
+    cfg = _compose("2t2s", [f"actor_rollout_ref.model.path={model_dir}"])
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    with pytest.raises(ConfigError, match=r"^trainer\.n_gpus_per_node: 8 GPU\(s\) requested but no GPU is visible"):
+        preflight(cfg)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(ConfigError, match=r"8 GPUs requested but 2 visible.*trainer\.n_gpus_per_node=2"):
+        preflight(cfg)
+    preflight(_compose("2t2s", [f"actor_rollout_ref.model.path={model_dir}", "trainer.n_gpus_per_node=2"]))
+    with pytest.raises(ConfigError, match=r"^actor_rollout_ref\.rollout\.name: must be 'populora_vllm'"):
+        preflight(_compose("2t2s", [f"actor_rollout_ref.model.path={model_dir}", "actor_rollout_ref.rollout.name=vllm"]))
+    with pytest.raises(ConfigError, match=r"^populora\.pbt\.cull_fraction: must be in \(0, 1\)"):
+        preflight(_compose("2t2s", [f"actor_rollout_ref.model.path={model_dir}", "populora.pbt.cull_fraction=1.5"]))
+
+
+def test_verl_main_stops_in_one_line_before_ray(tmp_path):
+    """The real entry point: ``python -m verl.trainer.main_ppo`` with a recipe and a missing model."""
+    env = dict(os.environ, RAY_AUTH_MODE="disabled", PYTHONWARNINGS="ignore",
+               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    r = subprocess.run([sys.executable, "-m", "verl.trainer.main_ppo", "--config-path", str(RECIPES),
+                        "--config-name", "smoke_0.5b", "actor_rollout_ref.model.path=/nonexistent/model"],
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert r.stderr.strip().splitlines()[-1] == "populora: actor_rollout_ref.model.path: no such directory " \
+                                                "'/nonexistent/model'"
+    assert "Traceback" not in r.stderr and "ray" not in r.stdout.lower()
