@@ -388,16 +388,27 @@ def plain_data_problem(value: object, max_items: int) -> str | None:
     return None
 
 
-def _evaluate(req: dict, first_run: bool) -> dict:
-    """Evaluate ``f(inputs)`` in this process. The first run does the static check and AZR's in-process double
-    call (global counters, mutated defaults); the second run (another process) calls once."""
-    program, inputs = req["program"], req["inputs"]
-    if first_run:
-        reason = find_banned(program, _BANNED)
-        if reason:
-            return {"ok": False, "output": None, "error": reason}
+def prepare_program(program: str) -> tuple[bool, object]:
+    """``(True, code object)`` or ``(False, reason)``: the static check and the compilation of a program.
+
+    Done by the runner, once per distinct program (cached), before any fork: both runs of a call, and the
+    many calls of one program (code_f inputs, code_i answers), inherit the code object. Parsing and compiling
+    model text is no more trust than the host already gives it (it parses every program it is sent).
+    """
+    reason = find_banned(program, _BANNED)
+    if reason:
+        return False, reason
     try:
-        code = compile(program, PROGRAM_FILE, "exec")
+        return True, compile(program, PROGRAM_FILE, "exec")
+    except (SyntaxError, ValueError, RecursionError, MemoryError, OverflowError) as e:
+        return False, _short(e)
+
+
+def _evaluate(req: dict, first_run: bool, code: object) -> dict:
+    """Evaluate ``f(inputs)`` in this process with the runner-compiled ``code``. The first run also does AZR's
+    in-process double call (global counters, mutated defaults); the second run (another process) calls once."""
+    inputs = req["inputs"]
+    try:
         call = compile(f"f(\n{inputs}\n)", INPUT_FILE, "eval")
     except (SyntaxError, ValueError, RecursionError, MemoryError) as e:
         return {"ok": False, "output": None, "error": _short(e)}
@@ -434,7 +445,7 @@ def _evaluate(req: dict, first_run: bool) -> dict:
     return {"ok": True, "output": text, "error": None}
 
 
-def _child(req: dict, wfd: int, cfg: dict, workdir: str, role: str, time_fd: int | None) -> None:
+def _child(req: dict, wfd: int, cfg: dict, workdir: str, role: str, time_fd: int | None, code: object) -> None:
     """Runs in the forked process: confine it, then evaluate once (``role`` A) or as the second run (B)."""
     try:
         os.setsid()
@@ -491,7 +502,7 @@ def _child(req: dict, wfd: int, cfg: dict, workdir: str, role: str, time_fd: int
         if role == "B":
             # Shift this process's heap against the first run's, so that id()/address-based results differ.
             pad = [bytearray(n) for n in range(1, 520, 4)]  # one more block in each small-object size class
-        result = _evaluate(req, first_run=role == "A")
+        result = _evaluate(req, role == "A", code)
         del pad
     except BaseException as e:  # noqa: BLE001
         result = {"ok": False, "output": None, "error": f"crashed: sandbox setup failed: {_short(e)}"}
@@ -568,8 +579,11 @@ def wipe_dir(path: str, max_passes: int = 1_000_000) -> None:
 
 
 class Runner:
+    PROGRAM_CACHE = 64  # compiled programs kept (code_f: one program, many inputs; code_i: many answers)
+
     def __init__(self, cfg: dict, ctl_in: int, ctl_out: int) -> None:
         self.cfg, self.ctl_in, self.ctl_out = cfg, ctl_in, ctl_out
+        self._programs: dict[str, tuple[bool, object]] = {}
         self.is_init = os.getpid() == 1
         self.notes: list[str] = []
         self.protections = {"pid_namespace": self.is_init}
@@ -719,13 +733,13 @@ class Runner:
         finally:
             os.setresuid(0, 0, 0)
 
-    def _once(self, req: dict, role: str, deadline: float) -> dict:
+    def _once(self, req: dict, role: str, deadline: float, code: object) -> dict:
         """One confined process evaluating the request; everything it left behind is gone afterwards."""
         rfd, wfd = os.pipe()
         child = os.fork()
         if child == 0:
             os.close(rfd)
-            _child(req, wfd, self.cfg, self.workdir, role, self.time_fd if role == "B" else None)
+            _child(req, wfd, self.cfg, self.workdir, role, self.time_fd if role == "B" else None, code)
         os.close(wfd)
         limit = 8 * int(req["max_output_chars"]) + (1 << 16)
         buf, timed_out, status = bytearray(), False, None
@@ -767,9 +781,17 @@ class Runner:
         determinism is checked, a second independent process (shifted heap and clocks) whose repr must match."""
         start = _now()
         deadline = start + float(req["timeout_s"])
-        first = self._once(req, "A", deadline)
+        program = req["program"]
+        prepared = self._programs.pop(program, None) or prepare_program(program)
+        self._programs[program] = prepared  # most recently used last
+        if len(self._programs) > self.PROGRAM_CACHE:
+            del self._programs[next(iter(self._programs))]
+        ok, code = prepared
+        if not ok:
+            return {"ok": False, "output": None, "error": code, "duration_s": _now() - start}
+        first = self._once(req, "A", deadline, code)
         if first["ok"] and req["check_determinism"]:
-            second = self._once(req, "B", deadline)
+            second = self._once(req, "B", deadline, code)
             if not second["ok"]:
                 kind = str(second["error"]).split(":", 1)[0]
                 if kind in ("timeout", "memory"):
