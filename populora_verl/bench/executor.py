@@ -219,13 +219,18 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=list(SYSTEMS))
     ap.add_argument("--python-c-n", type=int, default=150,
                     help="python -c is slow: it runs on the first N items of each mix only")
+    ap.add_argument("--unique", action="store_true",
+                    help="make every program text distinct (a trailing comment), so that no per-program cache helps")
     ap.add_argument("--out", default=None, help="append a markdown table of the figures to this file")
     args = ap.parse_args(argv)
     items = make_mix(args.n, args.seed)
+    if args.unique:
+        items = [Item(it.kind, f"{it.program}\n# program {i}", it.inputs, it.host_unsafe) for i, it in enumerate(items)]
     mixes = {"bench": items, "normal": [it for it in items if it.kind == "normal"]}
     counts = {k: sum(it.kind == k for it in items) for k in ("normal", "slow", "hostile")}
     print(f"machine: {_machine()}", flush=True)
-    print(f"mix: {counts} timeout={args.timeout}s workers={args.workers} rounds={args.rounds}", flush=True)
+    print(f"mix: {counts} timeout={args.timeout}s workers={args.workers} rounds={args.rounds}"
+          f"{' unique program texts' if args.unique else ''}", flush=True)
     systems = {name: SYSTEMS[name](args.timeout, args.workers) for name in args.systems}
     rates: dict[tuple[str, str], list[float]] = {}
     loads: list[float] = []
