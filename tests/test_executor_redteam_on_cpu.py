@@ -120,7 +120,7 @@ def test_degraded_memory_mode_is_reported_and_still_frees_shm():
     with Executor(timeout_s=TIMEOUT, memory_mb=512, max_workers=1, memory_cgroup=False) as ex:
         assert ex.protections["memory_cgroup"] is False
         assert any("memory cgroup disabled" in n for n in ex._backend.notes)
-        if ex.protections["ipc_namespace_per_call"]:
+        if ex.protections["ipc_cleanup_per_call"]:
             assert ex.run(SHM, "1", check_determinism=False, timeout_s=20).output == "'done'"
             assert ex.run(SHM_LOOKUP, "1", check_determinism=False).output == "-1"
 

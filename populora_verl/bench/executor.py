@@ -200,6 +200,26 @@ def _machine() -> str:
     return f"{platform.machine()} {cpu}, {os.cpu_count()} cpus, Python {platform.python_version()}"
 
 
+def _tree_cpu() -> float:
+    """CPU seconds used so far by this process and all its descendants, live or reaped (load-independent)."""
+    import psutil  # a dependency of ray, always present with verl
+
+    me = psutil.Process()
+    procs = [me]
+    try:
+        procs += me.children(recursive=True)
+    except psutil.Error:
+        pass
+    total = 0.0
+    for p in procs:
+        try:
+            t = p.cpu_times()
+            total += t.user + t.system + t.children_user + t.children_system
+        except psutil.Error:
+            pass
+    return total
+
+
 def _load() -> float:
     return os.getloadavg()[0]
 
@@ -233,6 +253,7 @@ def main(argv: list[str] | None = None) -> dict:
           f"{' unique program texts' if args.unique else ''}", flush=True)
     systems = {name: SYSTEMS[name](args.timeout, args.workers) for name in args.systems}
     rates: dict[tuple[str, str], list[float]] = {}
+    cpu_ms: dict[tuple[str, str], list[float]] = {}
     loads: list[float] = []
     outputs: dict[tuple[str, str], list] = {}
     try:
@@ -245,9 +266,11 @@ def main(argv: list[str] | None = None) -> dict:
                 for name in order:
                     batch = mix[: args.python_c_n] if name == "python_c" else mix
                     loads.append(_load())
+                    c = _tree_cpu()
                     t = time.perf_counter()
                     res = systems[name].run_many(batch)
                     dt = time.perf_counter() - t
+                    cpu_ms.setdefault((mix_name, name), []).append(1000 * (_tree_cpu() - c) / len(batch))
                     rates.setdefault((mix_name, name), []).append(_rate(len(batch), dt))
                     outputs[(mix_name, name)] = res
                     print(f"round {r} {mix_name:6s} {name:8s} {_rate(len(batch), dt):8.1f}/s  "
@@ -272,6 +295,14 @@ def main(argv: list[str] | None = None) -> dict:
             med, lo, hi = _summary(rates[(mix_name, name)])
             figures["rates"][f"{mix_name}/{name}"] = {"median": med, "min": lo, "max": hi}
             cells.append(f"{med:.0f} ({lo:.0f}..{hi:.0f})")
+        lines.append(f"| {mix_name} | " + " | ".join(cells) + " |")
+    lines.append("| **CPU ms per validation** (median, all processes) | " + " | ".join(systems) + " |")
+    for mix_name in mixes:
+        cells = []
+        for name in systems:
+            med, lo, hi = _summary(cpu_ms[(mix_name, name)])
+            figures["rates"][f"{mix_name}/{name}/cpu_ms"] = {"median": med, "min": lo, "max": hi}
+            cells.append(f"{med:.2f} ({lo:.2f}..{hi:.2f})")
         lines.append(f"| {mix_name} | " + " | ".join(cells) + " |")
     if "ours" in systems and "azr_pool" in systems:
         for mix_name in mixes:
