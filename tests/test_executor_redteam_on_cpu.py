@@ -226,3 +226,11 @@ def test_control_characters_in_plain_strings_come_back_escaped(ex):
     assert res.ok, res
     res.output.encode("utf-8")
     assert res.output.isprintable()
+
+
+@pytest.mark.skipif(not ROOT, reason="the slot uid (root only) tells the sandbox's IPC objects from the host's")
+def test_without_namespaces_the_slot_uids_ipc_objects_are_removed():
+    with Executor(timeout_s=TIMEOUT, memory_mb=512, max_workers=1, isolation="rlimits") as ex:
+        assert ex.protections["ipc_cleanup_per_call"] and not ex.protections["pid_namespace"]
+        assert ex.run(SHM.replace("300 << 20", "1 << 20"), "1", check_determinism=False).output == "'done'"
+        assert ex.run(SHM_LOOKUP, "1", check_determinism=False).output == "-1"

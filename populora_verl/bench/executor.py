@@ -6,7 +6,7 @@ Three systems get the same programs, the same timeout and the same number of par
 work per program (run ``f(<inputs>)`` twice, compare, ``repr``):
 - ``ours``: :class:`~populora_verl.executor.Executor` with every protection this host allows (printed);
 - ``azr_pool``: :mod:`populora_verl.bench.azr_pool`, a pebble process pool ``exec``-ing programs with no
-  isolation, as AZR's executor does;
+  isolation, as AZR's executor does (``pip install -e .[bench]`` for pebble);
 - ``python_c``: a fresh ``python -c`` subprocess per program (no isolation, an address-space rlimit only).
 Programs that would harm the host when run unsandboxed (fork bomb, killing the parent) are replaced by an
 equally cheap failing program on the two unsandboxed sides only. Two mixes: the bench mix below, and its
