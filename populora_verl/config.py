@@ -191,8 +191,8 @@ class TasksConfig:
         _check(1 <= self.min_valid_inputs <= self.num_inputs, f"{p}.min_valid_inputs",
                "must be in [1, num_inputs]")
         _check(self.max_program_chars > 0, f"{p}.max_program_chars", "must be > 0")
-        _check(self.max_response_chars > 0, f"{p}.max_response_chars", "must be > 0")
         _choice(self.code_f_rule, ("azr", "lenient"), f"{p}.code_f_rule")
+        _check(self.max_response_chars > 0, f"{p}.max_response_chars", "must be > 0")
         _choice(self.prompt_template, ("azr", "chat"), f"{p}.prompt_template")
         if self.prompt_file is not None:
             from populora_verl.tasks.templates import load_prompt_file  # lazy: tasks imports this module

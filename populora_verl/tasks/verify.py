@@ -10,7 +10,6 @@ Statuses: a proposal is ``valid``, ``format_error`` (envelope or required blocks
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 from typing import Any, Protocol, Sequence
 
 from populora_verl.config import PopuLoRAConfig
@@ -106,7 +105,7 @@ class ProposalResult:
 
 
 def parse_proposal(response: str, task_type: str, *, num_inputs: int = 10, think_prefilled: bool = True,
-                   max_chars: int | None = None, code_f_rule: str = "azr") -> Proposal:
+                   code_f_rule: str = "azr", max_chars: int | None = None) -> Proposal:
     """Extract the blocks a proposal must contain; :class:`~populora_verl.tasks.parsing.ParseError` if missing.
 
     code_i / code_o: the first python block and the first input block. code_f: the first message block and the
@@ -175,7 +174,7 @@ def _validate_proposal(response: str, task_type: str, executor: ExecutorLike, cf
     tcfg = cfg.tasks
     try:
         prop = parse_proposal(response, task_type, num_inputs=tcfg.num_inputs, think_prefilled=think_prefilled,
-                              max_chars=tcfg.max_response_chars, code_f_rule=tcfg.code_f_rule)
+                              code_f_rule=tcfg.code_f_rule, max_chars=tcfg.max_response_chars)
     except P.ParseError as e:
         return ProposalResult("format_error", reason=str(e))
 
@@ -210,16 +209,14 @@ def _validate_proposal(response: str, task_type: str, executor: ExecutorLike, cf
     for raw in prop.inputs:
         try:
             inp = P.check_call_args(raw)
-            P.literal_args(inp)  # inputs are plain data, like outputs
-            why = _task_text_problem(inp)
-            if why:
-                raise P.ParseError(why)
+            P.literal_args(inp)
         except P.ParseError as e:
             if strict:
                 return ProposalResult("invalid", reason=f"input {raw[:40]!r}: {e}")
             continue
-            continue
         if _task_text_problem(inp):
+            if strict:
+                return ProposalResult("invalid", reason=f"input {inp[:40]!r}: {_task_text_problem(inp)}")
             continue
         key = _args_key(inp)
         if strict or key not in seen:  # AZR keeps repeated inputs; the lenient rule counts each once
@@ -227,14 +224,14 @@ def _validate_proposal(response: str, task_type: str, executor: ExecutorLike, cf
             kept.append(inp)
     results = executor.run_many([(program.program, inp) for inp in kept],
                                 check_determinism=cfg.executor.check_determinism) if kept else []
-    results = [r if not (r.ok and r.output is not None and literal_problem(r.output)) else
-               SimpleNamespace(ok=False, output=None, error=f"not plain data: {literal_problem(r.output)}")
-               for r in results]
     if strict:
-        failed = [(inp, r) for inp, r in zip(kept, results) if not r.ok or r.output is None]
-        if failed:
-            return ProposalResult("invalid", reason=f"input {failed[0][0][:40]!r} failed: {failed[0][1].error}")
-    pairs = [(inp, _maybe_truncate(r.output, cfg)) for inp, r in zip(kept, results) if r.ok and r.output is not None]
+        for inp, r in zip(kept, results):
+            if not r.ok or r.output is None:
+                return ProposalResult("invalid", reason=f"input {inp[:40]!r} failed: {r.error}")
+            if literal_problem(r.output) is not None:
+                return ProposalResult("invalid", reason=f"input {inp[:40]!r}: output {literal_problem(r.output)}")
+    pairs = [(inp, _maybe_truncate(r.output, cfg)) for inp, r in zip(kept, results)
+             if r.ok and r.output is not None and literal_problem(r.output) is None]
     if not strict and len(pairs) < tcfg.min_valid_inputs:
         return ProposalResult("invalid", reason=f"{len(pairs)} valid distinct inputs, need {tcfg.min_valid_inputs}")
     task = Task(type="code_f", program=program.program, inputs=[a for a, _ in pairs], outputs=[b for _, b in pairs],

@@ -32,7 +32,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["AdapterBank", "AdapterBankError", "PlanEntry", "peft_key", "BANK_FORMAT_VERSION"]
+__all__ = ["AdapterBank", "AdapterBankError", "PlanEntry", "peft_key", "bank_filename", "bank_file_for",
+           "BANK_FORMAT_VERSION"]
 
 BANK_FORMAT_VERSION = 1
 
@@ -543,6 +544,21 @@ class AdapterBank:
                 self.copy_optimizer(int(e.parent_slots[0]), e.child_slot)
         return children
 
+    def shard_checksums(self) -> dict[int, str]:
+        """Per slot, a short hash of **this rank's** shards (no collective): which slots changed on which rank."""
+        import hashlib
+
+        self.swap_out()
+        out = {}
+        for k, s in enumerate(self._slots):
+            h = hashlib.sha1()
+            for n in sorted(s.params):
+                t = s.params[n].detach().contiguous()
+                h.update(n.encode())
+                h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+            out[k] = h.hexdigest()[:12]
+        return out
+
     # --- persistence -----------------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
@@ -598,3 +614,26 @@ class AdapterBank:
 def bank_filename(world_size: int, rank: int) -> str:
     """Per-rank bank file name, next to verl's ``model_world_size_{W}_rank_{r}.pt`` naming."""
     return f"bank_world_size_{world_size}_rank_{rank}.pt"
+
+
+def bank_file_for(directory: str, world_size: int, rank: int) -> str:
+    """The bank file this rank resumes from; a one-line :class:`AdapterBankError` if it is not there.
+
+    Each file holds one rank's shards and optimizer state, so a bank saved at another world size cannot be loaded
+    (the shards would not line up). The message says which world sizes the folder holds and what to do.
+    """
+    import os
+    import re
+
+    path = os.path.join(directory, bank_filename(world_size, rank))
+    if os.path.exists(path):
+        return path
+    names = os.listdir(directory) if os.path.isdir(directory) else []
+    saved = sorted({int(m.group(1)) for n in names if (m := re.fullmatch(r"bank_world_size_(\d+)_rank_\d+\.pt", n))})
+    if saved and world_size not in saved:
+        raise AdapterBankError(
+            f"adapter bank in {directory} was saved by {', '.join(map(str, saved))} rank(s) but this run has "
+            f"{world_size}: resume with the same trainer.n_gpus_per_node x trainer.nnodes, or start a new run (the "
+            "full per-member PEFT adapters stay readable in the checkpoint's populora/population/adapters/)"
+        )
+    raise AdapterBankError(f"no adapter bank for world size {world_size}, rank {rank} at {path}")
