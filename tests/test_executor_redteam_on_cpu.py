@@ -120,7 +120,7 @@ def test_degraded_memory_mode_is_reported_and_still_frees_shm():
     with Executor(timeout_s=TIMEOUT, memory_mb=512, max_workers=1, memory_cgroup=False) as ex:
         assert ex.protections["memory_cgroup"] is False
         assert any("memory cgroup disabled" in n for n in ex._backend.notes)
-        if ex.protections["ipc_namespace_per_call"]:
+        if ex.protections["ipc_cleanup_per_call"]:
             assert ex.run(SHM, "1", check_determinism=False, timeout_s=20).output == "'done'"
             assert ex.run(SHM_LOOKUP, "1", check_determinism=False).output == "-1"
 
@@ -226,3 +226,11 @@ def test_control_characters_in_plain_strings_come_back_escaped(ex):
     assert res.ok, res
     res.output.encode("utf-8")
     assert res.output.isprintable()
+
+
+@pytest.mark.skipif(not ROOT, reason="the slot uid (root only) tells the sandbox's IPC objects from the host's")
+def test_without_namespaces_the_slot_uids_ipc_objects_are_removed():
+    with Executor(timeout_s=TIMEOUT, memory_mb=512, max_workers=1, isolation="rlimits") as ex:
+        assert ex.protections["ipc_cleanup_per_call"] and not ex.protections["pid_namespace"]
+        assert ex.run(SHM.replace("300 << 20", "1 << 20"), "1", check_determinism=False).output == "'done'"
+        assert ex.run(SHM_LOOKUP, "1", check_determinism=False).output == "-1"

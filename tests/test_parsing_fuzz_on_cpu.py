@@ -105,11 +105,13 @@ DEEP = "[" * 5000 + "]" * 5000
 
 
 def test_long_flat_expression_in_a_code_f_input_is_invalid_not_an_exception():
-    # tasks.code_f_rule=azr needs num_inputs input blocks (fewer is a format error before any input is parsed).
-    pad = "".join("```input\n1\n```\n" for _ in range(CFG.tasks.num_inputs - 2))
-    response = _envelope(f"```input\n{LONG_SUM}\n```\n```input\n{LONG_SUM}+1\n```\n{pad}```message\nsum\n```")
-    res = validate_proposal(response, "code_f", EX, CFG, program=identity_code_f_task())
-    assert res.status == "invalid"
+    blocks = "".join(f"```input\n{LONG_SUM}+{i}\n```\n" for i in range(CFG.tasks.num_inputs))
+    response = _envelope(blocks + "```message\nsum\n```")
+    lenient = PopuLoRAConfig()
+    lenient.tasks.code_f_rule = "lenient"
+    for cfg in (CFG, lenient):
+        res = validate_proposal(response, "code_f", EX, cfg, program=identity_code_f_task())
+        assert res.status == "invalid", (cfg.tasks.code_f_rule, res)
     env = TaskEnv(CFG, executor=EX)
     assert env.validate_many([("code_f", response, {"program": identity_code_f_task()}, "t", 0)]) == [
         (None, "invalid")]

@@ -6,7 +6,7 @@ Three systems get the same programs, the same timeout and the same number of par
 work per program (run ``f(<inputs>)`` twice, compare, ``repr``):
 - ``ours``: :class:`~populora_verl.executor.Executor` with every protection this host allows (printed);
 - ``azr_pool``: :mod:`populora_verl.bench.azr_pool`, a pebble process pool ``exec``-ing programs with no
-  isolation, as AZR's executor does;
+  isolation, as AZR's executor does (``pip install -e .[bench]`` for pebble);
 - ``python_c``: a fresh ``python -c`` subprocess per program (no isolation, an address-space rlimit only).
 Programs that would harm the host when run unsandboxed (fork bomb, killing the parent) are replaced by an
 equally cheap failing program on the two unsandboxed sides only. Two mixes: the bench mix below, and its
@@ -200,6 +200,26 @@ def _machine() -> str:
     return f"{platform.machine()} {cpu}, {os.cpu_count()} cpus, Python {platform.python_version()}"
 
 
+def _tree_cpu() -> float:
+    """CPU seconds used so far by this process and all its descendants, live or reaped (load-independent)."""
+    import psutil  # a dependency of ray, always present with verl
+
+    me = psutil.Process()
+    procs = [me]
+    try:
+        procs += me.children(recursive=True)
+    except psutil.Error:
+        pass
+    total = 0.0
+    for p in procs:
+        try:
+            t = p.cpu_times()
+            total += t.user + t.system + t.children_user + t.children_system
+        except psutil.Error:
+            pass
+    return total
+
+
 def _load() -> float:
     return os.getloadavg()[0]
 
@@ -219,15 +239,21 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=list(SYSTEMS))
     ap.add_argument("--python-c-n", type=int, default=150,
                     help="python -c is slow: it runs on the first N items of each mix only")
+    ap.add_argument("--unique", action="store_true",
+                    help="make every program text distinct (a trailing comment), so that no per-program cache helps")
     ap.add_argument("--out", default=None, help="append a markdown table of the figures to this file")
     args = ap.parse_args(argv)
     items = make_mix(args.n, args.seed)
+    if args.unique:
+        items = [Item(it.kind, f"{it.program}\n# program {i}", it.inputs, it.host_unsafe) for i, it in enumerate(items)]
     mixes = {"bench": items, "normal": [it for it in items if it.kind == "normal"]}
     counts = {k: sum(it.kind == k for it in items) for k in ("normal", "slow", "hostile")}
     print(f"machine: {_machine()}", flush=True)
-    print(f"mix: {counts} timeout={args.timeout}s workers={args.workers} rounds={args.rounds}", flush=True)
+    print(f"mix: {counts} timeout={args.timeout}s workers={args.workers} rounds={args.rounds}"
+          f"{' unique program texts' if args.unique else ''}", flush=True)
     systems = {name: SYSTEMS[name](args.timeout, args.workers) for name in args.systems}
     rates: dict[tuple[str, str], list[float]] = {}
+    cpu_ms: dict[tuple[str, str], list[float]] = {}
     loads: list[float] = []
     outputs: dict[tuple[str, str], list] = {}
     try:
@@ -240,9 +266,11 @@ def main(argv: list[str] | None = None) -> dict:
                 for name in order:
                     batch = mix[: args.python_c_n] if name == "python_c" else mix
                     loads.append(_load())
+                    c = _tree_cpu()
                     t = time.perf_counter()
                     res = systems[name].run_many(batch)
                     dt = time.perf_counter() - t
+                    cpu_ms.setdefault((mix_name, name), []).append(1000 * (_tree_cpu() - c) / len(batch))
                     rates.setdefault((mix_name, name), []).append(_rate(len(batch), dt))
                     outputs[(mix_name, name)] = res
                     print(f"round {r} {mix_name:6s} {name:8s} {_rate(len(batch), dt):8.1f}/s  "
@@ -267,6 +295,14 @@ def main(argv: list[str] | None = None) -> dict:
             med, lo, hi = _summary(rates[(mix_name, name)])
             figures["rates"][f"{mix_name}/{name}"] = {"median": med, "min": lo, "max": hi}
             cells.append(f"{med:.0f} ({lo:.0f}..{hi:.0f})")
+        lines.append(f"| {mix_name} | " + " | ".join(cells) + " |")
+    lines.append("| **CPU ms per validation** (median, all processes) | " + " | ".join(systems) + " |")
+    for mix_name in mixes:
+        cells = []
+        for name in systems:
+            med, lo, hi = _summary(cpu_ms[(mix_name, name)])
+            figures["rates"][f"{mix_name}/{name}/cpu_ms"] = {"median": med, "min": lo, "max": hi}
+            cells.append(f"{med:.2f} ({lo:.2f}..{hi:.2f})")
         lines.append(f"| {mix_name} | " + " | ".join(cells) + " |")
     if "ours" in systems and "azr_pool" in systems:
         for mix_name in mixes:

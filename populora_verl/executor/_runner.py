@@ -263,9 +263,10 @@ def _setup_mounts(cfg: dict, notes: list[str]) -> dict[str, bool]:
 
 
 # ----------------------------------------------------------------------------- kernel helpers
-_CLONE_NEWIPC, _CLONE_NEWTIME = 0x08000000, 0x00000080
+_CLONE_NEWTIME = 0x00000080
 _SYS_KEYCTL = {"x86_64": 250, "aarch64": 219}.get(os.uname().machine)
-_KEYCTL_JOIN_SESSION, _KEYCTL_CLEAR = 1, 7
+_KEYCTL_JOIN_SESSION, _KEYCTL_SETPERM, _KEYCTL_CLEAR = 1, 5, 7
+_KEY_POS_VIEW, _KEY_POS_SEARCH = 0x01000000, 0x08000000
 _KEY_SPEC_USER, _KEY_SPEC_USER_SESSION = -4, -5
 
 
@@ -273,6 +274,20 @@ def _keyctl(op: int, *args: int) -> None:
     if _SYS_KEYCTL is None:
         raise OSError(38, "keyctl: unknown syscall number on this architecture")
     _libc_call("syscall", _SYS_KEYCTL, op, *args)
+
+
+def _keyctl_ret(op: int, *args: int) -> int:
+    """keyctl returning its value (a key serial)."""
+    if _SYS_KEYCTL is None:
+        raise OSError(38, "keyctl: unknown syscall number on this architecture")
+    _load_libc()
+    import ctypes
+
+    ret = _libc.syscall(_SYS_KEYCTL, op, *args)
+    if ret == -1:
+        err = ctypes.get_errno()
+        raise OSError(err, f"keyctl{(op, *args)!r}: {os.strerror(err)}")
+    return ret
 
 
 def _load_libc() -> None:
@@ -319,12 +334,17 @@ class _ImportGuard:
         return None
 
 
+def _purge_banned_modules() -> None:
+    """Drop banned modules from ``sys.modules`` (cached modules bypass finders; their stdlib users keep their
+    own references). Done once in the runner, so that no child pays for the scan."""
+    for mod in [m for m in sys.modules if _banned_match(m, _BANNED) and m not in ("os.path",)]:
+        del sys.modules[mod]
+
+
 def _install_import_guard() -> None:
     global _ORIG_IMPORT
     import builtins
 
-    for mod in [m for m in sys.modules if _banned_match(m, _BANNED) and m not in ("os.path",)]:
-        del sys.modules[mod]  # cached modules bypass finders; stdlib users keep their own references
     _ORIG_IMPORT = builtins.__import__
     builtins.__import__ = _guarded_import
     sys.meta_path.insert(0, _ImportGuard())
@@ -383,16 +403,27 @@ def plain_data_problem(value: object, max_items: int) -> str | None:
     return None
 
 
-def _evaluate(req: dict, first_run: bool) -> dict:
-    """Evaluate ``f(inputs)`` in this process. The first run does the static check and AZR's in-process double
-    call (global counters, mutated defaults); the second run (another process) calls once."""
-    program, inputs = req["program"], req["inputs"]
-    if first_run:
-        reason = find_banned(program, _BANNED)
-        if reason:
-            return {"ok": False, "output": None, "error": reason}
+def prepare_program(program: str) -> tuple[bool, object]:
+    """``(True, code object)`` or ``(False, reason)``: the static check and the compilation of a program.
+
+    Done by the runner, once per distinct program (cached), before any fork: both runs of a call, and the
+    many calls of one program (code_f inputs, code_i answers), inherit the code object. Parsing and compiling
+    model text is no more trust than the host already gives it (it parses every program it is sent).
+    """
+    reason = find_banned(program, _BANNED)
+    if reason:
+        return False, reason
     try:
-        code = compile(program, PROGRAM_FILE, "exec")
+        return True, compile(program, PROGRAM_FILE, "exec")
+    except (SyntaxError, ValueError, RecursionError, MemoryError, OverflowError) as e:
+        return False, _short(e)
+
+
+def _evaluate(req: dict, first_run: bool, code: object) -> dict:
+    """Evaluate ``f(inputs)`` in this process with the runner-compiled ``code``. The first run also does AZR's
+    in-process double call (global counters, mutated defaults); the second run (another process) calls once."""
+    inputs = req["inputs"]
+    try:
         call = compile(f"f(\n{inputs}\n)", INPUT_FILE, "eval")
     except (SyntaxError, ValueError, RecursionError, MemoryError) as e:
         return {"ok": False, "output": None, "error": _short(e)}
@@ -429,22 +460,18 @@ def _evaluate(req: dict, first_run: bool) -> dict:
     return {"ok": True, "output": text, "error": None}
 
 
-def _child(req: dict, wfd: int, cfg: dict, workdir: str, role: str, time_fd: int | None) -> None:
-    """Runs in the forked process: confine it, then evaluate once (``role`` A) or as the second run (B)."""
+def _child(req: dict, wfd: int, cfg: dict, workdir: str, role: str, code: object) -> None:
+    """Runs in the forked process: confine it, then evaluate (``role`` A: first run, B: second run).
+
+    No ctypes call here on purpose: every page a child touches is copied from the runner, and the
+    namespace/keyring/no_new_privs set-up is done once by the runner instead (inherited at fork)."""
     try:
         os.setsid()
         null = os.open(os.devnull, os.O_RDWR)
         for fd in (0, 1, 2):
             os.dup2(null, fd)
-        if time_fd is not None:
-            try:
-                _libc_call("setns", time_fd, _CLONE_NEWTIME)  # boot/monotonic clocks shifted: /proc/uptime
-            except OSError:
-                pass
         os.closerange(3, wfd)
         os.closerange(wfd + 1, 1 << 16)
-        if cfg.get("ipc_per_call"):
-            _libc_call("unshare", _CLONE_NEWIPC)  # SysV shm / message queues die with this call
         try:  # an out-of-memory kill in the slot's cgroup picks the program, never the runner
             fd = os.open("/proc/self/oom_score_adj", os.O_WRONLY)
             os.write(fd, b"1000")
@@ -471,23 +498,15 @@ def _child(req: dict, wfd: int, cfg: dict, workdir: str, role: str, time_fd: int
             os.setgroups([])
             os.setresgid(cfg["gid"], cfg["gid"], cfg["gid"])
             os.setresuid(cfg["uid"], cfg["uid"], cfg["uid"])
-        try:
-            _libc_call("prctl", 38, 1, 0, 0, 0)  # PR_SET_NO_NEW_PRIVS: no setuid binaries regain root
-        except OSError:
-            pass
-        if cfg.get("keyrings"):
-            # A fresh anonymous session keyring: the runner's (inherited) one is not reachable from here.
-            _keyctl(_KEYCTL_JOIN_SESSION, 0)
         os.environ.clear()
         os.environ.update({"PATH": "/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8"})
         signal.signal(signal.SIGPIPE, signal.SIG_DFL)
         sys.setrecursionlimit(1000)
-        _BANNED[:] = cfg.get("banned", [])
         pad = None
         if role == "B":
             # Shift this process's heap against the first run's, so that id()/address-based results differ.
             pad = [bytearray(n) for n in range(1, 520, 4)]  # one more block in each small-object size class
-        result = _evaluate(req, first_run=role == "A")
+        result = _evaluate(req, role == "A", code)
         del pad
     except BaseException as e:  # noqa: BLE001
         result = {"ok": False, "output": None, "error": f"crashed: sandbox setup failed: {_short(e)}"}
@@ -564,8 +583,11 @@ def wipe_dir(path: str, max_passes: int = 1_000_000) -> None:
 
 
 class Runner:
+    PROGRAM_CACHE = 64  # compiled programs kept (code_f: one program, many inputs; code_i: many answers)
+
     def __init__(self, cfg: dict, ctl_in: int, ctl_out: int) -> None:
         self.cfg, self.ctl_in, self.ctl_out = cfg, ctl_in, ctl_out
+        self._programs: dict[str, tuple[bool, object]] = {}
         self.is_init = os.getpid() == 1
         self.notes: list[str] = []
         self.protections = {"pid_namespace": self.is_init}
@@ -600,7 +622,7 @@ class Runner:
             "uid_drop": cfg.get("uid") is not None,
             "fork_limit": cfg.get("uid") is not None,
         })
-        self._probe_per_call_namespaces()
+        self._setup_per_call_confinement()
         for mod in ("collections", "collections.abc", "itertools", "functools", "math", "cmath", "re",
                     "string", "heapq", "bisect", "copy", "operator", "typing", "dataclasses", "fractions",
                     "decimal", "statistics", "json", "pickle", "enum", "abc", "numbers", "textwrap",
@@ -609,44 +631,75 @@ class Runner:
                 __import__(mod)  # warm the fork parent: children import from memory, not from disk
             except ImportError:
                 pass
+        _BANNED[:] = cfg.get("banned", [])
+        _purge_banned_modules()
         import gc
 
         gc.collect()
         gc.freeze()  # the collector in a child never walks (and so never copies) the runner's objects
 
-    def _probe_per_call_namespaces(self) -> None:
-        """Which per-call confinements this kernel and our privileges allow (tried in a throwaway child)."""
-        def works(fn) -> bool:
-            pid = os.fork()
-            if pid == 0:
-                try:
-                    fn()
-                    os._exit(0)
-                except BaseException:  # noqa: BLE001
-                    os._exit(1)
-            return os.waitpid(pid, 0)[1] == 0
-
-        self.cfg["ipc_per_call"] = works(lambda: _libc_call("unshare", _CLONE_NEWIPC))
-        self.protections["ipc_namespace_per_call"] = self.cfg["ipc_per_call"]
-        # Keyrings: each call joins a fresh session keyring; the slot uid's user keyrings are cleared after
-        # it. Without our own uid (or user namespace) the user keyring would be the host user's: left alone.
+    def _setup_per_call_confinement(self) -> None:
+        """What every run inherits or gets after it, set up once here: IPC cleanup, keyrings, the shifted
+        clocks of second runs, no_new_privs. Each is reported in ``protections``."""
+        # SysV IPC objects a run leaves are removed after it: all of them in our own IPC namespace, the slot
+        # uid's otherwise. Without either we cannot tell them from the host's: left alone (reported).
+        own_ipc = bool(self.cfg.get("setup_mounts"))
+        self.ipc_owner = None if own_ipc else self.cfg.get("uid")
+        self.protections["ipc_cleanup_per_call"] = own_ipc or self.ipc_owner is not None
+        # Keyrings: our own session keyring, which children inherit, is made read-only to its possessors; the
+        # user keyrings of the slot uid are cleared after every run. Without our own uid (or user namespace)
+        # the user keyring would be the host user's: left alone (reported).
         own_keyrings = self.cfg.get("uid") is not None or bool(self.cfg.get("user_namespace"))
-        self.cfg["keyrings"] = own_keyrings and works(lambda: _keyctl(_KEYCTL_JOIN_SESSION, 0))
+        self.cfg["keyrings"] = False
+        if own_keyrings:
+            try:
+                serial = _keyctl_ret(_KEYCTL_JOIN_SESSION, 0)
+                _keyctl(_KEYCTL_SETPERM, serial, _KEY_POS_VIEW | _KEY_POS_SEARCH)
+                self.cfg["keyrings"] = True
+            except OSError as e:
+                self.notes.append(f"keyrings: {e.strerror or e}")
         self.protections["keyring_isolation"] = self.cfg["keyrings"]
         self.time_fd = None
         try:
-            orig = os.open("/proc/self/ns/time", os.O_RDONLY | os.O_CLOEXEC)
+            self.time_orig_fd = os.open("/proc/self/ns/time", os.O_RDONLY | os.O_CLOEXEC)
             _libc_call("unshare", _CLONE_NEWTIME)
             shift = 86400 * (1 + os.getpid() % 97) + 12345
             with open("/proc/self/timens_offsets", "w") as fh:
                 fh.write(f"monotonic {shift} 0\nboottime {shift} 0\n")
-            self.time_fd = os.open("/proc/self/ns/time_for_children", os.O_RDONLY)
-            _libc_call("setns", orig, _CLONE_NEWTIME)  # our own children start in the original one again
-            os.close(orig)
+            self.time_fd = os.open("/proc/self/ns/time_for_children", os.O_RDONLY | os.O_CLOEXEC)
+            _libc_call("setns", self.time_orig_fd, _CLONE_NEWTIME)  # our children start in the original one
         except OSError as e:
             self.notes.append(f"time namespace: {e.strerror or e}")
             self.time_fd = None
         self.protections["time_namespace_second_run"] = self.time_fd is not None
+        try:
+            _libc_call("prctl", 38, 1, 0, 0, 0)  # PR_SET_NO_NEW_PRIVS, inherited: no setuid binary regains root
+        except OSError:
+            pass
+
+    def _remove_ipc(self) -> None:
+        """Remove the SysV shared memory, semaphores and message queues a run left behind."""
+        if not self.protections.get("ipc_cleanup_per_call"):
+            return
+        for kind, id_col, fn in (("shm", "shmid", "shmctl"), ("sem", "semid", "semctl"), ("msg", "msqid", "msgctl")):
+            try:
+                with open(f"/proc/sysvipc/{kind}") as fh:
+                    lines = fh.read().splitlines()
+            except OSError:
+                continue
+            if len(lines) < 2:
+                continue
+            head = lines[0].split()
+            i_id, i_uid = head.index(id_col), head.index("uid")
+            for line in lines[1:]:
+                cols = line.split()
+                if self.ipc_owner is not None and int(cols[i_uid]) != self.ipc_owner:
+                    continue
+                ident = int(cols[i_id])
+                try:  # IPC_RMID = 0; semctl takes a semaphore number first
+                    _libc_call(fn, ident, 0, 0) if kind != "sem" else _libc_call(fn, ident, 0, 0, 0)
+                except OSError:
+                    pass
 
     def _fresh_workdir(self, create: bool = True) -> None:
         """A new, empty work directory at the same path: no file, mode or xattr survives a call."""
@@ -713,13 +766,18 @@ class Runner:
         finally:
             os.setresuid(0, 0, 0)
 
-    def _once(self, req: dict, role: str, deadline: float) -> dict:
+    def _once(self, req: dict, role: str, deadline: float, code: object) -> dict:
         """One confined process evaluating the request; everything it left behind is gone afterwards."""
         rfd, wfd = os.pipe()
+        shifted = role == "B" and self.time_fd is not None
+        if shifted:  # the second run sees other boot/monotonic clocks (/proc/uptime): time-dependent outputs differ
+            _libc_call("setns", self.time_fd, _CLONE_NEWTIME)
         child = os.fork()
+        if shifted and child != 0:
+            _libc_call("setns", self.time_orig_fd, _CLONE_NEWTIME)  # our own clock again (deadlines)
         if child == 0:
             os.close(rfd)
-            _child(req, wfd, self.cfg, self.workdir, role, self.time_fd if role == "B" else None)
+            _child(req, wfd, self.cfg, self.workdir, role, code)
         os.close(wfd)
         limit = 8 * int(req["max_output_chars"]) + (1 << 16)
         buf, timed_out, status = bytearray(), False, None
@@ -752,6 +810,7 @@ class Runner:
             os.close(rfd)
             os.close(pidfd)
         self._kill_all(child, reaped=status is not None)
+        self._remove_ipc()
         self._clear_keyrings()
         self._fresh_workdir()
         return self._interpret(buf, timed_out, status, deadline, limit, int(req["max_output_chars"]))
@@ -761,9 +820,17 @@ class Runner:
         determinism is checked, a second independent process (shifted heap and clocks) whose repr must match."""
         start = _now()
         deadline = start + float(req["timeout_s"])
-        first = self._once(req, "A", deadline)
+        program = req["program"]
+        prepared = self._programs.pop(program, None) or prepare_program(program)
+        self._programs[program] = prepared  # most recently used last
+        if len(self._programs) > self.PROGRAM_CACHE:
+            del self._programs[next(iter(self._programs))]
+        ok, code = prepared
+        if not ok:
+            return {"ok": False, "output": None, "error": code, "duration_s": _now() - start}
+        first = self._once(req, "A", deadline, code)
         if first["ok"] and req["check_determinism"]:
-            second = self._once(req, "B", deadline)
+            second = self._once(req, "B", deadline, code)
             if not second["ok"]:
                 kind = str(second["error"]).split(":", 1)[0]
                 if kind in ("timeout", "memory"):

@@ -235,7 +235,7 @@ class MemoryCgroups:
 
     The runner joins its slot's group at start; the limit is then set to the runner's own footprint plus
     ``memory_mb``. Where the host does not allow it (no root, no memory controller) ``error`` says why and
-    the executor runs without it (RLIMIT_AS + a fresh IPC namespace per call).
+    the executor runs without it (RLIMIT_AS per process; SysV objects still removed after each run).
     """
 
     def __init__(self, num_slots: int) -> None:
@@ -361,8 +361,8 @@ class LocalBackend:
                                 ipc_uts_namespaces=self.plan.namespaces != "none")
         self.notes = list(self.plan.notes) + list(first.notes)
         if cgroup_note:
-            self.notes.append(cgroup_note + ": a call's memory is capped by RLIMIT_AS only (shared memory is "
-                              "per-call IPC namespace, freed after the call)")
+            self.notes.append(cgroup_note + ": a call's memory is capped by RLIMIT_AS only (SysV shared memory "
+                              "is removed after each run)")
 
     @property
     def num_workers(self) -> int:
