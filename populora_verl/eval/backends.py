@@ -79,6 +79,9 @@ class HFBackend:
                 model.load_adapter(m.adapter, adapter_name=m.name)
         self.model = model.eval()
         self._has_adapters = bool(adapters)
+        from populora_verl.stop_tokens import stop_token_ids
+
+        self.stop_ids = stop_token_ids(self.tokenizer, getattr(model, "generation_config", None))
 
     def _batch(self, prompts: Sequence[str]) -> list[str]:
         import torch
@@ -86,8 +89,8 @@ class HFBackend:
         enc = self.tokenizer(list(prompts), return_tensors="pt", padding=True, add_special_tokens=False).to(self.device)
         with torch.no_grad():
             out = self.model.generate(**enc, max_new_tokens=self.max_new_tokens, do_sample=False,
-                                      pad_token_id=self.tokenizer.pad_token_id, temperature=None, top_p=None,
-                                      top_k=None)
+                                      pad_token_id=self.tokenizer.pad_token_id, eos_token_id=self.stop_ids,
+                                      temperature=None, top_p=None, top_k=None)
         new = out[:, enc["input_ids"].shape[1]:]
         return self.tokenizer.batch_decode(new, skip_special_tokens=True)
 
@@ -130,7 +133,11 @@ class VLLMBackend:
         kwargs.update(extra or {})
         self.llm = LLM(**kwargs)
         self.tokenizer = self.llm.get_tokenizer()
-        self.params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, n=1)
+        from populora_verl.stop_tokens import load_generation_config, stop_token_ids
+
+        # Explicit, so the answer ends at the chat end token even where vLLM's generation-config handling differs.
+        self.stop_ids = stop_token_ids(self.tokenizer, load_generation_config(model_path))
+        self.params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, n=1, stop_token_ids=self.stop_ids)
         self._ids = {m.name: i + 1 for i, m in enumerate(adapters)}  # LoRA int ids start at 1
 
     def _run(self, prompts: list[str], requests: list[Any] | None) -> list[str]:

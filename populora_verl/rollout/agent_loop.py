@@ -23,6 +23,22 @@ AGENT_NAME = "populora_agent"
 _PROMPT_LORA: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar("populora_prompt_lora", default=None)
 
 
+_STOP_CACHE: dict[str, list[int]] = {}
+
+
+def _stop_ids(tokenizer: Any, config: Any) -> list[int]:
+    """Stop ids for the run's model, read once per process (every agent-loop worker builds many loops)."""
+    from omegaconf import OmegaConf
+
+    from populora_verl.stop_tokens import load_generation_config, stop_token_ids
+
+    path = OmegaConf.select(config, "actor_rollout_ref.model.path", default=None) if config is not None else None
+    key = f"{path}|{getattr(tokenizer, 'name_or_path', '')}"
+    if key not in _STOP_CACHE:
+        _STOP_CACHE[key] = stop_token_ids(tokenizer, load_generation_config(path))
+    return _STOP_CACHE[key]
+
+
 class LoraInjectingClient:
     """Wraps an ``LLMServerClient``: ``generate`` adds the current prompt's ``populora_lora``; all else delegates."""
 
@@ -49,9 +65,13 @@ class PopuLoRAAgentLoop(SingleTurnAgentLoop):
         super().__init__(*args, **kwargs)
         if not isinstance(self.server_manager, LoraInjectingClient):
             self.server_manager = LoraInjectingClient(self.server_manager)
+        self.stop_ids = _stop_ids(self.tokenizer, self.config)
 
     async def run(self, sampling_params: dict[str, Any], **kwargs: Any) -> AgentLoopOutput:
         spec = lora_spec_from_prompt(kwargs.get(POPULORA_FIELD))
+        if self.stop_ids:  # the model's chat end token as well as the tokenizer's EOS (populora_verl.stop_tokens)
+            given = list(sampling_params.get("stop_token_ids") or [])
+            sampling_params = {**sampling_params, "stop_token_ids": given + [i for i in self.stop_ids if i not in given]}
         token = _PROMPT_LORA.set(spec)
         try:
             output = await super().run(sampling_params, **kwargs)
