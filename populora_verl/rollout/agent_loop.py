@@ -69,9 +69,12 @@ class PopuLoRAAgentLoop(SingleTurnAgentLoop):
 
     async def run(self, sampling_params: dict[str, Any], **kwargs: Any) -> AgentLoopOutput:
         spec = lora_spec_from_prompt(kwargs.get(POPULORA_FIELD))
-        if self.stop_ids:  # the model's chat end token as well as the tokenizer's EOS (populora_verl.stop_tokens)
+        stops = getattr(self, "stop_ids", None)
+        if stops is None and getattr(self, "tokenizer", None) is not None:
+            stops = self.stop_ids = _stop_ids(self.tokenizer, getattr(self, "config", None))
+        if stops:  # the model's chat end token as well as the tokenizer's EOS (populora_verl.stop_tokens)
             given = list(sampling_params.get("stop_token_ids") or [])
-            sampling_params = {**sampling_params, "stop_token_ids": given + [i for i in self.stop_ids if i not in given]}
+            sampling_params = {**sampling_params, "stop_token_ids": given + [i for i in stops if i not in given]}
         token = _PROMPT_LORA.set(spec)
         try:
             output = await super().run(sampling_params, **kwargs)
