@@ -123,3 +123,26 @@ def test_verl_agent_loop_adds_the_chat_end_token(chat_model, monkeypatch):
     monkeypatch.setattr(SingleTurnAgentLoop, "run", run)
     asyncio.run(loop.run({"temperature": 1.0, "stop_token_ids": [7]}, populora={"lora_int_id": 3}))
     assert seen == {"temperature": 1.0, "stop_token_ids": [7, eos, im_end]}
+
+
+def test_eval_generation_shows_progress_on_a_terminal(chat_model, monkeypatch):
+    """populora-eval's HF generation draws a tqdm bar on a terminal (and nothing in a log file)."""
+    import io
+
+    from populora_verl.eval.backends import HFBackend, Member
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    _, _, folder, _, im_end = chat_model
+    backend = HFBackend(str(folder), [Member("base")], max_new_tokens=2, dtype="float32", device="cpu", batch_size=2)
+    monkeypatch.setattr(backend.model, "generate", _fake_generate([], [im_end]))
+    term = Terminal()
+    monkeypatch.setattr(sys, "stderr", term)
+    backend.generate(["a", "b", "c"], [Member("base"), Member("again")])
+    assert "generate" in term.getvalue() and "6/6" in term.getvalue()
+    log = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", log)
+    backend.generate(["a"], [Member("base")])
+    assert log.getvalue() == ""

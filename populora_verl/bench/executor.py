@@ -148,7 +148,10 @@ def _baseline_one(it: Item, timeout: float) -> tuple[bool, str | None]:
 def run_baseline(items: list[Item], timeout: float, workers: int) -> tuple[float, list]:
     with ThreadPoolExecutor(workers) as pool:
         t = time.perf_counter()
-        results = list(pool.map(lambda it: _baseline_one(it, timeout), items))
+        from tqdm.auto import tqdm
+
+        results = list(tqdm(pool.map(lambda it: _baseline_one(it, timeout), items), total=len(items),
+                            desc="baseline", unit="program", disable=None))
         return time.perf_counter() - t, results
 
 

@@ -236,10 +236,14 @@ def main(argv: list[str] | None = None) -> int:
                 if found[0]:
                     r.step_s, r.verl_peak_gb, r.phases_s = found
                 results.append(r)
-    for name in names:
-        print(f"step_scaling: {name} ({ADAPTERS[name]} adapters, {args.steps} steps) ...", flush=True)
+    from tqdm.auto import tqdm
+
+    bar = tqdm(names, desc="step_scaling", unit="config", disable=None)
+    say = bar.write if not bar.disable else (lambda s: print(s, flush=True))
+    for name in bar:
+        say(f"step_scaling: {name} ({ADAPTERS[name]} adapters, {args.steps} steps) ...")
         r = run_one(args.model, name, args.steps, out, list(args.overrides), args.timeout_s)
-        print(f"  exit={r.rc} wall={r.wall_s:.0f}s steps={r.step_s} peak={r.smi_peak_mib} MiB", flush=True)
+        say(f"  exit={r.rc} wall={r.wall_s:.0f}s steps={r.step_s} peak={r.smi_peak_mib} MiB")
         results.append(r)
     (out / "results.json").write_text(json.dumps([asdict(r) | {"mean_step_s": r.mean_step_s} for r in results],
                                                  indent=1))

@@ -79,6 +79,7 @@ class HFBackend:
                 model.load_adapter(m.adapter, adapter_name=m.name)
         self.model = model.eval()
         self._has_adapters = bool(adapters)
+        self._bar: Any = None
         from populora_verl.stop_tokens import stop_token_ids
 
         self.stop_ids = stop_token_ids(self.tokenizer, getattr(model, "generation_config", None))
@@ -106,10 +107,19 @@ class HFBackend:
         with ctx:
             for i in range(0, len(prompts), self.batch_size):
                 outs.extend(self._batch(prompts[i:i + self.batch_size]))
+                if self._bar is not None:
+                    self._bar.update(len(prompts[i:i + self.batch_size]))
         return outs
 
     def generate(self, prompts: Sequence[str], members: Sequence[Member]) -> dict[str, list[str]]:
-        return {m.name: self._member(prompts, m) for m in members}
+        from tqdm.auto import tqdm
+
+        # disable=None: a bar on a terminal, nothing in a log file
+        with tqdm(total=len(prompts) * len(members), desc="generate", unit="prompt", disable=None) as self._bar:
+            try:
+                return {m.name: self._member(prompts, m) for m in members}
+            finally:
+                self._bar = None
 
 
 class VLLMBackend:
@@ -143,7 +153,10 @@ class VLLMBackend:
     def _run(self, prompts: list[str], requests: list[Any] | None) -> list[str]:
         token_prompts = [{"prompt_token_ids": self.tokenizer(p, add_special_tokens=False)["input_ids"]}
                          for p in prompts]
-        outs = self.llm.generate(token_prompts, self.params, lora_request=requests, use_tqdm=False)
+        import sys
+
+        # vLLM's own progress bar, on a terminal only (a log file gets none)
+        outs = self.llm.generate(token_prompts, self.params, lora_request=requests, use_tqdm=sys.stderr.isatty())
         return [o.outputs[0].text for o in outs]
 
     def generate(self, prompts: Sequence[str], members: Sequence[Member]) -> dict[str, list[str]]:

@@ -179,11 +179,11 @@ def _run(args: argparse.Namespace) -> int:
         driver.run()
     finally:
         driver.close()
-    _print_summary(driver)
+    _print_summary(driver, tiny=not (args.model or args.gguf))
     return 0
 
 
-def _print_summary(driver: Any) -> None:
+def _print_summary(driver: Any, tiny: bool = False) -> None:
     pop = driver.population
     last = driver.history[-1] if driver.history else {}
     print(f"\nfinished step {pop.step}; population:")
@@ -198,10 +198,14 @@ def _print_summary(driver: Any) -> None:
     if last:
         print(f"last step: validity {last.get('populora/validity/mean', 0):.2f}, student accuracy "
               f"{last.get('populora/student/accuracy', 0):.2f}, coverage {last.get('populora/coverage/fraction', 0):.2f}")
-    run = driver.run_dir
-    print(f"metrics: {run / 'metrics.jsonl'}  tensorboard: {run / 'tb'}  plots: {run / 'plots'}")
-    print(f"checkpoints: {run / 'checkpoints'} (latest: {(run / 'checkpoints' / 'latest').read_text().strip()})"
-          if (run / "checkpoints" / "latest").is_file() else "")
+    from populora_verl.local.progress import TINY_MODEL_NOTE, files_written
+
+    print("files written:")
+    print("\n".join(files_written(driver.run_dir)))
+    if tiny:
+        import textwrap
+
+        print(textwrap.fill(TINY_MODEL_NOTE, width=110))
 
 
 if __name__ == "__main__":
