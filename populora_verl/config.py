@@ -69,11 +69,15 @@ class PopulationConfig:
     num_teachers: int = 4
     num_students: int = 4
     seed: int = 0
+    # shared_a: every founder starts from one lora_A draw (B = 0), so factor-space crossovers mix adapters that
+    # share a gauge from the first event on, as PBT children do; independent: one lora_A draw per founder.
+    founder_init: str = "shared_a"
     _prefix: str = field(default=f"{ROOT}.population", repr=False, compare=False)
 
     def __post_init__(self) -> None:
         p = self._prefix
         _choice(self.mode, ("population", "single_agent"), f"{p}.mode")
+        _choice(self.founder_init, ("shared_a", "independent"), f"{p}.founder_init")
         if self.mode == "population":
             _check(isinstance(self.num_teachers, int) and self.num_teachers >= 1, f"{p}.num_teachers",
                    f"must be an integer >= 1, got {self.num_teachers!r}")
@@ -91,7 +95,7 @@ class MatchmakingConfig:
 
     method: str = "pfsp_trueskill"  # pfsp_trueskill | uniform | round_robin
     weight: str = "p_one_minus_p"  # p_one_minus_p | hard (1-p: favour students that lose) | uniform
-    outcome: str = "vs_expected"  # vs_expected | vs_half | per_problem
+    outcome: str = "learnable"  # learnable | vs_expected | vs_half | per_problem (population.ratings)
     students_per_problem: int = 1
     mu: float = 25.0
     sigma: float = 25.0 / 3
@@ -104,7 +108,7 @@ class MatchmakingConfig:
         p = self._prefix
         _choice(self.method, ("pfsp_trueskill", "uniform", "round_robin"), f"{p}.method")
         _choice(self.weight, ("p_one_minus_p", "hard", "uniform"), f"{p}.weight")
-        _choice(self.outcome, ("vs_expected", "vs_half", "per_problem"), f"{p}.outcome")
+        _choice(self.outcome, ("learnable", "vs_expected", "vs_half", "per_problem"), f"{p}.outcome")
         _check(self.students_per_problem >= 1, f"{p}.students_per_problem", "must be >= 1")
         for k in ("sigma", "beta"):
             _check(getattr(self, k) > 0, f"{p}.{k}", f"must be > 0, got {getattr(self, k)!r}")
@@ -121,19 +125,24 @@ class RolloutConfig:
     proposals_per_type: int = 4  # teacher prompts per task type per teacher per step
     max_loras: int | None = None  # None: population size
     max_cpu_loras: int | None = None  # None: 2 x population size
-    max_new_tokens: int = 1024
-    temperature: float = 1.0
+    buffer_task_n: int | None = None  # answers per buffer task a student trains on (AZR: 1); None: student_n
+    # null: the engine's own (CPU driver: 1024 / 1.0; verl: actor_rollout_ref.rollout.response_length /
+    # .temperature). Set on a verl run, each must equal verl's value: the verl rollout never reads these.
+    max_new_tokens: int | None = None
+    temperature: float | None = None
     _prefix: str = field(default=f"{ROOT}.rollout", repr=False, compare=False)
 
     def __post_init__(self) -> None:
         p = self._prefix
-        for k in ("teacher_n", "student_n", "proposals_per_type", "max_new_tokens"):
+        for k in ("teacher_n", "student_n", "proposals_per_type"):
             v = getattr(self, k)
             _check(isinstance(v, int) and v >= 1, f"{p}.{k}", f"must be an integer >= 1, got {v!r}")
-        for k in ("max_loras", "max_cpu_loras"):
+        _check(self.buffer_task_n is None or (isinstance(self.buffer_task_n, int) and self.buffer_task_n >= 1),
+               f"{p}.buffer_task_n", f"must be null or an integer >= 1, got {self.buffer_task_n!r}")
+        for k in ("max_loras", "max_cpu_loras", "max_new_tokens"):
             v = getattr(self, k)
             _check(v is None or (isinstance(v, int) and v >= 1), f"{p}.{k}", f"must be null or >= 1, got {v!r}")
-        _check(self.temperature >= 0, f"{p}.temperature", "must be >= 0")
+        _check(self.temperature is None or self.temperature >= 0, f"{p}.temperature", "must be null or >= 0")
 
 
 @dataclass
@@ -144,11 +153,27 @@ class TasksConfig:
     probabilities: list[float] | None = None  # None: uniform over ``types``
     num_references: int = 6  # K reference triplets in code_i / code_o proposer prompts
     num_inputs: int = 10  # code_f: inputs a teacher proposes; half shown to the student, half hidden
-    min_valid_inputs: int = 2  # code_f: fewest distinct valid inputs for a usable task
+    min_valid_inputs: int = 2  # code_f, lenient rule only: fewest distinct valid inputs for a usable task
+    # code_f validity. azr: the last num_inputs input blocks are used, fewer is a format error and any input that
+    # fails to run makes the proposal invalid (AZR). lenient: the first <= num_inputs, failing and duplicate inputs
+    # dropped, at least min_valid_inputs kept.
+    code_f_rule: str = "azr"
     max_program_chars: int = 5600
+    max_response_chars: int = 65_536  # longer model responses are format errors, never parsed
     banned_keywords: list[str] = field(default_factory=lambda: list(AZR_BANNED_MODULES))
     prompt_template: str = "azr"  # azr (plain "User:/Assistant: <think>") | chat (tokenizer chat template)
+    prompt_file: str | None = None  # YAML/JSON {template name: format string}; None: our default wording
     _prefix: str = field(default=f"{ROOT}.tasks", repr=False, compare=False)
+    _templates: dict[str, str] | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def templates(self) -> dict[str, str]:
+        """The prompt templates in force (:mod:`populora_verl.tasks.templates`)."""
+        if self._templates is None:
+            from populora_verl.tasks.templates import DEFAULT_TEMPLATES
+
+            return DEFAULT_TEMPLATES
+        return self._templates
 
     def __post_init__(self) -> None:
         p = self._prefix
@@ -166,7 +191,16 @@ class TasksConfig:
         _check(1 <= self.min_valid_inputs <= self.num_inputs, f"{p}.min_valid_inputs",
                "must be in [1, num_inputs]")
         _check(self.max_program_chars > 0, f"{p}.max_program_chars", "must be > 0")
+        _choice(self.code_f_rule, ("azr", "lenient"), f"{p}.code_f_rule")
+        _check(self.max_response_chars > 0, f"{p}.max_response_chars", "must be > 0")
         _choice(self.prompt_template, ("azr", "chat"), f"{p}.prompt_template")
+        if self.prompt_file is not None:
+            from populora_verl.tasks.templates import load_prompt_file  # lazy: tasks imports this module
+
+            try:
+                self._templates = load_prompt_file(self.prompt_file)
+            except ValueError as e:
+                _fail(f"{p}.prompt_file", str(e))
 
 
 @dataclass
@@ -175,14 +209,28 @@ class BufferConfig:
 
     max_programs: int = 16384
     seed_file: str | None = None  # JSONL of {program, input, output} (code_f: + inputs/outputs/message)
-    student_mix: bool = False  # students also draw buffer tasks (AZR max_new)
+    # What students train on besides the estimation answers (rewards.train_on_estimation_rollouts):
+    # fallback: buffer tasks (uniform) stand in for each task their teacher failed to make valid, so a student always
+    # answers proposals_per_type x teacher_n tasks per type; max_new: AZR's solver batch, that many buffer tasks per
+    # type drawn newest first, whatever the teacher made (rollout.buffer_task_n answers each).
+    student_mix: str = "fallback"
     valid_program_filter: str = "all"  # all | non_one | non_extremes
+    # Seeding phase (AZR): before step 1 the base model (no adapter) proposes until this many valid code_i/code_o
+    # programs (and as many code_f tasks, when code_f is trained) are buffered; 0: start from the identity seeds.
+    # Skipped when seed_file is set (a saved seed set, e.g. <run dir>/seed_tasks.jsonl of an earlier run).
+    seed_programs: int = 0
+    seed_rounds: int = 16  # generation rounds the seeding phase may take before training starts anyway
     _prefix: str = field(default=f"{ROOT}.buffer", repr=False, compare=False)
 
     def __post_init__(self) -> None:
         p = self._prefix
         _check(self.max_programs >= 1, f"{p}.max_programs", "must be >= 1")
         _choice(self.valid_program_filter, ("all", "non_one", "non_extremes"), f"{p}.valid_program_filter")
+        _choice(self.student_mix, ("fallback", "max_new"), f"{p}.student_mix")
+        for k in ("seed_programs", "seed_rounds"):
+            v = getattr(self, k)
+            _check(isinstance(v, int) and not isinstance(v, bool) and v >= 0, f"{p}.{k}",
+                   f"must be an integer >= 0, got {v!r}")
 
 
 @dataclass
@@ -257,6 +305,11 @@ class PBTConfig:
     reset_optimizer_on_replace: bool = True
     child_rating: str = "prior"  # prior | inherit_inflate_sigma
     roles: list[str] = field(default_factory=lambda: ["teacher", "student"])
+    # No evolution in the run's last N steps, so every evaluated member has trained since its birth.
+    # null: one interval_steps. Needs the run's length (CPU driver: --steps; verl: trainer.total_training_steps).
+    final_quiet_steps: int | None = None
+    # Newborn protection: a member younger than this many trained steps is never culled (0: off).
+    min_age: int = 20
     _prefix: str = field(default=f"{ROOT}.pbt", repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -268,6 +321,10 @@ class PBTConfig:
         _check(self.protect_top >= 0, f"{p}.protect_top", "must be >= 0")
         _check(0 <= self.crossover_rate <= 1, f"{p}.crossover_rate", f"must be in [0, 1], got {self.crossover_rate!r}")
         _choice(self.child_rating, ("prior", "inherit_inflate_sigma"), f"{p}.child_rating")
+        _check(self.final_quiet_steps is None or (isinstance(self.final_quiet_steps, int) and self.final_quiet_steps >= 0),
+               f"{p}.final_quiet_steps", f"must be null or an integer >= 0, got {self.final_quiet_steps!r}")
+        _check(isinstance(self.min_age, int) and self.min_age >= 0, f"{p}.min_age",
+               f"must be an integer >= 0, got {self.min_age!r}")
         for r in self.roles:
             _choice(r, ("teacher", "student"), f"{p}.roles")
         if self.operators is not None:
@@ -276,6 +333,11 @@ class PBTConfig:
                 _check(prob >= 0, f"{p}.operators.{name}", f"probability must be >= 0, got {prob!r}")
             _check(sum(self.operators.values()) > 0, f"{p}.operators", "probabilities must have a positive sum")
         # Operator names are checked against the registry by the PBT controller (evolution.pbt), which owns it.
+
+    @property
+    def quiet_steps(self) -> int:
+        """``final_quiet_steps`` resolved (null: one interval)."""
+        return self.interval_steps if self.final_quiet_steps is None else int(self.final_quiet_steps)
 
 
 @dataclass

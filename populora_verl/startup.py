@@ -74,6 +74,9 @@ def preflight(config: Any, *, check_gpus: bool = True) -> None:
 
     pcfg = load_config(_select(config, "populora"))
     validate_verl_config(config, pcfg)
+    from populora_verl.trainer.schedule import scheduled_configs
+
+    scheduled_configs(config)  # a population schedule (benchmarks): every entry valid before Ray starts
     _check_model_path(config)
     from populora_verl.plugin import check_registrations
 

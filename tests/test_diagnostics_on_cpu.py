@@ -372,3 +372,122 @@ def test_plots_cli(tmp_path):
     synthetic_log(tmp_path, steps=3)
     assert main([str(tmp_path)]) == 0
     assert (tmp_path / "plots" / "ratings.png").read_bytes()[:8] == PNG_MAGIC
+
+
+# --- plots a person reads at a glance (issue 16 item 8) and runs compared (issue 13 item 4) --------------------
+
+
+def _events_log(run_dir, plans):
+    with open(run_dir / "evolution.jsonl", "w") as f:
+        for step, reps in plans:
+            f.write(json.dumps({"step": step, "replacements": [
+                {"victim_id": v, "child_id": c, "operator": op, "parent_ids": [p]} for v, c, op, p in reps]}) + "\n")
+        f.write('{"step": 9, "replacem')  # a half-written last line is skipped, not fatal
+
+
+def _lines(fig_axes):
+    return [ln for ln in fig_axes.get_lines()]
+
+
+def test_read_events_from_log_and_lineage(tmp_path):
+    from populora_verl.diagnostics.plots import events_from_metrics, read_events
+
+    _events_log(tmp_path, [(3, [("t1", "t2", "neftune", "t0"), ("s0", "s2", "full_gaussian", "s1")])])
+    events = read_events(tmp_path)
+    assert [(e.step, e.child, e.operator, e.parents) for e in events] == [
+        (3, "t2", "neftune", ("t0",)), (3, "s2", "full_gaussian", ("s1",))]
+    assert events[0].label == "t2 = neftune(t0)"
+    # Without evolution.jsonl (verl trainer): the lineage of the latest population checkpoint.
+    verl = tmp_path / "verl" / "global_step_4" / "populora" / "checkpoints" / "step_4" / "population"
+    verl.mkdir(parents=True)
+    (verl / "population.json").write_text(json.dumps({"lineage": [
+        {"id": "t0", "role": "teacher", "parents": [], "birth_step": 0},
+        {"id": "t1", "role": "teacher", "parents": ["t0"], "operator": "ties", "birth_step": 2}]}))
+    assert [(e.step, e.child, e.operator) for e in read_events(tmp_path / "verl")] == [(2, "t1", "ties")]
+    assert read_events(tmp_path / "nowhere") == []
+    rows = [{"step": 1, "populora/evolution/events": 0.0}, {"step": 2, "populora/evolution/events": 2.0}]
+    assert [(e.step, e.label) for e in events_from_metrics(rows)] == [(2, "2 replaced")]
+
+
+def test_ratings_plot_integer_steps_markers_one_step_child_and_events(tmp_path, monkeypatch):
+    from matplotlib.figure import Figure
+
+    from populora_verl.diagnostics import plots
+
+    with MetricsLogger(tmp_path) as logger:
+        for step in (1, 2, 3, 4):
+            ids = ("t0", "t1") if step < 4 else ("t0", "t2")  # t2 is born after step 3 and rated once
+            logger.log(rating_metrics({m: (20.0 + step, 5.0) for m in ids}), step=step)
+    _events_log(tmp_path, [(3, [("t1", "t2", "neftune", "t0")])])
+    saved = []
+    monkeypatch.setattr(plots, "_save", lambda fig, path: saved.append(fig) or path)
+    plots.plot_all(tmp_path / "metrics.jsonl", tmp_path / "plots")
+    fig = saved[[i for i, f in enumerate(saved) if f.axes[0].get_title().startswith("TrueSkill")][0]]
+    ax = fig.axes[0]
+    assert isinstance(fig, Figure)
+    ticks = [t for t in ax.get_xticks() if ax.get_xlim()[0] <= t <= ax.get_xlim()[1]]
+    assert ticks and all(float(t).is_integer() for t in ticks)
+    member_lines = {ln.get_label(): ln for ln in ax.get_lines() if ln.get_label() in ("t0", "t1", "t2")}
+    assert list(member_lines["t2"].get_xdata()) == [4.0] and member_lines["t2"].get_marker() not in (None, "None", "")
+    vlines = [ln for ln in ax.get_lines() if list(ln.get_xdata()) == [3.5, 3.5]]
+    assert len(vlines) == 1
+    assert any("t2 = neftune(t0)" in t.get_text() for t in ax.texts)
+
+
+def test_compare_runs_draws_every_run_on_shared_axes(tmp_path, monkeypatch):
+    from populora_verl.diagnostics import plots
+
+    runs = []
+    for name, members in (("single", ("a0",)), ("pop", ("t0", "t1", "s0", "s1"))):
+        run = tmp_path / name
+        with MetricsLogger(run) as logger:
+            for step in range(1, 5):
+                logger.log({**rating_metrics({m: (25.0, 8.0 - step) for m in members}),
+                            **validity_metrics({members[0]: (step, 4)}),
+                            "populora/task_type/code_o/validity": step / 4, "populora/student/accuracy": 0.1 * step,
+                            **complexity_metrics([P(step, 2, 5)]),
+                            **coverage_metrics(cells_filled=step, num_cells=8, window_cells_filled=1),
+                            "populora/role/teacher/reward_mean": 0.5, "populora/role/student/reward_mean": 0.2,
+                            "populora/role/teacher/response_length_mean": 100.0 + step,
+                            "populora/role/student/response_length_mean": 50.0}, step=step)
+        runs.append(run)
+    _events_log(runs[1], [(2, [("t1", "t2", "neftune", "t0")])])
+    saved = {}
+    monkeypatch.setattr(plots, "_save", lambda fig, path: saved.setdefault(path.name, fig) and path)
+    written = plots.compare_runs(runs, tmp_path / "cmp")
+    assert sorted(p.name for p in written) == sorted(
+        ["solve_rate.png", "validity.png", "complexity.png", "coverage.png", "ratings.png", "response_length.png",
+         "reward.png"])
+    for name in ("solve_rate.png", "coverage.png", "reward.png", "response_length.png"):
+        for ax in saved[name].axes:
+            labels = [ln.get_label() for ln in ax.get_lines() if not ln.get_label().startswith("_")]
+            assert labels == ["single", "pop"], (name, labels)
+    assert [ax.get_title() for ax in saved["validity.png"].axes] == [
+        "Valid proposals: all types", "Valid proposals: code_o"]
+    assert [ax.get_title().split(": ")[1] for ax in saved["complexity.png"].axes] == ["ast_depth", "cyclomatic", "loc"]
+    titles = [ax.get_title() for ax in saved["ratings.png"].axes]
+    assert titles[0].startswith("TrueSkill rating (teachers)") and titles[-1].startswith("TrueSkill rating (members)")
+    assert any("pop: t2 = neftune(t0)" in t.get_text() for t in saved["ratings.png"].axes[0].texts)
+    with pytest.raises(FileNotFoundError, match="no metrics.jsonl"):
+        plots.compare_runs([tmp_path / "missing"], tmp_path / "cmp")
+
+
+def test_report_compare_cli_writes_figures_and_summary(tmp_path):
+    from populora_verl.eval.cli import report_main
+
+    for name in ("a", "b"):
+        synthetic_log(tmp_path / name, steps=4)
+    out = tmp_path / "cmp"
+    assert report_main(["--compare", str(tmp_path / "a"), str(tmp_path / "b"), "--labels", "A", "B",
+                        "--out", str(out)]) == 0
+    md = (out / "compare.md").read_text()
+    assert "| A | 3 |" in md and "| B | 3 |" in md and "![ratings](ratings.png)" in md
+    assert (out / "ratings.png").read_bytes()[:8] == PNG_MAGIC
+
+
+def test_report_compare_missing_run_is_one_line(tmp_path, capsys):
+    from populora_verl.eval.cli import report_main
+
+    assert report_main(["--compare", str(tmp_path / "nope"), "--out", str(tmp_path / "cmp")]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err == f"populora-report: error: {tmp_path / 'nope'}: no metrics.jsonl (--debug shows the traceback)"

@@ -219,7 +219,7 @@ def test_apply_with_real_operators_never_modifies_parents():
     snapshot = {mid: {k: v.clone() for k, v in sd.items()} for mid, sd in adapters.items()}
     for step, name in enumerate(sorted(OPERATORS), start=1):
         ctl = PBTController(load_config({"population": {"num_teachers": 3, "num_students": 3},
-                                         "pbt": {"operators": {name: 1.0},
+                                         "pbt": {"operators": {name: 1.0}, "min_age": 0,
                                                  "crossover_rate": 1.0 if OPERATORS[name].kind == "crossover" else 0.0}}).pbt,
                             seed=step)
         plan = ctl.plan(pop, step)

@@ -38,13 +38,24 @@ def test_recipe_composes_and_validates(name):
 
 
 def test_paper_recipes_share_per_adapter_budget():
-    """Compute matching: every recipe gives each adapter the same per-step budget as the single agent."""
-    base = load_config(_compose("azr_single_agent").populora)
+    """Compute matching by what is trained (docs/tasks-and-rewards.md): the single agent trains on as many
+    trajectories per step as the mean population member, with one update and the same generation limits."""
+    from populora_verl.step import planned_trajectories
+
+    single = _compose("azr_single_agent")
+    base = load_config(single.populora)
+    assert base.buffer.student_mix == "max_new" and base.rollout.buffer_task_n == 1
+    assert not base.rewards.train_on_estimation_rollouts  # AZR: estimation answers are not trained on
+    assert planned_trajectories(base) == 54.0
+    assert base.buffer.seed_programs == 256  # AZR's seeding phase (64 x 4 base-model programs)
     for name in ["1t1s", "2t2s", "4t4s", "8t8s"]:
-        p = load_config(_compose(name).populora)
-        assert p.rollout.proposals_per_type == base.rollout.proposals_per_type
-        assert p.rollout.student_n == base.rollout.student_n
-        assert p.tasks.types == base.tasks.types
+        cfg = _compose(name)
+        p = load_config(cfg.populora)
+        assert planned_trajectories(p) == planned_trajectories(base), name
+        assert p.tasks.types == base.tasks.types and p.rollout.student_n == base.rollout.student_n
+        ar, sr = cfg.actor_rollout_ref, single.actor_rollout_ref
+        assert ar.rollout.response_length == sr.rollout.response_length
+        assert ar.actor.ppo_epochs == sr.actor.ppo_epochs and ar.model.lora_rank == sr.model.lora_rank
 
 
 def test_bad_populora_override_fails_naming_the_key():

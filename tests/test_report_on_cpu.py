@@ -129,3 +129,66 @@ def test_run_report_without_eval_or_population(tmp_path):
     assert "No evaluation results" in text and "No metrics.jsonl" in text and "No population.json" in text
     with pytest.raises(FileNotFoundError):
         build_run_report(tmp_path / "missing")
+
+
+# --- 95% intervals (issue 13 item 3) ---------------------------------------------------------------------------
+
+
+def _paired_results() -> dict:
+    """Two members with complementary outcomes on 20 HumanEval+ items: their mean is 0.5 on every resample."""
+    a = [1] * 10 + [0] * 10
+    b = [0] * 10 + [1] * 10
+    base = [1] * 5 + [0] * 15
+    def sc(o):
+        return {"humaneval_plus": {"pass@1": sum(o) / len(o), "n": len(o), "correct": sum(o), "outcomes": o}}
+    return {"format": "populora.eval/1", "benchmarks": ["humaneval_plus"], "limit": None,
+            "members": [{"name": "base", "adapter": None, "role": "base"},
+                        {"name": "t0", "adapter": None, "role": "teacher"},
+                        {"name": "s0", "adapter": None, "role": "student"}],
+            "scores": {"base": sc(base), "t0": sc(a), "s0": sc(b)}}
+
+
+def test_wilson_interval_matches_the_closed_form():
+    from populora_verl.eval.report import wilson_interval
+
+    lo, hi = wilson_interval(5, 10)
+    assert lo == pytest.approx(0.2366, abs=1e-4) and hi == pytest.approx(0.7634, abs=1e-4)
+    assert wilson_interval(0, 10)[0] == 0.0 and wilson_interval(10, 10)[1] == pytest.approx(1.0)
+
+
+def test_intervals_members_wilson_population_paired_bootstrap():
+    from populora_verl.eval.report import table_intervals, wilson_interval
+
+    res = _paired_results()
+    ci = table_intervals(res)
+    assert ci["t0"]["humaneval_plus"] == pytest.approx(wilson_interval(10, 20))
+    assert ci["base"]["humaneval_plus"] == pytest.approx(wilson_interval(5, 20))
+    # Paired resampling: the two members always average 0.5, so the population mean has no spread.
+    assert ci["population mean"]["humaneval_plus"] == pytest.approx((0.5, 0.5))
+    lo, hi = ci["population max"]["humaneval_plus"]
+    assert 0.5 <= lo < hi <= 1.0  # the best member is re-chosen on every resample: never below the mean
+    assert ci["population min"]["humaneval_plus"][1] <= 0.5
+    assert ci["teachers mean"]["humaneval_plus"][0] < 0.5 < ci["teachers mean"]["humaneval_plus"][1]
+    assert ci["t0"]["code_avg"][0] < 0.5 < ci["t0"]["code_avg"][1]  # an average: bootstrap
+
+
+def test_interval_table_in_eval_files_and_older_results(tmp_path):
+    from populora_verl.eval.report import markdown_interval_table
+
+    paths = write_table(_paired_results(), tmp_path)
+    md = paths["md"].read_text()
+    assert "## With 95% intervals" in md and "| **population mean** |  | 50.0 [50.0, 50.0] |" in md
+    assert json.loads(paths["json"].read_text())["intervals"]["t0"]["humaneval_plus"][0] > 0.25
+    # Results without per-item outcomes (older files): Wilson intervals for members, plain numbers otherwise.
+    old = markdown_interval_table(_results())
+    assert "| t0 | teacher | 60.0 [" in old and "| **population mean** |  | 65.0 |" in old
+
+
+def test_summarize_keeps_per_item_outcomes():
+    from populora_verl.eval.backends import Member
+    from populora_verl.eval.evaluate import summarize
+
+    recs = [{"member": "m", "benchmark": "humaneval_plus", "id": str(i), "correct": c} for i, c in
+            enumerate([True, False, True])]
+    s = summarize(recs, [Member("m")], ["humaneval_plus"])["m"]["humaneval_plus"]
+    assert s["outcomes"] == [1, 0, 1] and s["correct"] == 2 and s["n"] == 3

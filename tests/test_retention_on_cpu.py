@@ -53,20 +53,72 @@ def test_retention_all_operators(tiny):
     adapter, evaluate = tiny
     before = {k: v.clone() for k, v in adapter.items()}
     rows = retention_test(adapter, evaluate, seed=3)
-    assert [r.operator for r in rows] == list(OPERATORS)
+    # Every mutation once, every crossover twice: with a related and with an unrelated second parent.
+    expected = [(n, None) if op.kind == "mutation" else (n, pair) for n, op in OPERATORS.items()
+                for pair in ((None,) if op.kind == "mutation" else ("related", "unrelated"))]
+    assert [(r.operator, r.extra.get("pair")) for r in rows] == expected
     parent_score = evaluate(adapter)
     for r in rows:
         assert r.parent_score == pytest.approx(parent_score, rel=1e-6)
         assert len(r.child_scores) == 1 and all(0 < s <= 1 for s in r.child_scores)
-        assert math.isfinite(r.retention) and r.retention > 0 and r.seconds >= 0 and r.delta_w_rel > 0
+        assert math.isfinite(r.retention) and r.seconds >= 0 and r.delta_w_rel > 0
         assert (r.other_parent_score is not None) == (r.kind == "crossover")
         assert r.params == dict(OPERATORS[r.operator].defaults)
+        # This adapter memorised random tokens (SGD lr 5), the most fragile case there is; still every noise
+        # mutation at default strength keeps half of its likelihood. component_mask at rank 4 drops a whole
+        # quarter of the spectrum (1 of 4 components, chosen at random): measured, not bounded, here.
+        if r.kind == "mutation" and r.operator != "component_mask":
+            assert r.retention >= 0.5, r
+    by = {(r.operator, r.extra.get("pair")): r for r in rows}
+    # The unrelated parent is the related one in another gauge (same ΔW): crossovers that move whole (A, B) pairs
+    # or work on ΔW's SVD cannot tell them apart; the factor-space extrapolation loses skill across gauges.
+    for name in ("layer_crossover", "svd_crossover"):
+        assert by[(name, "unrelated")].retention == pytest.approx(by[(name, "related")].retention, rel=1e-3)
+    assert by[("extrapolative_crossover", "unrelated")].retention < by[("extrapolative_crossover", "related")].retention
     assert all(torch.equal(adapter[k], before[k]) for k in adapter)
-    # The table names every operator, in both renderings.
+    # The table names every operator, in both renderings, and marks the crossover pairs.
     md, plain = format_retention_table(rows), format_retention_table(rows, style="plain")
     assert md.splitlines()[0].startswith("| operator |") and len(md.splitlines()) == len(rows) + 2
+    assert "| crossover (unrelated) |" in md
     for r in rows:
         assert f"| {r.operator} |" in md and r.operator in plain
+
+
+def test_recalibrated_mutations_are_gentler_than_lucidrains_defaults(tiny):
+    adapter, evaluate = tiny
+    rows = retention_test(adapter, evaluate, ["neftune", ("neftune", {"alpha": 10.0}), "component_mask",
+                                              ("component_mask", {"rho": 0.3})], children=3, seed=3)
+    new_neft, old_neft, new_mask, old_mask = rows
+    assert new_neft.params["alpha"] == 1.0 and new_mask.params["rho"] == 0.1
+    assert new_neft.retention >= 0.9 and new_neft.retention > old_neft.retention + 0.3
+    assert new_mask.retention > old_mask.retention
+
+
+def test_retention_real_end_to_end_on_a_tiny_model(tmp_path):
+    """The GPU bench's whole path on a tiny random Qwen2 saved to disk: fine-tune, operators, table."""
+    from populora_verl.bench import retention_real
+    from populora_verl.local.tiny import build_tiny_model, build_tiny_tokenizer
+
+    tok = build_tiny_tokenizer()
+    build_tiny_model(tok, seed=0, hidden_size=32).save_pretrained(tmp_path / "m")
+    tok.save_pretrained(tmp_path / "m")
+    out = tmp_path / "retention.md"
+    assert retention_real.main(["--model", str(tmp_path / "m"), "--rank", "4", "--alpha", "8", "--steps", "12",
+                                "--lr", "5e-3", "--children", "1", "--no-sweep", "--out", str(out)]) == 0
+    text = out.read_text()
+    for name, op in OPERATORS.items():
+        assert f"| {name} | {op.kind}" in text
+    assert "crossover (related)" in text and "crossover (unrelated)" in text
+    rows, info = retention_real.run(str(tmp_path / "m"), rank=4, alpha=8, steps=12, lr=5e-3, children=1,
+                                    sweep=[("neftune", {"alpha": 10.0})])
+    # The fine-tune moved the answers' log-probs and made B non-zero.
+    assert all(p > b + 0.05 for p, b in zip(info["parent_logp"], info["base_logp"]))
+    mutations = {r.operator: r for r in rows if r.kind == "mutation" and r.params == dict(OPERATORS[r.operator].defaults)}
+    assert len(mutations) == sum(op.kind == "mutation" for op in OPERATORS.values())
+    for r in mutations.values():  # the issue's target: every mutation keeps >= 0.9 at default strength
+        assert r.retention >= 0.9, r
+    old_neftune = next(r for r in rows if r.operator == "neftune" and r.params["alpha"] == 10.0)
+    assert old_neftune.gain_kept < mutations["neftune"].gain_kept
 
 
 def test_retention_tracks_operator_strength(tiny):

@@ -111,12 +111,12 @@ async def test_teacher_proposals(manager):
 
 async def test_code_f_proposal_needs_the_shown_program(manager):
     program = Task(type="code_o", program="def f(x):\n    return x * x\n", input="2", output="4")
-    inputs = "\n".join(f"```input\n{i}\n```" for i in (1, 2, 3, 4))
+    inputs = "\n".join(f"```input\n{i}\n```" for i in range(1, 11))  # AZR's rule: all num_inputs=10
     text = wrap(inputs + "\n```message\nsquares\n```")
     info = {"role": "propose", "task_type": "code_f", "adapter": "t0", "task": program.to_json()}
     out = await manager.run_single(make_item(text, info, as_json=True))
     t = Task.from_json(out["reward_extra_info"]["populora_task"])
-    assert t.outputs == ["1", "4", "9", "16"] and t.num_visible == 2
+    assert t.outputs == [str(i * i) for i in range(1, 11)] and t.num_visible == 5
     with pytest.raises(ValueError, match="task is required"):
         await manager.run_single(make_item(text, {"role": "propose", "task_type": "code_f"}))
 
@@ -136,9 +136,8 @@ async def test_student_answers_and_teacher_assembly(manager):
     assert all(tuple(o["reward_extra_info"]) == EXTRA_KEYS for o in outs)
     # Driver side: the matched student's correctness gives the teacher's learnability (Z = 0 in this config).
     correct = [o["reward_extra_info"]["populora_correct"] for o in outs]
-    r = levels.assemble_teacher_rewards([levels.TeacherSample("valid", task.id)], {task.id: correct},
-                                        PopuLoRACodeRewardManager.cfg.rewards)
-    assert r == [pytest.approx(0.5)]
+    r = levels.teacher_reward("valid", levels.solve_rate(correct), PopuLoRACodeRewardManager.cfg.rewards)
+    assert r == pytest.approx(0.5)
 
 
 async def test_code_f_student_and_rm_scores(manager):

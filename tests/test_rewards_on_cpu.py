@@ -1,12 +1,11 @@
-"""Reward levels from RewardsConfig and the driver-side teacher reward assembly (population and single agent)."""
+"""Reward levels from RewardsConfig (teacher learnability, student levels)."""
 
 from __future__ import annotations
 
 import pytest
 
 from populora_verl.config import RewardsConfig, load_config
-from populora_verl.reward import (TeacherSample, assemble_teacher_rewards, learnability, solve_rate, solvers_for,
-                                  student_reward, teacher_reward)
+from populora_verl.reward import learnability, solve_rate, student_reward, teacher_reward
 
 
 def test_student_levels_follow_config():
@@ -47,26 +46,3 @@ def test_teacher_levels():
         teacher_reward("valid", None, cfg)
     with pytest.raises(ValueError):
         teacher_reward("correct", 0.5, cfg)
-
-
-def test_assemble_teacher_rewards_from_matched_student_solves():
-    cfg = load_config({"rewards": {"zero_learnability_reward": -0.5}}).rewards
-    samples = [TeacherSample("valid", "task_a"), TeacherSample("valid", "task_b"), TeacherSample("valid", "task_c"),
-               TeacherSample("invalid"), TeacherSample("format_error")]
-    # The matched student's n=8 answers per task: True/False or 1.0/0.0 (a format error counts as 0).
-    correctness = {"task_a": [True] * 2 + [False] * 6, "task_b": [1.0] * 8, "task_c": [0.0] * 8}
-    assert assemble_teacher_rewards(samples, correctness, cfg) == pytest.approx([0.75, -0.5, -0.5, -1.0, -1.0])
-    with pytest.raises(ValueError, match="task_z"):
-        assemble_teacher_rewards([TeacherSample("valid", "task_z")], correctness, cfg)
-
-
-def test_single_agent_uses_the_same_function_with_its_own_solves():
-    cfg = RewardsConfig()
-    pairs = [("t0", "s1"), ("t1", "s0"), ("t0", "s2")]
-    assert solvers_for("t0", pairs) == ["s1", "s2"]
-    assert solvers_for("a0", [], mode="single_agent") == ["a0"]
-    with pytest.raises(ValueError):
-        solvers_for("t0", pairs, mode="other")
-    # AZR: the proposer's own solver samples give s̄; identical rewards for identical solve records.
-    own = {"t": [True, False, False, False]}
-    assert assemble_teacher_rewards([TeacherSample("valid", "t")], own, cfg) == [0.75]

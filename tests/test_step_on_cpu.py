@@ -151,3 +151,18 @@ def test_state_dict_round_trip(executor, tmp_path):
     # The next step continues identically from both.
     assert [r.prompt for r in ps.begin(2)] == [r.prompt for r in other.begin(2)]
     assert ps._pairs == other._pairs
+
+
+def test_step_metrics_validity_per_task_type_and_length_per_role(executor):
+    """The --compare report's per-type validity and per-role response length come from the step's own metrics."""
+    ps = PopulationStep(_cfg(tasks={"types": ["code_o", "code_i"]}), executor=executor, seed=0)
+    teacher_reqs = ps.begin(1)
+    # code_o proposals are valid, code_i ones garbage; teachers write 7 tokens, students 3.
+    responses = [GenResponse(r, [GOOD_PROPOSAL if r.task_type == "code_o" else GARBAGE] * r.n, lengths=[7] * r.n)
+                 for r in teacher_reqs]
+    student_reqs = ps.on_proposals(responses)
+    result = ps.on_answers([GenResponse(r, [RIGHT] * r.n, lengths=[3] * r.n) for r in student_reqs])
+    m = result.metrics
+    assert m["populora/task_type/code_o/validity"] == 1.0 and m["populora/task_type/code_i/validity"] == 0.0
+    assert m["populora/role/teacher/response_length_mean"] == 7.0
+    assert m["populora/role/student/response_length_mean"] == 3.0

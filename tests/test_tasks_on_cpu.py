@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 
 import numpy as np
 import pytest
@@ -31,6 +32,11 @@ def ex():
 @pytest.fixture(scope="module")
 def cfg():
     return PopuLoRAConfig()
+
+
+@pytest.fixture(scope="module")
+def lenient():
+    return load_config({"tasks": {"code_f_rule": "lenient"}})
 
 
 def wrap(answer: str, think: str = "let me think") -> str:
@@ -129,7 +135,7 @@ def test_prompts_carry_the_required_information(cfg):
         assert needle in q, needle
     assert "output" in proposer_prompt("code_o", cfg.tasks) and "input" in proposer_prompt("code_i", cfg.tasks)
     qf = proposer_prompt("code_f", cfg.tasks, program=refs[0])
-    assert f"{cfg.tasks.num_inputs} different inputs" in qf and "```message" in qf and "def f(a):" in qf
+    assert f"exactly {cfg.tasks.num_inputs} inputs" in qf and "```message" in qf and "def f(a):" in qf
     with pytest.raises(ValueError):
         proposer_prompt("code_f", cfg.tasks)
     azr = render_prompt(q, "azr")
@@ -238,10 +244,10 @@ def code_f_proposal(inputs, message="keep some of the numbers"):
     return wrap("\n".join(fence("input", i) for i in inputs) + "\n" + fence("message", message))
 
 
-def test_code_f_round_trip_scores_hidden_pairs(ex, cfg):
+def test_code_f_round_trip_scores_hidden_pairs(ex, cfg, lenient):
     program = Task(type="code_o", program=PARITY, input="[1, 2]", output="[2]")
     inputs = ["[1, 2, 3, 4]", "[]", "[5]", "[1,2,3,4]", "'oops'", "[10, 11]", "[6, 8]", "[7, 9, 12]", "[0]", "[3, 3]"]
-    res = validate_proposal(code_f_proposal(inputs), "code_f", ex, cfg, program=program, teacher="t1")
+    res = validate_proposal(code_f_proposal(inputs), "code_f", ex, lenient, program=program, teacher="t1")
     assert res.valid, res.reason
     t = res.task
     # Duplicate ("[1,2,3,4]") and failing ("'oops'") inputs dropped: 8 left, split 4 shown / 4 hidden.
@@ -264,12 +270,31 @@ def test_code_f_round_trip_scores_hidden_pairs(ex, cfg):
     assert score_answer(t, "<answer>" + good, ex, cfg).status == "format_error"
 
 
-def test_code_f_needs_enough_valid_inputs_and_a_message(ex, cfg):
+def test_code_f_needs_enough_valid_inputs_and_a_message(ex, lenient):
     program = Task(type="code_o", program=PARITY, input="[1, 2]", output="[2]")
-    res = validate_proposal(code_f_proposal(["'a'", "None", "[1]"]), "code_f", ex, cfg, program=program)
+    res = validate_proposal(code_f_proposal(["'a'", "None", "[1]"]), "code_f", ex, lenient, program=program)
     assert res.status == "invalid" and "need 2" in res.reason
     no_msg = wrap(fence("input", "[1]") + fence("input", "[2]"))
-    assert validate_proposal(no_msg, "code_f", ex, cfg, program=program).status == "format_error"
+    assert validate_proposal(no_msg, "code_f", ex, lenient, program=program).status == "format_error"
+
+
+def test_code_f_azr_rule_needs_num_inputs_takes_the_last_and_rejects_any_failure(ex, cfg):
+    """AZR's rule (the default): fewer than num_inputs input blocks is a format error, the last num_inputs are
+    used, and one input that fails to run makes the whole proposal invalid."""
+    assert cfg.tasks.code_f_rule == "azr" and cfg.tasks.num_inputs == 10
+    program = Task(type="code_o", program=PARITY, input="[1, 2]", output="[2]")
+    good = [f"[{i}, {i + 1}]" for i in range(10)]
+    # Two leading drafts the model wrote while planning: AZR keeps the last ten blocks, so they are ignored.
+    res = validate_proposal(code_f_proposal(["'draft'", "None"] + good), "code_f", ex, cfg, program=program)
+    assert res.valid, res.reason
+    assert res.task.inputs == good and res.task.num_visible == 5 and len(res.task.hidden_pairs) == 5
+    short = validate_proposal(code_f_proposal(good[:9]), "code_f", ex, cfg, program=program)
+    assert short.status == "format_error" and "need 10" in short.reason
+    bad = validate_proposal(code_f_proposal(good[:9] + ["'oops'"]), "code_f", ex, cfg, program=program)
+    assert bad.status == "invalid" and "oops" in bad.reason
+    unparsable = validate_proposal(code_f_proposal(good[:9] + ["1, )"]), "code_f", ex, cfg, program=program)
+    assert unparsable.status == "invalid"
+    assert cfg.rewards.format_error == cfg.rewards.invalid_program == -1.0  # both are AZR's -1
 
 
 def test_code_f_identity_seed_is_solvable(ex, cfg):
@@ -335,8 +360,11 @@ def test_buffer_sampling_is_deterministic_and_checkpointable(tmp_path):
     assert pick(random.Random(7)) == pick(random.Random(7))
     assert len(set(pick(np.random.default_rng(1)))) == 6
     assert len(bufs.references("code_i", 6, np.random.default_rng(0))) == 1  # fewer than K available
-    new_first = bufs["code_o"].newest_first(4, np.random.default_rng(0), since_step=18)
-    assert [t.step for t in new_first[:2]] == [19, 18] and len(new_first) == 4
+    batch = bufs["code_o"].max_new(4, np.random.default_rng(0), since_step=18)
+    assert sorted(t.step for t in batch[:2]) == [18, 19] and len(batch) == 4 and all(t.step < 18 for t in batch[2:])
+    # AZR pads a batch larger than the buffer by repeating tasks: always exactly n.
+    assert len(bufs["code_i"].max_new(5, np.random.default_rng(0), since_step=0)) == 5
+    assert TaskBuffer("code_o").max_new(3, np.random.default_rng(0), since_step=0) == []
     assert bufs.sample_program(np.random.default_rng(0)).type in ("code_i", "code_o")
     path = tmp_path / "buffers.json"
     bufs.save(path)
@@ -382,7 +410,7 @@ def test_task_json_round_trip():
         Task(type="code_f", program="p", inputs=["1"], outputs=[])
 
 
-def test_readme_worked_examples(ex, cfg):
+def test_readme_worked_examples(ex, cfg, lenient):
     """The code_i and code_f worked examples of docs/tasks-and-rewards.md, as written there."""
     two_sum = ("def f(nums, target):\n    seen = {}\n    for i, x in enumerate(nums):\n        if target - x in seen:\n"
                "            return (seen[target - x], i)\n        seen[x] = i\n    return None")
@@ -394,7 +422,7 @@ def test_readme_worked_examples(ex, cfg):
     base3 = Task(type="code_o", program="def f(n):\n    digits = []\n    while n:\n        n, r = divmod(n, 3)\n"
                  "        digits.append(str(r))\n    return ''.join(reversed(digits)) or '0'\n", input="100", output="'10201'")
     inputs = ["0", "1", "2", "3", "8", "9", "27", "100", "3", "'ten'"]
-    tf = validate_proposal(code_f_proposal(inputs, "Write the number in another base."), "code_f", ex, cfg,
+    tf = validate_proposal(code_f_proposal(inputs, "Write the number in another base."), "code_f", ex, lenient,
                            program=base3).task
     assert tf.visible_pairs == [("0", "'0'"), ("1", "'1'"), ("2", "'2'"), ("3", "'10'")]
     assert tf.hidden_pairs == [("8", "'22'"), ("9", "'100'"), ("27", "'1000'"), ("100", "'10201'")]
@@ -409,7 +437,7 @@ def test_prompt_requests_from_buffers(cfg):
         bufs.add(_t(i))
     p1, prog = proposer_request("code_o", bufs, cfg.tasks, np.random.default_rng(0))
     p2, _ = proposer_request("code_o", bufs, cfg.tasks, np.random.default_rng(0))
-    assert prog is None and p1 == p2 and p1.count("Reference ") == cfg.tasks.num_references
+    assert prog is None and p1 == p2 and len(re.findall(r"Reference \d+:", p1)) == cfg.tasks.num_references
     pf, prog = proposer_request("code_f", bufs, cfg.tasks, np.random.default_rng(0))
     assert prog is not None and prog.program in pf
     chat = load_config({"tasks": {"prompt_template": "chat"}}).tasks

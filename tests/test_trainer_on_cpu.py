@@ -149,7 +149,18 @@ BAD = [
     ("trainer.val_before_train=true", "trainer.val_before_train"),
     ("trainer.total_training_steps=null", "trainer.total_training_steps"),
     ("+populora.rollout.max_loras=16", "populora.rollout.max_loras"),
+    # Keys the trainer overrides or verl never reads: a value that would be ignored fails at start-up.
+    ("actor_rollout_ref.rollout.n=4", "actor_rollout_ref.rollout.n"),
+    ("actor_rollout_ref.actor.ppo_mini_batch_size=2", "actor_rollout_ref.actor.ppo_mini_batch_size"),
+    ("+populora.rollout.max_new_tokens=100", "populora.rollout.max_new_tokens"),
+    ("+populora.rollout.temperature=0.7", "populora.rollout.temperature"),
 ]
+
+
+def test_populora_rollout_keys_equal_to_verl_pass():
+    cfg = _compose("smoke_0.5b", ["actor_rollout_ref.model.path=/m", "+populora.rollout.max_new_tokens=512",
+                                  "+populora.rollout.temperature=1.0"])
+    convert.validate_verl_config(cfg, load_config(cfg.populora))
 
 
 @pytest.mark.parametrize("override,key", BAD, ids=[k for _, k in BAD])
@@ -313,52 +324,6 @@ def test_per_adapter_partition_of_a_combined_batch():
     assert subs[0].keys == ["a_0_0", "c_0_0"] and [t["seq_len"] for t in subs[0].tags] == [0, 3]
     assert subs[1].keys == ["b_0_0", "b_1_0"]
     assert sorted(k for s in subs.values() for k in s.keys) == sorted(keys)
-
-
-# --- the step-scaling benchmark (logic only: the runs need a GPU) -----------------------------------------------
-
-
-def test_step_scaling_parses_console_and_refuses_without_cuda(capsys):
-    from populora_verl.bench import step_scaling as ss
-
-    steps, peak, _ = ss.summarize(ss.console_rows("noise\nstep:1 - timing_s/step:12.5 - perf/max_memory_allocated_gb:3.2\n"
-                                   "step:2 - timing_s/step:10.0 - perf/max_memory_allocated_gb:3.5 - x:nan\n"))
-    assert steps == {1: 12.5, 2: 10.0} and peak == 3.5
-    # on a real run verl's console lines sit behind Ray's actor prefix
-    steps, peak, _ = ss.summarize(ss.console_rows(
-        "\x1b[36m(TaskRunnerV1 pid=7)\x1b[0m step:2 - timing_s/step:54.0 - actor/perf/max_memory_allocated_gb:4.0\n"))
-    assert steps == {2: 54.0} and peak == 4.0  # verl's key for the worker's peak, as in the file logger
-    r = ss.RunResult("2t2s", 4, 0, 1.0, {1: 99.0, 2: 8.0, 3: 12.0})
-    assert r.mean_step_s == 10.0  # step 1 (warm-up) excluded
-    table = ss.report([ss.RunResult("single", 1, 0, 1.0, {2: 5.0}, 1.0, 1000.0), r])
-    assert "| 2t2s | 4 | 10.0 | 2.00 | 2.5 |" in table
-    cmd = ss.command("/m", "single", 3, Path("/tmp/o"), [])
-    assert "populora.population.mode=single_agent" in cmd and "trainer.total_training_steps=3" in cmd
-    assert "trainer.logger=[console,file]" in cmd
-    if not torch.cuda.is_available():
-        assert ss.main(["--model", "/m"]) == 2
-        assert "needs a CUDA GPU" in capsys.readouterr().err
-
-
-def test_step_scaling_reads_verl_file_logger_first(tmp_path):
-    from populora_verl.bench import step_scaling as ss
-
-    rows = [{"step": 1, "data": {"timing_s/step": 90.0, "timing_s/gen": 80.0, "perf/max_memory_allocated_gb": 2.0}},
-            {"step": 2, "data": {"timing_s/step": 10.0, "timing_s/gen": 6.0, "timing_s/update_actor": 3.0}},
-            {"step": 3, "data": {"timing_s/step": 12.0, "timing_s/gen": 8.0, "actor/perf/max_memory_allocated_gb": 2.5,
-                                  "populora/s0/actor/perf/max_memory_allocated_gb": 2.25}}]
-    text = "\n".join(json.dumps(r) for r in rows) + '\n{"step": 4, "da'  # a killed run's torn last line
-    (tmp_path / "2t2s.metrics.jsonl").write_text(text)
-    (tmp_path / "2t2s.log").write_text("step:2 - timing_s/step:999.0\n")  # fallback only
-    steps, peak, phases = ss.read_results(tmp_path, "2t2s")
-    assert steps == {1: 90.0, 2: 10.0, 3: 12.0} and peak == 2.5
-    assert phases == {"gen": 7.0, "update_actor": 3.0}  # step 1 (warm-up) excluded
-    (tmp_path / "single.log").write_text("(TaskRunnerV1 pid=7) step:2 - timing_s/step:5.0\n")
-    assert ss.read_results(tmp_path, "single") == ({2: 5.0}, None, {})
-    r = ss.RunResult("2t2s", 4, 0, 1.0, steps, peak, 1000.0, phases)
-    table = ss.report([ss.RunResult("single", 1, 0, 1.0, {2: 5.0}, 1.0, 1000.0, {"gen": 4.0}), r])
-    assert "| 2t2s | 4 | 11.0 | 2.20 | 2.8 | 1000 | 1.00 | 2.50 | 0 |" in table
-    assert "| config | gen s | update_actor s |" in table and "| 2t2s | 7.0 | 3.0 |" in table and "| single | 4.0 | - |" in table
 
 
 def test_metrics_row_is_written_after_evolution(trainer_cls, tmp_path, monkeypatch):

@@ -163,17 +163,23 @@ class _AgentLoop:
 
 
 class _Workers:
-    """The actor worker group: ``DP`` ranks; reads what a real worker would read from TQ and records it."""
+    """The actor worker group: ``DP`` ranks; reads what a real worker would read from TQ and records it.
+
+    A fused call (``populora_segments``) is cut the way verl's dispatch cuts it (``DP`` contiguous chunks) and each
+    rank's chunk the way the real worker cuts it (``segment_bounds``), so ``updates`` records per slot the rows every
+    rank saw, as for one call per slot."""
 
     def __init__(self):
         self._dispatch_info = {"actor": list(range(DP))}
         self.updates: list[dict] = []
+        self.calls = {"compute_log_prob": 0, "update_actor": 0}
 
     def populora_bank_info(self):
         return [{"num_slots": 4, "slots": [{"slot": s, "lora_int_id": 1000 + s, "lora_name": f"{s}@v0"}
                                            for s in range(4)]}] + [None] * (DP - 1)
 
     def compute_log_prob(self, batch):
+        self.calls["compute_log_prob"] += 1
         # the real worker writes full-sequence log-probs / entropy; verl's trainer then slices the responses
         data = tq.kv_batch_get(keys=list(batch.keys), partition_id=PARTITION, select_fields=["input_ids"])
         lens = [t.numel() for t in _rows(data["input_ids"])]
@@ -185,12 +191,36 @@ class _Workers:
                         fields=TensorDict({"log_probs": nested(-0.25), "entropy": nested(1.0)}, batch_size=len(lens)))
         return batch
 
+    def _per_slot(self, batch):
+        """``[(slot, keys, tags, rank_shares, extra_info)]`` of one call, fused or not."""
+        from populora_verl.trainer import fused
+
+        info = dict(batch.extra_info)
+        keys, tags = list(batch.keys), list(batch.tags)
+        if fused.SEGMENTS_KEY not in info:
+            shares = [keys[a:b] for a, b in fused.rank_chunks(len(keys), DP)]
+            return [(info["populora_adapter"], keys, tags, shares, info)]
+        segs = fused.decode_segments(info.pop(fused.SEGMENTS_KEY))
+        out = {s["slot"]: ([], [], [], dict(info, global_batch_size=s["size"], mini_batch_size=s["size"]))
+               for s in segs}
+        for a, b in fused.rank_chunks(len(keys), DP):
+            for slot, lo, hi, _ in fused.segment_bounds(b - a, segs):
+                out[slot][0].extend(keys[a + lo:a + hi])
+                out[slot][1].extend(tags[a + lo:a + hi])
+                out[slot][2].append(keys[a + lo:a + hi])
+        return [(slot, k, t, sh, i) for slot, (k, t, sh, i) in out.items()]
+
     def update_actor(self, batch):
+        self.calls["update_actor"] += 1
         fields = ["rm_scores", "advantages", "returns", "response_mask", "old_log_probs", "responses"]
-        data = tq.kv_batch_get(keys=list(batch.keys), partition_id=PARTITION, select_fields=fields)
-        self.updates.append({"slot": batch.extra_info["populora_adapter"], "keys": list(batch.keys),
-                             "tags": list(batch.tags), "extra_info": dict(batch.extra_info),
-                             "data": {f: _rows(data[f]) for f in fields}})
+        per_slot = {}
+        for slot, keys, tags, shares, info in self._per_slot(batch):
+            data = tq.kv_batch_get(keys=keys, partition_id=PARTITION, select_fields=fields)
+            self.updates.append({"slot": slot, "keys": keys, "tags": tags, "extra_info": info, "rank_shares": shares,
+                                 "data": {f: _rows(data[f]) for f in fields}})
+            per_slot[str(slot)] = {"pg_loss": [0.5 + slot]}
+        if "populora_segments" in batch.extra_info:
+            return {"metrics": {"populora_fused": per_slot}}
         return {"metrics": {"pg_loss": [0.5]}}
 
 
@@ -290,10 +320,18 @@ def test_generate_round_trip_decodes_every_session(tq_cluster, tmp_path):
 
 
 @pytest.mark.timeout(120)
-def test_step_writes_signals_per_adapter_batch_and_clears(tq_cluster, tmp_path):
+@pytest.mark.parametrize("fused_rpc", [True, False], ids=["fused", "per_adapter"])
+def test_step_writes_signals_per_adapter_batch_and_clears(tq_cluster, tmp_path, fused_rpc):
+    """Both dispatch modes train every slot on exactly its adapter's rows, and each DP rank gets the same share of
+    a slot's rows as a call of the slot's own would give it (compute matching is independent of fusing)."""
+    from populora_verl.trainer import fused
+
     t = _trainer(tmp_path)
+    t.fused_rpc = fused_rpc
     metrics: dict = {}
     out = t.step(metrics, {})
+    calls = 1 if fused_rpc else len(SLOTS)
+    assert t.actor_rollout_wg.calls == {"compute_log_prob": calls, "update_actor": calls}
     wg, pop, written = t.actor_rollout_wg, t.pop_step, t.agent_loop_manager.written
     samples = pop.on_answers(pop.student_resp).samples  # same deterministic samples the step trained on
     by_key = {s.extra: s for s in samples if s.extra is not None}
@@ -311,6 +349,8 @@ def test_step_writes_signals_per_adapter_batch_and_clears(tq_cluster, tmp_path):
         assert len(pads) == (1 if member == "t0" else 0)
         assert all(tag.get("is_padding") for k, tag in zip(u["keys"], u["tags"]) if k.startswith("pad"))
         assert u["extra_info"]["global_batch_size"] == u["extra_info"]["mini_batch_size"] == len(u["keys"])
+        assert u["rank_shares"] == [u["keys"][a:b] for a, b in fused.rank_chunks(len(u["keys"]), DP)]
+        assert len({len(sh) for sh in u["rank_shares"]}) == 1  # every rank runs the same forwards for this slot
         d = u["data"]
         for i, k in enumerate(u["keys"]):
             rm, adv, ret, mask = d["rm_scores"][i], d["advantages"][i], d["returns"][i], d["response_mask"][i]
@@ -341,3 +381,4 @@ def test_step_writes_signals_per_adapter_batch_and_clears(tq_cluster, tmp_path):
     assert _listed() == {}
     assert metrics["populora/fake/samples"] == float(len(samples))
     assert metrics["populora/s1/populora/samples"] == N["s1"] - 1
+    assert metrics["populora/s1/actor/pg_loss"] == (0.5 + SLOTS["s1"] if fused_rpc else 0.5)

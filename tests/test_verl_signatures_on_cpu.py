@@ -39,7 +39,8 @@ VERL = Path(importlib.util.find_spec("verl").submodule_search_locations[0])
 
 OVERRIDDEN = ["compute_log_prob", "update_actor", "update_weights"]
 RPCS = ["populora_init_bank", "populora_bank_info", "populora_apply_plan", "populora_set_adapter",
-        "populora_get_adapter", "populora_reset_optimizer", "populora_save_bank", "populora_load_bank"]
+        "populora_get_adapter", "populora_reset_optimizer", "populora_save_bank", "populora_load_bank",
+        "populora_shard_checksums"]
 
 
 def _mode_key(mode):
@@ -204,6 +205,21 @@ def test_worker_weight_sync_pushes_every_slot_under_its_id(tmp_path):
     assert [s["lora_int_id"] for s in info["slots"]] == [1000, lora_int_id(1, 1, 3), 1002]
     with pytest.raises(ValueError, match="naive"):
         asyncio.run(w.update_weights(mode="nccl"))
+
+
+def test_worker_shard_checksums_and_world_size_change(tmp_path):
+    w = make_worker()
+    w.populora_init_bank(3, seed=5)
+    before = w.populora_shard_checksums()
+    w.update_actor(batch(2))
+    after = w.populora_shard_checksums()
+    assert before["rank"] == after["rank"] == 0
+    assert [k for k in range(3) if before["slots"][k] != after["slots"][k]] == [2]
+    w.populora_save_bank(str(tmp_path))
+    w4 = make_worker()
+    w4._rank, w4._world_size = 1, 4  # the same checkpoint resumed on 4 GPUs
+    with pytest.raises(AdapterBankError, match="saved by 1 rank\\(s\\) but this run has 4"):
+        w4.populora_load_bank(str(tmp_path))
 
 
 def test_worker_rejects_fsdp1():

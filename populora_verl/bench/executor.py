@@ -1,12 +1,17 @@
-"""Executor benchmark: validations/second on an AZR-style program mix, sandboxed vs a naive baseline.
+"""Executor benchmark: validations/second of our sandbox vs an AZR-style pool vs a fresh ``python -c``.
 
-    python -m populora_verl.bench.executor [--n 600] [--timeout 1.0] [--workers N] [--seed 0] [--out FILE.md]
+    python -m populora_verl.bench.executor [--n 600] [--timeout 1.0] [--workers N] [--rounds 3] [--out FILE.md]
 
-Both sides get the same programs, the same timeout, the same number of parallel slots, and do the same work per
-program (run ``f(<inputs>)`` twice, compare, ``repr``). The baseline is what one writes without a sandbox: a fresh
-``python -c`` subprocess per program (this interpreter, no isolation; only an address-space rlimit so that the
-memory bomb cannot take the host down). Programs that would harm the host when run unsandboxed (fork bomb,
-killing the parent) are replaced by an equally cheap failing program on the baseline side only.
+Three systems get the same programs, the same timeout and the same number of parallel slots, and do the same
+work per program (run ``f(<inputs>)`` twice, compare, ``repr``):
+- ``ours``: :class:`~populora_verl.executor.Executor` with every protection this host allows (printed);
+- ``azr_pool``: :mod:`populora_verl.bench.azr_pool`, a pebble process pool ``exec``-ing programs with no
+  isolation, as AZR's executor does;
+- ``python_c``: a fresh ``python -c`` subprocess per program (no isolation, an address-space rlimit only).
+Programs that would harm the host when run unsandboxed (fork bomb, killing the parent) are replaced by an
+equally cheap failing program on the two unsandboxed sides only. Two mixes: the bench mix below, and its
+ordinary programs only. Rounds are interleaved (systems in rotating order); the table gives the median and the
+min..max over rounds, with the machine and the load average seen during the run.
 
 Mix (fractions of ``--n``): ~97% ordinary AZR-style programs (string/list/dict manipulation, small loops,
 recursion), 1% slow CPU-bound ones (0.2-0.6 s, near a 1 s limit), 2% hostile (infinite loop, blocking sleep,
@@ -20,6 +25,7 @@ import os
 import platform
 import random
 import resource
+import statistics
 import subprocess
 import sys
 import time
@@ -109,13 +115,49 @@ def make_mix(n: int, seed: int = 0, slow_frac: float = 0.01, hostile_frac: float
     return items
 
 
-def run_sandboxed(items: list[Item], timeout: float, workers: int) -> tuple[float, list, dict]:
-    with Executor(timeout_s=timeout, memory_mb=512, max_workers=workers) as ex:
-        ex.run_many([(it.program, it.inputs) for it in items[:workers]])  # warm-up: workers already started
-        t = time.perf_counter()
-        results = ex.run_many([(it.program, it.inputs) for it in items])
-        elapsed = time.perf_counter() - t
-        return elapsed, results, ex.protections
+def _rate(n: int, seconds: float) -> float:
+    return n / seconds if seconds > 0 else float("inf")
+
+
+class _Ours:
+    name = "ours"
+
+    def __init__(self, timeout: float, workers: int) -> None:
+        self.ex = Executor(timeout_s=timeout, memory_mb=512, max_workers=workers)
+
+    def run_many(self, items: list[Item]) -> list[tuple[bool, str | None]]:
+        return [(r.ok, r.output) for r in self.ex.run_many([(it.program, it.inputs) for it in items])]
+
+    def close(self) -> None:
+        self.ex.close()
+
+
+class _AzrPool:
+    name = "azr_pool"
+
+    def __init__(self, timeout: float, workers: int) -> None:
+        from populora_verl.bench.azr_pool import AzrStylePool
+
+        self.pool = AzrStylePool(workers, timeout)
+
+    def run_many(self, items: list[Item]) -> list[tuple[bool, str | None]]:
+        return self.pool.run_many([(_SURROGATE if it.host_unsafe else it.program, it.inputs) for it in items])
+
+    def close(self) -> None:
+        self.pool.close()
+
+
+class _PythonC:
+    name = "python_c"
+
+    def __init__(self, timeout: float, workers: int) -> None:
+        self.timeout, self.pool = timeout, ThreadPoolExecutor(workers)
+
+    def run_many(self, items: list[Item]) -> list[tuple[bool, str | None]]:
+        return list(self.pool.map(lambda it: _baseline_one(it, self.timeout), items))
+
+    def close(self) -> None:
+        self.pool.shutdown()
 
 
 _BASELINE_TAIL = """
@@ -145,14 +187,26 @@ def _baseline_one(it: Item, timeout: float) -> tuple[bool, str | None]:
     return True, out[-1] if out else None
 
 
-def run_baseline(items: list[Item], timeout: float, workers: int) -> tuple[float, list]:
-    with ThreadPoolExecutor(workers) as pool:
-        t = time.perf_counter()
-        from tqdm.auto import tqdm
+SYSTEMS = {"ours": _Ours, "azr_pool": _AzrPool, "python_c": _PythonC}
 
-        results = list(tqdm(pool.map(lambda it: _baseline_one(it, timeout), items), total=len(items),
-                            desc="baseline", unit="program", disable=None))
-        return time.perf_counter() - t, results
+
+def _machine() -> str:
+    cpu = "?"
+    try:
+        with open("/proc/cpuinfo") as fh:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in fh if ln.startswith("model name")), "?")
+    except OSError:
+        pass
+    return f"{platform.machine()} {cpu}, {os.cpu_count()} cpus, Python {platform.python_version()}"
+
+
+def _load() -> float:
+    return os.getloadavg()[0]
+
+
+def _summary(xs: list[float]) -> tuple[float, float, float]:
+    xs = sorted(xs)
+    return statistics.median(xs), xs[0], xs[-1]
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -161,37 +215,83 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--timeout", type=float, default=1.0)
     ap.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds (systems in rotating order)")
+    ap.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=list(SYSTEMS))
+    ap.add_argument("--python-c-n", type=int, default=150,
+                    help="python -c is slow: it runs on the first N items of each mix only")
     ap.add_argument("--out", default=None, help="append a markdown table of the figures to this file")
     args = ap.parse_args(argv)
     items = make_mix(args.n, args.seed)
+    mixes = {"bench": items, "normal": [it for it in items if it.kind == "normal"]}
     counts = {k: sum(it.kind == k for it in items) for k in ("normal", "slow", "hostile")}
-    print(f"mix: {counts} timeout={args.timeout}s workers={args.workers} cpus={os.cpu_count()}", flush=True)
-
-    t_sb, res_sb, prot = run_sandboxed(items, args.timeout, args.workers)
-    t_bl, res_bl = run_baseline(items, args.timeout, args.workers)
-    agree = sum(1 for it, a, (ok, out) in zip(items, res_sb, res_bl) if it.kind == "normal" and a.ok and ok
-                and a.output == out)
-    normal_ok = sum(1 for it, a in zip(items, res_sb) if it.kind == "normal" and a.ok)
-    hostile_rejected = sum(1 for it, a in zip(items, res_sb) if it.kind == "hostile" and not a.ok)
-    rate_sb, rate_bl = len(items) / t_sb, len(items) / t_bl
-    on = sorted(k for k, v in prot.items() if v)
-    off = sorted(k for k, v in prot.items() if not v)
-    figures = {"n": len(items), "mix": counts, "timeout_s": args.timeout, "workers": args.workers,
-               "sandboxed_s": t_sb, "baseline_s": t_bl, "sandboxed_per_s": rate_sb, "baseline_per_s": rate_bl,
-               "speedup": rate_sb / rate_bl, "normal_ok": normal_ok, "normal_agree_with_baseline": agree,
-               "hostile_rejected": hostile_rejected, "protections_on": on, "protections_off": off}
-    print(f"sandboxed: {t_sb:7.2f} s  {rate_sb:8.1f} validations/s  (protections on: {', '.join(on)};"
-          f" off: {', '.join(off) or 'none'})")
-    print(f"baseline : {t_bl:7.2f} s  {rate_bl:8.1f} validations/s  (fresh `python -c` per program, no isolation)")
-    print(f"speedup  : {rate_sb / rate_bl:.1f}x   normal ok {normal_ok}/{counts['normal']}, identical outputs "
-          f"{agree}, hostile rejected {hostile_rejected}/{counts['hostile']}")
+    print(f"machine: {_machine()}", flush=True)
+    print(f"mix: {counts} timeout={args.timeout}s workers={args.workers} rounds={args.rounds}", flush=True)
+    systems = {name: SYSTEMS[name](args.timeout, args.workers) for name in args.systems}
+    rates: dict[tuple[str, str], list[float]] = {}
+    loads: list[float] = []
+    outputs: dict[tuple[str, str], list] = {}
+    try:
+        for sysobj in systems.values():  # warm-up: processes started, first fork done
+            sysobj.run_many(mixes["normal"][: args.workers * 2])
+        for r in range(args.rounds):
+            order = list(systems)
+            order = order[r % len(order):] + order[: r % len(order)]
+            for mix_name, mix in mixes.items():
+                for name in order:
+                    batch = mix[: args.python_c_n] if name == "python_c" else mix
+                    loads.append(_load())
+                    t = time.perf_counter()
+                    res = systems[name].run_many(batch)
+                    dt = time.perf_counter() - t
+                    rates.setdefault((mix_name, name), []).append(_rate(len(batch), dt))
+                    outputs[(mix_name, name)] = res
+                    print(f"round {r} {mix_name:6s} {name:8s} {_rate(len(batch), dt):8.1f}/s  "
+                          f"(load {loads[-1]:.2f})", flush=True)
+        prot = systems["ours"].ex.protections if "ours" in systems else {}
+        notes = list(systems["ours"].ex._backend.notes) if "ours" in systems else []
+    finally:
+        for sysobj in systems.values():
+            sysobj.close()
+    figures: dict = {"machine": _machine(), "n": len(items), "mix": counts, "timeout_s": args.timeout,
+                     "workers": args.workers, "rounds": args.rounds, "load_min": min(loads), "load_max": max(loads),
+                     "protections_on": sorted(k for k, v in prot.items() if v),
+                     "protections_off": sorted(k for k, v in prot.items() if not v), "rates": {}}
+    print(f"\nload average during the run: {min(loads):.2f}..{max(loads):.2f}")
+    print(f"ours: protections on: {', '.join(figures['protections_on'])}; off: "
+          f"{', '.join(figures['protections_off']) or 'none'}" + (f" ({'; '.join(notes)})" if notes else ""))
+    header = "| validations/s (median, min..max) | " + " | ".join(systems) + " |"
+    lines = [header, "|---" * (len(systems) + 1) + "|"]
+    for mix_name in mixes:
+        cells = []
+        for name in systems:
+            med, lo, hi = _summary(rates[(mix_name, name)])
+            figures["rates"][f"{mix_name}/{name}"] = {"median": med, "min": lo, "max": hi}
+            cells.append(f"{med:.0f} ({lo:.0f}..{hi:.0f})")
+        lines.append(f"| {mix_name} | " + " | ".join(cells) + " |")
+    if "ours" in systems and "azr_pool" in systems:
+        for mix_name in mixes:
+            ratio = (figures["rates"][f"{mix_name}/ours"]["median"] /
+                     figures["rates"][f"{mix_name}/azr_pool"]["median"])
+            figures[f"ours_over_azr_{mix_name}"] = ratio
+            lines.append(f"| ours / azr_pool, {mix_name} | {ratio:.2f}x |" + " |" * (len(systems) - 1))
+    if "ours" in systems:
+        mix = mixes["bench"]
+        res = outputs[("bench", "ours")]
+        normal_ok = sum(1 for it, (ok, _) in zip(mix, res) if it.kind == "normal" and ok)
+        hostile_rejected = sum(1 for it, (ok, _) in zip(mix, res) if it.kind == "hostile" and not ok)
+        figures.update(normal_ok=normal_ok, hostile_rejected=hostile_rejected)
+        if "azr_pool" in systems:
+            ref = outputs[("bench", "azr_pool")]
+            figures["normal_agree_with_azr_pool"] = sum(
+                1 for it, a, b in zip(mix, res, ref) if it.kind == "normal" and a[0] and b[0] and a[1] == b[1])
+        lines.append(f"\nours: normal ok {normal_ok}/{counts['normal']}, hostile rejected "
+                     f"{hostile_rejected}/{counts['hostile']}, identical to azr_pool "
+                     f"{figures.get('normal_agree_with_azr_pool', '-')}")
+    table = "\n".join(lines)
+    print(table)
     if args.out:
         with open(args.out, "a") as fh:
-            fh.write(f"\n| machine | n | mix (normal/slow/hostile) | timeout | workers | sandboxed /s | baseline /s |"
-                     f" speedup |\n|---|---|---|---|---|---|---|---|\n| {platform.machine()} {os.cpu_count()} cpu, "
-                     f"Python {platform.python_version()} | {len(items)} | {counts['normal']}/{counts['slow']}/"
-                     f"{counts['hostile']} | {args.timeout} s | {args.workers} | {rate_sb:.1f} | {rate_bl:.1f} |"
-                     f" {rate_sb / rate_bl:.1f}x |\n")
+            fh.write(f"\nmachine: {figures['machine']}; load {min(loads):.2f}..{max(loads):.2f}\n\n{table}\n")
     return figures
 
 

@@ -1,36 +1,48 @@
-"""Step-time and GPU-memory scaling of the verl trainer with population size.
+"""Step-time and GPU-memory scaling of the verl trainer with population size, next to vLLM's own throughput.
 
-    python -m populora_verl.bench.step_scaling --model /path/to/qwen-coder-0.5b [--steps 4] [--out DIR]
+    python -m populora_verl.bench.step_scaling --model 1.5b=/tmp/models/qwen-coder-1.5b \\
+        --model 0.5b=/tmp/models/qwen-coder-0.5b --configs single,4t4s,2t2s,1t1s,8t8s --steps 6 --out DIR
+    python -m populora_verl.bench.step_scaling --status --out DIR      # progress of a run (e.g. in the background)
 
-Runs ``python -m verl.trainer.main_ppo`` with the ``smoke_0.5b`` recipe once per configuration, in this process's
-GPU(s), one after another: the single agent (AZR baseline, 1 adapter), 1T1S, 2T2S and 4T4S. Every adapter gets the
-same per-step budget (``proposals_per_type`` x task types teacher prompts, ``student_n`` answers per task), so a
-population's step does N times the single agent's generation and update work. Evolution and checkpoints are off
-(they are not per-step costs). Reported per configuration:
+Runs ``python -m verl.trainer.main_ppo`` with the ``smoke_0.5b`` recipe once per (model, configuration), one after
+another on this machine's GPU(s): the single agent (AZR baseline, 1 adapter), 1T1S, 2T2S, 4T4S and 8T8S. Every
+adapter gets the same per-step budget (``proposals_per_type`` x task types teacher prompts, ``student_n`` answers per
+task), so a population's step does N times the single agent's generation and update work. Evolution and checkpoints
+are off (they are not per-step costs). The ``fast`` profile (default) serves with CUDA graphs, trains without
+gradient checkpointing and fuses the per-adapter worker calls; ``--profile baseline`` is the configuration measured
+before (eager vLLM, checkpointing, one call per adapter). ``--force-length`` (default) makes every answer exactly
+``--answer-tokens`` long (vLLM ``ignore_eos``), so every configuration generates a known number of tokens.
 
-* seconds per step (``timing_s/step``), mean over steps 2..N (step 1 pays for warm-up/compilation), and the same
-  mean for the step's phases (generation, validation, scoring, old log-probs, update, weight sync);
-* peak GPU memory: the maximum of ``nvidia-smi`` polled every 0.5 s over the run (vLLM and the FSDP worker are
-  separate processes, so a single process's ``torch.cuda.max_memory_allocated`` would miss most of it), and verl's
-  ``actor/perf/max_memory_allocated_gb`` (the trainer worker's own peak);
-* ratios against the single agent, and per adapter (seconds per step / number of adapters).
+Per configuration, from verl's ``file`` logger (one JSON line per step) and a clock on the metrics file:
 
-Metrics are read from verl's ``file`` logger (one JSON line per step, ``VERL_FILE_LOGGER_PATH``), with verl's console
-lines in the run's log as the fallback.
+* seconds per step over the steps after ``--warmup`` (mean, standard deviation, min, max), ``x single``, and the mean
+  of each phase (generation, validation, scoring, old log-probs, update, weight sync);
+* start-up (process start to the first step's start), the warm-up step, and tear-down, separately;
+* generated tokens per step and generation tokens/s (both rollout phases, ``timing_s/gen``);
+* peak GPU memory (``nvidia-smi`` polled every 0.5 s: vLLM and the FSDP worker are separate processes) and verl's
+  ``actor/perf/max_memory_allocated_gb`` (the trainer worker's own peak).
+
+After a model's configurations, :mod:`populora_verl.bench.ceiling` runs plain vLLM offline ``generate`` with the same
+model, LoRA count, request counts and prompt/answer lengths as each measured configuration, and the report gives our
+generation tokens/s as a fraction of it. Everything is written as it lands (``results.json``/``results.md`` per model,
+``progress.json``), so a run started with ``setsid`` survives between device calls and ``--status`` can be polled.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
+import signal
+import statistics
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import asdict, dataclass, field
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -40,13 +52,34 @@ CONFIGS: dict[str, list[str]] = {
     "1t1s": ["populora.population.num_teachers=1", "populora.population.num_students=1"],
     "2t2s": ["populora.population.num_teachers=2", "populora.population.num_students=2"],
     "4t4s": ["populora.population.num_teachers=4", "populora.population.num_students=4"],
+    # 16 adapters: vLLM must hold all of them in one batch.
+    "8t8s": ["populora.population.num_teachers=8", "populora.population.num_students=8",
+             "actor_rollout_ref.rollout.engine_kwargs.vllm.max_loras=16",
+             "actor_rollout_ref.rollout.engine_kwargs.vllm.max_cpu_loras=32"],
 }
-ADAPTERS = {"single": 1, "1t1s": 2, "2t2s": 4, "4t4s": 8}
+ADAPTERS = {"single": 1, "1t1s": 2, "2t2s": 4, "4t4s": 8, "8t8s": 16}
+# Adapters serving each rollout phase (teachers, students); the single agent does both with one.
+PHASE_ADAPTERS = {"single": (1, 1), "1t1s": (1, 1), "2t2s": (2, 2), "4t4s": (4, 4), "8t8s": (8, 8)}
+# Decode batch sizes captured as CUDA graphs: every request count of these configurations fits; capturing vLLM's
+# default list (up to 512, times the LoRA cases) costs start-up for batch sizes a step never reaches.
+CUDAGRAPH_SIZES = [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256]
+PROFILES: dict[str, list[str]] = {
+    "fast": ["actor_rollout_ref.rollout.enforce_eager=false",
+             f"actor_rollout_ref.rollout.cudagraph_capture_sizes=[{','.join(map(str, CUDAGRAPH_SIZES))}]",
+             "actor_rollout_ref.model.enable_gradient_checkpointing=false",
+             "++trainer.populora_fused_rpc=true"],
+    "baseline": ["actor_rollout_ref.rollout.enforce_eager=true",
+                 "actor_rollout_ref.model.enable_gradient_checkpointing=true",
+                 "++trainer.populora_fused_rpc=false"],
+}
 # verl's console logger line, possibly behind Ray's "(TaskRunnerV1 pid=...)" prefix.
 _STEP_LINE = re.compile(r"(?:^|\s)step:(\d+) - ")
 _METRIC = re.compile(r"([\w/@.\-]+):([-+0-9.eE]+|nan|inf)")
 # Step phases worth a column: verl's and ours (trainer.step's marked_timer names).
 PHASES = ("gen", "populora_validate", "populora_score", "old_log_prob", "update_actor", "update_weights")
+ROLLOUT_PHASES = ("teacher", "student")
+# The configuration's process (own session: verl, Ray, vLLM under it), ended with the driver on SIGTERM.
+_CHILDREN: list[subprocess.Popen] = []
 
 
 @dataclass
@@ -59,33 +92,107 @@ class RunResult:
     verl_peak_gb: float | None = None
     smi_peak_mib: float | None = None
     phases_s: dict[str, float] = field(default_factory=dict)
+    warmup: int = 1
+    startup_s: float | None = None  # process start -> first step starts
+    teardown_s: float | None = None  # last step's metrics row -> process end
+    gen_tokens: float | None = None  # mean generated tokens per measured step (both phases)
+    rollout: dict[str, dict[str, float]] = field(default_factory=dict)  # phase -> mean sequences/prompt/response tokens
+    ceiling_tok_s: float | None = None
+    model: str = ""
+
+    @property
+    def steady(self) -> list[float]:
+        return [v for k, v in sorted(self.step_s.items()) if k > self.warmup]
 
     @property
     def mean_step_s(self) -> float | None:
-        steady = [v for k, v in self.step_s.items() if k >= 2]
-        return sum(steady) / len(steady) if steady else None
+        s = self.steady
+        return sum(s) / len(s) if s else None
+
+    @property
+    def std_step_s(self) -> float | None:
+        s = self.steady
+        return statistics.stdev(s) if len(s) > 1 else (0.0 if s else None)
+
+    @property
+    def gen_tok_s(self) -> float | None:
+        gen = self.phases_s.get("gen")
+        return self.gen_tokens / gen if self.gen_tokens and gen else None
+
+    @classmethod
+    def from_json(cls, row: Mapping[str, Any]) -> RunResult:
+        names = {f.name for f in fields(cls)}
+        kw = {k: v for k, v in row.items() if k in names}
+        kw["step_s"] = {int(k): float(v) for k, v in (row.get("step_s") or {}).items()}
+        return cls(**kw)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self) | {"mean_step_s": self.mean_step_s, "std_step_s": self.std_step_s,
+                               "gen_tok_s": self.gen_tok_s}
 
 
-Figures = tuple[dict[int, float], float | None, dict[str, float]]
+@dataclass
+class Figures:
+    """What one run's metric rows say (see :func:`summarize`)."""
+
+    step_s: dict[int, float] = field(default_factory=dict)
+    peak_gb: float | None = None
+    phases_s: dict[str, float] = field(default_factory=dict)
+    gen_tokens: float | None = None
+    rollout: dict[str, dict[str, float]] = field(default_factory=dict)
+
+    def __iter__(self):  # (steps, peak, phases), the shape earlier callers unpack
+        return iter((self.step_s, self.peak_gb, self.phases_s))
 
 
-def summarize(rows: Iterable[tuple[int, Mapping[str, Any]]]) -> Figures:
-    """``{step: timing_s/step}``, the max trainer peak memory and the mean (steps >= 2) of each phase's
-    ``timing_s/<phase>`` from ``(step, metrics)`` rows. verl logs the worker's peak as
+def _mean(xs: Sequence[float]) -> float | None:
+    return sum(xs) / len(xs) if xs else None
+
+
+def _step_gen_tokens(num: Mapping[str, float]) -> float | None:
+    """Generated tokens of one step: our per-phase counters, else verl's means over the trained batch."""
+    ours = [num.get(f"populora/rollout/{p}/response_tokens") for p in ROLLOUT_PHASES]
+    if all(v is not None for v in ours):
+        return float(sum(ours))
+    resp, prompt, total = (num.get(k) for k in ("response_length/mean", "prompt_length/mean", "perf/total_num_tokens"))
+    if resp and total and (prompt or 0) + resp > 0:
+        return resp * total / ((prompt or 0) + resp)  # mean response x number of trained sequences
+    return None
+
+
+def summarize(rows: Iterable[tuple[int, Mapping[str, Any]]], warmup: int = 1) -> Figures:
+    """A run's figures from ``(step, metrics)`` rows: ``{step: timing_s/step}``, the max trainer peak memory, and the
+    means over steps after ``warmup`` of each phase's ``timing_s/<phase>``, of the generated tokens and of each rollout
+    phase's sequences / prompt tokens / response tokens. verl logs the worker's peak as
     ``actor/perf/max_memory_allocated_gb`` and we add ``populora/<member>/actor/perf/...`` per adapter."""
-    steps, peak, phases = {}, None, {}
+    fig = Figures()
+    phases: dict[str, list[float]] = {}
+    tokens: list[float] = []
+    rollout: dict[str, dict[str, list[float]]] = {}
     for step, data in rows:
-        num = {k: float(v) for k, v in data.items() if isinstance(v, (int, float))}
+        num = {k: float(v) for k, v in data.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
         if "timing_s/step" in num:
-            steps[step] = num["timing_s/step"]
+            fig.step_s[step] = num["timing_s/step"]
         mem = [v for k, v in num.items() if k.endswith("perf/max_memory_allocated_gb")]
         if mem:
-            peak = max(peak or 0.0, *mem)
-        if step >= 2:
-            for ph in PHASES:
-                if f"timing_s/{ph}" in num:
-                    phases.setdefault(ph, []).append(num[f"timing_s/{ph}"])
-    return steps, peak, {ph: sum(v) / len(v) for ph, v in phases.items()}
+            fig.peak_gb = max(fig.peak_gb or 0.0, *mem)
+        if step <= warmup:
+            continue
+        for ph in PHASES:
+            if f"timing_s/{ph}" in num:
+                phases.setdefault(ph, []).append(num[f"timing_s/{ph}"])
+        t = _step_gen_tokens(num)
+        if t is not None:
+            tokens.append(t)
+        for p in ROLLOUT_PHASES:
+            for what in ("sequences", "prompt_tokens", "response_tokens"):
+                v = num.get(f"populora/rollout/{p}/{what}")
+                if v is not None:
+                    rollout.setdefault(p, {}).setdefault(what, []).append(v)
+    fig.phases_s = {ph: sum(v) / len(v) for ph, v in phases.items()}
+    fig.gen_tokens = _mean(tokens)
+    fig.rollout = {p: {w: sum(v) / len(v) for w, v in d.items()} for p, d in rollout.items()}
+    return fig
 
 
 def file_log_rows(text: str) -> Iterator[tuple[int, dict[str, Any]]]:
@@ -108,11 +215,31 @@ def console_rows(text: str) -> Iterator[tuple[int, dict[str, float]]]:
 
 
 class GpuMemoryPoller:
-    """Peak ``memory.used`` (MiB, summed over visible GPUs) from ``nvidia-smi``, polled in a thread."""
+    """``memory.used`` (MiB, summed over visible GPUs) from ``nvidia-smi``, polled in a thread, with the time each
+    step's metrics row first appears in the watched file (start-up ends at the first; windows split a schedule)."""
 
-    def __init__(self, interval_s: float = 0.5) -> None:
-        self.interval_s, self.peak, self._stop = interval_s, 0.0, threading.Event()
+    def __init__(self, interval_s: float = 0.5, watch: Path | None = None) -> None:
+        self.interval_s, self._stop = interval_s, threading.Event()
+        self.watch, self._size = watch, 0
+        self.samples: list[tuple[float, float]] = []
+        self.row_t: dict[int, float] = {}
         self._thread = threading.Thread(target=self._run, daemon=True)
+
+    @property
+    def peak(self) -> float:
+        return max((m for _, m in self.samples), default=0.0)
+
+    @property
+    def first_row_t(self) -> float | None:
+        return min(self.row_t.values()) if self.row_t else None
+
+    @property
+    def last_row_t(self) -> float | None:
+        return max(self.row_t.values()) if self.row_t else None
+
+    def peak_between(self, start: float, end: float) -> float | None:
+        vals = [m for t, m in self.samples if start <= t <= end]
+        return max(vals) if vals else None
 
     def _sample(self) -> float | None:
         try:
@@ -123,11 +250,24 @@ class GpuMemoryPoller:
         vals = [float(x) for x in out.stdout.split() if x.strip().replace(".", "", 1).isdigit()]
         return sum(vals) if vals else None
 
+    def _watch(self) -> None:
+        try:
+            size = self.watch.stat().st_size if self.watch is not None else 0
+            if size <= self._size:
+                return
+            text = self.watch.read_text(errors="replace")
+        except OSError:
+            return
+        now, self._size = time.time(), size
+        for step, _ in file_log_rows(text):
+            self.row_t.setdefault(step, now)
+
     def _run(self) -> None:
         while not self._stop.is_set():
             v = self._sample()
             if v is not None:
-                self.peak = max(self.peak, v)
+                self.samples.append((time.time(), v))
+            self._watch()
             self._stop.wait(self.interval_s)
 
     def __enter__(self) -> GpuMemoryPoller:
@@ -137,6 +277,19 @@ class GpuMemoryPoller:
     def __exit__(self, *exc) -> None:
         self._stop.set()
         self._thread.join(timeout=15)
+        self._watch()
+
+
+def plan_overrides(profile: str, answer_tokens: int | None, force_length: bool) -> list[str]:
+    """The hydra overrides every configuration of a run shares (besides the model and the configuration)."""
+    if profile not in PROFILES:
+        raise ValueError(f"unknown profile {profile!r}; known: {sorted(PROFILES)}")
+    out = list(PROFILES[profile])
+    if answer_tokens:
+        out.append(f"data.max_response_length={int(answer_tokens)}")
+    if force_length:
+        out.append("actor_rollout_ref.rollout.ignore_eos=true")
+    return out
 
 
 def command(model: str, name: str, steps: int, out_dir: Path, extra: list[str]) -> list[str]:
@@ -148,110 +301,430 @@ def command(model: str, name: str, steps: int, out_dir: Path, extra: list[str]) 
             *CONFIGS[name], *extra]
 
 
-def run_one(model: str, name: str, steps: int, out_dir: Path, extra: list[str], timeout_s: int) -> RunResult:
+def run_one(model: str, name: str, steps: int, out_dir: Path, extra: list[str], timeout_s: int,
+            warmup: int = 1) -> RunResult:
+    metrics = out_dir / f"{name}.metrics.jsonl"
+    metrics.unlink(missing_ok=True)  # a rerun must not read the previous run's rows
     env = dict(os.environ, VLLM_WORKER_MULTIPROC_METHOD="spawn", VLLM_USE_FLASHINFER_SAMPLER="0",
                RAY_AUTH_MODE="disabled", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1",
-               VERL_FILE_LOGGER_PATH=str(out_dir / f"{name}.metrics.jsonl"))
+               VERL_FILE_LOGGER_PATH=str(metrics))
     log = out_dir / f"{name}.log"
     t0 = time.time()
-    with GpuMemoryPoller() as poller, open(log, "w") as f:
+    with GpuMemoryPoller(watch=metrics) as poller, open(log, "w") as f:
+        proc = subprocess.Popen(command(model, name, steps, out_dir, extra), stdout=f, stderr=subprocess.STDOUT,
+                                env=env, start_new_session=True)
+        rc = _wait(proc, timeout_s)
+    end = time.time()
+    fig = read_results(out_dir, name, warmup)
+    r = RunResult(name, ADAPTERS[name], rc, end - t0, fig.step_s, fig.peak_gb, poller.peak or None, fig.phases_s,
+                  warmup=warmup, gen_tokens=fig.gen_tokens, rollout=fig.rollout, model=model)
+    first = fig.step_s.get(min(fig.step_s)) if fig.step_s else None
+    if poller.first_row_t is not None and first is not None:
+        r.startup_s = max(0.0, poller.first_row_t - t0 - first)
+    if poller.last_row_t is not None:
+        r.teardown_s = max(0.0, end - poller.last_row_t)
+    return r
+
+
+def population_of(name: str) -> dict[str, Any]:
+    """``populora.population`` keys of a configuration (for a population schedule)."""
+    if name == "single":
+        return {"mode": "single_agent"}
+    m = re.fullmatch(r"(\d+)t(\d+)s", name)
+    if not m:
+        raise ValueError(f"no population for configuration {name!r}")
+    return {"mode": "population", "num_teachers": int(m.group(1)), "num_students": int(m.group(2))}
+
+
+def schedule_command(model: str, names: Sequence[str], steps: int, out_dir: Path, extra: list[str]) -> list[str]:
+    """One trainer process for all ``names`` (``trainer.populora_population_schedule``): the first configuration's
+    command with the schedule added, the steps summed, and vLLM sized for the largest population."""
+    sched = json.dumps([{"name": n, "steps": steps, "population": population_of(n)} for n in names],
+                       separators=(",", ":"))
+    cmd = command(model, names[0], steps * len(names), out_dir, [])
+    cmd[cmd.index(f"trainer.default_local_dir={out_dir / names[0] / 'ckpt'}")] = \
+        f"trainer.default_local_dir={out_dir / 'schedule' / 'ckpt'}"
+    engine = [x for n in names for x in CONFIGS[n] if "engine_kwargs" in x]
+    return [*cmd, *dict.fromkeys(engine), f"++trainer.populora_population_schedule='{sched}'", *extra]
+
+
+def split_schedule(rows: list[tuple[int, dict[str, Any]]], names: Sequence[str], steps: int, warmup: int,
+                   poller: GpuMemoryPoller | None, t0: float, model: str = "") -> list[RunResult]:
+    """Per-configuration results of a schedule run from its metrics rows (global steps ``i*steps+1 ..``): steps
+    renumbered from 1, the first configuration's start-up from the clock, later ones' switch time as their start-up,
+    GPU peaks over each configuration's window."""
+    out = []
+    for i, name in enumerate(names):
+        lo, hi = i * steps + 1, (i + 1) * steps
+        mine = [(g - lo + 1, d) for g, d in rows if lo <= g <= hi]
+        if not mine:
+            continue
+        fig = summarize(mine, warmup)
+        complete = len(fig.step_s) == steps
+        r = RunResult(name, ADAPTERS[name], 0 if complete else 1, sum(fig.step_s.values()), fig.step_s, fig.peak_gb,
+                      None, fig.phases_s, warmup=warmup, gen_tokens=fig.gen_tokens, rollout=fig.rollout, model=model)
+        first = dict(mine).get(1, {})
+        if i == 0 and poller is not None and poller.row_t.get(lo) is not None and 1 in fig.step_s:
+            r.startup_s = max(0.0, poller.row_t[lo] - t0 - fig.step_s[1])
+        elif i > 0 and isinstance(first.get("timing_s/populora_switch"), (int, float)):
+            r.startup_s = float(first["timing_s/populora_switch"])
+        if poller is not None:
+            start = poller.row_t.get(lo - 1, t0)
+            end = poller.row_t.get(max(g for g, _ in rows if lo <= g <= hi), time.time())
+            r.smi_peak_mib = poller.peak_between(start, end)
+        out.append(r)
+    return out
+
+
+def run_schedule(model: str, names: Sequence[str], steps: int, out_dir: Path, extra: list[str], timeout_s: int,
+                 warmup: int = 1) -> tuple[list[RunResult], int]:
+    """All configurations in one trainer process; ``(per-configuration results, exit code)``."""
+    metrics = out_dir / "schedule.metrics.jsonl"
+    metrics.unlink(missing_ok=True)
+    env = dict(os.environ, VLLM_WORKER_MULTIPROC_METHOD="spawn", VLLM_USE_FLASHINFER_SAMPLER="0",
+               RAY_AUTH_MODE="disabled", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1",
+               VERL_FILE_LOGGER_PATH=str(metrics))
+    t0 = time.time()
+    with GpuMemoryPoller(watch=metrics) as poller, open(out_dir / "schedule.log", "w") as f:
+        proc = subprocess.Popen(schedule_command(model, names, steps, out_dir, extra), stdout=f,
+                                stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        rc = _wait(proc, timeout_s * len(names))
+    rows = list(file_log_rows(metrics.read_text(errors="replace"))) if metrics.exists() else []
+    results = split_schedule(rows, names, steps, warmup, poller, t0, model)
+    if results and poller.last_row_t is not None:
+        results[-1].teardown_s = max(0.0, time.time() - poller.last_row_t)
+    return results, rc
+
+
+def _wait(proc: subprocess.Popen, timeout_s: int) -> int:
+    _CHILDREN.append(proc)
+    try:
+        return proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        _kill_group(proc)
+        return 124
+    finally:
+        _CHILDREN.remove(proc)
+
+
+_STOP = threading.Event()
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    # Stop after the running configuration: end it, then save what it logged (a schedule's finished entries too).
+    _STOP.set()
+    for proc in list(_CHILDREN):
+        _kill_group(proc)
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    # verl starts Ray, vLLM and worker processes under the trainer: end the whole session we started.
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
         try:
-            rc = subprocess.run(command(model, name, steps, out_dir, extra), stdout=f, stderr=subprocess.STDOUT,
-                                env=env, timeout=timeout_s).returncode
-        except subprocess.TimeoutExpired:
-            rc = 124
-    wall = time.time() - t0
-    step_s, verl_peak, phases = read_results(out_dir, name)
-    return RunResult(name, ADAPTERS[name], rc, wall, step_s, verl_peak, poller.peak or None, phases)
+            os.killpg(proc.pid, signal.SIGKILL)
+        except OSError:
+            pass
+    try:  # Ray's daemons outlive the killed driver; the next configuration starts its own cluster
+        subprocess.run(["ray", "stop", "--force"], capture_output=True, timeout=60, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        pass
 
 
-def read_results(out_dir: Path, name: str) -> Figures:
+def read_results(out_dir: Path, name: str, warmup: int = 1) -> Figures:
     """A configuration's figures from its file-logger output, else from its console log."""
     for path, rows in ((out_dir / f"{name}.metrics.jsonl", file_log_rows), (out_dir / f"{name}.log", console_rows)):
         if path.exists():
-            found = summarize(rows(path.read_text(errors="replace")))
-            if found[0]:
+            found = summarize(rows(path.read_text(errors="replace")), warmup)
+            if found.step_s:
                 return found
-    return {}, None, {}
+    return Figures()
+
+
+def _fmt(x: float | None, spec: str = ".1f") -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
 
 
 def report(results: list[RunResult]) -> str:
+    """Markdown tables: step time and memory, phases, and generation against the vLLM ceiling."""
     base = next((r for r in results if r.name == "single" and r.mean_step_s), None)
-    lines = ["| config | adapters | s/step (steps 2..N) | x single | s/step/adapter | peak GPU MiB (nvidia-smi) | "
-             "x single | trainer peak GiB (verl) | exit |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| config | adapters | s/step (mean) | sd | min-max | n | x single | s/step/adapter | start-up s | "
+             "warm-up step s | peak GPU MiB (nvidia-smi) | x single | trainer peak GiB (verl) | exit |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         s = r.mean_step_s
         ratio = f"{s / base.mean_step_s:.2f}" if s and base else "-"
         mem_ratio = f"{r.smi_peak_mib / base.smi_peak_mib:.2f}" if r.smi_peak_mib and base and base.smi_peak_mib else "-"
-        lines.append(f"| {r.name} | {r.adapters} | {s:.1f} | {ratio} | {s / r.adapters:.1f} | "
-                     f"{r.smi_peak_mib or float('nan'):.0f} | {mem_ratio} | {r.verl_peak_gb or float('nan'):.2f} | {r.rc} |"
-                     if s else f"| {r.name} | {r.adapters} | - | - | - | {r.smi_peak_mib or '-'} | - | - | {r.rc} |")
+        st = r.steady
+        first = r.step_s.get(min(r.step_s)) if r.step_s else None
+        lines.append(
+            f"| {r.name} | {r.adapters} | {_fmt(s)} | {_fmt(r.std_step_s)} | "
+            f"{f'{min(st):.1f}-{max(st):.1f}' if st else '-'} | {len(st)} | {ratio} | "
+            f"{_fmt(s / r.adapters if s else None)} | {_fmt(r.startup_s, '.0f')} | {_fmt(first)} | "
+            f"{_fmt(r.smi_peak_mib, '.0f')} | {mem_ratio} | {_fmt(r.verl_peak_gb, '.2f')} | {r.rc} |")
     phase_rows = [r for r in results if r.phases_s]
     if phase_rows:
         cols = [ph for ph in PHASES if any(ph in r.phases_s for r in phase_rows)]
         lines += ["", "| config | " + " | ".join(f"{c} s" for c in cols) + " |", "|---|" + "---|" * len(cols)]
         lines += [f"| {r.name} | " + " | ".join(f"{r.phases_s[c]:.1f}" if c in r.phases_s else "-" for c in cols) + " |"
                   for r in phase_rows]
+    gen_rows = [r for r in results if r.gen_tokens]
+    if gen_rows:
+        lines += ["", "| config | teacher seqs | student seqs | tokens/step | gen s | our gen tok/s | "
+                  "vLLM ceiling tok/s | fraction |", "|---|---|---|---|---|---|---|---|"]
+        for r in gen_rows:
+            seqs = [_fmt(r.rollout.get(p, {}).get("sequences"), ".0f") for p in ROLLOUT_PHASES]
+            frac = r.gen_tok_s / r.ceiling_tok_s if r.gen_tok_s and r.ceiling_tok_s else None
+            lines.append(f"| {r.name} | {seqs[0]} | {seqs[1]} | {r.gen_tokens:.0f} | {_fmt(r.phases_s.get('gen'))} | "
+                         f"{_fmt(r.gen_tok_s, '.0f')} | {_fmt(r.ceiling_tok_s, '.0f')} | {_fmt(frac, '.2f')} |")
     return "\n".join(lines)
+
+
+# --- ceiling -------------------------------------------------------------------------------------------------------
+
+
+def ceiling_spec(results: Iterable[RunResult], answer_tokens: int | None, force_length: bool) -> dict[str, Any]:
+    """What :mod:`populora_verl.bench.ceiling` must generate for each measured configuration: per rollout phase the
+    request count, the mean prompt length and the answer length (``answer_tokens`` when lengths were forced, else
+    the measured mean), and the adapters serving it."""
+    out = {}
+    for r in results:
+        phases = []
+        for p, loras in zip(ROLLOUT_PHASES, PHASE_ADAPTERS[r.name], strict=True):
+            d = r.rollout.get(p) or {}
+            n = int(round(d.get("sequences") or 0))
+            if n < 1:
+                continue
+            answer = answer_tokens if force_length and answer_tokens else d.get("response_tokens", 0) / n
+            phases.append({"phase": p, "requests": n, "prompt_tokens": max(1, round(d.get("prompt_tokens", n) / n)),
+                           "answer_tokens": max(1, round(answer)), "loras": loras})
+        if phases:
+            out[r.name] = {"adapters": r.adapters, "phases": phases}
+    return out
+
+
+def attach_ceiling(results: Iterable[RunResult], ceiling: Mapping[str, Any]) -> None:
+    for r in results:
+        c = (ceiling.get("configs") or {}).get(r.name) or {}
+        if c.get("tok_s"):
+            r.ceiling_tok_s = float(c["tok_s"])
+
+
+def run_ceiling(model: str, out_dir: Path, results: list[RunResult], answer_tokens: int | None, force_length: bool,
+                timeout_s: int, extra: Sequence[str] = ()) -> int:
+    spec = ceiling_spec([r for r in results if r.rc == 0], answer_tokens, force_length)
+    if not spec:
+        return 0
+    (out_dir / "ceiling_spec.json").write_text(json.dumps(spec, indent=1))
+    cmd = [sys.executable, "-m", "populora_verl.bench.ceiling", "--model", model, "--spec",
+           str(out_dir / "ceiling_spec.json"), "--out", str(out_dir / "ceiling.json"), *extra]
+    with open(out_dir / "ceiling.log", "w") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        rc = _wait(proc, timeout_s)
+    if (out_dir / "ceiling.json").exists():
+        attach_ceiling(results, json.loads((out_dir / "ceiling.json").read_text()))
+    return rc
+
+
+# --- bookkeeping ---------------------------------------------------------------------------------------------------
+
+
+def parse_models(specs: Sequence[str], default_configs: Sequence[str] = ()) -> list[tuple[str, str, list[str]]]:
+    """``TAG=PATH[:cfg,cfg]`` (or a bare path, tagged by its folder name) -> ``[(tag, path, configs)]``; a model
+    without its own configuration list gets ``default_configs``; tags must be unique and configurations known."""
+    out: list[tuple[str, str, list[str]]] = []
+    for s in specs:
+        tag, sep, rest = s.partition("=")
+        if not sep:
+            tag, rest = "", s
+        path, _, cfgs = rest.partition(":")
+        tag = tag or Path(path).name or "model"
+        names = [c.strip() for c in cfgs.split(",") if c.strip()] or list(default_configs)
+        if not path or not re.fullmatch(r"[\w.\-]+", tag):
+            raise ValueError(f"--model {s!r}: expected TAG=PATH[:configs] with a tag of letters, digits, '.', '_', '-'")
+        if tag in {t for t, _, _ in out}:
+            raise ValueError(f"--model tag {tag!r} given twice")
+        unknown = [n for n in names if n not in CONFIGS]
+        if unknown or not names:
+            raise ValueError(f"--model {s!r}: configurations {unknown or names} not in {list(CONFIGS)}")
+        out.append((tag, path, names))
+    return out
+
+
+def load_results(out: Path, keep: Iterable[str] = ()) -> list[RunResult]:
+    """Earlier rows of ``out/results.json`` for configurations not being rerun (a config run again replaces its row),
+    so configurations can be split over several invocations and still land in one table."""
+    prev = out / "results.json"
+    if not prev.exists():
+        return []
+    rerun = set(keep)
+    rows = []
+    for row in json.loads(prev.read_text()):
+        if row.get("name") in rerun or row.get("name") not in CONFIGS:
+            continue
+        rows.append(RunResult.from_json(row))
+    return rows
+
+
+def save_results(out: Path, results: list[RunResult]) -> str:
+    results.sort(key=lambda r: list(CONFIGS).index(r.name))
+    (out / "results.json").write_text(json.dumps([r.to_json() for r in results], indent=1))
+    table = report(results)
+    (out / "results.md").write_text(table + "\n")
+    return table
+
+
+def write_progress(root: Path, **state: Any) -> None:
+    path = root / "progress.json"
+    cur = json.loads(path.read_text()) if path.exists() else {}
+    cur.update(state, updated=time.time())
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(cur, indent=1))
+    os.replace(tmp, path)
+
+
+def _alive(pid: Any) -> bool:
+    try:
+        os.kill(int(pid), 0)
+        return True
+    except (OSError, TypeError, ValueError):
+        return False
+
+
+def status(root: Path) -> str:
+    """One screen: the driver, the configuration in flight (steps logged so far), finished rows, recent errors."""
+    path = root / "progress.json"
+    if not path.exists():
+        return f"step_scaling: no run under {root} (no progress.json)"
+    p = json.loads(path.read_text())
+    now = time.time()
+    lines = [f"step_scaling driver pid {p.get('pid')} {'running' if _alive(p.get('pid')) else 'not running'}; "
+             f"state {p.get('state')}; started {now - p.get('started', now):.0f} s ago; "
+             f"plan {p.get('plan')}; done {p.get('done', [])}"]
+    cur = p.get("current")
+    if cur and p.get("state") == "running":
+        mdir = root / cur["model"]
+        rows = list(file_log_rows((mdir / f"{cur['config']}.metrics.jsonl").read_text(errors="replace"))) \
+            if (mdir / f"{cur['config']}.metrics.jsonl").exists() else []
+        steps = [round(float(d["timing_s/step"]), 1) for _, d in rows if "timing_s/step" in d]
+        lines.append(f"now: {cur['model']}/{cur['config']} for {now - cur.get('since', now):.0f} s, "
+                     f"steps done {len(steps)}/{cur.get('steps')}: {steps}")
+        if cur.get("configs") and cur.get("steps"):
+            per = int(cur["steps"]) // len(cur["configs"])
+            lines.append(f"  schedule {cur['configs']}, {per} steps each: in "
+                         f"{cur['configs'][min(len(steps) // per, len(cur['configs']) - 1)]}")
+        log = mdir / f"{cur['config']}.log"
+        if log.exists():
+            errs = [ln.strip()[:300] for ln in log.read_text(errors="replace").splitlines()
+                    if re.search(r"Traceback|Error|error:|OutOfMemory|CUDA out of memory", ln)]
+            lines += [f"  log: {e}" for e in errs[-3:]]
+    for d in sorted(x for x in root.iterdir() if (x / "results.md").exists()):
+        lines += ["", f"## {d.name}", (d / "results.md").read_text().rstrip()]
+    return "\n".join(lines)
+
+
+def _has_cuda() -> bool:
+    try:
+        import torch
+
+        return bool(torch.cuda.is_available())
+    except ImportError:
+        return False
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", required=True, help="HF checkpoint directory (e.g. Qwen2.5-Coder-0.5B-Instruct)")
-    ap.add_argument("--steps", type=int, default=4, help="steps per configuration (step 1 is excluded as warm-up)")
-    ap.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated subset of {list(CONFIGS)}")
-    ap.add_argument("--out", default="bench_step_scaling", help="folder for logs and results.json")
-    ap.add_argument("--timeout-s", type=int, default=1800, help="per configuration")
+    ap.add_argument("--model", action="append", default=[],
+                    help="TAG=PATH[:cfg,cfg] of an HF checkpoint, optionally with its own configurations (repeatable; "
+                         "models run in the order given)")
+    ap.add_argument("--steps", type=int, default=6, help="steps per configuration (the first --warmup are excluded)")
+    ap.add_argument("--warmup", type=int, default=1, help="leading steps left out of the means (kernel JIT etc.)")
+    ap.add_argument("--configs", default="single,4t4s,2t2s,1t1s",
+                    help=f"comma-separated, in run order, of {list(CONFIGS)} (for models without their own list)")
+    ap.add_argument("--profile", default="fast", choices=sorted(PROFILES))
+    ap.add_argument("--answer-tokens", type=int, default=1024, help="data.max_response_length (0: the recipe's)")
+    ap.add_argument("--force-length", action=argparse.BooleanOptionalAction, default=True,
+                    help="every answer exactly --answer-tokens long (vLLM ignore_eos)")
+    ap.add_argument("--ceiling", action=argparse.BooleanOptionalAction, default=True,
+                    help="after each model's configurations, measure plain vLLM generate on the same work")
+    ap.add_argument("--one-process", action=argparse.BooleanOptionalAction, default=True,
+                    help="a model's configurations in one trainer process (population schedule: start-up paid once); "
+                         "configurations it does not finish are rerun one process each")
+    ap.add_argument("--ceiling-models", default="", help="tags of the models to run the ceiling for (default: all)")
+    ap.add_argument("--out", default="bench_step_scaling", help="folder for logs and results (one sub-folder per model)")
+    ap.add_argument("--timeout-s", type=int, default=1200, help="per configuration")
+    ap.add_argument("--status", action="store_true", help="print the progress of a run writing to --out, then exit")
     ap.add_argument("overrides", nargs="*", help="extra hydra overrides for every run")
     args = ap.parse_args(argv)
+    root = Path(args.out).resolve()
+    if args.status:
+        print(status(root))
+        return 0
+    if not args.model:
+        ap.error("--model TAG=PATH is required (repeatable)")
     try:
-        import torch
-
-        has_cuda = torch.cuda.is_available()
-    except ImportError:
-        has_cuda = False
-    if not has_cuda:
+        default = [n.strip() for n in args.configs.split(",") if n.strip()]
+        models = parse_models(args.model, default)
+        extra = plan_overrides(args.profile, args.answer_tokens, args.force_length) + list(args.overrides)
+    except ValueError as e:
+        ap.error(str(e))
+    if args.steps <= args.warmup:
+        ap.error("--steps must exceed --warmup (the warm-up steps are left out)")
+    if not _has_cuda():
         print("step_scaling: needs a CUDA GPU (verl's FSDP engine and vLLM do not run on CPU); nothing was run.",
               file=sys.stderr)
         return 2
-    if args.steps < 2:
-        ap.error("--steps must be >= 2 (step 1 is warm-up)")
-    names = [n.strip() for n in args.configs.split(",") if n.strip()]
-    unknown = [n for n in names if n not in CONFIGS]
-    if unknown:
-        ap.error(f"unknown configs {unknown}; known: {list(CONFIGS)}")
-    out = Path(args.out).resolve()
-    out.mkdir(parents=True, exist_ok=True)
-    # Results of earlier invocations with the same --out are kept (a config run again replaces its row), so the
-    # configurations can be split over several calls on one machine and still be compared in one table.
-    results: list[RunResult] = []
-    prev = out / "results.json"
-    if prev.exists():
-        for row in json.loads(prev.read_text()):
-            row.pop("mean_step_s", None)
-            row["step_s"] = {int(k): v for k, v in row.get("step_s", {}).items()}
-            if row["name"] not in names:
-                r = RunResult(**row)
-                found = read_results(out, r.name)  # re-read with the current parser
-                if found[0]:
-                    r.step_s, r.verl_peak_gb, r.phases_s = found
-                results.append(r)
-    from tqdm.auto import tqdm
-
-    bar = tqdm(names, desc="step_scaling", unit="config", disable=None)
-    say = bar.write if not bar.disable else (lambda s: print(s, flush=True))
-    for name in bar:
-        say(f"step_scaling: {name} ({ADAPTERS[name]} adapters, {args.steps} steps) ...")
-        r = run_one(args.model, name, args.steps, out, list(args.overrides), args.timeout_s)
-        say(f"  exit={r.rc} wall={r.wall_s:.0f}s steps={r.step_s} peak={r.smi_peak_mib} MiB")
-        results.append(r)
-    (out / "results.json").write_text(json.dumps([asdict(r) | {"mean_step_s": r.mean_step_s} for r in results],
-                                                 indent=1))
-    results.sort(key=lambda r: list(CONFIGS).index(r.name))
-    table = report(results)
-    print(table)
-    (out / "results.md").write_text(table + "\n")
-    return 0 if all(r.rc == 0 for r in results) else 1
+    root.mkdir(parents=True, exist_ok=True)
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    plan = [f"{tag}/{n}" for tag, _, names in models for n in names]
+    write_progress(root, pid=os.getpid(), state="running", started=time.time(), plan=plan, done=[], current=None,
+                   profile=args.profile, overrides=extra)
+    ok = True
+    for tag, path, names in models:
+        out = root / tag
+        out.mkdir(parents=True, exist_ok=True)
+        results = load_results(out, keep=names)
+        todo = list(names)
+        if args.one_process and len(names) > 1:
+            write_progress(root, current={"model": tag, "config": "schedule", "since": time.time(),
+                                          "steps": args.steps * len(names), "configs": names})
+            print(f"step_scaling: {tag} {names} in one trainer process ({args.steps} steps each) ...", flush=True)
+            got, rc = run_schedule(path, names, args.steps, out, extra, args.timeout_s, args.warmup)
+            print(f"  exit={rc}; complete: {[r.name for r in got if r.rc == 0]}", flush=True)
+            for r in got:
+                results = [x for x in results if x.name != r.name] + [r]
+            save_results(out, results)
+            finished = [r.name for r in got if r.rc == 0]
+            done = json.loads((root / "progress.json").read_text()).get("done", [])
+            write_progress(root, done=done + [f"{tag}/{n}" for n in finished])
+            # whatever the schedule did not finish runs the old way, one process per configuration
+            todo = [n for n in names if n not in finished]
+        for name in todo:
+            if _STOP.is_set():
+                break
+            write_progress(root, current={"model": tag, "config": name, "since": time.time(), "steps": args.steps})
+            print(f"step_scaling: {tag}/{name} ({ADAPTERS[name]} adapters, {args.steps} steps) ...", flush=True)
+            r = run_one(path, name, args.steps, out, extra, args.timeout_s, args.warmup)
+            print(f"  exit={r.rc} wall={r.wall_s:.0f}s start-up={_fmt(r.startup_s, '.0f')}s steps={r.step_s} "
+                  f"peak={r.smi_peak_mib} MiB", flush=True)
+            ok = ok and r.rc == 0
+            results = [x for x in results if x.name != name] + [r]
+            save_results(out, results)
+            done = json.loads((root / "progress.json").read_text()).get("done", [])
+            write_progress(root, done=done + [f"{tag}/{name}"])
+        if args.ceiling and not _STOP.is_set() and (not args.ceiling_models or tag in args.ceiling_models.split(",")):
+            write_progress(root, current={"model": tag, "config": "ceiling", "since": time.time(), "steps": 0})
+            print(f"step_scaling: {tag} vLLM ceiling ...", flush=True)
+            rc = run_ceiling(path, out, results, args.answer_tokens, args.force_length, args.timeout_s)
+            print(f"  ceiling exit={rc}", flush=True)
+            ok = ok and rc == 0
+        print(save_results(out, results), flush=True)
+        if _STOP.is_set():
+            break
+    write_progress(root, state="stopped" if _STOP.is_set() else "finished", current=None)
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

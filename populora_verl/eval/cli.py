@@ -60,7 +60,7 @@ def members_from_args(args: argparse.Namespace):
     """Members to evaluate: base (unless --no-base), the baseline adapter, then --adapters and the run's
     population (alive members with an adapter folder)."""
     from populora_verl.eval.backends import Member
-    from populora_verl.eval.report import find_population_dir, read_population
+    from populora_verl.eval.report import find_population_dir, read_population, young_members
 
     members = []
     if not args.no_base:
@@ -77,6 +77,11 @@ def members_from_args(args: argparse.Namespace):
         if pop_dir is None:
             raise SystemExit(f"no population.json under {args.run_dir} (checkpoints/latest, step_<N>/population)")
         state = read_population(pop_dir)
+        young, window = young_members(state)
+        if young:
+            _log(f"members younger than the final quiet window ({window} steps), possibly not recovered from their "
+                 f"operator: {', '.join(f'{m} ({a} steps)' for m, a in young.items())}")
+        args.young_members, args.age_window = young, window
         alive = [r for r in state.get("lineage", []) if r.get("death_step") is None]
         for r in alive:
             folder = pop_dir / "adapters" / r["id"]
@@ -162,7 +167,9 @@ def _eval(args: argparse.Namespace) -> int:
     results = evaluate(backend, members, benches, data_dir=args.data_dir, limit=args.limit, paths=paths,
                        limits=limits, cache_dir=args.cache_dir or default_cache_dir(), workers=args.workers,
                        samples_path=out / "samples.jsonl", log=_log, lcb_on_pickle=args.lcb_on_pickle,
-                       info={"model": model, "backend": args.backend, "max_new_tokens": args.max_new_tokens})
+                       info={"model": model, "backend": args.backend, "max_new_tokens": args.max_new_tokens,
+                             "young_members": getattr(args, "young_members", {}),
+                             "age_window": getattr(args, "age_window", None)})
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(results, indent=1), encoding="utf-8")
     files = write_table(results, out)
@@ -173,17 +180,27 @@ def _eval(args: argparse.Namespace) -> int:
 
 def report_main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="populora-report", description="Markdown report of a PopuLoRA run: evaluation "
-                                "table, training-dynamics plots, ratings and the lineage tree.")
-    p.add_argument("run_dir")
-    p.add_argument("--out", help="output folder (default: <run_dir>/report)")
+                                "table, training-dynamics plots, ratings and the lineage tree; or, with --compare, "
+                                "several runs drawn together (one figure per quantity).")
+    p.add_argument("run_dir", nargs="?")
+    p.add_argument("--compare", nargs="+", metavar="RUN_DIR", help="draw these runs on shared axes instead")
+    p.add_argument("--labels", nargs="+", help="--compare: one legend label per run (default: folder names)")
+    p.add_argument("--out", help="output folder (default: <run_dir>/report, or ./populora_compare)")
     p.add_argument("--eval", dest="eval_results", help="results.json of populora-eval (default: <run_dir>/eval/)")
     p.add_argument("--debug", action="store_true", help="show the full traceback of an error")
     args = p.parse_args(argv)
     from populora_verl.cli_errors import run_cli
 
-    def report() -> int:
-        from populora_verl.eval.report import build_run_report
+    if not args.run_dir and not args.compare:
+        p.error("give a run directory, or --compare RUN_DIR [RUN_DIR ...]")
 
+    def report() -> int:
+        from populora_verl.eval.report import build_compare_report, build_run_report
+
+        if args.compare:
+            runs = ([args.run_dir] if args.run_dir else []) + list(args.compare)
+            print(build_compare_report(runs, args.out or "populora_compare", labels=args.labels))
+            return 0
         if not Path(args.run_dir).is_dir():
             raise FileNotFoundError(f"run directory {args.run_dir} does not exist")
         results = json.loads(Path(args.eval_results).read_text(encoding="utf-8")) if args.eval_results else None

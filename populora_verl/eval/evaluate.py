@@ -107,7 +107,8 @@ def grade(items_by_bench: dict[str, list[Item]], completions: dict[str, dict[str
 
 
 def summarize(records: list[dict[str, Any]], members: Sequence[Member], benchmarks: Sequence[str]) -> dict:
-    """Per member and benchmark: pass@1 (mean correctness), n, and base_pass@1 for the EvalPlus sets."""
+    """Per member and benchmark: pass@1 (mean correctness), n, base_pass@1 for the EvalPlus sets, and ``outcomes``
+    (0/1 per item, in item order, the same for every member) for the report's paired bootstrap intervals."""
     scores: dict[str, dict[str, dict[str, Any]]] = {m.name: {} for m in members}
     for m in members:
         for b in benchmarks:
@@ -116,6 +117,7 @@ def summarize(records: list[dict[str, Any]], members: Sequence[Member], benchmar
                 continue
             s: dict[str, Any] = {"n": len(rs), "correct": sum(bool(r["correct"]) for r in rs)}
             s["pass@1"] = s["correct"] / s["n"]
+            s["outcomes"] = [int(bool(r["correct"])) for r in rs]
             if any("base_correct" in r for r in rs):
                 s["base_pass@1"] = sum(bool(r.get("base_correct")) for r in rs) / len(rs)
             scores[m.name][b] = s

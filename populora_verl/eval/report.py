@@ -20,7 +20,8 @@ from populora_verl.diagnostics.plots import member_sort_key
 from populora_verl.eval.data import BENCHMARKS, CODE_BENCHMARKS, MATH_BENCHMARKS
 
 __all__ = ["population_table", "write_table", "markdown_table", "find_population_dir", "read_lineage",
-           "plot_lineage", "final_ratings", "build_run_report"]
+           "plot_lineage", "final_ratings", "build_run_report", "build_compare_report", "wilson_interval",
+           "table_intervals", "markdown_interval_table", "young_members"]
 
 AGG_COLUMNS = ("code_avg", "math_avg", "avg")
 NON_POPULATION_ROLES = ("base", "baseline")
@@ -98,7 +99,8 @@ def write_table(results: dict[str, Any], out_dir: str | Path, stem: str = "eval"
     out.mkdir(parents=True, exist_ok=True)
     table = population_table(results)
     md = out / f"{stem}.md"
-    md.write_text(f"# Evaluation (greedy pass@1, %)\n\n{markdown_table(table)}\n\n{_notes(results)}\n",
+    md.write_text(f"# Evaluation (greedy pass@1, %)\n\n{markdown_table(table)}\n\n{_notes(results)}\n\n"
+                  f"## With 95% intervals\n\n{markdown_interval_table(results, table)}\n\n{INTERVAL_NOTE}\n",
                   encoding="utf-8")
     cs = out / f"{stem}.csv"
     with open(cs, "w", newline="", encoding="utf-8") as f:
@@ -108,7 +110,9 @@ def write_table(results: dict[str, Any], out_dir: str | Path, stem: str = "eval"
             w.writerow([r["name"], r["role"], r["kind"]] + ["" if r[c] is None else f"{r[c]:.6f}"
                                                              for c in table["columns"]])
     js = out / f"{stem}.json"
-    js.write_text(json.dumps({"table": table, "results": results}, indent=1), encoding="utf-8")
+    intervals = {name: {c: list(iv) for c, iv in cells.items()} for name, cells in table_intervals(results, table).items()}
+    js.write_text(json.dumps({"table": table, "intervals": intervals, "results": results}, indent=1),
+                  encoding="utf-8")
     return {"md": md, "csv": cs, "json": js}
 
 
@@ -119,7 +123,153 @@ def _notes(results: dict[str, Any]) -> str:
         bits.append(f"Smoke run: first {results['limit']} items per benchmark only.")
     n = {b: max((s[b]["n"] for s in results["scores"].values() if b in s), default=0) for b in results["benchmarks"]}
     bits.append("Items: " + ", ".join(f"{_display(b)} {k}" for b, k in n.items()) + ".")
+    young = results.get("young_members") or {}
+    if young:
+        bits.append(f"Younger than the final quiet window ({results.get('age_window')} steps), so possibly not "
+                    "recovered from their operator: " + ", ".join(f"{m} ({a} steps)" for m, a in young.items()) + ".")
     return " ".join(bits)
+
+
+# --- 95% intervals --------------------------------------------------------------------------------------------
+
+CONFIDENCE = 0.95
+BOOTSTRAP_SAMPLES = 2000
+
+
+def wilson_interval(correct: int, n: int, confidence: float = CONFIDENCE) -> tuple[float, float]:
+    """Wilson score interval of a binomial proportion (``correct`` of ``n`` items)."""
+    from scipy.stats import binomtest
+
+    ci = binomtest(int(correct), int(n)).proportion_ci(confidence_level=confidence, method="wilson")
+    return float(ci.low), float(ci.high)
+
+
+def _column_draws(results: dict[str, Any], members: Sequence[str], columns: Sequence[str], samples: int,
+                  seed: int) -> dict[str, Any] | None:
+    """Bootstrap draws (members x samples) of every column: items resampled with replacement, per benchmark, the
+    same draw for every member (paired). None when a member lacks per-item outcomes (older results files)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    draws: dict[str, Any] = {}
+    for b in results["benchmarks"]:
+        rows = []
+        for m in members:
+            sc = results["scores"].get(m, {}).get(b)
+            if sc is None:
+                rows.append(None)
+                continue
+            if "outcomes" not in sc:
+                return None
+            rows.append(np.asarray(sc["outcomes"], dtype=float))
+        present = [r for r in rows if r is not None]
+        if not present or len({len(r) for r in present}) != 1:
+            continue
+        idx = rng.integers(0, len(present[0]), size=(samples, len(present[0])))
+        draws[b] = np.stack([r[idx].mean(axis=1) if r is not None else np.full(samples, np.nan) for r in rows])
+    for agg, benches in (("code_avg", CODE_BENCHMARKS), ("math_avg", MATH_BENCHMARKS)):
+        parts = [draws[b] for b in benches if b in draws]
+        if parts:
+            draws[agg] = np.nanmean(np.stack(parts), axis=0) if len(parts) > 1 else parts[0]
+    if "code_avg" in draws and "math_avg" in draws:
+        draws["avg"] = (draws["code_avg"] + draws["math_avg"]) / 2
+    elif "code_avg" in draws or "math_avg" in draws:
+        draws["avg"] = draws.get("code_avg", draws.get("math_avg"))
+    return {c: draws[c] for c in columns if c in draws}
+
+
+def table_intervals(results: dict[str, Any], table: dict[str, Any] | None = None, *,
+                    samples: int = BOOTSTRAP_SAMPLES, seed: int = 0) -> dict[str, dict[str, tuple[float, float]]]:
+    """95% interval of every number of :func:`population_table`: ``{row name: {column: (low, high)}}``.
+
+    A member's pass@1 on one benchmark: Wilson score interval. Averages over benchmarks and the population rows
+    (mean, min, max over members): percentile bootstrap over items, resampled per benchmark and paired across
+    members; the best member is re-chosen in every draw, so its interval includes the selection. Rows without
+    per-item outcomes get Wilson intervals only.
+    """
+    import numpy as np
+
+    table = table or population_table(results)
+    columns = table["columns"]
+    names = [r["name"] for r in table["rows"] if r["kind"] != "stat"]
+    draws = _column_draws(results, names, columns, samples, seed)
+    lo_q, hi_q = 100 * (1 - CONFIDENCE) / 2, 100 * (1 + CONFIDENCE) / 2
+    out: dict[str, dict[str, tuple[float, float]]] = {}
+
+    def _pct(x: Any) -> tuple[float, float] | None:
+        x = x[~np.isnan(x)]
+        return (float(np.percentile(x, lo_q)), float(np.percentile(x, hi_q))) if x.size else None
+
+    for row in table["rows"]:
+        cells: dict[str, tuple[float, float]] = {}
+        if row["kind"] != "stat":
+            i = names.index(row["name"])
+            for c in columns:
+                sc = results["scores"].get(row["name"], {}).get(c)
+                if sc is not None and sc.get("n"):
+                    cells[c] = wilson_interval(sc["correct"], sc["n"])
+                elif draws is not None and c in draws and not np.isnan(draws[c][i]).all():
+                    ci = _pct(draws[c][i])
+                    if ci is not None:
+                        cells[c] = ci
+        elif draws is not None:
+            label, stat = row["name"].rsplit(" ", 1)
+            group = [r["name"] for r in table["rows"] if r["kind"] == "member"
+                     and (label == "population" or f"{r['role']}s" == label)]
+            rows_idx = [names.index(n) for n in group]
+            fn = {"mean": np.nanmean, "min": np.nanmin, "max": np.nanmax}.get(stat)
+            for c in columns:
+                if fn is None or c not in draws or not rows_idx:
+                    continue
+                sub = draws[c][rows_idx]
+                if np.isnan(sub).all(axis=0).any():
+                    continue
+                ci = _pct(fn(sub, axis=0))
+                if ci is not None:
+                    cells[c] = ci
+        out[row["name"]] = cells
+    return out
+
+
+def markdown_interval_table(results: dict[str, Any], table: dict[str, Any] | None = None) -> str:
+    """The population table with each number as ``pass@1 [low, high]`` in percent (95% intervals)."""
+    table = table or population_table(results)
+    ci = table_intervals(results, table)
+    cols = table["columns"]
+    lines = ["| model | role | " + " | ".join(_display(c) for c in cols) + " |", "|---|---|" + "---:|" * len(cols)]
+    for r in table["rows"]:
+        cells = []
+        for c in cols:
+            v, iv = r[c], ci.get(r["name"], {}).get(c)
+            if v is None:
+                cells.append("-")
+            else:
+                cells.append(f"{100 * v:.1f} [{100 * iv[0]:.1f}, {100 * iv[1]:.1f}]" if iv else f"{100 * v:.1f}")
+        name = f"**{r['name']}**" if r["kind"] == "stat" else r["name"]
+        lines.append(f"| {name} | {r['role']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+INTERVAL_NOTE = ("95% intervals: Wilson score interval for a member on one benchmark; percentile bootstrap over "
+                 f"items ({BOOTSTRAP_SAMPLES} draws, resampled per benchmark, paired across members) for averages "
+                 "and population rows, the best member re-chosen in every draw.")
+
+
+def young_members(state: dict[str, Any]) -> tuple[dict[str, int], int | None]:
+    """``({member id: age in steps}, window)``: alive members of a ``population.json`` younger than its
+    ``age_window`` (``pbt.final_quiet_steps``). A save without ages counts steps since birth."""
+    window = state.get("age_window")
+    if window is None:
+        return {}, None
+    step = int(state.get("step") or 0)
+    out = {}
+    for r in state.get("lineage", []):
+        if r.get("death_step") is not None:
+            continue
+        age = int(r["age"]) if r.get("age") is not None else step - int(r.get("birth_step") or 0)
+        if age < int(window):
+            out[r["id"]] = age
+    return out, int(window)
 
 
 # --- run directory ----------------------------------------------------------------------------------------------
@@ -148,6 +298,13 @@ def find_population_dir(run_dir: str | Path) -> Path | None:
         return max(steps)[1]
     if (run / "population" / "population.json").is_file():
         return run / "population"
+    # verl's trainer: <default_local_dir>/global_step_<N>/populora/checkpoints/step_<N>/population
+    verl_steps = sorted((int(m.group(1)), d) for d in (run.iterdir() if run.is_dir() else [])
+                        if (m := re.fullmatch(r"global_step_(\d+)", d.name)) and (d / "populora").is_dir())
+    for _, d in reversed(verl_steps):
+        found = find_population_dir(d / "populora")
+        if found is not None:
+            return found
     return None
 
 
@@ -182,7 +339,7 @@ def plot_lineage(lineage: Sequence[dict[str, Any]], out_path: str | Path, *, las
     end = last_step if last_step is not None else max(
         [int(r.get("death_step") or 0) for r in recs] + [int(r.get("birth_step") or 0) for r in recs] + [1])
     colors = {"teacher": "tab:blue", "student": "tab:orange", "both": "tab:green"}
-    fig, ax = plt.subplots(figsize=(max(6.0, 0.1 * end + 6), max(2.5, 0.45 * len(recs) + 1)))
+    fig, ax = plt.subplots(figsize=(max(7.5, 0.1 * end + 7.5), max(2.5, 0.45 * len(recs) + 1)))
     for r in recs:
         y = lane[r["id"]]
         b = int(r.get("birth_step") or 0)
@@ -199,13 +356,26 @@ def plot_lineage(lineage: Sequence[dict[str, Any]], out_path: str | Path, *, las
             ax.annotate("", xy=(b, y), xytext=(b, lane[p]),
                         arrowprops=dict(arrowstyle="->", color="gray", lw=1.0, connectionstyle="arc3,rad=0.25"))
         if r.get("parents"):
-            ax.text(b, y + 0.22, str(r.get("operator") or "?"), fontsize=7, ha="center", color="dimgray")
+            # Right of the birth dot, just above the child's lane, on white so the lane line stays readable.
+            ax.text(b + 0.12, y - 0.18, f"{r.get('operator') or '?'}({', '.join(r['parents'])})", fontsize=7,
+                    ha="left", va="bottom", color="dimgray",
+                    bbox=dict(facecolor="white", alpha=0.8, edgecolor="none", pad=0.5))
+    from matplotlib.lines import Line2D
+    from matplotlib.ticker import MaxNLocator
+
+    roles = [k for k in colors if any(r.get("role") == k for r in recs)]
+    ax.legend(handles=[Line2D([], [], color=colors[k], lw=2.5, label=k) for k in roles]
+              + [Line2D([], [], color="gray", marker="o", lw=0, label="born"),
+                 Line2D([], [], color="gray", lw=2.5, ls="--", alpha=0.5, marker="x", mec="black",
+                        label="replaced")],
+              fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
     ax.set_yticks(range(len(recs)))
     ax.set_yticklabels([r["id"] for r in recs])
     ax.invert_yaxis()
     ax.set_xlabel("step")
-    ax.set_title("Population lineage (o birth, x death, arrows parent -> child)")
+    ax.set_title("Population lineage: arrows parent -> child, labelled operator(parents)", fontsize=10)
     ax.set_xlim(-0.5, end + 0.5)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.grid(axis="x", alpha=0.3)
     fig.tight_layout()
     out = Path(out_path)
@@ -243,18 +413,19 @@ def build_run_report(run_dir: str | Path, out_dir: str | Path | None = None, *,
     if eval_results is not None:
         paths = write_table(eval_results, out)
         parts.append("## Evaluation (greedy pass@1, %)\n\n" + markdown_table(population_table(eval_results))
-                     + f"\n\n{_notes(eval_results)} Files: `{paths['csv'].name}`, `{paths['json'].name}`.\n")
+                     + f"\n\n{_notes(eval_results)} Files: `{paths['csv'].name}`, `{paths['json'].name}`.\n\n"
+                     + "### With 95% intervals\n\n" + markdown_interval_table(eval_results) + f"\n\n{INTERVAL_NOTE}\n")
     else:
         parts.append("## Evaluation\n\nNo evaluation results (run `populora-eval --run-dir ...` first).\n")
 
     metrics = run / "metrics.jsonl"
     last_step = None
     if metrics.is_file():
-        from populora_verl.diagnostics import plot_all, read_metrics
+        from populora_verl.diagnostics.plots import events_from_metrics, plot_all, read_events, read_metrics
 
         rows = read_metrics(metrics)
         last_step = max((int(r["step"]) for r in rows if "step" in r), default=None)
-        plots = plot_all(rows, out / "plots")
+        plots = plot_all(rows, out / "plots", events=read_events(run) or events_from_metrics(rows))
         parts.append(f"## Training dynamics\n\n{len(rows)} logged steps (last: {last_step}).\n")
         for p in plots:
             parts.append(f"### {p.stem.replace('_', ' ')}\n\n![{p.stem}](plots/{p.name})\n")
@@ -284,16 +455,52 @@ def build_run_report(run_dir: str | Path, out_dir: str | Path | None = None, *,
     if pop_dir is not None:
         lineage = read_lineage(pop_dir)
         if lineage:
+            young, window = young_members(read_population(pop_dir))
             img = plot_lineage(lineage, out / "lineage.png", last_step=last_step)
-            lines = ["| id | role | parents | operator | born | died |", "|---|---|---|---|---:|---:|"]
+            lines = ["| id | role | parents | operator | born | died | age (steps) |",
+                     "|---|---|---|---|---:|---:|---:|"]
             for r in lineage:
+                age = "-" if r.get("age") is None else str(r["age"])
                 lines.append(f"| {r['id']} | {r.get('role', '')} | {', '.join(r.get('parents') or []) or '-'} | "
                              f"{r.get('operator') or '-'} | {r.get('birth_step', 0)} | "
-                             f"{'-' if r.get('death_step') is None else r['death_step']} |")
+                             f"{'-' if r.get('death_step') is None else r['death_step']} | "
+                             f"{age}{' (young)' if r['id'] in young else ''} |")
+            note = ""
+            if young:
+                note = (f"\n\nYoung members (alive, trained fewer than the final quiet window of {window} steps, "
+                        f"so possibly not recovered from their operator): {', '.join(young)}.")
             parts.append(f"## Lineage\n\nFrom `{pop_dir / 'population.json'}`.\n\n![lineage]({img.name})\n\n"
-                         + "\n".join(lines) + "\n")
+                         + "\n".join(lines) + note + "\n")
     else:
         parts.append("## Lineage\n\nNo population.json found in the run directory.\n")
     report = out / "report.md"
+    report.write_text("\n".join(parts), encoding="utf-8")
+    return report
+
+
+def build_compare_report(run_dirs: Sequence[str | Path], out_dir: str | Path, *,
+                         labels: Sequence[str] | None = None) -> Path:
+    """``<out_dir>/compare.md`` with one figure per quantity, every run on the same axes
+    (:func:`populora_verl.diagnostics.plots.compare_runs`), and each run's last logged headline numbers."""
+    from populora_verl.diagnostics.plots import compare_runs, read_metrics
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    figures = compare_runs(run_dirs, out, labels=labels)
+    names = list(labels) if labels else [Path(r).name for r in run_dirs]
+    keys = [("steps", None), ("solve rate", "populora/student/accuracy"), ("validity", "populora/validity/mean"),
+            ("coverage", "populora/coverage/fraction")]
+    lines = ["| run | " + " | ".join(k for k, _ in keys) + " |", "|---|" + "---:|" * len(keys)]
+    for name, run in zip(names, run_dirs):
+        rows = read_metrics(run)
+        cells = [str(max((int(r["step"]) for r in rows), default=0))]
+        for _, key in keys[1:]:
+            vals = [r[key] for r in rows if key in r]
+            cells.append(f"{vals[-1]:.3f}" if vals else "-")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    parts = ["# PopuLoRA runs compared\n", "Runs: " + ", ".join(f"`{r}`" for r in run_dirs) + "\n",
+             "## Last logged step\n\n" + "\n".join(lines) + "\n", "## Figures\n"]
+    parts += [f"### {p.stem.replace('_', ' ')}\n\n![{p.stem}]({p.name})\n" for p in figures]
+    report = out / "compare.md"
     report.write_text("\n".join(parts), encoding="utf-8")
     return report

@@ -10,16 +10,18 @@ A child keeps its first parent's keys, order, shapes, dtypes and devices; parent
 generator state gives the same child (on the same device). Noise is drawn in fp32 on the generator's device and
 the child is cast back to the parent's dtype (bf16 adapters work). Crossover parents are ordered fittest first.
 
-Candidate set (formulas and defaults: lucidrains/populora, see /work/shared/reference/paper-and-azr.md §6):
+Candidate set (formulas and defaults: lucidrains/populora, see /work/shared/reference/paper-and-azr.md §6; two
+defaults are ours, recalibrated on trained adapters so a mutation keeps its parent's skill: M3 ρ = 0.1 instead of
+0.3 and M5 α = 1 instead of 10, see ``populora_verl.bench.retention_real`` and BENCHMARKS.md):
 
 ====  =========================  ========  ============================================================
 id    name                       kind      what it does
 ====  =========================  ========  ============================================================
 M1    svd_mutation               mutation  S' = S·exp(ε z); U, V rotated by orth(I + ε·skew(M)); rebuild
 M2    layer_gaussian             mutation  ε·std(X)·N(0,1) on A and B of max(1, ⌊f·L⌋) random modules
-M3    component_mask             mutation  zero ⌈ρ·r⌉ random singular values per module; rebuild
+M3    component_mask             mutation  zero ⌈ρ·r⌉ random singular values per module; rebuild (ρ = 0.1)
 M4    full_gaussian              mutation  M2 on every module
-M5    neftune                    mutation  A += U(-b, b), b = α / sqrt(in·r)
+M5    neftune                    mutation  A += U(-b, b), b = α / sqrt(in·r) (α = 1)
 X1    dare_crossover             crossover mean over parents of DARE(X) = X·Bernoulli(1-p)/(1-p), A and B apart
 X2    layer_crossover            crossover each module's (A, B) copied whole from one random parent
 X3    svd_crossover              crossover top-k components of parents[0] + components k+1..r of parents[1]
@@ -237,7 +239,7 @@ def layer_gaussian(parents: Sequence[LoRAStack], *, generator: torch.Generator, 
 
 
 @register_operator("component_mask", kind="mutation", num_parents=1)
-def component_mask(parents: Sequence[LoRAStack], *, generator: torch.Generator, rho: float = 0.3) -> LoRAStack:
+def component_mask(parents: Sequence[LoRAStack], *, generator: torch.Generator, rho: float = 0.1) -> LoRAStack:
     """M3 component masking: per module, zero ⌈ρ·r⌉ random singular values and rebuild.
 
     The tensors keep rank r; the effective rank drops. A masked component keeps its A row (B column = 0), so
@@ -265,8 +267,12 @@ def full_gaussian(parents: Sequence[LoRAStack], *, generator: torch.Generator, e
 
 
 @register_operator("neftune", kind="mutation", num_parents=1)
-def neftune(parents: Sequence[LoRAStack], *, generator: torch.Generator, alpha: float = 10.0) -> LoRAStack:
-    """M5 NEFTune-style: A += U(−b, b) with b = α / sqrt(in·r); B unchanged (so a zero ΔW stays zero)."""
+def neftune(parents: Sequence[LoRAStack], *, generator: torch.Generator, alpha: float = 1.0) -> LoRAStack:
+    """M5 NEFTune-style: A += U(−b, b) with b = α / sqrt(in·r); B unchanged (so a zero ΔW stays zero).
+
+    PEFT's A init is U(−1/sqrt(in), 1/sqrt(in)), so the noise is α/sqrt(r) times A's own scale: lucidrains'
+    α = 10 replaces A by noise (‖ΔW'−ΔW‖/‖ΔW‖ ≈ 3 at r = 4); α = 1 is a mutation of the size of the others.
+    """
     _check(alpha >= 0, "neftune", "alpha", f"must be >= 0, got {alpha!r}")
     child = []
     for g in parents[0]:

@@ -4,7 +4,8 @@ operator children of its survivors.
 Two phases, so a trainer can log, broadcast or checkpoint the decision before any weights move:
 
 1. :meth:`PBTController.plan` (pure decision, no tensors): per sub-population (``cfg.roles``), rank by fitness,
-   pick victims ``bottom clamp(floor(N * cull_fraction), 1, N - 1)`` (never the ``protect_top`` fittest), and for
+   pick victims ``bottom clamp(floor(N * cull_fraction), 1, N - 1)`` (never the ``protect_top`` fittest, never a
+   member younger than ``min_age`` steps: the lowest-ranked old-enough members die instead), and for
    each victim draw a kind (crossover with prob. ``crossover_rate`` when two survivors exist), an operator of that
    kind (``cfg.operators`` weights, uniform if null), parents uniformly from the survivors (ordered fittest
    first), and an integer seed for the child.
@@ -12,12 +13,16 @@ Two phases, so a trainer can log, broadcast or checkpoint the decision before an
    buggy operator cannot touch a survivor) and update the population: victims die, children take their slots
    with fresh ratings and lineage records.
 
+Events fall on steps ``E, 2E, ...`` except in the run's last ``final_quiet_steps`` steps (default: one interval),
+so every member of the final population has trained at least that long (:meth:`PBTController.due`).
+
 Deterministic under ``seed``; ``state_dict()`` / ``load_state_dict()`` carry the RNG exactly.
 """
 
 from __future__ import annotations
 
 import inspect
+import logging
 import math
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Mapping
@@ -32,6 +37,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from populora_verl.population.members import Population
 
 __all__ = ["Replacement", "EvolutionPlan", "PBTController", "num_victims"]
+
+log = logging.getLogger(__name__)
 
 KINDS = ("mutation", "crossover")
 _MAX_SEED = 2 ** 63 - 1
@@ -88,9 +95,12 @@ class PBTController:
     """Decides and applies evolution events. ``operators`` defaults to the ``OPERATORS`` registry."""
 
     def __init__(self, cfg: PBTConfig | None = None, seed: int = 0,
-                 operators: Mapping[str, Any] | None = None) -> None:
+                 operators: Mapping[str, Any] | None = None, total_steps: int | None = None) -> None:
         self.cfg = cfg if cfg is not None else PBTConfig()
         self.seed = int(seed)
+        # The run's last step (CPU driver: --steps; verl: trainer.total_training_steps); None: unknown, so the
+        # final quiet window cannot be placed and every due step evolves.
+        self.total_steps = None if total_steps is None else int(total_steps)
         self._rng = np.random.Generator(np.random.PCG64(self.seed))
         if operators is None:
             from populora_verl.evolution.operators import OPERATORS  # torch-heavy: only when a controller exists
@@ -170,6 +180,12 @@ class PBTController:
                     f"use >= 3 {role}s")
             if victims == 0:
                 continue  # nobody is replaced in this sub-population: plan() notes it
+            if n == 2:
+                # Say it once at start-up: with two members every event is "replace the weaker by a child of the
+                # stronger", so the role collapses to one lineage. Allowed (the 1T+1S-like ablations want it).
+                log.warning("%s: the %s sub-population has 2 members, so every evolution event replaces one of "
+                            "them (floor(2 x %s) clamped to 1) with a child of the other; drop %r from %s.roles to "
+                            "keep both lineages", self._key, role, self.cfg.cull_fraction, role, self._key)
             p_cross, p_mut = self._kind_odds(survivors)
             if p_cross + p_mut > 0:
                 continue
@@ -180,11 +196,21 @@ class PBTController:
 
     # --- when ---------------------------------------------------------------------------------------------
 
+    def in_final_quiet(self, step: int) -> bool:
+        """True in the run's last ``final_quiet_steps`` steps (``total_steps`` must be known)."""
+        return self.total_steps is not None and step > self.total_steps - self.cfg.quiet_steps
+
     def due(self, step: int) -> bool:
-        """True on steps ``E, 2E, ...`` (never at step 0, before anybody has been rated)."""
-        return bool(self.cfg.enabled) and step > 0 and step % self.cfg.interval_steps == 0
+        """True on steps ``E, 2E, ...`` (never at step 0, before anybody has been rated), except in the final quiet
+        window: a child born there would be evaluated untrained."""
+        return (bool(self.cfg.enabled) and step > 0 and step % self.cfg.interval_steps == 0
+                and not self.in_final_quiet(step))
 
     # --- deciding -----------------------------------------------------------------------------------------
+
+    def _newborn(self, member: Any) -> bool:
+        """A child (founders are never protected) that has trained fewer than ``min_age`` steps."""
+        return bool(member.parents) and member.age < self.cfg.min_age
 
     def _pick(self, weights: Mapping[str, float]) -> str:
         names = list(weights)
@@ -211,7 +237,17 @@ class PBTController:
             ties = self._rng.permutation(n)
             ranked = [m for _, _, m in sorted(zip((-fitness[m.id] for m in group), ties.tolist(), group),
                                               key=lambda x: (x[0], x[1]))]
-            survivors, victims = ranked[: n - victims_n], ranked[n - victims_n:]
+            # Victims: the lowest-ranked members that are neither elite (protect_top) nor a newborn child (min_age).
+            eligible = [m for m in ranked[self.cfg.protect_top:] if not self._newborn(m)]
+            victims = eligible[len(eligible) - min(victims_n, len(eligible)):] if eligible else []
+            if len(victims) < victims_n:
+                young = [m.id for m in group if self._newborn(m)]
+                plan.notes.append(f"{role}: {victims_n - len(victims)} fewer victims: {young} younger than "
+                                  f"min_age={self.cfg.min_age}")
+            if not victims:
+                continue
+            dead = {m.id for m in victims}
+            survivors = [m for m in ranked if m.id not in dead]
             rank_of = {m.id: i for i, m in enumerate(ranked)}
             for victim in victims:
                 p_cross, p_mut = self._kind_odds(len(survivors))

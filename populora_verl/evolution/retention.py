@@ -7,6 +7,11 @@ as "fraction of the parent's score retained". Crossovers need a second parent: p
 taken as the fitter ``parents[0]``), or let the harness make a perturbed copy of ``parent`` with
 ``full_gaussian`` (a sibling that shares its gauge, as PBT siblings do).
 
+Every crossover is measured twice: with that **related** second parent, and with an **unrelated** one (pass
+``unrelated_parent``, e.g. an adapter trained from another lora_A init; by default the related sibling written in
+another gauge, ``A -> R A``, ``B -> B Rᵀ`` with a random orthogonal R per module: the same ΔW in unrelated
+factors, which isolates what a factor-space crossover does to parents that do not share a gauge).
+
     rows = retention_test(adapter, evaluate, ["svd_mutation", ("svd_mutation", {"eps": 0.3}), "svd_crossover"])
     print(format_retention_table(rows))
 """
@@ -25,7 +30,7 @@ from torch import Tensor
 from .lora import delta_w_distance
 from .operators import OPERATORS, get_operator
 
-__all__ = ["RetentionRow", "retention_test", "format_retention_table", "OperatorSpec"]
+__all__ = ["RetentionRow", "retention_test", "format_retention_table", "OperatorSpec", "regauge"]
 
 OperatorSpec = str | tuple[str, Mapping[str, Any]]
 
@@ -70,6 +75,18 @@ def _device_of(adapter: Mapping[str, Tensor]) -> torch.device:
     return next(iter(adapter.values())).device
 
 
+def regauge(adapter: Mapping[str, Tensor], generator: torch.Generator) -> dict[str, Tensor]:
+    """The same ΔW in other factors: ``A -> R A``, ``B -> B Rᵀ`` with a random r x r orthogonal R per module."""
+    from .lora import orthonormalize, stack_adapter, unstack_adapter
+
+    out = []
+    for g in stack_adapter(adapter):
+        n, r, _ = g.A.shape
+        rot = orthonormalize(torch.randn((n, r, r), generator=generator, device=generator.device).to(g.A.device))
+        out.append(g.like(rot @ g.A, g.B @ rot.transpose(-1, -2)))
+    return unstack_adapter(out, adapter)
+
+
 def retention_test(
     parent: Mapping[str, Tensor],
     evaluate: Callable[[dict[str, Tensor]], float],
@@ -77,10 +94,13 @@ def retention_test(
     *,
     second_parent: Mapping[str, Tensor] | None = None,
     second_parent_eps: float = 0.1,
+    unrelated_parent: Mapping[str, Tensor] | None = None,
     children: int = 1,
     seed: int = 0,
 ) -> list[RetentionRow]:
     """Make ``children`` children per operator setting and score them against ``parent``.
+
+    Crossover settings give two rows, ``extra["pair"]`` = ``related`` then ``unrelated`` (module docstring).
 
     ``operators``: names or ``(name, params)`` pairs; default every registered operator with its defaults.
     Child ``j`` of every setting uses a generator seeded ``seed + j`` (on the parent's device), so settings are
@@ -100,30 +120,34 @@ def retention_test(
         return torch.Generator(device=device).manual_seed(seed + j)
 
     parent_score = float(evaluate(dict(parent)))
-    other = second_parent
-    other_score = None
+    others: dict[str, tuple[Mapping[str, Tensor], float]] = {}
     if any(get_operator(n).kind == "crossover" for n, _ in specs):
-        if other is None:
-            other = get_operator("full_gaussian")([parent], generator=generator(10_007), eps=second_parent_eps)
-        other_score = float(evaluate(dict(other)))
+        related = second_parent
+        if related is None:
+            related = get_operator("full_gaussian")([parent], generator=generator(10_007), eps=second_parent_eps)
+        unrelated = unrelated_parent if unrelated_parent is not None else regauge(related, generator(20_011))
+        others = {"related": (related, float(evaluate(dict(related)))),
+                  "unrelated": (unrelated, float(evaluate(dict(unrelated))))}
 
     rows = []
     for name, params in specs:
         op = get_operator(name)
-        parents = [parent] if op.num_parents == 1 else [parent, other]
-        scores, rel, secs = [], [], []
-        for j in range(children):
-            t0 = time.perf_counter()
-            child = op(parents, generator=generator(j), **params)
-            secs.append(time.perf_counter() - t0)
-            dist, ref = delta_w_distance(child, parent)
-            rel.append(dist / ref if ref > 0 else (0.0 if dist == 0 else math.inf))
-            scores.append(float(evaluate(child)))
-        rows.append(RetentionRow(
-            operator=name, kind=op.kind, params={**op.defaults, **params}, parent_score=parent_score,
-            child_scores=scores, delta_w_rel=statistics.fmean(rel), seconds=statistics.fmean(secs),
-            other_parent_score=other_score if op.kind == "crossover" else None,
-        ))
+        for pair in ([None] if op.num_parents == 1 else list(others)):
+            parents = [parent] if pair is None else [parent, others[pair][0]]
+            scores, rel, secs = [], [], []
+            for j in range(children):
+                t0 = time.perf_counter()
+                child = op(parents, generator=generator(j), **params)
+                secs.append(time.perf_counter() - t0)
+                dist, ref = delta_w_distance(child, parent)
+                rel.append(dist / ref if ref > 0 else (0.0 if dist == 0 else math.inf))
+                scores.append(float(evaluate(child)))
+            rows.append(RetentionRow(
+                operator=name, kind=op.kind, params={**op.defaults, **params}, parent_score=parent_score,
+                child_scores=scores, delta_w_rel=statistics.fmean(rel), seconds=statistics.fmean(secs),
+                other_parent_score=None if pair is None else others[pair][1],
+                extra={} if pair is None else {"pair": pair},
+            ))
     return rows
 
 
@@ -142,7 +166,7 @@ def format_retention_table(rows: Sequence[RetentionRow], style: str = "markdown"
     header = ["operator", "kind", "params", "parent", "child (mean)", "child/parent", "min child/parent",
               "|ΔW'-ΔW|/|ΔW|", "ms/child"]
     body = [[
-        r.operator, r.kind, ", ".join(f"{k}={v}" for k, v in r.params.items()) or "-", _fmt(r.parent_score),
+        r.operator, r.kind + (f" ({r.extra['pair']})" if r.extra.get("pair") else ""), ", ".join(f"{k}={v}" for k, v in r.params.items()) or "-", _fmt(r.parent_score),
         _fmt(r.child_score), _fmt(r.retention), _fmt(r.min_retention), _fmt(r.delta_w_rel, 3),
         _fmt(1000 * r.seconds, 3),
     ] for r in rows]

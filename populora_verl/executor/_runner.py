@@ -153,6 +153,7 @@ _MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC = 1, 2, 4, 8
 _MS_REMOUNT, _MS_BIND, _MS_REC, _MS_PRIVATE = 32, 4096, 16384, 1 << 18
 _MS_NOATIME, _MS_NODIRATIME, _MS_RELATIME = 1024, 2048, 1 << 21
 _MNT_DETACH = 2
+_TMP_INODES = 32768  # files + dirs a program may leave behind: bounds the wipe after each call
 _OPT_FLAGS = {"nosuid": _MS_NOSUID, "nodev": _MS_NODEV, "noexec": _MS_NOEXEC, "noatime": _MS_NOATIME,
               "nodiratime": _MS_NODIRATIME, "relatime": _MS_RELATIME}
 _libc = None
@@ -165,7 +166,7 @@ def _libc_call(name: str, *args) -> None:
 
         _libc = ctypes.CDLL(None, use_errno=True)
     fn = getattr(_libc, name)
-    if fn(*args) != 0:
+    if fn(*args) == -1:
         import ctypes
 
         err = ctypes.get_errno()
@@ -237,7 +238,7 @@ def _setup_mounts(cfg: dict, notes: list[str]) -> dict[str, bool]:
     except OSError as e:
         notes.append(f"proc: {e}")
     try:
-        _mount("tmpfs", "/tmp", "tmpfs", _MS_NOSUID | _MS_NODEV, f"size={int(cfg['tmp_mb'])}m,mode=755")
+        _mount("tmpfs", "/tmp", "tmpfs", _MS_NOSUID | _MS_NODEV, f"size={int(cfg['tmp_mb'])}m,nr_inodes={_TMP_INODES},mode=755")
         prot["private_tmp"] = True
     except OSError as e:
         notes.append(f"tmp: {e}")
@@ -259,6 +260,27 @@ def _setup_mounts(cfg: dict, notes: list[str]) -> dict[str, bool]:
         notes.append(f"{failed} mounts could not be made read-only")
     # Fresh tmpfs on /tmp again: the read-only pass must not have touched it, and stage dirs are gone.
     return prot
+
+
+# ----------------------------------------------------------------------------- kernel helpers
+_CLONE_NEWIPC, _CLONE_NEWTIME = 0x08000000, 0x00000080
+_SYS_KEYCTL = {"x86_64": 250, "aarch64": 219}.get(os.uname().machine)
+_KEYCTL_JOIN_SESSION, _KEYCTL_CLEAR = 1, 7
+_KEY_SPEC_USER, _KEY_SPEC_USER_SESSION = -4, -5
+
+
+def _keyctl(op: int, *args: int) -> None:
+    if _SYS_KEYCTL is None:
+        raise OSError(38, "keyctl: unknown syscall number on this architecture")
+    _libc_call("syscall", _SYS_KEYCTL, op, *args)
+
+
+def _load_libc() -> None:
+    global _libc
+    if _libc is None:
+        import ctypes
+
+        _libc = ctypes.CDLL(None, use_errno=True)
 
 
 # ----------------------------------------------------------------------------- the child
@@ -318,56 +340,117 @@ def _short(exc: BaseException) -> str:
     return text if len(text) <= 300 else text[:297] + "..."
 
 
-def _evaluate(req: dict) -> dict:
+# Plain data: exactly these types (no subclasses), so the repr is a literal that ``ast.literal_eval`` reads
+# back and ``==`` is the builtin one. Floats must be finite: ``inf``/``nan`` are no literals.
+_PLAIN_ATOMS = (int, bool, str, bytes, type(None))
+_PLAIN_CONTAINERS = (tuple, list, set, dict)
+PLAIN_MAX_DEPTH = 100
+
+
+def plain_data_problem(value: object, max_items: int) -> str | None:
+    """Why ``value`` is not plain data (builtin literals only, bounded depth and size), or None. Iterative."""
+    import math
+
+    stack = [(value, 0)]
+    seen = 0
+    while stack:
+        v, depth = stack.pop()
+        seen += 1
+        if seen > max_items:
+            return f"more than {max_items} elements"
+        t = type(v)
+        if t in _PLAIN_ATOMS:
+            continue
+        if t is float:
+            if not math.isfinite(v):
+                return "non-finite float"
+            continue
+        if t is complex:
+            if not (math.isfinite(v.real) and math.isfinite(v.imag)):
+                return "non-finite complex"
+            continue
+        if t not in _PLAIN_CONTAINERS:
+            return f"object of type {t.__name__}"
+        if depth >= PLAIN_MAX_DEPTH:
+            return f"nested deeper than {PLAIN_MAX_DEPTH}"
+        if t is dict:
+            for k, x in v.items():
+                stack.append((k, depth + 1))
+                stack.append((x, depth + 1))
+        else:
+            for x in v:
+                stack.append((x, depth + 1))
+    return None
+
+
+def _evaluate(req: dict, first_run: bool) -> dict:
+    """Evaluate ``f(inputs)`` in this process. The first run does the static check and AZR's in-process double
+    call (global counters, mutated defaults); the second run (another process) calls once."""
     program, inputs = req["program"], req["inputs"]
-    reason = find_banned(program, _BANNED)
-    if reason:
-        return {"ok": False, "output": None, "error": reason}
+    if first_run:
+        reason = find_banned(program, _BANNED)
+        if reason:
+            return {"ok": False, "output": None, "error": reason}
     try:
         code = compile(program, PROGRAM_FILE, "exec")
         call = compile(f"f(\n{inputs}\n)", INPUT_FILE, "eval")
-    except (SyntaxError, ValueError) as e:
+    except (SyntaxError, ValueError, RecursionError, MemoryError) as e:
         return {"ok": False, "output": None, "error": _short(e)}
     _install_import_guard()
     env: dict = {"__name__": "__main__"}
+    cap = int(req["max_output_chars"])
     try:
         exec(code, env)
         if not callable(env.get("f")):
             return {"ok": False, "output": None, "error": "NameError: program defines no function f"}
         first = eval(call, env)
+        if req.get("plain_data", True):
+            problem = plain_data_problem(first, cap)
+            if problem:
+                return {"ok": False, "output": None, "error": f"not plain data: {problem}"}
         text = repr(first)
-        cap = int(req["max_output_chars"])
         if len(text) > cap:  # before the second call: a huge value must not be built twice
             return {"ok": False, "output": None, "error": f"output too large: {len(text)} chars > {cap}"}
-        if req["check_determinism"]:
-            # Shift the heap between the calls so id()/address-based results (id(), default hashes and
-            # so set order of plain objects) differ if the program depends on them.
-            pad = [[i] for i in range(97)]
+        if req["check_determinism"] and first_run:
+            pad = [[i] for i in range(97)]  # shift the heap: id()-dependent results differ between the calls
             second = eval(call, env)
             del pad
-            if bool(first != second) or repr(second) != text:
+            if type(second) is not type(first) or repr(second) != text:
                 return {"ok": False, "output": None, "error": "nondeterministic: two calls gave different results"}
-        str(first)
-        import pickle
+        if not req.get("plain_data", True):
+            str(first)
+            import pickle
 
-        pickle.dumps(first)
+            pickle.dumps(first)
     except MemoryError:
         return {"ok": False, "output": None, "error": "memory: MemoryError (limit exceeded)"}
-    except RecursionError as e:
-        return {"ok": False, "output": None, "error": _short(e)}
     except BaseException as e:  # noqa: BLE001 - SystemExit, KeyboardInterrupt... from the program
         return {"ok": False, "output": None, "error": _short(e)}
     return {"ok": True, "output": text, "error": None}
 
 
-def _child(req: dict, wfd: int, cfg: dict, workdir: str) -> None:
+def _child(req: dict, wfd: int, cfg: dict, workdir: str, role: str, time_fd: int | None) -> None:
+    """Runs in the forked process: confine it, then evaluate once (``role`` A) or as the second run (B)."""
     try:
         os.setsid()
         null = os.open(os.devnull, os.O_RDWR)
         for fd in (0, 1, 2):
             os.dup2(null, fd)
+        if time_fd is not None:
+            try:
+                _libc_call("setns", time_fd, _CLONE_NEWTIME)  # boot/monotonic clocks shifted: /proc/uptime
+            except OSError:
+                pass
         os.closerange(3, wfd)
         os.closerange(wfd + 1, 1 << 16)
+        if cfg.get("ipc_per_call"):
+            _libc_call("unshare", _CLONE_NEWIPC)  # SysV shm / message queues die with this call
+        try:  # an out-of-memory kill in the slot's cgroup picks the program, never the runner
+            fd = os.open("/proc/self/oom_score_adj", os.O_WRONLY)
+            os.write(fd, b"1000")
+            os.close(fd)
+        except OSError:
+            pass
         os.chdir(workdir)
         mem = int(req["memory_mb"]) << 20
         cpu = int(float(req["timeout_s"])) + 1
@@ -378,6 +461,7 @@ def _child(req: dict, wfd: int, cfg: dict, workdir: str) -> None:
             (resource.RLIMIT_NOFILE, 64, 64),
             (resource.RLIMIT_CORE, 0, 0),
             (resource.RLIMIT_MEMLOCK, 0, 0),
+            (resource.RLIMIT_MSGQUEUE, 0, 0),
         ]
         if cfg.get("uid") is not None:
             limits.append((resource.RLIMIT_NPROC, int(cfg["nproc"]), int(cfg["nproc"])))
@@ -391,12 +475,20 @@ def _child(req: dict, wfd: int, cfg: dict, workdir: str) -> None:
             _libc_call("prctl", 38, 1, 0, 0, 0)  # PR_SET_NO_NEW_PRIVS: no setuid binaries regain root
         except OSError:
             pass
+        if cfg.get("keyrings"):
+            # A fresh anonymous session keyring: the runner's (inherited) one is not reachable from here.
+            _keyctl(_KEYCTL_JOIN_SESSION, 0)
         os.environ.clear()
         os.environ.update({"PATH": "/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8"})
         signal.signal(signal.SIGPIPE, signal.SIG_DFL)
         sys.setrecursionlimit(1000)
         _BANNED[:] = cfg.get("banned", [])
-        result = _evaluate(req)
+        pad = None
+        if role == "B":
+            # Shift this process's heap against the first run's, so that id()/address-based results differ.
+            pad = [bytearray(n) for n in range(1, 520, 4)]  # one more block in each small-object size class
+        result = _evaluate(req, first_run=role == "A")
+        del pad
     except BaseException as e:  # noqa: BLE001
         result = {"ok": False, "output": None, "error": f"crashed: sandbox setup failed: {_short(e)}"}
     try:
@@ -412,21 +504,94 @@ def _complete(buf: bytearray) -> bool:
 _SIGNAMES = {getattr(signal, n): n for n in dir(signal) if n.startswith("SIG") and not n.startswith("SIG_")}
 
 
+class WipeError(RuntimeError):
+    """The work directory could not be emptied: the slot must be restarted."""
+
+
+def wipe_dir(path: str, max_passes: int = 1_000_000) -> None:
+    """Empty ``path`` without recursion: nested directories are moved up to the top level and removed there.
+
+    Works at any depth (a chain deeper than PATH_MAX or than Python's recursion limit) with two open file
+    descriptors. Raises :class:`WipeError` when an entry cannot be removed.
+    """
+    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+    top = os.open(path, flags)
+    counter = 0
+    try:
+        for _ in range(max_passes):
+            names = os.listdir(top)
+            if not names:
+                return
+            progress = False
+            for name in names:
+                try:
+                    os.unlink(name, dir_fd=top)
+                    progress = True
+                    continue
+                except FileNotFoundError:
+                    continue
+                except (IsADirectoryError, PermissionError):
+                    pass
+                try:
+                    os.rmdir(name, dir_fd=top)
+                    progress = True
+                    continue
+                except OSError:
+                    pass
+                try:
+                    sub = os.open(name, flags, dir_fd=top)
+                except PermissionError:
+                    os.chmod(name, 0o700, dir_fd=top)  # a non-root runner: the program made it unreadable
+                    sub = os.open(name, flags, dir_fd=top)
+                try:
+                    os.fchmod(sub, 0o700)
+                    for child in os.listdir(sub):
+                        try:
+                            os.unlink(child, dir_fd=sub)
+                        except (IsADirectoryError, PermissionError):
+                            counter += 1
+                            os.rename(child, f".populora_wipe_{counter}", src_dir_fd=sub, dst_dir_fd=top)
+                        progress = True
+                finally:
+                    os.close(sub)
+            if not progress:
+                raise WipeError(f"cannot empty {path}: {names[:3]!r} stay")
+        raise WipeError(f"cannot empty {path}: too many passes")
+    except OSError as e:
+        raise WipeError(f"cannot empty {path}: {e}") from None
+    finally:
+        os.close(top)
+
+
 class Runner:
     def __init__(self, cfg: dict, ctl_in: int, ctl_out: int) -> None:
         self.cfg, self.ctl_in, self.ctl_out = cfg, ctl_in, ctl_out
         self.is_init = os.getpid() == 1
         self.notes: list[str] = []
         self.protections = {"pid_namespace": self.is_init}
+        _load_libc()
+        # Join the slot's memory cgroup (created by the host) before the filesystem turns read-only; the
+        # children inherit it. The host sets its limit once it knows our own footprint.
+        self.protections["memory_cgroup"] = False
+        if cfg.get("cgroup"):
+            try:
+                with open(os.path.join(cfg["cgroup"], "cgroup.procs"), "w") as fh:
+                    fh.write("0")
+                self.protections["memory_cgroup"] = True
+            except OSError as e:
+                self.notes.append(f"memory cgroup: {e}")
+        try:  # best effort (some hosts pin it); the children raise theirs to the maximum anyway
+            with open("/proc/self/oom_score_adj", "w") as fh:
+                fh.write("-1000")
+        except OSError:
+            pass
         if cfg.get("setup_mounts"):
             self.protections.update(_setup_mounts(cfg, self.notes))
         base = "/tmp" if self.protections.get("private_tmp") else None
         import tempfile
 
         self.workdir = tempfile.mkdtemp(prefix="populora_exec_", dir=base)
-        if cfg.get("uid") is not None:
-            os.chown(self.workdir, cfg["uid"], cfg["gid"])
-            os.chmod(self.workdir, 0o700)
+        self._fresh_workdir(create=False)
         try:
             _libc_call("prctl", 36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER: orphans come back to us
         except OSError:
@@ -435,6 +600,7 @@ class Runner:
             "uid_drop": cfg.get("uid") is not None,
             "fork_limit": cfg.get("uid") is not None,
         })
+        self._probe_per_call_namespaces()
         for mod in ("collections", "collections.abc", "itertools", "functools", "math", "cmath", "re",
                     "string", "heapq", "bisect", "copy", "operator", "typing", "dataclasses", "fractions",
                     "decimal", "statistics", "json", "pickle", "enum", "abc", "numbers", "textwrap",
@@ -443,8 +609,56 @@ class Runner:
                 __import__(mod)  # warm the fork parent: children import from memory, not from disk
             except ImportError:
                 pass
+        import gc
 
-    def _cleanup(self, child: int, reaped: bool) -> None:
+        gc.collect()
+        gc.freeze()  # the collector in a child never walks (and so never copies) the runner's objects
+
+    def _probe_per_call_namespaces(self) -> None:
+        """Which per-call confinements this kernel and our privileges allow (tried in a throwaway child)."""
+        def works(fn) -> bool:
+            pid = os.fork()
+            if pid == 0:
+                try:
+                    fn()
+                    os._exit(0)
+                except BaseException:  # noqa: BLE001
+                    os._exit(1)
+            return os.waitpid(pid, 0)[1] == 0
+
+        self.cfg["ipc_per_call"] = works(lambda: _libc_call("unshare", _CLONE_NEWIPC))
+        self.protections["ipc_namespace_per_call"] = self.cfg["ipc_per_call"]
+        # Keyrings: each call joins a fresh session keyring; the slot uid's user keyrings are cleared after
+        # it. Without our own uid (or user namespace) the user keyring would be the host user's: left alone.
+        own_keyrings = self.cfg.get("uid") is not None or bool(self.cfg.get("user_namespace"))
+        self.cfg["keyrings"] = own_keyrings and works(lambda: _keyctl(_KEYCTL_JOIN_SESSION, 0))
+        self.protections["keyring_isolation"] = self.cfg["keyrings"]
+        self.time_fd = None
+        try:
+            orig = os.open("/proc/self/ns/time", os.O_RDONLY | os.O_CLOEXEC)
+            _libc_call("unshare", _CLONE_NEWTIME)
+            shift = 86400 * (1 + os.getpid() % 97) + 12345
+            with open("/proc/self/timens_offsets", "w") as fh:
+                fh.write(f"monotonic {shift} 0\nboottime {shift} 0\n")
+            self.time_fd = os.open("/proc/self/ns/time_for_children", os.O_RDONLY)
+            _libc_call("setns", orig, _CLONE_NEWTIME)  # our own children start in the original one again
+            os.close(orig)
+        except OSError as e:
+            self.notes.append(f"time namespace: {e.strerror or e}")
+            self.time_fd = None
+        self.protections["time_namespace_second_run"] = self.time_fd is not None
+
+    def _fresh_workdir(self, create: bool = True) -> None:
+        """A new, empty work directory at the same path: no file, mode or xattr survives a call."""
+        if create:
+            wipe_dir(self.workdir)
+            os.rmdir(self.workdir)
+            os.mkdir(self.workdir, 0o700)
+        if self.cfg.get("uid") is not None:
+            os.chown(self.workdir, self.cfg["uid"], self.cfg["gid"])
+        os.chmod(self.workdir, 0o700)
+
+    def _kill_all(self, child: int, reaped: bool) -> None:
         """Kill every process the call left behind and reap them."""
         if self.is_init:
             try:
@@ -477,37 +691,36 @@ class Runner:
                 break
             if pid == 0:
                 break
-        self._wipe(self.workdir)
 
-    @staticmethod
-    def _wipe(path: str) -> None:
-        try:
-            names = os.listdir(path)
-        except OSError:
+    def _clear_keyrings(self) -> None:
+        uid = self.cfg.get("uid")
+        if not self.cfg.get("keyrings"):
             return
-        if names:
-            import shutil
+        if uid is None:  # our own user namespace: its keyrings are ours alone
+            for spec in (_KEY_SPEC_USER, _KEY_SPEC_USER_SESSION):
+                try:
+                    _keyctl(_KEYCTL_CLEAR, spec)
+                except OSError:
+                    pass
+            return
+        os.setresuid(uid, uid, 0)  # the user keyrings belong to the real uid; saved uid 0 brings us back
+        try:
+            for spec in (_KEY_SPEC_USER, _KEY_SPEC_USER_SESSION):
+                try:
+                    _keyctl(_KEYCTL_CLEAR, spec)
+                except OSError:
+                    pass
+        finally:
+            os.setresuid(0, 0, 0)
 
-            for name in names:
-                full = os.path.join(path, name)
-                if os.path.isdir(full) and not os.path.islink(full):
-                    shutil.rmtree(full, ignore_errors=True)
-                else:
-                    try:
-                        os.unlink(full)
-                    except OSError:
-                        pass
-
-    def run(self, req: dict) -> dict:
-        start = _now()
+    def _once(self, req: dict, role: str, deadline: float) -> dict:
+        """One confined process evaluating the request; everything it left behind is gone afterwards."""
         rfd, wfd = os.pipe()
         child = os.fork()
         if child == 0:
             os.close(rfd)
-            _child(req, wfd, self.cfg, self.workdir)
+            _child(req, wfd, self.cfg, self.workdir, role, self.time_fd if role == "B" else None)
         os.close(wfd)
-        timeout = float(req["timeout_s"])
-        deadline = start + timeout
         limit = 8 * int(req["max_output_chars"]) + (1 << 16)
         buf, timed_out, status = bytearray(), False, None
         pidfd = os.pidfd_open(child)
@@ -538,26 +751,55 @@ class Runner:
         finally:
             os.close(rfd)
             os.close(pidfd)
-        self._cleanup(child, reaped=status is not None)
-        duration = _now() - start
-        result = self._interpret(buf, timed_out, status, timeout, limit)
-        result["duration_s"] = duration
-        return result
+        self._kill_all(child, reaped=status is not None)
+        self._clear_keyrings()
+        self._fresh_workdir()
+        return self._interpret(buf, timed_out, status, deadline, limit, int(req["max_output_chars"]))
+
+    def run(self, req: dict) -> dict:
+        """Both runs of a request: the first (with AZR's in-process double call), then, when it succeeded and
+        determinism is checked, a second independent process (shifted heap and clocks) whose repr must match."""
+        start = _now()
+        deadline = start + float(req["timeout_s"])
+        first = self._once(req, "A", deadline)
+        if first["ok"] and req["check_determinism"]:
+            second = self._once(req, "B", deadline)
+            if not second["ok"]:
+                kind = str(second["error"]).split(":", 1)[0]
+                if kind in ("timeout", "memory"):
+                    first = second
+                else:
+                    first = {"ok": False, "output": None,
+                             "error": f"nondeterministic: a second process failed: {second['error']}"[:300]}
+            elif second["output"] != first["output"]:
+                first = {"ok": False, "output": None,
+                         "error": "nondeterministic: two processes gave different results"}
+        first["duration_s"] = _now() - start
+        return first
 
     @staticmethod
-    def _interpret(buf: bytearray, timed_out: bool, status: int | None, timeout: float, limit: int) -> dict:
+    def _interpret(buf: bytearray, timed_out: bool, status: int | None, deadline: float, limit: int,
+                   cap: int) -> dict:
+        """The child's message, treated as untrusted bytes: shape, types and size are checked here."""
         if len(buf) >= _HDR.size:
             n = _HDR.unpack(buf[:_HDR.size])[0]
             if len(buf) >= _HDR.size + n:
                 try:
                     res = json.loads(bytes(buf[_HDR.size:_HDR.size + n]))
-                    return {"ok": bool(res["ok"]), "output": res["output"], "error": res["error"]}
+                    ok, output, error = res["ok"], res["output"], res["error"]
                 except (ValueError, KeyError, TypeError):
                     return {"ok": False, "output": None, "error": "crashed: malformed result"}
+                if ok is True and isinstance(output, str):
+                    if len(output) > cap:
+                        return {"ok": False, "output": None, "error": f"output too large: {len(output)} chars > {cap}"}
+                    return {"ok": True, "output": output, "error": None}
+                if ok is False and isinstance(error, str):
+                    return {"ok": False, "output": None, "error": error[:300]}
+                return {"ok": False, "output": None, "error": "crashed: malformed result"}
             if len(buf) > limit:
                 return {"ok": False, "output": None, "error": "output too large"}
         if timed_out:
-            return {"ok": False, "output": None, "error": f"timeout: exceeded {timeout:g} s"}
+            return {"ok": False, "output": None, "error": "timeout: time limit exceeded"}
         if status is not None and os.WIFSIGNALED(status):
             sig = os.WTERMSIG(status)
             if sig == signal.SIGXCPU:
@@ -573,14 +815,23 @@ class Runner:
     def serve(self) -> None:
         _write_msg(self.ctl_out, {"ready": True, "protections": self.protections, "notes": self.notes})
         while True:
-            req = _read_msg(self.ctl_in)
-            if req is None:
+            msg = _read_msg(self.ctl_in)
+            if msg is None:
                 return  # host closed the pipe (or died): leave, and the namespace dies with us
-            try:
-                res = self.run(req)
-            except Exception as e:  # noqa: BLE001 - keep serving
-                res = {"ok": False, "output": None, "error": f"crashed: {_short(e)}", "duration_s": 0.0}
-            _write_msg(self.ctl_out, res)
+            replies, fatal = [], None
+            for req in msg["batch"]:
+                if fatal is not None:
+                    replies.append({"ok": False, "output": None, "duration_s": 0.0,
+                                    "error": "crashed: sandbox slot restarted before this request ran"})
+                    continue
+                try:
+                    replies.append(self.run(req))
+                except BaseException as e:  # noqa: BLE001 - this slot's state is unknown now: give it up
+                    fatal = f"crashed: sandbox slot failed and is restarted: {_short(e)}"
+                    replies.append({"ok": False, "output": None, "error": fatal, "duration_s": 0.0})
+            _write_msg(self.ctl_out, {"batch": replies, "fatal": fatal})
+            if fatal is not None:
+                return  # the host restarts the slot: a fresh namespace, tmpfs and work directory
 
 
 def main() -> None:

@@ -10,6 +10,7 @@ without them and the missing protections are reported as off.
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import logging
 import os
@@ -77,9 +78,11 @@ def detect_sandbox(isolation: str = "auto") -> SandboxPlan:
 class Worker:
     """One sandbox slot: a runner process and its control pipes. Not thread-safe; the pool hands it out."""
 
-    def __init__(self, slot: int, plan: SandboxPlan, settings: dict, uid_base: int) -> None:
+    def __init__(self, slot: int, plan: SandboxPlan, settings: dict, uid_base: int,
+                 cgroups: MemoryCgroups | None = None) -> None:
         self.slot, self.plan, self.settings = slot, plan, settings
         self.uid = uid_base + slot if plan.uid_drop else None
+        self.cgroups = cgroups
         self.proc: subprocess.Popen | None = None
         self.protections: dict[str, bool] = {}
         self.notes: list[str] = []
@@ -89,8 +92,12 @@ class Worker:
         cmd = [*self.plan.launcher, sys.executable, "-s", "-S", "-P", "-B", RUNNER]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=WORKER_ENV, cwd="/",
                                      start_new_session=True, close_fds=True)
+        cgroup = self.cgroups.slot_dir(self.slot) if self.cgroups is not None else None
+        if cgroup is not None:
+            self.cgroups.set_limit(self.slot, 1 << 62)  # no limit while the runner starts (restarts too)
         cfg = dict(self.settings, uid=self.uid, gid=self.uid, setup_mounts=self.plan.namespaces != "none",
-                   expose=[os.path.dirname(os.__file__)])
+                   expose=[os.path.dirname(os.__file__)], cgroup=cgroup,
+                   user_namespace=self.plan.namespaces == "user")
         try:
             self._send(cfg)
             hello = self._recv(time.monotonic() + 60.0)
@@ -101,6 +108,13 @@ class Worker:
             raise RuntimeError(f"executor worker {self.slot} failed to start: {(hello or {}).get('error', 'no reply')}")
         self.protections = dict(hello["protections"])
         self.notes = list(hello.get("notes", []))
+        if self.protections.get("memory_cgroup"):
+            try:  # the runner's own footprint (interpreter, warm imports) plus what one call may use
+                limit = self.cgroups.usage(self.slot) + (int(self.settings["memory_mb"]) << 20) + (8 << 20)
+                self.cgroups.set_limit(self.slot, limit)
+            except OSError as e:
+                self.protections["memory_cgroup"] = False
+                self.notes.append(f"memory cgroup limit: {e}")
 
     def _send(self, obj: dict) -> None:
         data = json.dumps(obj).encode()
@@ -118,25 +132,34 @@ class Worker:
         body = _read_exact(fd, _HDR.unpack(hdr)[0], deadline)
         return None if body is None else json.loads(body)
 
-    def call(self, req: dict, grace_s: float) -> dict:
-        """Run one request; a worker that dies or hangs is replaced and the call reports the failure."""
+    def call(self, reqs: list[dict], grace_s: float) -> list[dict]:
+        """Run a batch of requests in order; a slot that dies, hangs or reports a failure of its own is
+        replaced, and the requests it did not answer report the failure."""
         start = time.monotonic()
         reply = None
         try:
             if self.proc is None or self.proc.poll() is not None:
                 self.restart()
-            self._send(req)
-            reply = self._recv(start + float(req["timeout_s"]) + grace_s)
-        except (OSError, ValueError, RuntimeError) as e:
+            self._send({"batch": reqs})
+            # Two runs per request share one time budget; the grace covers forks, cleanup and I/O.
+            budget = sum(float(r["timeout_s"]) for r in reqs) + grace_s * max(1, len(reqs) // 8 + 1)
+            reply = self._recv(start + budget)
+            if reply is not None and (not isinstance(reply.get("batch"), list) or len(reply["batch"]) != len(reqs)):
+                reply = None
+        except (OSError, ValueError, RuntimeError, TypeError) as e:
             logger.warning("executor worker %d failed: %s", self.slot, e)
-        if reply is None:
+        if reply is None or reply.get("fatal"):
+            if reply is not None:
+                logger.warning("executor worker %d: %s", self.slot, reply["fatal"])
             try:
                 self.restart()
             except RuntimeError as e:
                 logger.error("%s", e)
-            return {"ok": False, "output": None, "error": "crashed: sandbox worker died (restarted)",
-                    "duration_s": time.monotonic() - start}
-        return reply
+            if reply is not None:
+                return reply["batch"]
+            return [{"ok": False, "output": None, "error": "crashed: sandbox worker died (restarted)",
+                     "duration_s": time.monotonic() - start} for _ in reqs]
+        return reply["batch"]
 
     def restart(self) -> None:
         self.kill()
@@ -178,9 +201,117 @@ class Worker:
         self.proc = None
 
 
+_INSTANCES = itertools.count()
+
+
 def default_uid_base() -> int:
-    """Per-process uid range so that two executors on one host never share a slot uid (kill/NPROC scope)."""
-    return UID_BASE + (os.getpid() % 100_000) * MAX_SLOTS
+    """A uid range per executor (process id and instance number), so that two executors, in one process or
+    not, never share a slot uid: kill(-1), RLIMIT_NPROC and the user keyring are per uid."""
+    return UID_BASE + ((os.getpid() * 61 + next(_INSTANCES)) % 1_000_000) * MAX_SLOTS
+
+
+def _own_cgroup(controller: str) -> tuple[str, str] | None:
+    """(version, directory) of this process's cgroup holding ``controller`` (v1) or the unified one (v2)."""
+    try:
+        with open("/proc/self/cgroup") as fh:
+            lines = [ln.rstrip("\n").split(":", 2) for ln in fh]
+    except OSError:
+        return None
+    for _, ctrls, path in lines:
+        if controller in ctrls.split(","):
+            root = f"/sys/fs/cgroup/{controller}"
+            return ("v1", root + path) if os.path.isdir(root + path) else None
+    for _, ctrls, path in lines:
+        if ctrls == "":
+            for root in ("/sys/fs/cgroup", "/sys/fs/cgroup/unified"):
+                if os.path.exists(f"{root}/cgroup.controllers") and os.path.isdir(root + path):
+                    return "v2", root + path
+    return None
+
+
+class MemoryCgroups:
+    """One memory cgroup per slot under this process's own, capping everything a call's processes use:
+    anonymous memory, memfd/tmpfs pages and SysV shared memory alike (RLIMIT_AS sees only the first).
+
+    The runner joins its slot's group at start; the limit is then set to the runner's own footprint plus
+    ``memory_mb``. Where the host does not allow it (no root, no memory controller) ``error`` says why and
+    the executor runs without it (RLIMIT_AS + a fresh IPC namespace per call).
+    """
+
+    def __init__(self, num_slots: int) -> None:
+        self.version: str | None = None
+        self.dir: str | None = None
+        self.error: str | None = None
+        found = _own_cgroup("memory")
+        if found is None:
+            self.error = "no writable memory cgroup hierarchy"
+            return
+        version, base = found
+        path = os.path.join(base, f"populora-exec-{os.getpid()}-{next(_INSTANCES)}")
+        try:
+            os.mkdir(path)
+            if version == "v2":
+                with open(os.path.join(base, "cgroup.subtree_control")) as fh:
+                    if "memory" not in fh.read().split():
+                        raise OSError("memory controller not enabled for child cgroups")
+            for i in range(num_slots):
+                os.mkdir(self.slot_dir_of(path, i))
+        except OSError as e:
+            self.error = f"cannot create memory cgroups under {base}: {e}"
+            self._remove(path, num_slots)
+            return
+        self.version, self.dir, self.num_slots = version, path, num_slots
+
+    @staticmethod
+    def slot_dir_of(path: str, slot: int) -> str:
+        return os.path.join(path, f"slot{slot}")
+
+    def slot_dir(self, slot: int) -> str | None:
+        return None if self.dir is None else self.slot_dir_of(self.dir, slot)
+
+    def usage(self, slot: int) -> int:
+        name = "memory.usage_in_bytes" if self.version == "v1" else "memory.current"
+        with open(os.path.join(self.slot_dir(slot), name)) as fh:
+            return int(fh.read())
+
+    def set_limit(self, slot: int, limit: int) -> None:
+        d = self.slot_dir(slot)
+        if self.version == "v1":
+            files = [("memory.limit_in_bytes", limit), ("memory.memsw.limit_in_bytes", limit)]
+        else:
+            files = [("memory.max", limit), ("memory.swap.max", 0)]
+        for name, value in files:
+            try:
+                with open(os.path.join(d, name), "w") as fh:
+                    fh.write(str(value))
+            except FileNotFoundError:
+                continue  # no swap accounting on this host: nothing to cap there
+            except OSError:
+                # memsw must stay >= limit: raising the limit first fails when memsw is lower; retry after
+                if name == "memory.limit_in_bytes":
+                    with open(os.path.join(d, "memory.memsw.limit_in_bytes"), "w") as fh:
+                        fh.write(str(limit))
+                    with open(os.path.join(d, name), "w") as fh:
+                        fh.write(str(value))
+                else:
+                    raise
+
+    @staticmethod
+    def _remove(path: str, num_slots: int) -> None:
+        for i in range(num_slots):
+            try:
+                os.rmdir(MemoryCgroups.slot_dir_of(path, i))
+            except OSError:
+                pass
+        try:
+            os.rmdir(path)
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        if self.dir is not None:
+            self._remove(self.dir, self.num_slots)
+            self.dir = None
 
 
 class LocalBackend:
@@ -189,13 +320,24 @@ class LocalBackend:
     name = "local"
 
     def __init__(self, *, num_workers: int, settings: dict, isolation: str = "auto", grace_s: float = 5.0,
-                 uid_base: int | None = None) -> None:
+                 uid_base: int | None = None, memory_cgroup: bool = True) -> None:
         if not 1 <= num_workers <= MAX_SLOTS:
             raise ValueError(f"num_workers must be in [1, {MAX_SLOTS}], got {num_workers}")
         self.plan = detect_sandbox(isolation)
         self.grace_s = grace_s
         base = default_uid_base() if uid_base is None else uid_base
-        self.workers = [Worker(i, self.plan, settings, base) for i in range(num_workers)]
+        # Only a root runner can join a cgroup the host made (a user-namespace root is not root here).
+        self.cgroups = None
+        cgroup_note = None
+        if not memory_cgroup:
+            cgroup_note = "memory cgroup disabled by memory_cgroup=False"
+        elif os.geteuid() != 0 or self.plan.namespaces == "user":
+            cgroup_note = "memory cgroup needs a root runner"
+        else:
+            self.cgroups = MemoryCgroups(num_workers)
+            if self.cgroups.dir is None:
+                cgroup_note, self.cgroups = self.cgroups.error, None
+        self.workers = [Worker(i, self.plan, settings, base, self.cgroups) for i in range(num_workers)]
         errors: list[BaseException] = []
 
         def boot(w: Worker) -> None:
@@ -218,18 +360,25 @@ class LocalBackend:
         self.protections = dict(first.protections, network_namespace=self.plan.namespaces != "none",
                                 ipc_uts_namespaces=self.plan.namespaces != "none")
         self.notes = list(self.plan.notes) + list(first.notes)
+        if cgroup_note:
+            self.notes.append(cgroup_note + ": a call's memory is capped by RLIMIT_AS only (shared memory is "
+                              "per-call IPC namespace, freed after the call)")
 
     @property
     def num_workers(self) -> int:
         return len(self.workers)
 
     def run(self, req: dict) -> dict:
+        return self.run_batch([req])[0]
+
+    def run_batch(self, reqs: list[dict]) -> list[dict]:
+        """Requests in one round trip to one slot (in order); fewer host/runner wake-ups per program."""
         with self._cond:
             while not self._idle:
                 self._cond.wait()
             worker = self._idle.pop()
         try:
-            return worker.call(req, self.grace_s)
+            return worker.call(reqs, self.grace_s)
         finally:
             with self._cond:
                 self._idle.append(worker)
@@ -244,3 +393,5 @@ class LocalBackend:
             t.start()
         for t in threads:
             t.join()
+        if self.cgroups is not None:
+            self.cgroups.close()

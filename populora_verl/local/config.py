@@ -18,7 +18,8 @@ TINY_POPULORA_DEFAULTS: dict[str, Any] = {
     "rollout": {"teacher_n": 2, "student_n": 2, "proposals_per_type": 1, "max_new_tokens": 32},
     "tasks": {"num_references": 2, "num_inputs": 4},
     "executor": {"timeout_s": 5.0, "max_workers": 2},
-    "pbt": {"interval_steps": 2},
+    # final_quiet_steps=1: the 3-step demo evolves after step 2 and trains the children once in step 3.
+    "pbt": {"interval_steps": 2, "final_quiet_steps": 1},
     "diagnostics": {"cvt_cells": 16, "cvt_samples": 2000},
 }
 

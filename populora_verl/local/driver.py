@@ -23,10 +23,14 @@ from populora_verl.local.config import LocalConfig
 from populora_verl.local.hf_engine import HFEngine, seed_for, slot_name
 from populora_verl.local.progress import step_line
 from populora_verl.step import PopulationStep, StepResult
+from populora_verl.step.orchestration import BASE_POLICY
 
 __all__ = ["LocalDriver", "load_model"]
 
 log = logging.getLogger(__name__)
+
+#: The seeding phase's programs, in ``buffer.seed_file`` format.
+SEED_FILE = "seed_tasks.jsonl"
 
 
 def load_model(model_path: str | None = None, gguf: str | None = None, *, seed: int = 0,
@@ -88,8 +92,11 @@ class LocalDriver:
             model, tokenizer = load_model(model_path, gguf, seed=self.seed, dtype=local.dtype)
         self.base_model_path = self._base_model_path(model, tokenizer, model_path, gguf)
         self.step_obj = PopulationStep(cfg, executor=executor, seed=self.seed)
+        # rollout.max_new_tokens / temperature null: the CPU driver's own defaults.
         self.engine = HFEngine(model, tokenizer, num_slots=len(self.step_obj.population.members), cfg=local,
-                               temperature=cfg.rollout.temperature, max_new_tokens=cfg.rollout.max_new_tokens)
+                               temperature=1.0 if cfg.rollout.temperature is None else cfg.rollout.temperature,
+                               max_new_tokens=cfg.rollout.max_new_tokens or 1024,
+                               shared_a=cfg.population.founder_init == "shared_a")
         self.start_step = 0
         if resumed is not None:
             self._restore(resumed)
@@ -108,6 +115,8 @@ class LocalDriver:
         return self.step_obj.population
 
     def slot_of(self, member_id: str) -> str:
+        if member_id == BASE_POLICY:
+            return "__base__"  # PEFT's name for "no adapter" in a mixed-adapter batch
         return slot_name(self.population.member(member_id).slot)
 
     def adapters(self) -> dict[str, dict[str, torch.Tensor]]:
@@ -162,6 +171,25 @@ class LocalDriver:
         self.start_step = ck.step
         log.info("resumed from %s (step %d)", path, ck.step)
 
+    # --- seeding and one step ----------------------------------------------------------------------------
+
+    def seed_buffers(self) -> int:
+        """The seeding phase (``buffer.seed_programs``): the base model proposes until the buffers hold the target;
+        the seed set is written to ``<run_dir>/seed_tasks.jsonl`` (reuse it with ``buffer.seed_file``)."""
+        ps, rounds = self.step_obj, 0
+        while True:
+            requests = ps.seed_begin()
+            if not requests:
+                break
+            ps.seed_on_proposals(self.engine.generate(requests, self.slot_of, seed_for(self.seed, 0, rounds)))
+            rounds += 1
+        if rounds:
+            from populora_verl.tasks import save_seed_file
+
+            save_seed_file(ps.seed_set, self.run_dir / SEED_FILE)
+            log.info("seeding: %d rounds, %d seed tasks -> %s", rounds, len(ps.seed_set), self.run_dir / SEED_FILE)
+        return rounds
+
     # --- one step ---------------------------------------------------------------------------------------
 
     def run_step(self, step: int) -> tuple[StepResult, dict[str, float]]:
@@ -208,6 +236,7 @@ class LocalDriver:
     def run(self, steps: int | None = None) -> list[dict[str, float]]:
         """Run up to step ``steps`` (total, counting resumed ones); checkpoint, log, plot at the end."""
         total = self.local.steps if steps is None else int(steps)
+        self.step_obj.set_total_steps(total)  # no evolution in the last pbt.final_quiet_steps steps
         bar = None
         if self.local.progress:
             from tqdm.auto import tqdm
@@ -215,6 +244,7 @@ class LocalDriver:
             bar = tqdm(total=total, initial=self.start_step, desc="populora", unit="step", dynamic_ncols=True)
         step = self.start_step
         try:
+            self.seed_buffers()  # no-op unless buffer.seed_programs > 0 on a fresh run
             for step in range(self.start_step + 1, total + 1):
                 result, metrics = self.run_step(step)
                 self.history.append(self.logger.log(metrics, step))

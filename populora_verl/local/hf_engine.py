@@ -40,7 +40,7 @@ class HFEngine:
     """Generation and training of a population of LoRA adapters on one HF causal LM."""
 
     def __init__(self, model: Any, tokenizer: Any, num_slots: int, cfg: LocalConfig, *, temperature: float = 1.0,
-                 max_new_tokens: int = 32) -> None:
+                 max_new_tokens: int = 32, shared_a: bool = False) -> None:
         from peft import LoraConfig, get_peft_model
 
         self.cfg = cfg
@@ -61,6 +61,10 @@ class HFEngine:
         self.model.eval()
         self._params: dict[str, dict[str, torch.nn.Parameter]] = {s: self._slot_params(s) for s in self.slots}
         self._optim: dict[str, torch.optim.Optimizer] = {}
+        if shared_a:  # population.founder_init=shared_a: every founder takes slot 0's lora_A (B is zero anyway)
+            first = self.get_adapter(self.slots[0])
+            for s in self.slots[1:]:
+                self.set_adapter(s, first)
 
     # --- adapters -----------------------------------------------------------------------------------------
 
@@ -116,10 +120,9 @@ class HFEngine:
     # --- generation ---------------------------------------------------------------------------------------
 
     def _encode(self, prompt: Any) -> list[int]:
-        if not isinstance(prompt, str):  # chat messages (tasks.prompt_template=chat)
-            prompt = self.tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=False)
-        ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
-        return ids[-self.cfg.max_prompt_tokens:]
+        from populora_verl.tasks.prompts import encode_prompt
+
+        return encode_prompt(self.tokenizer, prompt)[-self.cfg.max_prompt_tokens:]
 
     @torch.no_grad()
     def generate(self, requests: Sequence[GenRequest], slot_of: Callable[[str], str], seed: int) -> list[GenResponse]:

@@ -42,6 +42,9 @@ class Member:
     # Rating when the member died, kept so the lineage tells how good the replaced members were.
     final_mu: float | None = None
     final_sigma: float | None = None
+    # Population steps this member has been trained in (0 at birth); a child needs some before it has recovered
+    # from its operator, so selection (pbt.min_age) and evaluation (Population.young) read it.
+    age: int = 0
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -91,6 +94,9 @@ class Population:
         self._lineage: dict[str, Member] = {}
         self.states: dict[str, Any] = {}
         self.lora_config: dict[str, Any] | None = None
+        # Members younger than this many steps have not recovered from their operator (pbt.final_quiet_steps):
+        # evaluation and the report flag them. None: unknown (no PBT).
+        self.age_window: int | None = None
 
     # --- construction -------------------------------------------------------------------------------------
 
@@ -98,6 +104,8 @@ class Population:
     def create(cls, cfg: "PopuLoRAConfig") -> "Population":
         """Founders: ``t0..t{T-1}`` in slots ``0..T-1``, then ``s0..s{S-1}``; or ``a0`` alone (single agent)."""
         pop = cls(Ratings.from_config(cfg.matchmaking), mode=cfg.population.mode)
+        if cfg.pbt.enabled and cfg.population.mode != "single_agent":
+            pop.age_window = cfg.pbt.quiet_steps
         if cfg.population.mode == "single_agent":
             pop.add(Member("a0", "both", slot=0))
             return pop
@@ -155,6 +163,22 @@ class Population:
         used = [m.number for m in self._lineage.values() if m.id[0] == prefix]
         return f"{prefix}{(max(used) + 1 if used else 0) + offset}"
 
+    def age(self, member_id: str) -> int:
+        """Steps the member has trained since its birth."""
+        return int(self.member(member_id).age)
+
+    def tick(self) -> None:
+        """One population step has been completed: every living member is one step older."""
+        for m in self.members:
+            m.age += 1
+
+    def young(self, window: int | None = None) -> list[Member]:
+        """Living members younger than ``window`` steps (default: :attr:`age_window`; none if both are None)."""
+        window = self.age_window if window is None else window
+        if window is None:
+            return []
+        return [m for m in self.members if m.age < window]
+
     def fitness(self, kind: str = "trueskill_conservative",
                 recent_rewards: Mapping[str, float] | None = None) -> dict[str, float]:
         """Fitness of every alive member: ``trueskill_conservative`` (mu - 3 sigma), ``mu`` or ``recent_reward``."""
@@ -200,6 +224,7 @@ class Population:
             "lineage": [m.to_dict() for m in self._lineage.values()],
             "states": {},
             "lora_config": self.lora_config,
+            "age_window": self.age_window,
         }
 
     @classmethod
@@ -208,6 +233,9 @@ class Population:
         pop = cls(Ratings(**ratings_state["env"]), mode=state["mode"])
         pop.step = int(state["step"])
         for d in state["lineage"]:
+            if "age" not in d:  # a save from before ages were kept: steps since birth (death) is the best guess
+                end = d.get("death_step") if d.get("death_step") is not None else pop.step
+                d = {**d, "age": max(0, int(end) - int(d.get("birth_step", 0)))}
             m = Member.from_dict(d)
             pop._lineage[m.id] = m
         alive = set(pop.ids())
@@ -217,6 +245,7 @@ class Population:
         pop.ratings.load_ratings(ratings_state["ratings"].items())
         pop.states = dict(state.get("states") or {})
         pop.lora_config = state.get("lora_config")
+        pop.age_window = state.get("age_window")
         return pop
 
     def save(self, directory: str | Path, adapters: Mapping[str, Mapping[str, "torch.Tensor"]] | None = None,

@@ -29,7 +29,7 @@ __all__ = [
 STUDENT_WINS = "student"
 TEACHER_WINS = "teacher"
 DRAW = "draw"
-OUTCOME_RULES = ("vs_expected", "vs_half", "per_problem")
+OUTCOME_RULES = ("learnable", "vs_expected", "vs_half", "per_problem")
 
 
 def _compare(observed: float, expected: float) -> str:
@@ -40,10 +40,18 @@ def _compare(observed: float, expected: float) -> str:
     return DRAW
 
 
-def match_outcomes(solve_rates: Sequence[float], expected: float, rule: str = "vs_expected") -> list[str]:
+def match_outcomes(solve_rates: Sequence[float], expected: float, rule: str = "vs_expected",
+                   invalid: int = 0) -> list[str]:
     """Game outcomes of one match, from the student's solve rate on each of the teacher's valid problems.
 
-    - ``vs_expected``: one game; the mean solve rate against ``expected`` (the win probability p).
+    ``invalid``: the teacher's proposals in this match that were not valid tasks; only ``learnable`` reads it.
+
+    - ``learnable``: ``vs_expected`` over all of the teacher's proposals, where a proposal that teaches nothing
+      (an invalid one, or a problem no answer solved, s̄ = 0) counts as fully solved (s̄ = 1): a point for the
+      student, never for the teacher. A teacher wins by posing valid problems its student solves sometimes,
+      less often than the ratings predict.
+    - ``vs_expected``: one game; the mean solve rate against ``expected`` (the win probability p). A teacher
+      also wins with problems nobody can solve.
     - ``vs_half``: one game; the mean solve rate against 0.5.
     - ``per_problem``: one game per problem; a problem is won by the student when its solve rate is above 0.5
       (with one sample per problem: solved), by the teacher below 0.5, drawn at exactly 0.5.
@@ -57,10 +65,14 @@ def match_outcomes(solve_rates: Sequence[float], expected: float, rule: str = "v
     for r in rates:
         if not 0.0 <= r <= 1.0:  # also rejects NaN
             raise ValueError(f"solve rates must be in [0, 1], got {r!r}")
+    if int(invalid) < 0:
+        raise ValueError(f"invalid must be >= 0, got {invalid!r}")
     if not rates:
         return [STUDENT_WINS]
     if rule == "per_problem":
         return [_compare(r, 0.5) for r in rates]
+    if rule == "learnable":
+        rates = [1.0 if r == 0.0 else r for r in rates] + [1.0] * int(invalid)
     mean = math.fsum(rates) / len(rates)
     return [_compare(mean, expected if rule == "vs_expected" else 0.5)]
 
@@ -149,7 +161,7 @@ class Ratings:
         self._ratings[teacher_id], self._ratings[student_id] = t, s
 
     def rate_match(self, teacher_id: str, student_id: str, solve_rates: Sequence[float],
-                   rule: str = "vs_expected") -> list[str]:
+                   rule: str = "vs_expected", invalid: int = 0) -> list[str]:
         """Rate one match; returns the game outcomes applied (in order).
 
         A member matched against itself (the single agent ``a0`` teaching itself) is not rated: a self-play game
@@ -157,7 +169,7 @@ class Ratings:
         """
         if teacher_id == student_id:
             return []
-        outcomes = match_outcomes(solve_rates, self.win_probability(student_id, teacher_id), rule)
+        outcomes = match_outcomes(solve_rates, self.win_probability(student_id, teacher_id), rule, invalid)
         for o in outcomes:
             self.rate_game(teacher_id, student_id, o)
         return outcomes

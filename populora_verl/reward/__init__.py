@@ -1,17 +1,13 @@
 """Rewards: the verl reward manager ``populora_code`` (per trajectory, :mod:`.manager`) and the driver-side
-reward levels and teacher-reward assembly (:mod:`.levels`).
+reward levels (:mod:`.levels`).
 
 ``populora_verl.reward.manager`` imports verl, so it is loaded lazily: ``from populora_verl.reward import
 register`` (or ``PopuLoRACodeRewardManager``) triggers it, ``import populora_verl.reward`` does not.
 """
 
-from populora_verl.reward.levels import (TeacherSample, assemble_teacher_rewards, learnability, solve_rate,
-                                         solvers_for, student_reward, teacher_reward)
+from populora_verl.reward.levels import learnability, solve_rate, student_reward, teacher_reward
 
-__all__ = [
-    "TeacherSample", "assemble_teacher_rewards", "learnability", "solve_rate", "solvers_for", "student_reward",
-    "teacher_reward", "register", "PopuLoRACodeRewardManager",
-]
+__all__ = ["learnability", "solve_rate", "student_reward", "teacher_reward", "register", "PopuLoRACodeRewardManager"]
 
 
 def __getattr__(name: str):

@@ -9,6 +9,7 @@ usable ``populora`` field fails before any token is generated.
 from __future__ import annotations
 
 import contextvars
+from collections.abc import Mapping
 from typing import Any
 
 from verl.experimental.agent_loop.agent_loop import AgentLoopOutput
@@ -21,6 +22,18 @@ __all__ = ["PopuLoRAAgentLoop", "AGENT_NAME", "LoraInjectingClient"]
 AGENT_NAME = "populora_agent"
 
 _PROMPT_LORA: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar("populora_prompt_lora", default=None)
+# The current prompt when it is plain text (populora.prompt_format="text"): tokenized as is, no chat template.
+_PROMPT_TEXT: contextvars.ContextVar[str | None] = contextvars.ContextVar("populora_prompt_text", default=None)
+
+
+def raw_text_prompt(populora: Any, raw_prompt: Any) -> str | None:
+    """The plain-text prompt of a row whose ``populora.prompt_format`` is ``text`` (one user message), else None."""
+    if not isinstance(populora, Mapping) or populora.get("prompt_format") != "text":
+        return None
+    msgs = list(raw_prompt)
+    if len(msgs) != 1 or not isinstance(msgs[0], Mapping) or not isinstance(msgs[0].get("content"), str):
+        raise ValueError("populora_agent: a prompt_format=text row needs raw_prompt = one message with string content")
+    return msgs[0]["content"]
 
 
 _STOP_CACHE: dict[str, list[int]] = {}
@@ -75,11 +88,24 @@ class PopuLoRAAgentLoop(SingleTurnAgentLoop):
         if stops:  # the model's chat end token as well as the tokenizer's EOS (populora_verl.stop_tokens)
             given = list(sampling_params.get("stop_token_ids") or [])
             sampling_params = {**sampling_params, "stop_token_ids": given + [i for i in stops if i not in given]}
-        token = _PROMPT_LORA.set(spec)
+        text = raw_text_prompt(kwargs.get(POPULORA_FIELD), kwargs.get("raw_prompt", ()))
+        token, text_token = _PROMPT_LORA.set(spec), _PROMPT_TEXT.set(text)
         try:
             output = await super().run(sampling_params, **kwargs)
         finally:
             _PROMPT_LORA.reset(token)
+            _PROMPT_TEXT.reset(text_token)
         # Keep the serving id next to the trajectory so the trainer can check rollout/trainer adapter agreement.
         output.extra_fields["populora_lora_int_id"] = spec["lora_int_id"]
         return output
+
+    async def ct_build_initial_tokens(self, messages: list[dict], *args: Any, **kwargs: Any) -> list[int]:
+        """A plain-text prompt is tokenized by :func:`~populora_verl.tasks.prompts.encode_prompt` (the CPU driver's
+        tokenization, no chat template); chat prompts keep verl's continuous-token builder."""
+        text = _PROMPT_TEXT.get()
+        if text is None:
+            return await super().ct_build_initial_tokens(messages, *args, **kwargs)
+        from populora_verl.tasks.prompts import encode_prompt
+
+        ids = await self.loop.run_in_executor(None, encode_prompt, self.tokenizer, text)
+        return self._cap_text_prompt_length(ids)

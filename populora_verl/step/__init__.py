@@ -7,9 +7,12 @@ from populora_verl.step.orchestration import (
     PopulationStep,
     Sample,
     StepResult,
+    compute_metrics,
+    planned_trajectories,
 )
 
-__all__ = ["GenRequest", "GenResponse", "PopulationStep", "Sample", "StepResult", "TaskEnv"]
+__all__ = ["GenRequest", "GenResponse", "PopulationStep", "Sample", "StepResult", "TaskEnv", "compute_metrics",
+           "planned_trajectories"]
 
 
 def __getattr__(name: str):

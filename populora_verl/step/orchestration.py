@@ -20,12 +20,15 @@ Decisions (documented in docs/cpu-driver.md, "Decisions in the population step")
   the learnability of the proposal for its matched student(s): ``1 - s̄`` for ``0 < s̄ < 1`` else ``Z``
   (``rewards.teacher=one_minus``; ``inverse``: ``1 - s̄`` always), with ``s̄`` the mean correctness of the matched
   student's ``student_n`` answers (averaged over students when ``students_per_problem > 1``).
-* When a teacher proposes no valid task of a type, each of its matched students gets buffer tasks of that type
-  instead (the buffers are seeded with AZR's identity tasks, so there always is one), as many as the teacher would
-  have produced. Students therefore always have data; these fallback answers train the student but never touch the
-  teacher's reward, the pair's solve rate or the ratings. ``buffer.student_mix`` tops up every student this way.
-* The match outcome uses the solve rates on the teacher's valid tasks only; a match without any valid task is a
-  student win (``populora.population.ratings.match_outcomes``).
+* Students answer their teacher's valid tasks ``student_n`` times: these estimation answers give s̄ and are
+  trained on when ``rewards.train_on_estimation_rollouts``. ``buffer.student_mix=fallback``: for each task the
+  teacher failed to make valid, each matched student gets one buffer task of that type instead, so every student
+  answers ``teacher_n x proposals_per_type`` tasks per type. ``max_new`` (AZR's solver batch): each student trains
+  on that many buffer tasks per type, the last step's proposals first, whatever its teacher made. Buffer answers
+  (``rollout.buffer_task_n`` each) train the student but never touch the teacher's reward, s̄ or the ratings.
+* The match outcome uses the solve rates on the teacher's valid tasks; a match without any valid task is a
+  student win. Under ``matchmaking.outcome=learnable`` (default) an invalid proposal or a task nobody solved counts
+  as solved, so only learnable tasks win games for a teacher (``populora.population.ratings.match_outcomes``).
 * Valid tasks enter the buffers after they are solved, filtered by ``buffer.valid_program_filter`` on ``s̄``.
 """
 
@@ -41,10 +44,16 @@ from populora_verl.advantage import group_keys, trrpp_advantages
 from populora_verl.config import PopuLoRAConfig, load_config
 from populora_verl.reward.levels import solve_rate, teacher_reward
 
-__all__ = ["GenRequest", "GenResponse", "Sample", "StepResult", "PopulationStep"]
+__all__ = ["GenRequest", "GenResponse", "Sample", "StepResult", "PopulationStep", "compute_metrics",
+           "planned_trajectories", "BASE_POLICY"]
 
 TEACHER = "teacher"
 STUDENT = "student"
+SEED = "seed"
+#: ``GenRequest.adapter`` of the seeding phase: the base model without any adapter. The CPU driver runs it with
+#: PEFT's ``__base__``; verl serves it under a fresh member's LoRA id (``lora_B`` is zero before step 1, so the
+#: adapter adds nothing).
+BASE_POLICY = "__base__"
 
 
 @dataclass
@@ -97,6 +106,43 @@ class StepResult:
     outcomes: dict[tuple[str, str], list[str]]  # rating games applied per pair
 
 
+def compute_metrics(updates: Mapping[str, Sequence[Sample]], generated: Mapping[str, int],
+                    updates_per_step: int = 1) -> dict[str, float]:
+    """What each adapter was trained on this step (the compute-matching rule, docs/tasks-and-rewards.md):
+    ``populora/compute/<member>/{trajectories,tokens,updates,generated}`` and their ``member_mean``.
+
+    trajectories: samples in its update; tokens: their response tokens; updates: optimizer steps (0 when it had
+    nothing to train on); generated: every completion sampled with it, estimation-only answers included."""
+    out: dict[str, float] = {}
+    rows = []
+    for m, xs in updates.items():
+        row = {"trajectories": float(len(xs)), "tokens": float(sum(max(1, s.length) for s in xs)),
+               "updates": float(updates_per_step if xs else 0), "generated": float(generated.get(m, 0))}
+        rows.append(row)
+        out.update({f"populora/compute/{m}/{k}": v for k, v in row.items()})
+    for k in ("trajectories", "tokens", "updates", "generated"):
+        out[f"populora/compute/member_mean/{k}"] = float(np.mean([r[k] for r in rows])) if rows else 0.0
+    return out
+
+
+def planned_trajectories(cfg: PopuLoRAConfig) -> float:
+    """Trained trajectories per adapter per step that ``cfg`` plans, averaged over members, when every proposal is
+    valid. Under ``student_mix=fallback`` with ``buffer_task_n`` = ``student_n`` (the default) and estimation
+    answers trained, the count does not depend on validity; the single-agent recipe (``max_new``, estimation not
+    trained) does not either. ``azr_single_agent`` is set so that this equals the population recipes' value."""
+    r, rw = cfg.rollout, cfg.rewards
+    proposals = r.teacher_n * r.proposals_per_type * len(cfg.tasks.types)
+    n_buf = r.buffer_task_n or r.student_n
+    solver = proposals * (r.student_n if rw.train_on_estimation_rollouts else 0)
+    if cfg.buffer.student_mix == "max_new":
+        solver += proposals * n_buf
+    if cfg.population.mode == "single_agent":
+        return float(proposals + solver)
+    nt, ns = cfg.population.num_teachers, cfg.population.num_students
+    spp = cfg.matchmaking.students_per_problem
+    return float(nt * proposals + nt * spp * solver) / (nt + ns)
+
+
 class PopulationStep:
     """The population step as phases with explicit data in and out (see the module docstring).
 
@@ -106,7 +152,8 @@ class PopulationStep:
     """
 
     def __init__(self, cfg: PopuLoRAConfig | Mapping[str, Any] | None = None, *, executor: Any = None,
-                 seed: int | None = None, population: Any = None, tasks_env: Any = None) -> None:
+                 seed: int | None = None, population: Any = None, tasks_env: Any = None,
+                 total_steps: int | None = None) -> None:
         from populora_verl.diagnostics.tracker import ProblemDiagnostics
         from populora_verl.population import Matchmaker, Population
 
@@ -118,7 +165,7 @@ class PopulationStep:
         if self.cfg.pbt.enabled and self.cfg.population.mode != "single_agent":
             from populora_verl.evolution.pbt import PBTController
 
-            self.pbt = PBTController(self.cfg.pbt, seed=self.seed + 2)
+            self.pbt = PBTController(self.cfg.pbt, seed=self.seed + 2, total_steps=total_steps)
             self.pbt.validate(self.cfg.population)
         from populora_verl.step.task_env import TaskEnv
 
@@ -134,6 +181,89 @@ class PopulationStep:
         self._student_requests: list[GenRequest] = []
         self._pairs: list[tuple[str, str]] = []
         self._current = 0
+        # Optimizer steps an engine takes per adapter update (CPU driver: 1; verl: actor.ppo_epochs, one mini-batch).
+        self.updates_per_step = 1
+        bcfg = self.cfg.buffer
+        # Seeding phase state: done when off, when a seed file filled the buffers, or once run (checkpointed).
+        self.seeded = bcfg.seed_programs == 0 or bcfg.seed_file is not None
+        self.seed_set: list[Any] = []  # the valid seeding proposals that entered the buffers (save_seed_file)
+        self._seed_requests: list[GenRequest] = []
+        self._seed_counts = {"rounds": 0, "proposals": 0, "valid": 0, "io": 0, "code_f": 0}
+        self._pending_metrics: dict[str, float] = {}
+
+    # --- phase 0: seeding (once, before step 1) --------------------------------------------------------------
+
+    def _seed_missing(self) -> dict[str, int]:
+        target = self.cfg.buffer.seed_programs
+        types = self.cfg.tasks.types
+        out = {}
+        io = [t for t in ("code_o", "code_i") if t in types]
+        if io:
+            out["io"] = max(0, target - self._seed_counts["io"])
+        if "code_f" in types:
+            out["code_f"] = max(0, target - self._seed_counts["code_f"])
+        return out
+
+    def seed_begin(self) -> list[GenRequest]:
+        """One round of the seeding phase (AZR): proposer prompts for the base model (``BASE_POLICY``), one answer
+        each, as many as programs are still missing; ``[]`` once the buffers hold ``buffer.seed_programs`` of each
+        or ``buffer.seed_rounds`` rounds are spent (training then starts with what was found)."""
+        if self._phase != "idle":
+            raise RuntimeError(f"PopulationStep.seed_begin: a step is in phase {self._phase!r}")
+        missing = self._seed_missing()
+        if self.seeded or self._seed_counts["rounds"] >= self.cfg.buffer.seed_rounds or not any(missing.values()):
+            self._finish_seeding()
+            return []
+        io = [t for t in ("code_o", "code_i") if t in self.cfg.tasks.types]
+        requests = []
+        for i in range(missing.get("io", 0)):
+            task_type = io[i % len(io)]  # alternate: one triplet seeds both io types
+            prompt, meta = self.tasks.proposer_request(task_type, self._rng)
+            requests.append(GenRequest(BASE_POLICY, SEED, task_type, prompt, 1, meta))
+        for _ in range(missing.get("code_f", 0)):
+            prompt, meta = self.tasks.proposer_request("code_f", self._rng)
+            requests.append(GenRequest(BASE_POLICY, SEED, "code_f", prompt, 1, meta))
+        self._seed_requests = requests
+        self._phase = "seeding"
+        return requests
+
+    def seed_on_proposals(self, responses: Sequence[Any]) -> None:
+        """Validate a seeding round; valid, new programs enter the buffers and :attr:`seed_set`."""
+        if self._phase != "seeding":
+            raise RuntimeError(f"PopulationStep.seed_on_proposals called in phase {self._phase!r}")
+        responses = self._align(responses, self._seed_requests, "seed_on_proposals")
+        verdicts = self.tasks.validate_many([(r.request.task_type, text, r.request.meta, SEED, 0)
+                                             for r in responses for text in r.texts])
+        valid = [task for task, _ in verdicts if task is not None]
+        added = self.tasks.add_seeds(valid)
+        c = self._seed_counts
+        c["rounds"] += 1
+        c["proposals"] += len(verdicts)
+        c["valid"] += len(valid)
+        c["io"] += sum(1 for t in added if t.type != "code_f")
+        c["code_f"] += sum(1 for t in added if t.type == "code_f")
+        self.seed_set.extend(added)
+        self._seed_requests = []
+        self._phase = "idle"
+
+    def _finish_seeding(self) -> None:
+        if self.seeded:
+            return
+        self.seeded = True
+        c = self._seed_counts
+        # Logged with step 1's metrics (metrics.jsonl has one row per step).
+        self._pending_metrics = {
+            "populora/seeding/rounds": float(c["rounds"]),
+            "populora/seeding/proposals": float(c["proposals"]),
+            "populora/seeding/valid_rate": c["valid"] / c["proposals"] if c["proposals"] else 0.0,
+            "populora/seeding/io_programs": float(c["io"]),
+            "populora/seeding/code_f_tasks": float(c["code_f"]),
+        }
+
+    def set_total_steps(self, total_steps: int | None) -> None:
+        """The run's last step, so that PBT keeps the final ``pbt.final_quiet_steps`` free of evolution."""
+        if self.pbt is not None:
+            self.pbt.total_steps = None if total_steps is None else int(total_steps)
 
     # --- phase 1: match + propose -------------------------------------------------------------------------
 
@@ -151,6 +281,8 @@ class PopulationStep:
         """Match teachers with students and build the teacher (proposer) requests of step ``step``."""
         if self._phase != "idle":
             raise RuntimeError(f"PopulationStep.begin: previous step still in phase {self._phase!r}")
+        if not self.seeded:
+            raise RuntimeError("PopulationStep.begin: run the seeding phase first (seed_begin until it returns [])")
         self._current = int(step)
         self._pairs = self.matchmaker.pairs(self.population, self._current)
         requests = []
@@ -200,6 +332,8 @@ class PopulationStep:
         for t, s in self._pairs:
             students_of.setdefault(t, []).append(s)
         n_ans = self.cfg.rollout.student_n
+        n_buf = self.cfg.rollout.buffer_task_n or n_ans
+        max_new = self.cfg.buffer.student_mix == "max_new"
         quota = self.cfg.rollout.teacher_n * self.cfg.rollout.proposals_per_type
         requests: list[GenRequest] = []
         for teacher in self.population.teachers():
@@ -212,10 +346,13 @@ class PopulationStep:
                                                            "record": i, "source": "teacher"}))
                 asked = sorted({r["task_type"] for _, r in mine})
                 for task_type in asked:
-                    got = sum(1 for _, r in mine if r["task_type"] == task_type and r["task"] is not None)
-                    want = quota - got if self.cfg.buffer.student_mix else (quota if got == 0 else 0)
-                    for task in self.tasks.buffer_tasks(task_type, want, self._rng):
-                        requests.append(GenRequest(s, STUDENT, task_type, self.tasks.solver_request(task), n_ans,
+                    if max_new:  # AZR's solver batch: newest buffer tasks first (last step's proposals)
+                        tasks = self.tasks.buffer_tasks(task_type, quota, self._rng, since_step=self._current - 1)
+                    else:  # stand-ins for the teacher's missing valid tasks
+                        got = sum(1 for _, r in mine if r["task_type"] == task_type and r["task"] is not None)
+                        tasks = self.tasks.buffer_tasks(task_type, quota - got, self._rng)
+                    for task in tasks:
+                        requests.append(GenRequest(s, STUDENT, task_type, self.tasks.solver_request(task), n_buf,
                                                    {"task": task, "teacher": teacher.id, "record": None,
                                                     "source": "buffer"}))
         self._student_requests = requests
@@ -268,10 +405,15 @@ class PopulationStep:
                 length=rec["length"], extra=rec["extra"],
                 meta={"status": rec["status"], "solve_rate": rate, "task_id": task.id if task else None}))
 
-        # Ratings: one match per (teacher, student) pair over the teacher's valid tasks.
+        # Ratings: one match per (teacher, student) pair over the teacher's valid tasks (matchmaking.outcome
+        # = learnable also counts the teacher's invalid proposals against it).
+        invalid: dict[str, int] = {}
+        for rec in self._teacher_records:
+            invalid[rec["adapter"]] = invalid.get(rec["adapter"], 0) + (rec["task"] is None)
         outcomes = {}
         for (t, s), rates in pair_rates.items():
-            outcomes[(t, s)] = self.population.ratings.rate_match(t, s, rates, self.cfg.matchmaking.outcome)
+            outcomes[(t, s)] = self.population.ratings.rate_match(t, s, rates, self.cfg.matchmaking.outcome,
+                                                                  invalid=invalid.get(t, 0))
         solve_rates = {p: float(np.mean(r)) for p, r in pair_rates.items() if r}
 
         samples = teacher_samples + student_samples
@@ -280,14 +422,26 @@ class PopulationStep:
         for smp in samples:
             updates.setdefault(smp.adapter, []).append(smp)
 
-        valid_programs = [r["task"].program for r in self._teacher_records if r["task"] is not None]
+        # Complexity and coverage describe what teachers wrote: a code_f task's program is a buffer program the
+        # teacher was shown (it only wrote inputs and a message), so it is left out.
+        valid_programs = [r["task"].program for r in self._teacher_records
+                          if r["task"] is not None and r["task"].type != "code_f"]
         self.tasks.add_to_buffers(new_tasks)
         metrics = self._metrics(samples, solve_rates, valid_programs)
+        generated: dict[str, int] = {}
+        for rec in self._teacher_records:
+            generated[rec["adapter"]] = generated.get(rec["adapter"], 0) + 1
+        for resp, _ in items:
+            generated[resp.request.adapter] = generated.get(resp.request.adapter, 0) + 1
+        metrics.update(compute_metrics(updates, generated, self.updates_per_step))
+        metrics.update(self._pending_metrics)
+        self._pending_metrics = {}
         self.recent_rewards = {m: float(np.mean([x.reward for x in xs])) for m, xs in updates.items() if xs}
         for m in self.population.members:
             self.recent_rewards.setdefault(m.id, 0.0)
         self.step = self._current
         self.population.step = self._current
+        self.population.tick()  # every living member has trained one more step (after this step's update)
         self._phase = "idle"
         self._teacher_requests, self._student_requests, self._teacher_records = [], [], []
         return StepResult(self._current, samples, updates, metrics, solve_rates, outcomes)
@@ -316,15 +470,21 @@ class PopulationStep:
         out: dict[str, float] = dict(self.population.ratings.metrics())
         for (t, s), r in solve_rates.items():
             out[f"populora/pair/{t}/{s}/solve_rate"] = r
-        counts: dict[str, list[int]] = {}
-        for rec in self._teacher_records:
-            c = counts.setdefault(rec["adapter"], [0, 0])
-            c[0] += rec["task"] is not None
-            c[1] += 1
+        def valid_rates(field: str) -> dict[str, list[int]]:  # {teacher or task type: [valid, proposals]}
+            counts: dict[str, list[int]] = {}
+            for rec in self._teacher_records:
+                c = counts.setdefault(rec[field], [0, 0])
+                c[0] += rec["task"] is not None
+                c[1] += 1
+            return counts
+
+        counts = valid_rates("adapter")
         for t, (v, n) in counts.items():
             out[f"populora/validity/{t}"] = v / n if n else 0.0
         total = sum(n for _, n in counts.values())
         out["populora/validity/mean"] = sum(v for v, _ in counts.values()) / total if total else 0.0
+        for tt, (v, n) in valid_rates("task_type").items():
+            out[f"populora/task_type/{tt}/validity"] = v / n
         out.update(self.diagnostics.observe(list(valid_programs), self._current))
         by_member: dict[str, list[float]] = {}
         by_role: dict[str, list[float]] = {}
@@ -335,6 +495,11 @@ class PopulationStep:
             out[f"populora/reward/{m}/mean"] = float(np.mean(rs))
         for role, rs in by_role.items():
             out[f"populora/role/{role}/reward_mean"] = float(np.mean(rs))  # not an id: own prefix
+        lengths: dict[str, list[int]] = {}
+        for s in samples:
+            lengths.setdefault(s.role, []).append(s.length)
+        for role, ls in lengths.items():
+            out[f"populora/role/{role}/response_length_mean"] = float(np.mean(ls))
         correct = [s.meta["correct"] for s in samples if s.role == STUDENT]
         if correct:
             out["populora/student/accuracy"] = float(np.mean(correct))
@@ -372,6 +537,7 @@ class PopulationStep:
             "pbt": self.pbt.state_dict() if self.pbt is not None else None,
             "recent_rewards": dict(self.recent_rewards),
             "buffers": self.tasks.buffers_state(),
+            "seeded": self.seeded,
             "coverage": self.diagnostics.archive.state_dict(),
         }
 
@@ -387,5 +553,6 @@ class PopulationStep:
             self.pbt.load_state_dict(state["pbt"])
         self.recent_rewards = {k: float(v) for k, v in state.get("recent_rewards", {}).items()}
         self.tasks.load_buffers_state(state["buffers"])
+        self.seeded = bool(state.get("seeded", True))  # checkpoints from before the seeding phase: trained already
         self.diagnostics.archive.load_state_dict(state["coverage"])
         self._phase = "idle"

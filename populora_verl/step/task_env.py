@@ -58,18 +58,26 @@ class TaskEnv:
             refs = self.buffers.references(task_type, tcfg.num_references, rng) if tcfg.num_references else []
             question = proposer_prompt(task_type, tcfg, references=refs)
             meta = {"program": None, "references": [t.id for t in refs]}
-        return render_prompt(question, tcfg.prompt_template), meta
+        return render_prompt(question, tcfg.prompt_template, tcfg.templates), meta
 
     def solver_request(self, task: Any) -> Any:
         from populora_verl.tasks import render_prompt, solver_prompt
 
-        return render_prompt(solver_prompt(task), self.cfg.tasks.prompt_template)
+        tcfg = self.cfg.tasks
+        return render_prompt(solver_prompt(task, tcfg), tcfg.prompt_template, tcfg.templates)
 
-    def buffer_tasks(self, task_type: str, k: int, rng: Any) -> list[Any]:
-        """Up to ``k`` buffer tasks of ``task_type`` for a student whose teacher gave none (or ``student_mix``)."""
+    def buffer_tasks(self, task_type: str, k: int, rng: Any, *, since_step: int | None = None) -> list[Any]:
+        """Exactly ``k`` buffer tasks of ``task_type`` for a student (repeated when fewer are buffered): uniform, or
+        with ``since_step`` AZR's ``max_new`` batch (tasks proposed at ``step >= since_step`` first)."""
         if k <= 0 or task_type not in self.buffers.buffers:
             return []
-        return self.buffers[task_type].sample(k, rng)
+        buf = self.buffers[task_type]
+        if since_step is not None:
+            return buf.max_new(k, rng, since_step)
+        out = buf.sample(k, rng)
+        while out and len(out) < k:  # fewer tasks than k buffered: repeat them, so every student gets exactly k
+            out += buf.sample(k - len(out), rng)
+        return out
 
     # --- checks ---------------------------------------------------------------------------------------------
 
@@ -104,6 +112,20 @@ class TaskEnv:
     def add_to_buffers(self, tasks: Sequence[tuple[Any, float | None]]) -> int:
         """Add solved valid tasks (with their solve rate, for ``buffer.valid_program_filter``)."""
         return sum(bool(self.buffers.add(task, rate)) for task, rate in tasks)
+
+    def add_seeds(self, tasks: Sequence[Any]) -> list[Any]:
+        """Buffer the seeding phase's valid proposals; returns the new ones (duplicates are not).
+
+        A code_i / code_o triplet seeds both io buffers (AZR keeps one io seed set); code_f tasks their own."""
+        from dataclasses import replace
+
+        added = []
+        for task in tasks:
+            types = ["code_f"] if task.type == "code_f" else [t for t in ("code_i", "code_o") if t in self.buffers.buffers]
+            new = [self.buffers.add(replace(task, type=t, id="")) for t in types]
+            if any(new):
+                added.append(task)
+        return added
 
     def buffers_state(self) -> dict[str, Any]:
         return self.buffers.state_dict()

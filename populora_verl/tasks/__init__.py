@@ -12,7 +12,7 @@ Typical flow (driver side)::
         score = score_answer(result.task, student_response, executor, cfg)   # score.reward, score.correct
 """
 
-from populora_verl.tasks.buffer import TaskBuffer, TaskBuffers, load_seed_file
+from populora_verl.tasks.buffer import TaskBuffer, TaskBuffers, load_seed_file, save_seed_file
 from populora_verl.tasks.parsing import ParseError, check_format, check_program, extract_answer
 from populora_verl.tasks.prompts import (proposer_prompt, proposer_request, render_prompt, solver_prompt,
                                          solver_request)
@@ -22,7 +22,7 @@ from populora_verl.tasks.verify import (AnswerScore, Proposal, ProposalResult, p
 
 __all__ = [
     "Task", "identity_task", "identity_code_f_task", "truncate_output",
-    "TaskBuffer", "TaskBuffers", "load_seed_file",
+    "TaskBuffer", "TaskBuffers", "load_seed_file", "save_seed_file",
     "ParseError", "check_format", "check_program", "extract_answer",
     "proposer_prompt", "solver_prompt", "render_prompt", "proposer_request", "solver_request",
     "Proposal", "ProposalResult", "AnswerScore", "parse_proposal", "validate_proposal", "score_answer",

@@ -24,7 +24,7 @@ from typing import Any, Iterable, Mapping, Sequence
 from populora_verl.config import TASK_TYPES, BufferConfig
 from populora_verl.tasks.task import Task, identity_code_f_task, identity_task
 
-__all__ = ["TaskBuffer", "TaskBuffers", "load_seed_file"]
+__all__ = ["TaskBuffer", "TaskBuffers", "load_seed_file", "save_seed_file"]
 
 
 def _choose(rng: Any, n: int, k: int) -> list[int]:
@@ -91,12 +91,20 @@ class TaskBuffer:
         tasks = self.tasks
         return [tasks[i] for i in _choose(rng, len(tasks), k)]
 
-    def newest_first(self, n: int, rng: Any, since_step: int) -> list[Task]:
-        """AZR's ``max_new`` mix: tasks from ``step >= since_step`` first (newest first), the rest uniform."""
+    def max_new(self, n: int, rng: Any, since_step: int) -> list[Task]:
+        """AZR's ``max_new`` solver batch of exactly ``n`` tasks (an empty buffer gives none): the tasks proposed at
+        ``step >= since_step`` come first (a uniform sample of them when there are more than ``n``), the rest is
+        uniform over the older tasks; a buffer with fewer tasks than ``n`` repeats them (AZR pads its batch)."""
         tasks = self.tasks
-        new = [t for t in reversed(tasks) if t.step >= since_step][:n]
+        if n <= 0 or not tasks:
+            return []
+        new = [t for t in tasks if t.step >= since_step]
         old = [t for t in tasks if t.step < since_step]
-        return new + [old[i] for i in _choose(rng, len(old), n - len(new))]
+        out = [new[i] for i in _choose(rng, len(new), n)]
+        out += [old[i] for i in _choose(rng, len(old), n - len(out))]
+        while len(out) < n:  # fewer distinct tasks than n: draw again from all of them
+            out += [tasks[i] for i in _choose(rng, len(tasks), n - len(out))]
+        return out
 
     def state_dict(self) -> dict[str, Any]:
         return {"task_type": self.task_type, "max_programs": self.max_programs, "evicted": self.evicted,
@@ -141,6 +149,27 @@ def load_seed_file(path: str | Path) -> list[Task]:
                                         output=str(d["output"]), teacher="seed"))
             except (ValueError, KeyError, TypeError) as e:
                 raise ValueError(f"{path}:{lineno}: bad seed line: {e}") from None
+    return out
+
+
+def save_seed_file(tasks: Iterable[Task], path: str | Path) -> Path:
+    """Write ``tasks`` as a seed file :func:`load_seed_file` reads back (``buffer.seed_file``): a code_i/code_o
+    triplet once without ``type`` (it seeds both), a code_f task with its pairs, message and ``num_visible``."""
+    lines, seen = [], set()
+    for t in tasks:
+        if t.type == "code_f":
+            d = {"program": t.program, "inputs": list(t.inputs), "outputs": list(t.outputs), "message": t.message,
+                 "num_visible": t.num_visible}
+        else:
+            d = {"program": t.program, "input": t.input, "output": t.output}
+        line = json.dumps(d, sort_keys=True)
+        if line not in seen:
+            seen.add(line)
+            lines.append(line)
+    out = Path(path)
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text("".join(x + "\n" for x in lines), encoding="utf-8")
+    tmp.replace(out)
     return out
 
 

@@ -11,6 +11,7 @@ import ast
 import io
 import re
 import tokenize
+import unicodedata
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
@@ -31,15 +32,20 @@ __all__ = [
     "find_banned",
     "check_call_args",
     "is_value_expression",
+    "literal_args",
+    "parse_literal",
+    "unsafe_text",
     "normalise_program",
+    "MAX_RESPONSE_CHARS",
 ]
 
-# AZR's format check: think block then answer block, anchored at the start (``re.match``), lazy inside.
-_FORMAT_RE = re.compile(r"<think>.*?</think>\s*<answer>.*?</answer>", re.DOTALL)
-_ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
-# A fence: three backticks, an optional language tag on the same line, a newline, the body, three backticks.
-_FENCE_RE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)```", re.DOTALL)
+# Model text is scanned with str.find and anchored matches only: every scan below is linear in the text
+# (a regex with a lazy body per candidate start, as in AZR, is quadratic on e.g. 60k backticks).
+_WS_RE = re.compile(r"\s*")
+_TAG_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_+-")
 _INPUT_CALL_RE = re.compile(r"\binput\s*\(")
+#: Longest model response the parsers look at (``tasks.max_response_chars`` overrides it per run).
+MAX_RESPONSE_CHARS = 65_536
 
 
 class ParseError(ValueError):
@@ -62,28 +68,79 @@ def normalise_response(text: str, think_prefilled: bool = True) -> str:
 
 
 def check_format(text: str) -> bool:
-    """AZR's envelope check on a normalised response."""
-    return _FORMAT_RE.match(text.lstrip()) is not None
+    """AZR's envelope check on a normalised response: it starts with ``<think>``, and some ``</think>`` is
+    followed (after whitespace) by ``<answer>`` with a ``</answer>`` later on."""
+    text = text.lstrip()
+    if not text.startswith("<think>"):
+        return False
+    pos = len("<think>")
+    while True:
+        k = text.find("</think>", pos)
+        if k < 0:
+            return False
+        j = _WS_RE.match(text, k + len("</think>")).end()
+        if text.startswith("<answer>", j):
+            return text.find("</answer>", j + len("<answer>")) >= 0
+        pos = k + 1
 
 
-def extract_answer(text: str, think_prefilled: bool = True) -> str:
-    """The text between the *last* ``<answer>`` and its ``</answer>``; :class:`ParseError` if badly formatted."""
+def _check_length(text: str, max_chars: int | None) -> None:
+    limit = MAX_RESPONSE_CHARS if max_chars is None else max_chars
+    if len(text) > limit:
+        raise ParseError(f"response longer than {limit} characters")
+
+
+def extract_answer(text: str, think_prefilled: bool = True, *, max_chars: int | None = None) -> str:
+    """The text between the *last* ``<answer>`` and its ``</answer>``; :class:`ParseError` if badly formatted
+    or longer than ``max_chars`` (default :data:`MAX_RESPONSE_CHARS`)."""
+    if isinstance(text, str):
+        _check_length(text, max_chars)
     text = normalise_response(text, think_prefilled)
     if not check_format(text):
         raise ParseError("response is not <think>...</think><answer>...</answer>")
     start = text.rfind("<answer>")
     end = text.find("</answer>", start)
-    if end < 0:  # the last <answer> is unclosed: fall back to the last complete pair
-        matches = _ANSWER_RE.findall(text)
-        if not matches:
-            raise ParseError("no complete <answer> block")
-        return matches[-1].strip()
-    return text[start + len("<answer>"):end].strip()
+    if end >= 0:
+        return text[start + len("<answer>"):end].strip()
+    # The last <answer> is unclosed: fall back to the last complete pair (non-overlapping, left to right).
+    last, pos = None, 0
+    while True:
+        a = text.find("<answer>", pos)
+        if a < 0:
+            break
+        b = text.find("</answer>", a + len("<answer>"))
+        if b < 0:
+            break
+        last, pos = text[a + len("<answer>"):b], b + len("</answer>")
+    if last is None:
+        raise ParseError("no complete <answer> block")
+    return last.strip()
 
 
 def fenced_blocks(text: str) -> list[tuple[str, str]]:
-    """All fenced blocks as ``(language tag lower-cased, body)`` in order of appearance."""
-    return [(m.group(1).lower(), m.group(2)) for m in _FENCE_RE.finditer(text)]
+    """All fenced blocks as ``(language tag lower-cased, body)`` in order of appearance.
+
+    A fence is three backticks, optional blanks, a tag of ``[A-Za-z0-9_+-]``, the rest of that line, a
+    newline, the body, and the next three backticks. One left-to-right pass.
+    """
+    out: list[tuple[str, str]] = []
+    pos = 0
+    while True:
+        i = text.find("```", pos)
+        if i < 0:
+            return out
+        nl = text.find("\n", i + 3)
+        if nl < 0:
+            return out  # no newline after any later fence either
+        close = text.find("```", nl + 1)
+        if close < 0:
+            return out  # nothing closes this fence, nor any later one
+        header = text[i + 3:nl].lstrip(" \t")
+        n = 0
+        while n < len(header) and header[n] in _TAG_CHARS:
+            n += 1
+        out.append((header[:n].lower(), text[nl + 1:close]))
+        pos = close + 3
 
 
 def first_block(text: str, tags: Iterable[str]) -> str | None:
@@ -96,8 +153,12 @@ def first_block(text: str, tags: Iterable[str]) -> str | None:
 
 
 def _tagged(text: str, tag: str) -> str | None:
-    m = re.search(rf"<{tag}>(.*?)</{tag}>", text, re.DOTALL | re.IGNORECASE)
-    return m.group(1) if m else None
+    """Body of the first ``<tag>...</tag>`` (case-insensitive tags), linear."""
+    m = re.search(f"<{re.escape(tag)}>", text, re.IGNORECASE)
+    if not m:
+        return None
+    end = re.compile(f"</{re.escape(tag)}>", re.IGNORECASE).search(text, m.end())
+    return text[m.end():end.start()] if end else None
 
 
 def _after_marker(text: str, marker_re: str) -> str | None:
@@ -280,6 +341,54 @@ def check_call_args(text: str) -> str:
     if not (body.args or body.keywords):
         raise ParseError("empty input")
     return text
+
+
+_LITERAL_ERRORS = (ValueError, TypeError, SyntaxError, MemoryError, RecursionError)
+
+
+def parse_literal(text: str) -> tuple[bool, object]:
+    """``(True, value)`` if ``text`` is one literal of builtin types (``ast.literal_eval``), else ``(False, None)``.
+
+    Plain data only: no names, calls or operators besides signed numbers, so evaluating it runs no model code
+    and ``==`` on the result is the builtin one (an answer cannot bring its own ``__eq__``). The parser bounds
+    the nesting depth; never raises.
+    """
+    if not isinstance(text, str):
+        return False, None
+    try:
+        return True, ast.literal_eval(text.strip())
+    except _LITERAL_ERRORS:
+        return False, None
+
+
+def literal_args(text: str) -> tuple:
+    """The values of an argument list made of literals only (``"'abc', 3, k=[1]"``) as ``(args, kwargs)``;
+    :class:`ParseError` otherwise. Inputs of tasks must be plain data, like outputs."""
+    try:
+        tree = ast.parse(f"f({text}\n)", mode="eval")
+        call = tree.body
+        if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and call.func.id == "f"):
+            raise ParseError("input is not a valid argument list")
+        if any(isinstance(a, ast.Starred) for a in call.args) or any(k.arg is None for k in call.keywords):
+            raise ParseError("input uses * or ** unpacking")
+        args = tuple(ast.literal_eval(a) for a in call.args)
+        kwargs = tuple((k.arg, ast.literal_eval(k.value)) for k in call.keywords)
+    except ParseError:
+        raise
+    except _LITERAL_ERRORS:
+        raise ParseError("input is not made of plain literals") from None
+    return args, kwargs
+
+
+def unsafe_text(text: str) -> str | None:
+    """Why ``text`` cannot go into a prompt as is (NUL, terminal escapes and other control characters, lone
+    surrogates that UTF-8 cannot encode), or None. Newlines, tabs and carriage returns are fine."""
+    if text.isprintable():
+        return None
+    for ch in text:
+        if ch not in "\n\t\r" and not ch.isprintable() and unicodedata.category(ch) in ("Cc", "Cs"):
+            return f"control or unencodable character U+{ord(ch):04X}"
+    return None
 
 
 # Names a solver's literal may use: constants and the containers whose repr is a constructor call.

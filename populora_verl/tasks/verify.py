@@ -9,11 +9,11 @@ Statuses: a proposal is ``valid``, ``format_error`` (envelope or required blocks
 
 from __future__ import annotations
 
-import ast
 from dataclasses import dataclass, field
 from typing import Any, Protocol, Sequence
 
 from populora_verl.config import PopuLoRAConfig
+from populora_verl.executor.core import literal_problem
 from populora_verl.tasks import parsing as P
 from populora_verl.tasks.task import Task, truncate_output
 
@@ -26,7 +26,6 @@ __all__ = [
     "validate_proposal",
     "score_answer",
     "values_equal",
-    "EQUALITY_PROGRAM",
     "banned_names",
 ]
 
@@ -39,54 +38,45 @@ class ExecutorLike(Protocol):
     def run_many(self, jobs: Sequence[tuple[str, str]], *, check_determinism: bool | None = None) -> list[Any]: ...
 
 
-# Value comparison happens in the sandbox. The imports make the reprs of common containers evaluable there.
-EQUALITY_PROGRAM = (
-    "from collections import Counter, OrderedDict, defaultdict, deque\n"
-    "from math import inf, nan\n"
-    "\n"
-    "def f(a, b):\n"
-    "    return bool(a == b)\n"
-)
-
-
 def banned_names(cfg: PopuLoRAConfig) -> list[str]:
     """The banned list printed in the prompt plus the executor's, without duplicates."""
     return list(dict.fromkeys(list(cfg.tasks.banned_keywords) + list(cfg.executor.banned_modules)))
-
-
-def _is_expression(text: str) -> bool:
-    try:
-        ast.parse(f"({text}\n)", mode="eval")
-        return True
-    except (SyntaxError, ValueError, MemoryError, RecursionError):
-        return False
 
 
 def _maybe_truncate(text: str, cfg: PopuLoRAConfig) -> str:
     return truncate_output(text) if cfg.executor.truncate_output else text
 
 
-def _comparable(gold: str, pred: str, pred_is_untrusted: bool) -> bool:
-    """Whether ``gold == pred`` may be decided by evaluating both in the sandbox (see is_value_expression)."""
-    if not (_is_expression(gold) and _is_expression(pred)):
-        return False
-    return P.is_value_expression(pred) if pred_is_untrusted else True
+def values_equal(executor: ExecutorLike | None, pairs: Sequence[tuple[str, str, bool]]) -> list[bool]:
+    """For each ``(gold, pred, pred_is_untrusted)`` decide whether both texts denote the same value.
 
-
-def values_equal(executor: ExecutorLike, pairs: Sequence[tuple[str, str, bool]]) -> list[bool]:
-    """For each ``(gold, pred, pred_is_untrusted)`` decide ``eval(gold) == eval(pred)`` without evaluating here.
-
-    Identical text is equal; otherwise both sides must be single expressions (untrusted ones plain values), and
-    the comparison runs in the executor. Anything that fails to evaluate there is unequal.
+    Identical text is equal. Otherwise both must be plain-data literals (:func:`~populora_verl.tasks.parsing.
+    parse_literal`), read here without running anything, and compared with the builtin ``==`` (AZR's
+    semantics: ``1 == 1.0``, sets unordered); an object's own ``__eq__`` can never take part. Anything else
+    (a truncated gold, an expression, a call) is unequal. ``executor`` and ``pred_is_untrusted`` are kept
+    for callers of the earlier signature: every side is treated as untrusted now.
     """
-    out = [g == p for g, p, _ in pairs]
-    todo = [i for i, (g, p, u) in enumerate(pairs) if not out[i] and _comparable(g, p, u)]
-    if todo:
-        jobs = [(EQUALITY_PROGRAM, f"({pairs[i][0]}\n), ({pairs[i][1]}\n)") for i in todo]
-        results = executor.run_many(jobs, check_determinism=False)
-        for i, r in zip(todo, results):
-            out[i] = bool(getattr(r, "ok", False)) and getattr(r, "output", None) == "True"
+    out = []
+    for gold, pred, _ in pairs:
+        if gold == pred:
+            out.append(True)
+            continue
+        ok_g, g = P.parse_literal(gold)
+        ok_p, v = P.parse_literal(pred) if ok_g else (False, None)
+        try:
+            out.append(bool(ok_g and ok_p and g == v))
+        except (RecursionError, MemoryError):
+            out.append(False)
     return out
+
+
+def _task_text_problem(*texts: str) -> str | None:
+    """A task's text goes into prompts and logs: it must be UTF-8 encodable, without control characters."""
+    for text in texts:
+        why = P.unsafe_text(text)
+        if why:
+            return why
+    return None
 
 
 # --- proposals -------------------------------------------------------------------------------------------
@@ -114,13 +104,15 @@ class ProposalResult:
         return self.status == "valid"
 
 
-def parse_proposal(response: str, task_type: str, *, num_inputs: int = 10, think_prefilled: bool = True) -> Proposal:
+def parse_proposal(response: str, task_type: str, *, num_inputs: int = 10, think_prefilled: bool = True,
+                   code_f_rule: str = "azr", max_chars: int | None = None) -> Proposal:
     """Extract the blocks a proposal must contain; :class:`~populora_verl.tasks.parsing.ParseError` if missing.
 
-    code_i / code_o: the first python block and the first input block. code_f: up to ``num_inputs`` input
-    blocks (first ones) and the first message block.
+    code_i / code_o: the first python block and the first input block. code_f: the first message block and the
+    input blocks: ``code_f_rule="azr"`` needs at least ``num_inputs`` of them and keeps the last ``num_inputs``
+    (AZR); ``"lenient"`` keeps the first ``num_inputs``.
     """
-    answer = P.extract_answer(response, think_prefilled)
+    answer = P.extract_answer(response, think_prefilled, max_chars=max_chars)
     if task_type in ("code_i", "code_o"):
         program = P.first_block(answer, ("python", "py"))
         inp = P.first_block(answer, ("input",))
@@ -130,7 +122,13 @@ def parse_proposal(response: str, task_type: str, *, num_inputs: int = 10, think
             raise P.ParseError("no input block")
         return Proposal(task_type=task_type, program=program, input=inp.strip())
     if task_type == "code_f":
-        inputs = [b.strip() for tag, b in P.fenced_blocks(answer) if tag == "input" and b.strip()][:num_inputs]
+        inputs = [b.strip() for tag, b in P.fenced_blocks(answer) if tag == "input" and b.strip()]
+        if code_f_rule == "azr":
+            if len(inputs) < num_inputs:
+                raise P.ParseError(f"{len(inputs)} input blocks, need {num_inputs}")
+            inputs = inputs[-num_inputs:]
+        else:
+            inputs = inputs[:num_inputs]
         message = P.first_block(answer, ("message",))
         if not inputs:
             raise P.ParseError("no input block")
@@ -141,26 +139,42 @@ def parse_proposal(response: str, task_type: str, *, num_inputs: int = 10, think
 
 
 def _args_key(text: str) -> str:
-    # Distinctness of inputs by their parsed form, so "1,2" and "1, 2" count once.
-    return ast.dump(ast.parse(f"f({text}\n)", mode="eval"))
+    # Distinctness of inputs by their values, so "1,2" and "1, 2" count once (inputs are literals).
+    return repr(P.literal_args(text))
 
 
 def validate_proposal(response: str, task_type: str, executor: ExecutorLike, cfg: PopuLoRAConfig, *,
                       program: Task | None = None, teacher: str = "", step: int = -1,
                       think_prefilled: bool = True) -> ProposalResult:
+    """See :func:`_validate_proposal`; model text never raises out of here (a parser's recursion or memory
+    limit on pathological text makes the proposal invalid)."""
+    if task_type == "code_f" and program is None:
+        raise ValueError("code_f validation needs the buffered program the proposer was shown")
+    try:
+        return _validate_proposal(response, task_type, executor, cfg, program=program, teacher=teacher, step=step,
+                                  think_prefilled=think_prefilled)
+    except (RecursionError, MemoryError, UnicodeError) as e:
+        return ProposalResult("invalid", reason=f"unparsable: {type(e).__name__}")
+
+
+def _validate_proposal(response: str, task_type: str, executor: ExecutorLike, cfg: PopuLoRAConfig, *,
+                       program: Task | None = None, teacher: str = "", step: int = -1,
+                       think_prefilled: bool = True) -> ProposalResult:
     """Parse, statically check and execute a proposal; a valid one becomes a :class:`Task` with gold answers.
 
     code_i / code_o: the program must pass :func:`~populora_verl.tasks.parsing.check_program` (one top-level
     function, renamed ``f``; no banned names; no ``input(``), its input must be an argument list, and
     ``f(input)`` must run deterministically in the executor; the output (``repr``) is the gold answer, cut
     to 400 characters when ``executor.truncate_output``.
-    code_f: ``program`` is the buffered task whose program the proposer saw; each proposed input is run on it,
-    valid distinct ones are kept, at least ``tasks.min_valid_inputs`` are needed; the first half is shown to
-    the solver, the rest is hidden.
+    code_f: ``program`` is the buffered task whose program the proposer saw; each proposed input is run on it.
+    ``tasks.code_f_rule=azr``: all ``num_inputs`` inputs must parse and run (deterministically), else the proposal
+    is invalid. ``lenient``: valid distinct ones are kept, at least ``tasks.min_valid_inputs`` are needed. The first
+    half is shown to the solver, the rest is hidden.
     """
     tcfg = cfg.tasks
     try:
-        prop = parse_proposal(response, task_type, num_inputs=tcfg.num_inputs, think_prefilled=think_prefilled)
+        prop = parse_proposal(response, task_type, num_inputs=tcfg.num_inputs, think_prefilled=think_prefilled,
+                              code_f_rule=tcfg.code_f_rule, max_chars=tcfg.max_response_chars)
     except P.ParseError as e:
         return ProposalResult("format_error", reason=str(e))
 
@@ -168,11 +182,18 @@ def validate_proposal(response: str, task_type: str, executor: ExecutorLike, cfg
         try:
             checked = P.check_program(prop.program, banned_names(cfg), max_chars=tcfg.max_program_chars)
             inp = P.check_call_args(prop.input)
+            P.literal_args(inp)  # plain data in, plain data out: nothing with its own __eq__ / __repr__
         except P.ParseError as e:
             return ProposalResult("invalid", reason=str(e))
+        why = _task_text_problem(checked.code, inp)
+        if why:
+            return ProposalResult("invalid", reason=why)
         res = executor.run(checked.code, inp, check_determinism=cfg.executor.check_determinism)
         if not res.ok or res.output is None:
             return ProposalResult("invalid", reason=f"execution failed: {res.error}")
+        why = literal_problem(res.output)  # the executor checks it too; a remote or fake one may not
+        if why:
+            return ProposalResult("invalid", reason=f"output is not plain data: {why}")
         task = Task(type=task_type, program=checked.code, input=inp, output=_maybe_truncate(res.output, cfg),
                     teacher=teacher, step=step)
         return ProposalResult("valid", task=task)
@@ -180,20 +201,38 @@ def validate_proposal(response: str, task_type: str, executor: ExecutorLike, cfg
     # code_f
     if program is None:
         raise ValueError("code_f validation needs the buffered program the proposer was shown")
+    strict = tcfg.code_f_rule == "azr"
+    if _task_text_problem(prop.message):
+        return ProposalResult("invalid", reason=f"message: {_task_text_problem(prop.message)}")
     kept: list[str] = []
     seen: set[str] = set()
     for raw in prop.inputs:
         try:
             inp = P.check_call_args(raw)
-        except P.ParseError:
+            P.literal_args(inp)
+        except P.ParseError as e:
+            if strict:
+                return ProposalResult("invalid", reason=f"input {raw[:40]!r}: {e}")
+            continue
+        if _task_text_problem(inp):
+            if strict:
+                return ProposalResult("invalid", reason=f"input {inp[:40]!r}: {_task_text_problem(inp)}")
             continue
         key = _args_key(inp)
-        if key not in seen:
+        if strict or key not in seen:  # AZR keeps repeated inputs; the lenient rule counts each once
             seen.add(key)
             kept.append(inp)
-    results = executor.run_many([(program.program, inp) for inp in kept]) if kept else []
-    pairs = [(inp, _maybe_truncate(r.output, cfg)) for inp, r in zip(kept, results) if r.ok and r.output is not None]
-    if len(pairs) < tcfg.min_valid_inputs:
+    results = executor.run_many([(program.program, inp) for inp in kept],
+                                check_determinism=cfg.executor.check_determinism) if kept else []
+    if strict:
+        for inp, r in zip(kept, results):
+            if not r.ok or r.output is None:
+                return ProposalResult("invalid", reason=f"input {inp[:40]!r} failed: {r.error}")
+            if literal_problem(r.output) is not None:
+                return ProposalResult("invalid", reason=f"input {inp[:40]!r}: output {literal_problem(r.output)}")
+    pairs = [(inp, _maybe_truncate(r.output, cfg)) for inp, r in zip(kept, results)
+             if r.ok and r.output is not None and literal_problem(r.output) is None]
+    if not strict and len(pairs) < tcfg.min_valid_inputs:
         return ProposalResult("invalid", reason=f"{len(pairs)} valid distinct inputs, need {tcfg.min_valid_inputs}")
     task = Task(type="code_f", program=program.program, inputs=[a for a, _ in pairs], outputs=[b for _, b in pairs],
                 message=prop.message, num_visible=len(pairs) // 2, teacher=teacher, step=step)
@@ -229,7 +268,9 @@ def _judge(task: Task, payload: str, executor: ExecutorLike, cfg: PopuLoRAConfig
             inp = P.check_call_args(payload)
         except P.ParseError as e:
             return False, str(e)
-        if not P.is_value_expression(inp, as_args=True):
+        try:
+            P.literal_args(inp)
+        except P.ParseError:
             return False, "input is not made of plain values"
         res = executor.run(task.program, inp)
         if not res.ok or res.output is None:
@@ -264,10 +305,13 @@ def score_answer(task: Task, response: str, executor: ExecutorLike, cfg: PopuLoR
     input that reproduces it counts). code_f: the solver's ``f`` reproduces all hidden pairs (binary).
     """
     try:
-        answer = P.extract_answer(response, think_prefilled)
+        answer = P.extract_answer(response, think_prefilled, max_chars=cfg.tasks.max_response_chars)
         payload = P.extract_solver_payload(answer, task.type)
     except P.ParseError as e:
         return AnswerScore("format_error", _reward("format_error", cfg), reason=str(e))
-    ok, why = _judge(task, payload, executor, cfg)
+    try:
+        ok, why = _judge(task, payload, executor, cfg)
+    except (RecursionError, MemoryError, UnicodeError) as e:  # pathological text: a wrong answer, not a crash
+        ok, why = False, f"unparsable: {type(e).__name__}"
     status = "correct" if ok else "wrong"
     return AnswerScore(status, _reward(status, cfg), reason=why, payload=payload)

@@ -13,8 +13,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
+import os
 import uuid
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -29,6 +32,7 @@ __all__ = [
     "prompt_to_messages",
     "populora_field",
     "requests_to_rows",
+    "with_base_policy",
     "split_key",
     "group_trajectory_keys",
     "build_gen_responses",
@@ -39,6 +43,9 @@ __all__ = [
     "tensor_checksum",
     "state_checksum",
     "validate_verl_config",
+    "ParallelLayout",
+    "parallel_layout",
+    "warn_if_bank_not_shared",
 ]
 
 AGENT_NAME = "populora_agent"
@@ -54,8 +61,9 @@ def new_uid() -> str:
 
 
 def prompt_to_messages(prompt: Any) -> list[dict[str, str]]:
-    """verl's single-turn agent loop reads ``raw_prompt`` as chat messages; a plain-text (``azr``) prompt becomes
-    one user message (the tokenizer's chat template is then applied around it)."""
+    """verl's single-turn agent loop reads ``raw_prompt`` as chat messages; a plain-text (``azr``) prompt travels as
+    one user message whose text the ``populora_agent`` loop tokenizes as it is (``populora.prompt_format=text``),
+    without the chat template, so both engines feed the model the same token ids."""
     if isinstance(prompt, str):
         return [{"role": "user", "content": prompt}]
     if isinstance(prompt, Sequence) and all(isinstance(m, Mapping) and "role" in m and "content" in m for m in prompt):
@@ -75,6 +83,9 @@ def populora_field(request: Any, lora: Mapping[str, Any], step: int) -> dict[str
         "role": _ROLE_FOR_REWARD.get(request.role, request.role),
         "task_type": request.task_type,
         "step": int(step),
+        # "text": raw_prompt[0].content is the whole prompt, tokenized without a chat template (tasks.prompt_template
+        # azr); "chat": verl's chat template renders raw_prompt.
+        "prompt_format": "text" if isinstance(request.prompt, str) else "chat",
         # The population step scores every trajectory (it alone sees the matched students): the populora_code
         # reward manager skips these rows instead of running each program a second time.
         "scored_by": "population_step",
@@ -83,6 +94,17 @@ def populora_field(request: Any, lora: Mapping[str, Any], step: int) -> dict[str
         # JSON text: TQ stores it as one opaque non-tensor value and the reward manager accepts it as is.
         out["task"] = task.to_json() if hasattr(task, "to_json") else json.dumps(task)
     return out
+
+
+def with_base_policy(lora_of: Mapping[str, Mapping[str, Any]], member_id: str) -> dict[str, Mapping[str, Any]]:
+    """``lora_of`` plus a route for the seeding phase's base-policy requests (``BASE_POLICY``): ``member_id``'s
+    LoRA id. Seeding runs before step 1, when every slot's ``lora_B`` is still zero, so that adapter adds nothing and
+    vLLM samples the base model (our routing serves no request without an adapter)."""
+    from populora_verl.step.orchestration import BASE_POLICY
+
+    if member_id not in lora_of:
+        raise KeyError(f"no LoRA id for member {member_id!r}")
+    return {**lora_of, BASE_POLICY: lora_of[member_id]}
 
 
 def requests_to_rows(requests: Sequence[Any], lora_of: Mapping[str, Mapping[str, Any]], step: int, *,
@@ -310,11 +332,120 @@ def validate_verl_config(config: Any, pcfg: PopuLoRAConfig) -> None:
     max_loras = _get(ek, "max_loras")
     if not (isinstance(max_loras, int) and max_loras >= n):
         _bad(f"{ar}.rollout.engine_kwargs.vllm.max_loras",
-             f"must be >= population size ({n}) so every adapter of a batch is resident, got {max_loras!r}")
+             f"must be >= population size ({n}) so every adapter of a batch is resident on each vLLM replica, "
+             f"got {max_loras!r}")
     max_cpu = _get(ek, "max_cpu_loras", max_loras)
     if not (isinstance(max_cpu, int) and max_cpu >= max_loras):
         _bad(f"{ar}.rollout.engine_kwargs.vllm.max_cpu_loras", f"must be >= max_loras ({max_loras}), got {max_cpu!r}")
+    _validate_overridden_keys(config, pcfg)
     if pcfg.rollout.max_loras is not None and pcfg.rollout.max_loras > max_loras:
         _bad("populora.rollout.max_loras",
              f"({pcfg.rollout.max_loras}) exceeds {ar}.rollout.engine_kwargs.vllm.max_loras ({max_loras}), "
              "which is what vLLM gets")
+    parallel_layout(config, pcfg)
+
+
+def _validate_overridden_keys(config: Any, pcfg: PopuLoRAConfig) -> None:
+    """verl keys whose job PopuLoRA does itself, and ``populora.rollout`` keys verl's rollout never reads: each
+    must agree with what really happens, so no value a user sets is silently ignored."""
+    ar = "actor_rollout_ref"
+    n = _get(config, f"{ar}.rollout.n")
+    if n != 1:
+        _bad(f"{ar}.rollout.n", "must be 1: PopuLoRA sets samples per prompt itself (populora.rollout.teacher_n / "
+             f"student_n), got {n!r}")
+    # The trainer makes each slot's whole batch one PPO mini-batch; in verl's terms that is
+    # ppo_mini_batch_size == train_batch_size (one optimizer step per epoch), so ask for exactly that.
+    mini, batch = _get(config, f"{ar}.actor.ppo_mini_batch_size"), _get(config, "data.train_batch_size")
+    if mini != batch:
+        _bad(f"{ar}.actor.ppo_mini_batch_size", f"must equal data.train_batch_size ({batch!r}): PopuLoRA trains each "
+             f"adapter's whole batch as one mini-batch (one optimizer step per ppo_epoch), got {mini!r}")
+    length = _get(config, f"{ar}.rollout.response_length") or _get(config, "data.max_response_length")
+    if pcfg.rollout.max_new_tokens is not None and pcfg.rollout.max_new_tokens != length:
+        _bad("populora.rollout.max_new_tokens", f"({pcfg.rollout.max_new_tokens}) differs from {ar}.rollout."
+             f"response_length ({length!r}), which is what vLLM generates with: set that, or leave this null")
+    temp = _get(config, f"{ar}.rollout.temperature")
+    if pcfg.rollout.temperature is not None and pcfg.rollout.temperature != temp:
+        _bad("populora.rollout.temperature", f"({pcfg.rollout.temperature}) differs from {ar}.rollout.temperature "
+             f"({temp!r}), which is what vLLM samples with: set that, or leave this null")
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """How a run spreads over GPUs: FSDP2 ranks of the actor (each holds a shard of every adapter) and vLLM
+    replicas (each serves every adapter under its own LoRA id)."""
+
+    n_gpus: int
+    nnodes: int
+    actor_dp: int  # data-parallel ranks of the actor (world / Ulysses SP): a slot's batch is padded to a multiple
+    fsdp_size: int  # ranks one adapter's shards are spread over (= world unless HSDP via fsdp_config.fsdp_size)
+    rollout_tp: int
+    rollout_world: int  # GPUs per vLLM replica (TP x DP x PP)
+    replicas: int
+    max_loras: int  # adapters resident per replica (engine_kwargs.vllm.max_loras)
+    adapters: int
+
+    def describe(self) -> str:
+        return (f"{self.n_gpus} GPU(s) on {self.nnodes} node(s); actor: {self.actor_dp} data-parallel rank(s), every "
+                f"adapter sharded over {self.fsdp_size}; rollout: {self.replicas} vLLM replica(s) x "
+                f"{self.rollout_world} GPU(s) (TP {self.rollout_tp}), each serving all {self.adapters} adapters "
+                f"(max_loras {self.max_loras})")
+
+
+def _positive_int(config: Any, key: str, default: Any = None) -> int:
+    value = _get(config, key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        _bad(key, f"must be an integer >= 1, got {value!r}")
+    return value
+
+
+def parallel_layout(config: Any, pcfg: PopuLoRAConfig) -> ParallelLayout:
+    """Check the GPU layout keys against each other (what verl would otherwise assert deep inside a Ray worker,
+    minutes into start-up) and return the layout; :class:`ConfigError` names the key on a mismatch."""
+    ar = "actor_rollout_ref"
+    per_node = _positive_int(config, "trainer.n_gpus_per_node")
+    nnodes = _positive_int(config, "trainer.nnodes")
+    n_gpus = per_node * nnodes
+    tp = _positive_int(config, f"{ar}.rollout.tensor_model_parallel_size", 1)
+    rdp = _positive_int(config, f"{ar}.rollout.data_parallel_size", 1)
+    pp = _positive_int(config, f"{ar}.rollout.pipeline_model_parallel_size", 1)
+    rollout_world = tp * rdp * pp
+    if n_gpus % rollout_world:
+        _bad(f"{ar}.rollout.tensor_model_parallel_size",
+             f"a vLLM replica needs TP {tp} x DP {rdp} x PP {pp} = {rollout_world} GPUs, which must divide "
+             f"trainer.n_gpus_per_node x trainer.nnodes = {n_gpus}")
+    if rollout_world > per_node and rollout_world % per_node:
+        _bad(f"{ar}.rollout.tensor_model_parallel_size",
+             f"a replica spanning nodes must use whole nodes: {rollout_world} GPUs is not a multiple of "
+             f"trainer.n_gpus_per_node ({per_node})")
+    sp = _positive_int(config, f"{ar}.actor.ulysses_sequence_parallel_size", 1)
+    if n_gpus % sp:
+        _bad(f"{ar}.actor.ulysses_sequence_parallel_size", f"({sp}) must divide the {n_gpus} actor GPUs")
+    fsdp_size = _get(config, f"{ar}.actor.fsdp_config.fsdp_size", -1)
+    if isinstance(fsdp_size, bool) or not isinstance(fsdp_size, int) or fsdp_size == 0:
+        _bad(f"{ar}.actor.fsdp_config.fsdp_size", f"must be -1 (all GPUs) or a positive integer, got {fsdp_size!r}")
+    if 0 < fsdp_size < n_gpus and n_gpus % fsdp_size:
+        _bad(f"{ar}.actor.fsdp_config.fsdp_size", f"({fsdp_size}) must divide the {n_gpus} actor GPUs (HSDP groups)")
+    ek = _get(config, f"{ar}.rollout.engine_kwargs.vllm", {}) or {}
+    return ParallelLayout(
+        n_gpus=n_gpus, nnodes=nnodes, actor_dp=n_gpus // sp,
+        fsdp_size=fsdp_size if 0 < fsdp_size < n_gpus else n_gpus, rollout_tp=tp, rollout_world=rollout_world,
+        replicas=n_gpus // rollout_world, max_loras=int(_get(ek, "max_loras", 0) or 0),
+        adapters=pcfg.population.num_adapters,
+    )
+
+
+def warn_if_bank_not_shared(paths: Sequence[str | None] | str | None) -> list[str]:
+    """Warn (once per save, one line) about per-rank bank files the driver cannot see; returns them.
+
+    Each rank writes its own shard file under ``trainer.default_local_dir``. On several nodes that folder must be
+    on a filesystem every node shares (as verl's own per-rank checkpoints need): otherwise a resume on other nodes
+    finds no bank for some ranks. Training goes on either way.
+    """
+    listed = [paths] if isinstance(paths, str) else list(paths or [])
+    unseen = [p for p in listed if p and not os.path.exists(p)]
+    if unseen:
+        logging.getLogger(__name__).warning(
+            "populora: %d of %d adapter bank file(s) are not visible from the driver (e.g. %s): put "
+            "trainer.default_local_dir on a filesystem shared by every node, or this checkpoint cannot be resumed "
+            "elsewhere", len(unseen), len(listed), unseen[0])
+    return unseen

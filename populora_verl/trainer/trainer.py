@@ -5,7 +5,8 @@ Registered as ``trainer.v1.trainer_mode=populora`` by :func:`populora_verl.train
     begin(step) -> teacher prompts ──TQ──> vLLM (one LoRA id per member) ──> on_proposals -> student prompts
        ──TQ──> vLLM ──> sleep replicas ──> on_answers (rewards, ratings, TRR++ advantages)
        ──> write rm_scores / advantages / returns into TQ
-       ──> per adapter slot (sorted): balance -> old log-prob -> update_actor (one PPO mini-batch = the slot's batch)
+       ──> per adapter slot (sorted): balance; then ONE old-log-prob call and ONE update_actor call for all slots
+           (each slot one PPO mini-batch = its own batch; ``+trainer.populora_fused_rpc=false``: one call per slot)
     on_step_end: evolution (PBT) -> checkpoint (population, step state, bank, then verl's) -> weight sync (all slots)
 
 The population logic (matching, validation, rewards, advantages, evolution decisions) lives in
@@ -37,7 +38,8 @@ from verl.utils.metric import reduce_metrics
 from verl.utils.py_functional import rename_dict
 
 from populora_verl.config import PopuLoRAConfig, load_config
-from populora_verl.trainer import convert
+from populora_verl.trainer import convert, fused, probes, schedule
+from populora_verl.workers import ADAPTER_KEY
 
 logger = logging.getLogger(__name__)
 logger.setLevel(os.getenv("VERL_LOGGING_LEVEL", "INFO"))
@@ -99,6 +101,41 @@ class _LazyAdapters(Mapping):
         return len(self._slot_of)
 
 
+def _actor_metrics(raw: Mapping[str, Any]) -> dict[str, Any]:
+    """verl's update metrics under its driver names (``actor/...``, ``perf/mfu/actor``), reduced over micro-batches."""
+    output = rename_dict(dict(raw), "actor/")
+    if "actor/mfu" in output:
+        output["perf/mfu/actor"] = output.pop("actor/mfu")
+    return reduce_metrics(output)
+
+
+def fused_batch(subs: Mapping[int, KVBatchMeta], dp: int) -> KVBatchMeta:
+    """All slots' balanced sub-batches as one call's batch, laid out per :func:`populora_verl.trainer.fused.interleave`.
+
+    Each slot keeps its own keys (and verl's balanced order, so each rank gets the share it would get alone)."""
+    if not subs:
+        raise ValueError("fused_batch: no slot to train")
+    parts = [(slot, list(zip(sub.keys, sub.tags, strict=True))) for slot, sub in subs.items()]
+    rows, segments = fused.interleave(parts, dp)
+    first = next(iter(subs.values()))
+    batch = KVBatchMeta(partition_id=first.partition_id, keys=[k for k, _ in rows], tags=[t for _, t in rows])
+    batch.extra_info[fused.SEGMENTS_KEY] = fused.encode_segments(segments)
+    return batch
+
+
+def rollout_counts(tags: Sequence[Mapping[str, Any]], lengths: Mapping[str, int]) -> dict[str, float]:
+    """Work of one rollout phase: sequences, prompt tokens (verl's per-trajectory ``prompt_len`` tag) and generated
+    tokens (masked response lengths), for throughput figures (``populora_verl.bench.step_scaling``)."""
+    prompt = 0
+    for tag in tags:
+        try:
+            prompt += int((tag or {}).get("prompt_len") or 0)
+        except (TypeError, ValueError):
+            continue
+    return {"sequences": float(len(lengths)), "prompt_tokens": float(prompt),
+            "response_tokens": float(sum(lengths.values()))}
+
+
 def _rows(t: Any) -> list[torch.Tensor]:
     """Per-sample 1-D tensors from a TQ field (jagged nested tensor, padded tensor or list)."""
     if isinstance(t, torch.Tensor):
@@ -120,10 +157,18 @@ class PopuLoRATrainer(PPOTrainerSync):
         check_registrations()
         self.pcfg: PopuLoRAConfig = load_config(config.get("populora"))
         convert.validate_verl_config(config, self.pcfg)
+        print(f"[populora] layout: {convert.parallel_layout(config, self.pcfg).describe()}", flush=True)
+        self._schedule, self._schedule_cfgs = schedule.scheduled_configs(config)
+        if self._schedule_cfgs:
+            self.pcfg = self._schedule_cfgs[0]
         self.debug_probes = bool(OmegaConf.select(config, DEBUG_PROBES_KEY, default=False))
+        self.fused_rpc = bool(OmegaConf.select(config, fused.FUSED_KEY, default=True))
         from populora_verl.step import PopulationStep
 
-        self.pop_step = PopulationStep(self.pcfg)
+        # The run's length places the final evolution-free window (pbt.final_quiet_steps).
+        self.pop_step = PopulationStep(self.pcfg, total_steps=int(config.trainer.total_training_steps))
+        # One update_actor per slot with the slot's batch as one mini-batch: ppo_epochs optimizer steps.
+        self.pop_step.updates_per_step = int(OmegaConf.select(config, "actor_rollout_ref.actor.ppo_epochs", default=1))
         self._init_populora_state()
 
     def _init_populora_state(self) -> None:
@@ -248,7 +293,10 @@ class PopuLoRATrainer(PPOTrainerSync):
         """Submit one phase's requests, wait for all groups, decode. Returns (GenResponses, batch meta, masks)."""
         if not requests:
             return [], KVBatchMeta(partition_id=PARTITION), {}
-        rows = convert.requests_to_rows(requests, self._lora_table(), self.global_steps, start_index=self._next_index)
+        lora_of = self._lora_table()
+        if name == "seed":  # the seeding phase's base-policy requests (PopulationStep.seed_begin)
+            lora_of = convert.with_base_policy(lora_of, self.pop_step.population.members[0].id)
+        rows = convert.requests_to_rows(requests, lora_of, self.global_steps, start_index=self._next_index)
         self._next_index += len(rows)
         self._phase = _Phase(name, list(requests), [r["uid"] for r in rows], rows)
         try:
@@ -263,6 +311,7 @@ class PopuLoRATrainer(PPOTrainerSync):
         metrics[f"populora/rollout/{name}/prompts"] = len(rows)
         metrics[f"populora/rollout/{name}/missing_sessions"] = missing
         metrics[f"populora/rollout/{name}/resubmitted"] = phase.resubmitted
+        metrics.update(convert.prefix_metrics(rollout_counts(batch.tags, lengths), f"populora/rollout/{name}"))
         if missing:
             logger.warning("populora step %d: %d %s sessions produced no trajectory (scored as empty answers)",
                            self.global_steps, missing, name)
@@ -300,14 +349,27 @@ class PopuLoRATrainer(PPOTrainerSync):
         parts = convert.partition_keys(result.samples, slot_of)
         before = self._debug_checksums() if self.debug_probes else None
 
+        if getattr(self, "fused_rpc", True):
+            per_adapter, out = self._train_fused(parts, all_meta, signals, member_of, metrics, timing_raw)
+        else:
+            per_adapter, out = self._train_per_adapter(parts, all_meta, signals, member_of, metrics, timing_raw)
+        metrics.update({k: v for k, v in convert.mean_over_prefixes(per_adapter).items() if k not in metrics})
+        self._log_adapter_report(gs, per_adapter, parts, member_of, before)
+        return out
+
+    def _balanced_sub(self, all_meta: KVBatchMeta, slot: int, keys: list[str], m: dict, timing_raw: dict) -> KVBatchMeta:
+        sub = all_meta.select_keys(keys)
+        sub.extra_info[ADAPTER_KEY] = slot
+        with marked_timer("populora_balance", timing_raw):
+            return self._balance_batch(sub, metrics=m)
+
+    def _train_per_adapter(self, parts, all_meta, signals, member_of, metrics, timing_raw):
+        """One old-log-prob and one update call per adapter slot (``+trainer.populora_fused_rpc=false``)."""
         out_keys, out_tags, per_adapter = [], [], {}
         for slot, keys in parts.items():
             member = member_of[slot]
             m: dict[str, Any] = {}
-            sub = all_meta.select_keys(keys)
-            sub.extra_info["populora_adapter"] = slot
-            with marked_timer("populora_balance", timing_raw):
-                sub = self._balance_batch(sub, metrics=m)
+            sub = self._balanced_sub(all_meta, slot, keys, m, timing_raw)
             self._write_signals(sub, signals)
             with marked_timer("old_log_prob", timing_raw, color="blue"):
                 self._compute_old_log_prob(sub, metrics=m)
@@ -318,9 +380,81 @@ class PopuLoRATrainer(PPOTrainerSync):
             metrics.update(convert.prefix_metrics(m, f"populora/{member}"))
             out_keys.extend(sub.keys)
             out_tags.extend(sub.tags)
-        metrics.update({k: v for k, v in convert.mean_over_prefixes(per_adapter).items() if k not in metrics})
-        self._log_adapter_report(gs, per_adapter, parts, member_of, before)
-        return KVBatchMeta(partition_id=PARTITION, keys=out_keys, tags=out_tags)
+        return per_adapter, KVBatchMeta(partition_id=PARTITION, keys=out_keys, tags=out_tags)
+
+    def _dp_size(self) -> int:
+        info = self.actor_rollout_wg._dispatch_info
+        if "actor" not in info:
+            info["actor"] = self.actor_rollout_wg._query_dispatch_info("actor")
+        return max(info["actor"]) + 1
+
+    def _train_fused(self, parts, all_meta, signals, member_of, metrics, timing_raw):
+        """Every adapter's old log-probs in one worker call, then every adapter's update in one call.
+
+        Each slot keeps exactly the rows (and verl's balancing and padding) it gets from a call of its own; only the
+        number of RPCs, TransferQueue round trips and driver-side waits changes (:mod:`populora_verl.trainer.fused`).
+        """
+        per_adapter: dict[str, dict[str, Any]] = {}
+        subs: dict[int, KVBatchMeta] = {}
+        for slot, keys in parts.items():
+            m = per_adapter.setdefault(member_of[slot], {})
+            subs[slot] = self._balanced_sub(all_meta, slot, keys, m, timing_raw)
+            m["populora/samples"] = len(keys)
+        batch = fused_batch(subs, self._dp_size())
+        self._write_signals(batch, signals)
+        with marked_timer("old_log_prob", timing_raw, color="blue"):
+            shared: dict[str, Any] = {}
+            self._compute_old_log_prob(batch, metrics=shared)
+            # verl's entropy / rollout-vs-trainer metrics over the whole call; per adapter below when available.
+            metrics.update(convert.prefix_metrics(shared, "populora/all"))
+            self._per_slot_logprob_metrics(subs, member_of, per_adapter)
+        with marked_timer("update_actor", timing_raw, color="red"):
+            by_slot = self._update_actor_fused(batch)
+        for slot, m in by_slot.items():
+            per_adapter[member_of[slot]].update(m)
+        for member, m in per_adapter.items():
+            metrics.update(convert.prefix_metrics(m, f"populora/{member}"))
+        return per_adapter, KVBatchMeta(partition_id=PARTITION, keys=list(batch.keys), tags=list(batch.tags))
+
+    def _per_slot_logprob_metrics(self, subs: Mapping[int, KVBatchMeta], member_of: Mapping[int, str],
+                                  per_adapter: dict[str, dict[str, Any]]) -> None:
+        """Rollout-vs-trainer log-prob agreement per adapter (the check that each adapter was served by its own
+        LoRA id) from the old log-probs the fused call wrote; diagnostics, so a failure only logs."""
+        if not self.config.actor_rollout_ref.rollout.calculate_log_probs:
+            return
+        try:
+            from verl.protocol import DataProto
+            from verl.utils.debug.metrics import calculate_debug_metrics
+
+            for slot, sub in subs.items():
+                data = tq.kv_batch_get(keys=list(sub.keys), partition_id=PARTITION,
+                                       select_fields=["old_log_probs", "rollout_log_probs", "response_mask", "responses"])
+                per_adapter[member_of[slot]].update(calculate_debug_metrics(DataProto(batch=data.to_padded_tensor())))
+        except Exception as e:  # never fail a step over a diagnostic
+            logger.warning("populora: per-adapter rollout/trainer log-prob metrics not computed: %s", e)
+
+    def _update_extra_info(self, n: int) -> dict[str, Any]:
+        actor = self.config.actor_rollout_ref.actor
+        return {
+            "calculate_entropy": bool(actor.calculate_entropy or actor.entropy_coeff != 0.0),
+            "distillation_use_topk": False,
+            "distillation_only": False,
+            "global_batch_size": n,
+            "mini_batch_size": n,
+            "epochs": actor.ppo_epochs,
+            "seed": actor.data_loader_seed,
+            "dataloader_kwargs": {"shuffle": actor.shuffle},
+            "temperature": self.config.actor_rollout_ref.rollout.temperature,
+        }
+
+    def _update_actor_fused(self, batch: KVBatchMeta) -> dict[int, dict[str, Any]]:
+        """One update call for every slot of ``batch`` (each slot one PPO mini-batch); reduced metrics per slot."""
+        batch.extra_info.update(self._update_extra_info(len(batch)))  # sizes are replaced per segment by the worker
+        output = self.actor_rollout_wg.update_actor(batch)
+        per_slot = (output["metrics"] or {}).get("populora_fused") if output is not None else None
+        if not per_slot:
+            raise RuntimeError("fused update_actor returned no per-slot metrics (worker without fused support?)")
+        return {int(slot): _actor_metrics(m) for slot, m in per_slot.items()}
 
     def _write_signals(self, batch: KVBatchMeta, signals: Mapping[str, Mapping[str, torch.Tensor]]) -> None:
         """rm_scores / advantages / returns for every key of a slot's batch; verl's padding rows get zeros."""
@@ -339,31 +473,62 @@ class PopuLoRATrainer(PPOTrainerSync):
 
     def _update_actor(self, batch: KVBatchMeta, metrics: dict) -> KVBatchMeta:
         """verl's actor update with the slot's whole batch as one mini-batch (verl sizes it from the config)."""
-        actor = self.config.actor_rollout_ref.actor
-        n = len(batch)
-        batch.extra_info.update({
-            "calculate_entropy": bool(actor.calculate_entropy or actor.entropy_coeff != 0.0),
-            "distillation_use_topk": False,
-            "distillation_only": False,
-            "global_batch_size": n,
-            "mini_batch_size": n,
-            "epochs": actor.ppo_epochs,
-            "seed": actor.data_loader_seed,
-            "dataloader_kwargs": {"shuffle": actor.shuffle},
-            "temperature": self.config.actor_rollout_ref.rollout.temperature,
-        })
+        batch.extra_info.update(self._update_extra_info(len(batch)))
         output = self.actor_rollout_wg.update_actor(batch)
-        output = rename_dict(output["metrics"], "actor/")
-        if "actor/mfu" in output:
-            output["perf/mfu/actor"] = output.pop("actor/mfu")
-        metrics.update(reduce_metrics(output))
+        metrics.update(_actor_metrics(output["metrics"]))
         return batch
 
     # --- hooks: probes, evolution, checkpoint, weight sync ---------------------------------------------------
 
     def on_step_begin(self) -> None:
+        idx = schedule.starts(getattr(self, "_schedule", [])).get(self.global_steps)
+        if idx:  # a later entry of a population schedule starts with this step (entry 0 is set up by init)
+            with marked_timer("populora_switch", self.timing_raw, color="green"):
+                self._switch_population(idx)
+        if not self.pop_step.seeded:
+            self._seed_buffers()
         if self.debug_probes:
             self._probe_adapters()
+
+    def _seed_buffers(self) -> None:
+        """The seeding phase (``populora.buffer.seed_programs``) before step 1: the base policy proposes until the
+        buffers hold the target; nothing of it is trained. The seed set goes to ``<default_local_dir>/seed_tasks.jsonl``
+        (reuse it with ``populora.buffer.seed_file``)."""
+        from populora_verl.tasks import save_seed_file
+
+        ps, rounds, metrics = self.pop_step, 0, {}
+        while True:
+            requests = ps.seed_begin()
+            if not requests:
+                break
+            responses, batch, _ = self._generate(requests, "seed", metrics)
+            tq.kv_clear(keys=list(batch.keys), partition_id=PARTITION)  # never trained on
+            ps.seed_on_proposals(responses)
+            rounds += 1
+        if rounds:
+            path = os.path.join(self._step_folder().rsplit(os.sep, 1)[0], "seed_tasks.jsonl")
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            save_seed_file(ps.seed_set, path)
+            print(f"[populora] seeding: {rounds} rounds, {len(ps.seed_set)} seed tasks -> {path}", flush=True)
+
+    # --- population schedule (one process, several configurations: populora_verl.bench.step_scaling) ---------
+
+    def _switch_population(self, idx: int) -> None:
+        """Replace the population, the adapter bank and vLLM's adapters; keep Ray, FSDP and the vLLM engine.
+
+        Mirrors a step boundary: replicas asleep, fresh bank on the workers, every slot pushed under its id (same
+        ids as the previous entry's slots of the same number: the registry updates them in place)."""
+        from populora_verl.step import PopulationStep
+
+        entry, old = self._schedule[idx], self.pop_step
+        self.checkpoint_manager.sleep_replicas()
+        self.pcfg = self._schedule_cfgs[idx]
+        self.pop_step = PopulationStep(self.pcfg, executor=old.tasks.executor)
+        self._phase, self._checksums = None, None
+        info = self._rpc("populora_init_bank", self.pcfg.population.num_adapters, self.pcfg.population.seed)
+        self.checkpoint_manager.update_weights(self.global_steps)
+        print(f"[populora] step {self.global_steps}: population schedule entry {entry.name!r} "
+              f"({info['num_slots']} adapters)", flush=True)
 
     def on_step_end(self) -> None:
         with marked_timer("populora_evolve", self.timing_raw, color="green"):
@@ -389,8 +554,11 @@ class PopuLoRATrainer(PPOTrainerSync):
         plan, children = self.pop_step.maybe_evolve(step, _LazyAdapters(self._get_adapter, slot_of))
         events = 0 if plan is None else len(plan.replacements)
         for r in (plan.replacements if plan is not None else []):
+            # reset_optimizer=false: the child takes its fitter parent's moments (as the CPU driver), never keeps
+            # its victim's. Parents are survivors, so no earlier replacement of this plan has touched them.
             self._rpc("populora_set_adapter", int(r.victim_slot), children[r.child_id],
-                      reset_optimizer=bool(r.reset_optimizer))
+                      reset_optimizer=bool(r.reset_optimizer),
+                      optimizer_from=None if r.reset_optimizer else slot_of[r.parent_ids[0]])
             print(f"[populora] step {step} evolution: {r.victim_id} (slot {r.victim_slot}) <- {r.child_id} = "
                   f"{r.operator}({', '.join(r.parent_ids)})", flush=True)
         return {"populora/evolution/events": float(events)}
@@ -410,7 +578,8 @@ class PopuLoRATrainer(PPOTrainerSync):
         from populora_verl.checkpoint import save_checkpoint
 
         pdir = os.path.join(self._step_folder(), "populora")
-        self._rpc("populora_save_bank", os.path.join(pdir, "bank"))
+        written = self.actor_rollout_wg.populora_save_bank(os.path.join(pdir, "bank"))
+        convert.warn_if_bank_not_shared(written)  # M nodes: every rank's file must be where the driver resumes
         pop = self.pop_step.population
         adapters = {m.id: self._get_adapter(int(m.slot)) for m in pop.members}
         save_checkpoint(pdir, self.global_steps, population=pop, adapters=adapters, lora_config=self._lora_config(),
@@ -421,7 +590,8 @@ class PopuLoRATrainer(PPOTrainerSync):
         print(f"[populora] step {self.global_steps}: checkpoint {pdir}", flush=True)
 
     def _load_checkpoint(self) -> None:
-        info = self._rpc("populora_init_bank", self.pcfg.population.num_adapters, self.pcfg.population.seed)
+        info = self._rpc("populora_init_bank", self.pcfg.population.num_adapters, self.pcfg.population.seed,
+                         shared_a=self.pcfg.population.founder_init == "shared_a")
         logger.info("populora: adapter bank initialised: %s", info)
         ck = None
         if self.config.trainer.resume_mode == "auto":
@@ -465,6 +635,7 @@ class PopuLoRATrainer(PPOTrainerSync):
             logger.warning("populora: metrics.jsonl not written: %s", e)
 
     def _debug_checksums(self) -> dict[int, str]:
+        self._rank_sums = self.actor_rollout_wg.populora_shard_checksums()  # each rank's own shards, same moment
         return {int(m.slot): convert.state_checksum(self._get_adapter(int(m.slot)))
                 for m in self.pop_step.population.members}
 
@@ -477,9 +648,11 @@ class PopuLoRATrainer(PPOTrainerSync):
                   f"pg_loss={m.get('actor/pg_loss')} rollout_vs_trainer={json.dumps(diff, default=float)}", flush=True)
         if before is None:
             return
+        rank_before = self._rank_sums
         after = self._debug_checksums()
         changed = sorted(s for s in after if after[s] != before.get(s))
         trained = sorted(parts)
+        print(probes.rank_report(step, rank_before, self._rank_sums, trained)[0], flush=True)
         ok = changed == trained
         print(f"[populora] step {step} bank checksums: " + " ".join(
             f"{member_of.get(s, s)}@{s}:{before.get(s)}->{after[s]}" for s in sorted(after))
@@ -527,6 +700,8 @@ class PopuLoRATrainer(PPOTrainerSync):
         for mid, text in outs.items():
             print(f"[populora]   {mid} lora_int_id={table[mid]['lora_int_id']} ({table[mid]['lora_name']}): "
                   f"sum_logp={logps.get(mid, float('nan')):.6f} {text[:100]!r}", flush=True)
+        probes.print_replica_probe(self.llm_server_manager.get_replicas(), self.tokenizer, PROBE_PROMPT, table,
+                                   self.global_steps)
 
 
 def register() -> type[PopuLoRATrainer]:

@@ -32,7 +32,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["AdapterBank", "AdapterBankError", "PlanEntry", "peft_key", "BANK_FORMAT_VERSION"]
+__all__ = ["AdapterBank", "AdapterBankError", "PlanEntry", "peft_key", "bank_filename", "bank_file_for",
+           "BANK_FORMAT_VERSION"]
 
 BANK_FORMAT_VERSION = 1
 
@@ -234,13 +235,16 @@ class AdapterBank:
 
     # --- slots -----------------------------------------------------------------------------------------------
 
-    def init_slots(self, num_slots: int, seed: int | None = None, *, from_live: bool = False) -> None:
+    def init_slots(self, num_slots: int, seed: int | None = None, *, from_live: bool = False,
+                   shared_a: bool = False) -> None:
         """Create ``num_slots`` slots with fresh optimizer state.
 
         ``from_live``: every slot starts as a copy of the live adapter (e.g. a pretrained ``lora_adapter_path``).
         Otherwise slot k gets PEFT's default LoRA init drawn from ``seed`` and k: ``lora_A`` Kaiming-uniform
         (bound ``1/sqrt(fan_in)``), ``lora_B`` zero, so every adapter starts as the base policy but trains from a
-        different subspace. Full tensors are drawn identically on every rank and each rank keeps its shard.
+        different subspace. ``shared_a``: every slot gets slot 0's draw instead (one gauge for the whole
+        population, so factor-space crossovers of founders are meaningful). Full tensors are drawn identically on
+        every rank and each rank keeps its shard.
         """
         if not isinstance(num_slots, int) or num_slots < 1:
             raise AdapterBankError(f"num_slots must be an integer >= 1, got {num_slots!r}")
@@ -253,7 +257,7 @@ class AdapterBank:
             if from_live:
                 params = {n: self._cpu_copy(p) for n, p in self._params.items()}
             else:
-                gen = torch.Generator().manual_seed(int(seed) * 1_000_003 + k)
+                gen = torch.Generator().manual_seed(int(seed) * 1_000_003 + (0 if shared_a else k))
                 params = {}
                 for n, p in self._params.items():
                     full = self._default_init(n, tuple(p.shape), gen)
@@ -395,6 +399,24 @@ class AdapterBank:
         if self._active == slot:
             self._load_optimizer(s)
 
+    def copy_optimizer(self, src: int, dst: int) -> None:
+        """Give slot ``dst`` a copy of slot ``src``'s optimizer moments, step count, LR schedule and LRs.
+
+        Rank-local (both slots hold this rank's shards of same-shaped parameters): used when a child keeps its
+        fitter parent's optimizer state (``pbt.reset_optimizer_on_replace=false``), as the CPU driver does.
+        """
+        self._check_slot(src)
+        self._check_slot(dst)
+        if self._active in (src, dst):
+            self.swap_out()
+        s, d = self._slots[src], self._slots[dst]
+        d.optim = None if s.optim is None else {
+            n: {k: (v.clone() if torch.is_tensor(v) else copy.deepcopy(v)) for k, v in st.items()}
+            for n, st in s.optim.items()}
+        d.scheduler, d.lrs = copy.deepcopy(s.scheduler), copy.deepcopy(s.lrs)
+        if self._active == dst:
+            self._load_optimizer(d)
+
     def set_lr(self, slot: int, lr: float) -> None:
         """Set ``slot``'s base learning rate (every param group, and the scheduler's ``base_lrs`` so it sticks).
 
@@ -514,9 +536,28 @@ class AdapterBank:
                 parents.append(cache[ps])
             gen = torch.Generator().manual_seed(e.seed)
             results.append((e, op(parents, generator=gen, **dict(e.params))))
+        # A child that keeps an optimizer state keeps its fitter parent's (as the CPU driver), not its victim's.
+        # Parents are survivors, never children of this plan, so their state is still the pre-plan one.
         for e, child in results:
             self.set_adapter_state(e.child_slot, child, reset_optimizer=e.reset_optimizer)
+            if not e.reset_optimizer:
+                self.copy_optimizer(int(e.parent_slots[0]), e.child_slot)
         return children
+
+    def shard_checksums(self) -> dict[int, str]:
+        """Per slot, a short hash of **this rank's** shards (no collective): which slots changed on which rank."""
+        import hashlib
+
+        self.swap_out()
+        out = {}
+        for k, s in enumerate(self._slots):
+            h = hashlib.sha1()
+            for n in sorted(s.params):
+                t = s.params[n].detach().contiguous()
+                h.update(n.encode())
+                h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+            out[k] = h.hexdigest()[:12]
+        return out
 
     # --- persistence -----------------------------------------------------------------------------------------
 
@@ -573,3 +614,26 @@ class AdapterBank:
 def bank_filename(world_size: int, rank: int) -> str:
     """Per-rank bank file name, next to verl's ``model_world_size_{W}_rank_{r}.pt`` naming."""
     return f"bank_world_size_{world_size}_rank_{rank}.pt"
+
+
+def bank_file_for(directory: str, world_size: int, rank: int) -> str:
+    """The bank file this rank resumes from; a one-line :class:`AdapterBankError` if it is not there.
+
+    Each file holds one rank's shards and optimizer state, so a bank saved at another world size cannot be loaded
+    (the shards would not line up). The message says which world sizes the folder holds and what to do.
+    """
+    import os
+    import re
+
+    path = os.path.join(directory, bank_filename(world_size, rank))
+    if os.path.exists(path):
+        return path
+    names = os.listdir(directory) if os.path.isdir(directory) else []
+    saved = sorted({int(m.group(1)) for n in names if (m := re.fullmatch(r"bank_world_size_(\d+)_rank_\d+\.pt", n))})
+    if saved and world_size not in saved:
+        raise AdapterBankError(
+            f"adapter bank in {directory} was saved by {', '.join(map(str, saved))} rank(s) but this run has "
+            f"{world_size}: resume with the same trainer.n_gpus_per_node x trainer.nnodes, or start a new run (the "
+            "full per-member PEFT adapters stay readable in the checkpoint's populora/population/adapters/)"
+        )
+    raise AdapterBankError(f"no adapter bank for world size {world_size}, rank {rank} at {path}")

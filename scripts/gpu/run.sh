@@ -4,7 +4,7 @@
 set -uo pipefail
 source scripts/gpu/env.sh
 OUT=${OUT:-$PWD/gpu-out}; mkdir -p "$OUT"
-job=${1:?job: bench_operators | eval_base | proof | step_scaling}; shift || true
+job=${1:?job: bench_operators | eval_base | proof | step_scaling | validity}; shift || true
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 case "$job" in
   bench_operators)
@@ -19,9 +19,18 @@ case "$job" in
   proof)
     bash scripts/gpu_proof.sh "$MODEL_DIR" "$OUT" "$@" ;;
   step_scaling)
-    # /tmp keeps earlier configs' results while the machine is warm: split the configs over calls if needed.
-    python3 -m populora_verl.bench.step_scaling --model "$MODEL_DIR" --out /tmp/step_scaling "$@" 2>&1 \
-      | grep -v "Warning\|warn(" | tee "$OUT/step_scaling.log"
-    cp /tmp/step_scaling/results.md /tmp/step_scaling/results.json "$OUT/" 2>/dev/null ;;
+    # Foreground, one call (fits only a few configurations in a device call's 10 minutes); for the full table run
+    # scripts/gpu/step_scaling_bg.sh start ... and poll it. /tmp keeps earlier rows while the machine is warm.
+    python3 -m populora_verl.bench.step_scaling --model "${STEP_SCALING_MODEL:-0.5b=$MODEL_DIR}" \
+      --out /tmp/step_scaling "$@" 2>&1 | grep -v "Warning\|warn(" | tee "$OUT/step_scaling.log"
+    cp -r /tmp/step_scaling/*/results.md /tmp/step_scaling/*/results.json "$OUT/" 2>/dev/null ;;
+  validity)
+    # Valid-proposal rate per task type with failure reasons, and student solve rates (issue 13). Later arguments
+    # override these (argparse keeps the last), e.g. `bash scripts/gpu/run.sh validity --lengths 1024 2048`.
+    start=$(date +%s)
+    python3 -m populora_verl.bench.validity --model "$MODEL_DIR" --engine vllm --templates azr chat \
+      --lengths 1024 --temperatures 1.0 --proposals 64 --student-n 4 --gpu-memory-utilization 0.85 \
+      --out "$OUT/validity" "$@" 2>&1 | grep -v "Warning\|warn(" | tee "$OUT/validity.log"
+    echo "validity wall-clock: $(( $(date +%s) - start )) s" | tee -a "$OUT/validity.log" ;;
   *) echo "unknown job $job" >&2; exit 2 ;;
 esac

@@ -1,0 +1,212 @@
+"""Scaling of one PopuLoRA configuration over 1, 2, 4, ... GPUs of one host (issue 14: >= 1.7x at 2, >= 3.2x at 4).
+
+    python -m populora_verl.bench.gpu_scaling --model /path/to/qwen-coder-0.5b --gpus 1,2,4 [--config 4t4s] \
+        [--tp 1] [--steps 3] [--out DIR] [hydra overrides...]
+
+Runs the ``smoke_0.5b`` recipe with the same population and per-step work on the first G visible GPUs
+(``CUDA_VISIBLE_DEVICES``, ``trainer.n_gpus_per_node=G``): G FSDP2 ranks for the actor and G / TP vLLM replicas.
+Only the GPU count changes, so tokens per step stay the same and the speed-up is a throughput ratio. Per GPU count:
+
+* seconds per step and tokens per second (``perf/total_num_tokens`` / ``timing_s/step``), over steps 2..N;
+* the speed-up against the 1-GPU row **of the same machine** (the GPU name is recorded; a 1-GPU row from another
+  machine kind is never used as the baseline), and the goal of issue 14 for that count;
+* the step's phases (generation, old log-probs, update, weight sync) and peak GPU memory (``nvidia-smi``, summed).
+
+Rows of earlier invocations with the same ``--out`` are kept (a GPU count run again replaces its row), so each GPU
+count can go in its own call on one warm machine and still land in one table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from populora_verl.bench import step_scaling as ss
+
+#: Issue 14's throughput goals against one GPU of the same machine.
+GOALS = {2: 1.7, 4: 3.2}
+PHASES = ("gen", "old_log_prob", "update_actor", "update_weights")
+
+
+@dataclass
+class ScalingRow:
+    gpus: int
+    tp: int
+    config: str
+    gpu_name: str
+    rc: int
+    wall_s: float
+    step_s: dict[int, float] = field(default_factory=dict)
+    tokens: dict[int, float] = field(default_factory=dict)
+    phases_s: dict[str, float] = field(default_factory=dict)
+    smi_peak_mib: float | None = None
+
+    @property
+    def key(self) -> str:
+        return f"{self.config}@{self.gpus}gpu_tp{self.tp}"
+
+    def steady(self) -> list[int]:
+        return sorted(k for k in self.step_s if k >= 2 and k in self.tokens)
+
+    @property
+    def mean_step_s(self) -> float | None:
+        steps = self.steady()
+        return sum(self.step_s[k] for k in steps) / len(steps) if steps else None
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        steps = self.steady()
+        time_s = sum(self.step_s[k] for k in steps)
+        return sum(self.tokens[k] for k in steps) / time_s if steps and time_s > 0 else None
+
+
+def figures(rows: Iterable[tuple[int, Mapping[str, Any]]]) -> tuple[dict[int, float], dict[int, float], dict[str, float]]:
+    """``({step: s}, {step: tokens}, {phase: mean s over steps >= 2})`` from verl's ``(step, metrics)`` rows."""
+    step_s, tokens, phases = {}, {}, {}
+    for step, data in rows:
+        num = {k: float(v) for k, v in data.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        if "timing_s/step" in num:
+            step_s[step] = num["timing_s/step"]
+        if "perf/total_num_tokens" in num:
+            tokens[step] = num["perf/total_num_tokens"]
+        if step >= 2:
+            for ph in PHASES:
+                if f"timing_s/{ph}" in num:
+                    phases.setdefault(ph, []).append(num[f"timing_s/{ph}"])
+    return step_s, tokens, {ph: sum(v) / len(v) for ph, v in phases.items()}
+
+
+def overrides_for(gpus: int, tp: int) -> list[str]:
+    """What changes with the GPU count (everything else is the configuration's own)."""
+    return [f"trainer.n_gpus_per_node={gpus}", "trainer.nnodes=1",
+            f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp}"]
+
+
+def baseline(rows: Sequence[ScalingRow], row: ScalingRow) -> ScalingRow | None:
+    """The 1-GPU row of the same configuration on the same GPU model, if measured."""
+    return next((b for b in rows if b.gpus == 1 and b.config == row.config and b.gpu_name == row.gpu_name
+                 and b.tokens_per_s), None)
+
+
+def report(rows: Sequence[ScalingRow]) -> str:
+    lines = ["| config | GPUs | rollout | GPU | s/step (2..N) | tokens/s | speed-up vs 1 GPU | goal | "
+             + " | ".join(f"{p} s" for p in PHASES) + " | peak MiB | exit |",
+             "|---|---|---|---|---|---|---|---|" + "---|" * len(PHASES) + "---|---|"]
+    for r in sorted(rows, key=lambda r: (r.config, r.gpus, r.tp)):
+        base = baseline(rows, r)
+        tps, s = r.tokens_per_s, r.mean_step_s
+        speed = f"{tps / base.tokens_per_s:.2f}x" if tps and base else "-"
+        goal = f">= {GOALS[r.gpus]}x" if r.gpus in GOALS else "-"
+        layout = f"{r.gpus // r.tp} x TP{r.tp}"
+        lines.append(f"| {r.config} | {r.gpus} | {layout} | {r.gpu_name or '-'} | {f'{s:.1f}' if s else '-'} | "
+                     f"{f'{tps:.0f}' if tps else '-'} | {speed} | {goal} | "
+                     + " | ".join(f"{r.phases_s[p]:.1f}" if p in r.phases_s else "-" for p in PHASES)
+                     + f" | {f'{r.smi_peak_mib:.0f}' if r.smi_peak_mib else '-'} | {r.rc} |")
+    return "\n".join(lines)
+
+
+def _gpu_name() -> str:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=20).stdout.splitlines()
+        return out[0].strip() if out else ""
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+
+
+def run_one(model: str, config: str, gpus: int, tp: int, steps: int, out: Path, extra: list[str],
+            timeout_s: int) -> ScalingRow:
+    row = ScalingRow(gpus, tp, config, _gpu_name(), rc=-1, wall_s=0.0)
+    visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()] or \
+        [str(i) for i in range(gpus)]
+    metrics = out / f"{row.key}.metrics.jsonl"
+    metrics.unlink(missing_ok=True)
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES=",".join(visible[:gpus]), VLLM_WORKER_MULTIPROC_METHOD="spawn",
+               VLLM_USE_FLASHINFER_SAMPLER="0", RAY_AUTH_MODE="disabled", TOKENIZERS_PARALLELISM="false",
+               PYTHONUNBUFFERED="1", VERL_FILE_LOGGER_PATH=str(metrics))
+    cmd = ss.command(model, config, steps, out / row.key, [*overrides_for(gpus, tp), *extra])
+    t0 = time.time()
+    with ss.GpuMemoryPoller() as poller, open(out / f"{row.key}.log", "w") as f:
+        try:
+            row.rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, timeout=timeout_s).returncode
+        except subprocess.TimeoutExpired:
+            row.rc = 124
+    row.wall_s, row.smi_peak_mib = time.time() - t0, poller.peak or None
+    if metrics.exists():
+        row.step_s, row.tokens, row.phases_s = figures(ss.file_log_rows(metrics.read_text(errors="replace")))
+    if not row.step_s:  # no file logger output: verl's console lines
+        row.step_s, row.tokens, row.phases_s = figures(ss.console_rows((out / f"{row.key}.log").read_text(errors="replace")))
+    return row
+
+
+def load_rows(path: Path) -> list[ScalingRow]:
+    if not path.exists():
+        return []
+    rows = []
+    for raw in json.loads(path.read_text()):
+        raw = {k: v for k, v in raw.items() if k in ScalingRow.__dataclass_fields__}
+        for k in ("step_s", "tokens"):
+            raw[k] = {int(s): float(v) for s, v in raw.get(k, {}).items()}
+        rows.append(ScalingRow(**raw))
+    return rows
+
+
+def save_rows(path: Path, rows: Sequence[ScalingRow]) -> None:
+    path.write_text(json.dumps([asdict(r) | {"mean_step_s": r.mean_step_s, "tokens_per_s": r.tokens_per_s}
+                                for r in rows], indent=1))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--gpus", default="1,2,4", help="comma-separated GPU counts (each <= the visible GPUs)")
+    ap.add_argument("--config", default="4t4s", choices=sorted(ss.CONFIGS))
+    ap.add_argument("--tp", type=int, default=1, help="rollout tensor parallel size (1-GPU rows always use 1)")
+    ap.add_argument("--steps", type=int, default=3, help="steps per run (step 1 is warm-up)")
+    ap.add_argument("--out", default="bench_gpu_scaling")
+    ap.add_argument("--timeout-s", type=int, default=1800)
+    ap.add_argument("overrides", nargs="*", help="extra hydra overrides for every run")
+    args = ap.parse_args(argv)
+    counts = [int(x) for x in args.gpus.split(",") if x.strip()]
+    if args.steps < 2:
+        ap.error("--steps must be >= 2 (step 1 is warm-up)")
+    bad_tp = [g for g in counts if g > 1 and g % args.tp]
+    if bad_tp:
+        ap.error(f"--tp {args.tp} does not divide GPU counts {bad_tp}")
+    try:
+        import torch
+
+        available = torch.cuda.device_count()
+    except ImportError:
+        available = 0
+    if available < max(counts):
+        print(f"gpu_scaling: needs {max(counts)} CUDA GPU(s), found {available}; nothing was run.", file=sys.stderr)
+        return 2
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    results = out / "results.json"
+    rows = load_rows(results)
+    for g in counts:
+        tp = 1 if g == 1 else args.tp
+        print(f"gpu_scaling: {args.config} on {g} GPU(s), rollout TP {tp} ...", flush=True)
+        row = run_one(args.model, args.config, g, tp, args.steps, out, list(args.overrides), args.timeout_s)
+        print(f"  exit={row.rc} wall={row.wall_s:.0f}s s/step={row.mean_step_s} tokens/s={row.tokens_per_s}",
+              flush=True)
+        rows = [r for r in rows if r.key != row.key or r.gpu_name != row.gpu_name] + [row]
+        save_rows(results, rows)
+    table = report(rows)
+    print(table)
+    (out / "results.md").write_text(table + "\n")
+    return 0 if all(r.rc == 0 for r in rows) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,84 @@
+#!/usr/bin/env bash
+# Multi-GPU proof of PopuLoRA on N GPUs of one host (issue 14), run from the repo root on the GPU machine after
+# staging (scripts/gpu/README.md). Results go to $OUT (the device tool's return folder) or ./gpu-out.
+#
+#   bash scripts/gpu/multi_gpu_proof.sh shard_check N
+#       the adapter bank under verl's FSDP2 on N NCCL ranks (no vLLM, ~1 min): per-slot training vs one process,
+#       weight-sync gather, per-rank save/load, evolution (populora_verl.workers.shard_check)
+#   bash scripts/gpu/multi_gpu_proof.sh proof N replicas|tp [hydra overrides...]
+#       4T4S through verl + Ray on N GPUs: `replicas` = N vLLM replicas with TP 1, `tp` = N/2 replicas with TP 2.
+#       Run 1: steps 1-2 (evolution + checkpoint at 2); run 2: resume to step 4. MGPU_PHASE=run1|run2 splits the two
+#       runs over two calls on a warm machine (logs kept in /tmp/mgpu_<N>_<layout>).
+#   bash scripts/gpu/multi_gpu_proof.sh scaling G [TP] [hydra overrides...]
+#       the same 4T4S config on the first G GPUs (populora_verl.bench.gpu_scaling); one G per call, rows merge in
+#       /tmp/gpu_scaling. Run G=1 on the same machine first: it is the baseline of the speed-up.
+#
+# Checks of `proof` (each an OK/MISS line in summary.txt; exit != 0 if one is missing): those of scripts/gpu_proof.sh
+# (greedy outputs differ by LoRA id, per-adapter rollout-vs-trainer log-prob diff, only trained slots changed,
+# evolution, checkpoint, resume), plus: the layout line shows N GPUs and the expected replicas; every rank changed
+# exactly the trained slots; every replica holds every LoRA id of the step (evolved ids included) and gives distinct
+# greedy log-probs per adapter once trained.
+set -uo pipefail
+source scripts/gpu/env.sh
+OUT=${OUT:-$PWD/gpu-out}; mkdir -p "$OUT"
+job=${1:?job: shard_check | proof | scaling}; shift
+N=${1:?number of GPUs}; shift
+have=$(nvidia-smi --list-gpus | wc -l)
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+[ "$have" -ge "$N" ] || { echo "multi_gpu_proof: needs $N GPUs, this machine has $have"; exit 2; }
+export CUDA_VISIBLE_DEVICES=$(seq -s, 0 $((N - 1)))
+
+case "$job" in
+  shard_check)
+    rm -rf /tmp/shard_check
+    python3 -m torch.distributed.run --standalone --nproc-per-node "$N" -m populora_verl.workers.shard_check \
+      --out /tmp/shard_check 2>&1 \
+      | grep -v -i "warn" | tee "$OUT/shard_check_${N}gpu.log"
+    exit "${PIPESTATUS[0]}" ;;
+  scaling)
+    TP=1
+    if [[ ${1:-} =~ ^[0-9]+$ ]]; then TP=$1; shift; fi
+    python3 -m populora_verl.bench.gpu_scaling --model "$MODEL_DIR" --gpus "$N" --tp "$TP" --steps 3 \
+      --out /tmp/gpu_scaling data.max_response_length=256 "$@" 2>&1 | grep -v "Warning\|warn(" \
+      | tee "$OUT/gpu_scaling_${N}gpu_tp${TP}.log"
+    rc=${PIPESTATUS[0]}
+    cp /tmp/gpu_scaling/results.md /tmp/gpu_scaling/results.json "$OUT/" 2>/dev/null
+    exit "$rc" ;;
+  proof) ;;
+  *) echo "unknown job $job" >&2; exit 2 ;;
+esac
+
+layout=${1:?layout: replicas | tp}; shift
+case "$layout" in
+  replicas) TP=1 ;;
+  tp) TP=2 ;;
+  *) echo "layout must be replicas or tp, got $layout" >&2; exit 2 ;;
+esac
+REPLICAS=$((N / TP))
+DIR=/tmp/mgpu_${N}_${layout}
+PHASE=${MGPU_PHASE:-all}
+[ "$PHASE" = run2 ] || rm -rf "$DIR"
+mkdir -p "$DIR"
+overrides=(
+  trainer.n_gpus_per_node="$N" trainer.nnodes=1
+  actor_rollout_ref.rollout.tensor_model_parallel_size="$TP"
+  populora.population.num_teachers=4 populora.population.num_students=4
+  actor_rollout_ref.rollout.agent.num_workers=$((2 * REPLICAS))
+  data.max_response_length=256
+)
+GPU_PROOF_PHASE=$PHASE GPU_PROOF_TIMEOUT_S=${GPU_PROOF_TIMEOUT_S:-540} \
+  bash scripts/gpu_proof.sh "$MODEL_DIR" "$DIR" "${overrides[@]}" "$@" > "$DIR/$PHASE.out" 2>&1
+rc=$?
+grep -hE '\[populora\]|^(OK|MISS) |exit=' "$DIR/$PHASE.out" | cut -c1-400 | tail -60
+grep -hE 'Traceback|Error' "$DIR/$PHASE.out" | head -5
+if [ "$PHASE" != run1 ] && [ -f "$DIR/run2_resume_to4.log" ]; then
+  bash scripts/gpu/multi_gpu_checks.sh "$DIR" "$N" "$TP"
+  checks=$?
+  [ "$rc" -eq 0 ] && rc=$checks
+fi
+for f in "$DIR"/*.log; do tail -c 3000000 "$f" > "$OUT/${N}gpu_${layout}_$(basename "$f")"; done
+for f in summary.txt populora_lines.txt rollout_probs_diff.txt; do
+  [ -f "$DIR/$f" ] && cp "$DIR/$f" "$OUT/${N}gpu_${layout}_$f"
+done
+cat "$DIR/summary.txt" 2>/dev/null
+exit $rc

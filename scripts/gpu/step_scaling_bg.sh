@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# The step-scaling benchmark in the background on the GPU machine, so one staged machine runs every configuration
+# while the caller polls with short calls. Results and logs land incrementally in /tmp/step_scaling.
+#   bash scripts/gpu/step_scaling_bg.sh start [step_scaling args...]   # returns at once
+#   bash scripts/gpu/step_scaling_bg.sh status                         # progress + tables so far (copied to $OUT)
+#   bash scripts/gpu/step_scaling_bg.sh wait 420                       # block until done or 420 s passed, then status
+#   bash scripts/gpu/step_scaling_bg.sh stop                           # ends the run's process group
+# The code runs from a private copy (/tmp/populora-src): each device call replaces the checkout under the run.
+set -uo pipefail
+ROOT=${STEP_SCALING_OUT:-/tmp/step_scaling}
+OUT=${OUT:-$PWD/gpu-out}; mkdir -p "$OUT" "$ROOT"
+cmd=${1:-status}; shift || true
+case "$cmd" in
+  start)
+    if [ -f "$ROOT/driver.pid" ] && kill -0 "$(cat "$ROOT/driver.pid")" 2>/dev/null; then
+      echo "already running (pid $(cat "$ROOT/driver.pid")); use status or stop"; exit 1
+    fi
+    source scripts/gpu/env.sh
+    rm -rf /tmp/populora-src && mkdir -p /tmp/populora-src && cp -r populora_verl recipes /tmp/populora-src/
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$ROOT/gpu.txt"
+    cd /tmp/populora-src
+    PYTHONPATH="/tmp/populora-src:$PYTHONPATH" setsid nohup python3 -m populora_verl.bench.step_scaling \
+      --out "$ROOT" "$@" > "$ROOT/driver.log" 2>&1 < /dev/null &
+    echo $! > "$ROOT/driver.pid"
+    sleep 5; echo "started pid $(cat "$ROOT/driver.pid") at $(date -u +%T)"; tail -3 "$ROOT/driver.log" ;;
+  status)
+    source scripts/gpu/env.sh >/dev/null 2>&1
+    python3 -m populora_verl.bench.step_scaling --status --out "$ROOT" | tee "$OUT/status.txt"
+    echo "--- driver.log (tail)"; tail -5 "$ROOT/driver.log" 2>/dev/null
+    nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader
+    # the evidence so far: tables, per-step metrics, the tail of each log, ceiling results
+    for d in "$ROOT"/*/; do
+      [ -d "$d" ] || continue; t=$(basename "$d"); mkdir -p "$OUT/$t"
+      cp "$d"/results.* "$d"/*.metrics.jsonl "$d"/ceiling*.json "$OUT/$t/" 2>/dev/null
+      for f in "$d"/*.log; do [ -f "$f" ] && tail -c 200000 "$f" > "$OUT/$t/$(basename "$f")"; done
+    done
+    cp "$ROOT"/gpu.txt "$ROOT"/progress.json "$ROOT"/driver.log "$OUT/" 2>/dev/null; true ;;
+  wait)
+    # One long call instead of many short ones: the machine stays held, nothing idles between polls.
+    limit=${1:-420}; pid=$(cat "$ROOT/driver.pid" 2>/dev/null || echo 0); t=0
+    while [ "$t" -lt "$limit" ] && kill -0 "$pid" 2>/dev/null; do sleep 10; t=$((t + 10)); done
+    exec bash "$0" status ;;
+  stop)
+    pid=$(cat "$ROOT/driver.pid" 2>/dev/null) || { echo "no run"; exit 0; }
+    # SIGTERM: the driver ends the running configuration and saves what it logged, then exits
+    kill -TERM "$pid" 2>/dev/null
+    for _ in $(seq 60); do kill -0 "$pid" 2>/dev/null || break; sleep 1; done
+    kill -KILL -- "-$pid" 2>/dev/null
+    ray stop --force >/dev/null 2>&1; echo "stopped $pid" ;;
+  *) echo "usage: step_scaling_bg.sh start|status|wait [seconds]|stop [args]" >&2; exit 2 ;;
+esac

@@ -1,0 +1,278 @@
+"""Multi-GPU start-up checks: the GPU layout keys against each other, and resuming a bank at another world size."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from populora_verl.config import ConfigError, load_config
+from populora_verl.trainer import convert
+from populora_verl.workers.adapter_bank import AdapterBankError, bank_file_for, bank_filename
+
+RECIPES = Path(__file__).resolve().parents[1] / "recipes" / "populora"
+
+
+def _compose(name: str, overrides=()):
+    with initialize_config_dir(config_dir=str(RECIPES), version_base=None):
+        return compose(config_name=name, overrides=list(overrides))
+
+
+def _layout(name: str, *overrides: str) -> convert.ParallelLayout:
+    cfg = _compose(name, ["actor_rollout_ref.model.path=/m", *overrides] if name == "smoke_0.5b" else list(overrides))
+    pcfg = load_config(cfg.populora)
+    convert.validate_verl_config(cfg, pcfg)
+    return convert.parallel_layout(cfg, pcfg)
+
+
+@pytest.mark.parametrize("overrides,expected", [
+    ((), dict(n_gpus=1, replicas=1, rollout_tp=1, actor_dp=1, fsdp_size=1)),
+    (("trainer.n_gpus_per_node=2",), dict(n_gpus=2, replicas=2, rollout_tp=1, actor_dp=2, fsdp_size=2)),
+    (("trainer.n_gpus_per_node=2", "actor_rollout_ref.rollout.tensor_model_parallel_size=2"),
+     dict(n_gpus=2, replicas=1, rollout_tp=2, actor_dp=2, fsdp_size=2)),
+    (("trainer.n_gpus_per_node=4", "actor_rollout_ref.rollout.tensor_model_parallel_size=2"),
+     dict(n_gpus=4, replicas=2, rollout_tp=2, actor_dp=4, fsdp_size=4)),
+    (("trainer.n_gpus_per_node=8", "trainer.nnodes=2", "actor_rollout_ref.actor.fsdp_config.fsdp_size=8"),
+     dict(n_gpus=16, nnodes=2, replicas=16, actor_dp=16, fsdp_size=8)),
+    (("trainer.n_gpus_per_node=4", "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2"),
+     dict(n_gpus=4, actor_dp=2)),
+])
+def test_layout_of_one_to_many_gpus(overrides, expected):
+    layout = _layout("smoke_0.5b", *overrides)
+    assert {k: getattr(layout, k) for k in expected} == expected
+    assert layout.adapters == 4 and layout.max_loras == 8
+    assert f"{layout.replicas} vLLM replica(s)" in layout.describe()
+
+
+def test_paper_recipe_layout():
+    layout = _layout("4t4s")
+    assert (layout.n_gpus, layout.replicas, layout.adapters, layout.max_loras) == (8, 8, 8, 8)
+
+
+BAD = [
+    (("trainer.n_gpus_per_node=3", "actor_rollout_ref.rollout.tensor_model_parallel_size=2"),
+     "actor_rollout_ref.rollout.tensor_model_parallel_size"),
+    (("trainer.n_gpus_per_node=4", "trainer.nnodes=2", "actor_rollout_ref.rollout.tensor_model_parallel_size=8",
+      "actor_rollout_ref.rollout.data_parallel_size=1"), None),  # 8 GPUs = two whole nodes: allowed
+    (("trainer.n_gpus_per_node=4", "trainer.nnodes=3", "actor_rollout_ref.rollout.tensor_model_parallel_size=6"),
+     "actor_rollout_ref.rollout.tensor_model_parallel_size"),  # divides 12 but spans 1.5 nodes
+    (("trainer.n_gpus_per_node=2", "actor_rollout_ref.rollout.data_parallel_size=4"),
+     "actor_rollout_ref.rollout.tensor_model_parallel_size"),
+    (("trainer.n_gpus_per_node=0",), "trainer.n_gpus_per_node"),
+    (("trainer.nnodes=null",), "trainer.nnodes"),
+    (("trainer.n_gpus_per_node=6", "actor_rollout_ref.actor.ulysses_sequence_parallel_size=4"),
+     "actor_rollout_ref.actor.ulysses_sequence_parallel_size"),
+    (("trainer.n_gpus_per_node=6", "actor_rollout_ref.actor.fsdp_config.fsdp_size=4"),
+     "actor_rollout_ref.actor.fsdp_config.fsdp_size"),
+    (("actor_rollout_ref.actor.fsdp_config.fsdp_size=0",), "actor_rollout_ref.actor.fsdp_config.fsdp_size"),
+    (("trainer.n_gpus_per_node=2", "actor_rollout_ref.rollout.engine_kwargs.vllm.max_loras=2"),
+     "actor_rollout_ref.rollout.engine_kwargs.vllm.max_loras"),  # per replica: every replica serves all 4
+]
+
+
+@pytest.mark.parametrize("overrides,key", BAD, ids=[str(k) + "-" + "-".join(o) for o, k in BAD])
+def test_bad_layout_fails_at_start_up_naming_the_key(overrides, key):
+    cfg = _compose("smoke_0.5b", ["actor_rollout_ref.model.path=/m", *overrides])
+    if key is None:
+        convert.validate_verl_config(cfg, load_config(cfg.populora))
+        return
+    with pytest.raises(ConfigError) as e:
+        convert.validate_verl_config(cfg, load_config(cfg.populora))
+    msg = str(e.value)
+    assert msg.startswith(key + ":") and "\n" not in msg, msg
+
+
+def test_bank_file_for_refuses_another_world_size(tmp_path):
+    for r in range(2):
+        (tmp_path / bank_filename(2, r)).write_bytes(b"x")
+    assert bank_file_for(str(tmp_path), 2, 1) == str(tmp_path / bank_filename(2, 1))
+    with pytest.raises(AdapterBankError) as e:
+        bank_file_for(str(tmp_path), 4, 3)
+    msg = str(e.value)
+    assert "saved by 2 rank(s) but this run has 4" in msg and "trainer.n_gpus_per_node" in msg and "\n" not in msg
+    with pytest.raises(AdapterBankError, match="no adapter bank for world size 2, rank 0"):
+        bank_file_for(str(tmp_path / "missing"), 2, 0)
+
+
+def test_bank_files_the_driver_cannot_see_are_reported(tmp_path, caplog):
+    seen = tmp_path / bank_filename(2, 0)
+    seen.write_bytes(b"x")
+    other_node = str(tmp_path / "elsewhere" / bank_filename(2, 1))
+    assert convert.warn_if_bank_not_shared([str(seen), None]) == []
+    with caplog.at_level("WARNING"):
+        assert convert.warn_if_bank_not_shared([str(seen), other_node]) == [other_node]
+    assert "1 of 2 adapter bank file(s)" in caplog.text and "trainer.default_local_dir" in caplog.text
+
+
+# --- multi-GPU debug probes (what scripts/gpu/multi_gpu_proof.sh greps) ------------------------------------------
+
+from populora_verl.trainer import probes  # noqa: E402
+
+
+def _sums(rank, **slots):
+    return {"rank": rank, "slots": {int(k[1:]): v for k, v in slots.items()}}
+
+
+def test_rank_report_flags_a_rank_that_changed_other_slots():
+    before = [_sums(0, s0="a", s1="b", s2="c"), _sums(1, s0="d", s1="e", s2="f")]
+    good = [_sums(0, s0="a", s1="B", s2="c"), _sums(1, s0="d", s1="E", s2="f")]
+    line, ok = probes.rank_report(3, before, good, [1])
+    assert ok and line == "[populora] step 3 rank checksums: rank0:[1] rank1:[1] | trained=[1] OK"
+    stale = [_sums(0, s0="a", s1="B", s2="c"), _sums(1, s0="d", s1="e", s2="f")]  # rank 1 kept its old shard
+    line, ok = probes.rank_report(3, before, stale, [1])
+    assert not ok and "rank1:[]" in line and line.endswith("MISMATCH")
+    assert not probes.rank_report(3, [], [], [1])[1]  # no ranks answered: not a pass
+
+
+TABLE = {"t0": {"lora_int_id": 1000, "lora_name": "0@v0"}, "s0": {"lora_int_id": 1003, "lora_name": "1@v1"}}
+
+
+def test_replica_report_needs_every_id_on_every_replica():
+    out = {"t0": {"token_ids": [1, 2], "sum_logp": -1.0}, "s0": {"token_ids": [1, 3], "sum_logp": -2.0}}
+    lines, ok = probes.replica_report(4, [{"loaded": [1000, 1003], "outputs": out},
+                                          {"loaded": [1000, 1003, 1001], "outputs": out}], TABLE)
+    assert ok and lines[0].startswith("[populora] step 4 replica probe: 2 replica(s), every LoRA id on every replica OK")
+    assert "2/2 adapters" in lines[0] and "replica 1: 2/2 LoRA ids loaded, 2/2 distinct" in lines[2]
+    # Replica 1 never got the evolved id 1003 (a weight sync that reached one replica only).
+    lines, ok = probes.replica_report(4, [{"loaded": [1000, 1003], "outputs": out},
+                                          {"loaded": [1000, 1001], "outputs": out}], TABLE)
+    assert not ok and "missing [1003]" in lines[2] and "MISMATCH" in lines[0]
+    lines, ok = probes.replica_report(4, [{"error": "RayActorError: dead"}], TABLE)
+    assert not ok and "probe failed" in lines[1]
+
+
+def test_probe_replicas_sends_each_member_to_each_replica(monkeypatch):
+    import ray
+
+    monkeypatch.setattr(ray, "get", lambda x: x)
+    sent = []
+
+    class _Out:
+        def __init__(self, lid):
+            self.token_ids, self.log_probs = [lid % 7], [-0.5, -lid / 1000]
+
+    class _Method:
+        def __init__(self, fn):
+            self.remote = fn
+
+    class _Server:
+        def __init__(self, i):
+            self.populora_live_loras = _Method(lambda: {"loaded": [1000, 1003]})
+            self.generate = _Method(lambda ids, sp, rid, populora_lora: sent.append((i, populora_lora["lora_int_id"],
+                                                                                     sp["temperature"]))
+                                    or _Out(populora_lora["lora_int_id"]))
+
+    class _Replica:
+        def __init__(self, i):
+            self.server_handle = _Server(i)
+
+    res = probes.probe_replicas([_Replica(0), _Replica(1)], [1, 2, 3], TABLE)
+    assert sorted(sent) == [(0, 1000, 0.0), (0, 1003, 0.0), (1, 1000, 0.0), (1, 1003, 0.0)]
+    assert res[1]["outputs"]["s0"] == {"token_ids": [1003 % 7], "sum_logp": -0.5 - 1.003}
+    assert probes.replica_report(2, res, TABLE)[1]
+
+
+def test_prompt_ids_with_and_without_chat_template():
+    class _Tok:
+        def __init__(self, template):
+            self.template = template
+
+        def apply_chat_template(self, msgs, add_generation_prompt, tokenize):
+            if not self.template:
+                raise ValueError("no chat template")
+            return f"<u>{msgs[0]['content']}</u><a>"
+
+        def encode(self, text, add_special_tokens):
+            return [len(text), ord(text[0])]
+
+    assert probes.prompt_ids(_Tok(True), "hi") == [len("<u>hi</u><a>"), ord("<")]
+    assert probes.prompt_ids(_Tok(False), "hi") == [2, ord("h")]
+
+
+# --- the GPU-count scaling benchmark (logic only: the runs need GPUs) -------------------------------------------
+
+from populora_verl.bench import gpu_scaling  # noqa: E402
+
+H100_RUN = Path(__file__).resolve().parents[1] / "docs" / "gpu" / "step_scaling_h100_bypass" / "4t4s.metrics.jsonl"
+
+
+def test_gpu_scaling_reads_tokens_and_step_time_of_a_real_run():
+    from populora_verl.bench import step_scaling as ss
+
+    step_s, tokens, phases = gpu_scaling.figures(ss.file_log_rows(H100_RUN.read_text()))
+    assert tokens[2] == 29678 and abs(step_s[2] - 34.64084849699998) < 1e-9  # the H100 4T4S run's step 2
+    row = gpu_scaling.ScalingRow(1, 1, "4t4s", "NVIDIA H100 80GB HBM3", 0, 1.0, step_s, tokens, phases)
+    steady = [k for k in step_s if k >= 2]
+    assert row.tokens_per_s == pytest.approx(sum(tokens[k] for k in steady) / sum(step_s[k] for k in steady))
+    assert set(phases) == set(gpu_scaling.PHASES)
+
+
+def test_gpu_scaling_speedup_only_against_one_gpu_of_the_same_kind():
+    def row(g, name, s):
+        return gpu_scaling.ScalingRow(g, 1, "4t4s", name, 0, 1.0, {1: 99.0, 2: s, 3: s}, {1: 1.0, 2: 3000.0, 3: 3000.0})
+
+    rows = [row(1, "H100", 30.0), row(2, "H100", 16.0), row(4, "H200", 8.0)]
+    table = gpu_scaling.report(rows)
+    assert "| 4t4s | 2 | 2 x TP1 | H100 | 16.0 | 188 | 1.88x | >= 1.7x |" in table
+    assert "| 4t4s | 4 | 4 x TP1 | H200 | 8.0 | 375 | - | >= 3.2x |" in table  # no H200 1-GPU row: no ratio
+    assert gpu_scaling.overrides_for(4, 2) == ["trainer.n_gpus_per_node=4", "trainer.nnodes=1",
+                                                "actor_rollout_ref.rollout.tensor_model_parallel_size=2"]
+
+
+def test_gpu_scaling_rows_round_trip_and_refuse_without_gpus(tmp_path, capsys):
+    r = gpu_scaling.ScalingRow(2, 2, "4t4s", "H100", 0, 5.0, {2: 10.0}, {2: 100.0}, {"gen": 5.0}, 1234.0)
+    gpu_scaling.save_rows(tmp_path / "results.json", [r])
+    (back,) = gpu_scaling.load_rows(tmp_path / "results.json")
+    assert back == r and back.tokens_per_s == 10.0
+    assert gpu_scaling.main(["--model", "/m", "--gpus", "1,2", "--out", str(tmp_path)]) == 2
+    assert "needs 2 CUDA GPU(s)" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        gpu_scaling.main(["--model", "/m", "--gpus", "2,3", "--tp", "2"])
+
+
+# --- scripts/gpu/multi_gpu_checks.sh against lines printed by the Python code above ------------------------------
+
+import subprocess  # noqa: E402
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu" / "multi_gpu_checks.sh"
+
+
+def _fake_proof_logs(tmp_path, n: int, tp: int, *, stale_rank: bool = False) -> None:
+    layout = _layout("smoke_0.5b", f"trainer.n_gpus_per_node={n}",
+                     f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp}",
+                     "populora.population.num_teachers=4", "populora.population.num_students=4")
+    table = {f"m{i}": {"lora_int_id": 1000 + i, "lora_name": f"{i}@v0"} for i in range(8)}
+    ids = sorted(t["lora_int_id"] for t in table.values())
+
+    def replicas(step, distinct):
+        res = [{"loaded": ids, "outputs": {m: {"token_ids": [1], "sum_logp": -float(i if distinct else 0)}
+                                           for i, m in enumerate(table)}} for _ in range(n // tp)]
+        return probes.replica_report(step, res, table)[0]
+
+    def ranks(step):
+        before = [{"rank": r, "slots": {k: "a" for k in range(8)}} for r in range(n)]
+        after = [{"rank": r, "slots": {k: ("b" if not (stale_rank and r == n - 1) else "a") for k in range(8)}}
+                 for r in range(n)]
+        return probes.rank_report(step, before, after, list(range(8)))[0]
+
+    run1 = [f"[populora] layout: {layout.describe()}", *replicas(1, False), ranks(1), *replicas(2, True), ranks(2)]
+    run2 = [*replicas(3, True), ranks(3), *replicas(4, True), ranks(4)]
+    (tmp_path / "run1_steps1-2.log").write_text("(TaskRunner pid=1) " + "\n(TaskRunner pid=1) ".join(run1) + "\n")
+    (tmp_path / "run2_resume_to4.log").write_text("\n".join(run2) + "\n")
+
+
+@pytest.mark.parametrize("n,tp", [(2, 1), (2, 2), (4, 1), (4, 2)])
+def test_multi_gpu_checks_pass_on_the_lines_the_trainer_prints(tmp_path, n, tp):
+    _fake_proof_logs(tmp_path, n, tp)
+    res = subprocess.run(["bash", str(SCRIPT), str(tmp_path), str(n), str(tp)], capture_output=True, text=True)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "MISS" not in res.stdout and res.stdout.count("OK   ") == 5 + n // tp
+
+
+def test_multi_gpu_checks_catch_a_rank_with_a_stale_shard(tmp_path):
+    _fake_proof_logs(tmp_path, 2, 1, stale_rank=True)
+    res = subprocess.run(["bash", str(SCRIPT), str(tmp_path), "2", "1"], capture_output=True, text=True)
+    assert res.returncode == 1
+    assert "MISS every rank changed exactly the trained slots (step 1)" in res.stdout
+    assert "MISS a per-rank or per-replica MISMATCH was logged" in res.stdout
