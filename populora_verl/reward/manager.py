@@ -59,7 +59,8 @@ FIELD_DOC = {
 EXTRA_KEYS = ("populora_role", "populora_task_type", "populora_adapter", "populora_status", "populora_correct",
               "populora_valid", "populora_task", "populora_task_id", "populora_reason")
 
-_ROLE_ALIASES = {"propose": "propose", "teacher": "propose", "solve": "solve", "student": "solve"}
+# "seed": the seeding phase's base-policy proposals (validated like a teacher's, never trained on).
+_ROLE_ALIASES = {"propose": "propose", "teacher": "propose", "seed": "propose", "solve": "solve", "student": "solve"}
 
 
 def populora_info(raw: Any) -> dict[str, Any]:
