@@ -137,7 +137,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def resume_cmd(args: argparse.Namespace) -> str:
-    return f"python -m populora_verl.local --run-dir {args.run_dir} --resume"
+    import shlex
+
+    # The model is a flag, not part of the saved config: the resumed run must be given the same one.
+    model = f" --model {shlex.quote(args.model)}" if args.model else f" --gguf {shlex.quote(args.gguf)}" if args.gguf else ""
+    return f"python -m populora_verl.local --run-dir {shlex.quote(str(args.run_dir))}{model} --resume"
 
 
 def interrupted_message(run_dir: str | Path, resume: str) -> str:
