@@ -79,8 +79,11 @@ def export_member(run_dir: str | Path, member: str, out: str | Path, *, step: in
 
 def serve_command(out: Path, name: str) -> str:
     config = json.loads((out / "adapter_config.json").read_text(encoding="utf-8"))
+    r = int(config.get("r", 8))
+    # vLLM accepts only these --max-lora-rank values: the smallest that holds the adapter's rank
+    rank = next((v for v in (8, 16, 32, 64, 128, 256, 320, 512) if v >= r), r)
     return (f"vllm serve {config['base_model_name_or_path']} --enable-lora --lora-modules {name}={out.resolve()} "
-            f"--max-lora-rank {max(int(config.get('r', 8)), 8)}")
+            f"--max-lora-rank {rank}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

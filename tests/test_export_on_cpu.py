@@ -88,3 +88,12 @@ def test_verl_layout_is_found(run, tmp_path):
     (verl / "latest_checkpointed_iteration.txt").write_text("1")
     assert find_member_population(verl) == verl / "global_step_1" / "populora" / "checkpoints" / "step_1" / "population"
     assert find_member_population(verl, step=1).is_dir()
+
+
+def test_serve_command_rounds_the_rank_up_to_a_vllm_value(tmp_path):
+    from populora_verl.export import serve_command
+
+    for r, want in ((4, 8), (8, 8), (12, 16), (64, 64), (300, 320)):
+        (tmp_path / "adapter_config.json").write_text(json.dumps({"r": r, "base_model_name_or_path": "/m"}))
+        assert serve_command(tmp_path, "s1").endswith(f"--max-lora-rank {want}")
+
