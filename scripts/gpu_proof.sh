@@ -54,6 +54,7 @@ check() {  # check <log> <grep -E pattern> <what>
   else echo "MISS $3" | tee -a "$OUT_DIR/summary.txt"; missing=1; fi
 }
 missing=0
+check run1_steps1-2.log '\[populora\] seeding: [0-9]+ rounds, [0-9]+ seed tasks' "seeding phase from the base policy before step 1"
 check run1_steps1-2.log '\[populora\] step 1 greedy probe' "start-up greedy probe under every LoRA id"
 check run1_steps1-2.log '\[populora\] step 2 greedy probe: .*, [2-9]/[0-9]+ distinct greedy log-probs' "vLLM serves each adapter under its own LoRA id (distinct log-probs after step 1)"
 check run2_resume_to4.log '\[populora\] step [34] greedy probe: [2-9]/' "greedy outputs differ by LoRA id after evolution"
@@ -63,6 +64,7 @@ check run1_steps1-2.log '\[populora\] step 2 evolution:' "evolution at step 2"
 check run1_steps1-2.log '\[populora\] step 2: checkpoint' "checkpoint at step 2"
 check run2_resume_to4.log '\[populora\] resumed step 2' "resume from step 2"
 check run2_resume_to4.log "step:${GPU_PROOF_RESUME_TO:-4} " "reached step ${GPU_PROOF_RESUME_TO:-4}"
+if grep -q '\[populora\] seeding:' "$OUT_DIR/run2_resume_to4.log"; then echo "MISS a resumed run seeded again" | tee -a "$OUT_DIR/summary.txt"; missing=1; fi
 if grep -q 'MISMATCH' "$OUT_DIR"/run*.log; then echo "MISS a bank checksum MISMATCH was logged" | tee -a "$OUT_DIR/summary.txt"; missing=1; fi
 grep -hE '\[populora\]' "$OUT_DIR"/run*.log > "$OUT_DIR/populora_lines.txt" || true
 grep -hoE 'populora/[a-z0-9]+/training/rollout_probs_diff_(mean|max):[-0-9.e]+' "$OUT_DIR"/run*.log \

@@ -170,6 +170,23 @@ def test_save_load_round_trip(setup, tmp_path):
     assert_same(bank2.get_adapter_state(1), bank.get_adapter_state(1))
 
 
+def test_load_puts_accelerator_state_on_this_ranks_device(setup, tmp_path):
+    """A bank saved by a rank whose optimizer step lived on cuda:3 loads where this rank's parameters live."""
+    model, opt, sched, bank = setup
+    with bank.active(0):
+        train_step(model, opt, sched, batch(0))
+    state = bank.state_dict()
+    for st in state["slots"][0]["optim"].values():
+        st["step"] = st["step"].reshape(())  # step kept as a 0-d tensor, as fused/capturable AdamW does
+        st["__device__step"] = "cuda:3"
+    bank.load_state_dict(state)
+    for k in (0, 0):  # slot 0 loaded into the live optimizer (and again: the buffer is reused)
+        bank.swap_in(1)
+        bank.swap_in(k)
+    steps = [opt.state[p]["step"] for p in bank._params.values()]
+    assert all(s.device.type == "cpu" and float(s) == 1.0 for s in steps)
+
+
 def test_load_rejects_other_model(setup, tmp_path):
     _, _, _, bank = setup
     path = tmp_path / "b.pt"

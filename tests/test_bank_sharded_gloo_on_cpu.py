@@ -1,6 +1,7 @@
 """The adapter bank under FSDP2 sharding on a real 2-process gloo group (CPU): populora_verl.workers.shard_check.
 
-Two spawned ranks wrap a tiny PEFT Qwen2 with verl's ``apply_fsdp2`` (uneven ``Shard(0)`` shards) and run per-slot
+Two spawned ranks wrap a tiny PEFT Qwen2 with verl's ``apply_fsdp2`` (uneven ``Shard(0)`` shards over both ranks, then
+HSDP: replicated over 2, one shard group per rank) and run per-slot
 training, forwards, verl's LoRA gather for the weight sync, per-rank save/load and evolution; rank 0 also runs the
 unsharded reference. One spawn serves every test; the module skips when gloo is unavailable.
 """
@@ -46,10 +47,20 @@ def checks(tmp_path_factory) -> dict[str, shard_check.Check]:
     return {c.name: c for c in shard_check.check_results(shard_check.load_results(outdir, WORLD))}
 
 
+LAYOUTS = [shard_check.layout_name(WORLD, f) for f in shard_check.layouts(WORLD)]  # FSDP over 2, HSDP 2 x 1
+
+
 def _assert(checks: dict[str, shard_check.Check], name: str) -> None:
+    """``name`` passed under every mesh layout (verl's FSDP over all ranks, and HSDP)."""
     assert checks["ranks ran every scenario"].ok, checks["ranks ran every scenario"].detail
-    c = checks[name]
-    assert c.ok, f"{name}: {c.detail}"
+    for layout in LAYOUTS:
+        c = checks[f"{layout}: {name}"]
+        assert c.ok, f"{c.name}: {c.detail}"
+
+
+def test_both_mesh_layouts_ran(checks):
+    assert LAYOUTS == ["FSDP over 2", "HSDP 2 x 1"]
+    assert all(any(n.startswith(f"{layout}: ") for n in checks) for layout in LAYOUTS)
 
 
 def test_shards_are_uneven(checks):

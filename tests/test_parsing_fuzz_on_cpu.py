@@ -105,7 +105,9 @@ DEEP = "[" * 5000 + "]" * 5000
 
 
 def test_long_flat_expression_in_a_code_f_input_is_invalid_not_an_exception():
-    response = _envelope(f"```input\n{LONG_SUM}\n```\n```input\n{LONG_SUM}+1\n```\n```message\nsum\n```")
+    # tasks.code_f_rule=azr needs num_inputs input blocks (fewer is a format error before any input is parsed).
+    pad = "".join("```input\n1\n```\n" for _ in range(CFG.tasks.num_inputs - 2))
+    response = _envelope(f"```input\n{LONG_SUM}\n```\n```input\n{LONG_SUM}+1\n```\n{pad}```message\nsum\n```")
     res = validate_proposal(response, "code_f", EX, CFG, program=identity_code_f_task())
     assert res.status == "invalid"
     env = TaskEnv(CFG, executor=EX)

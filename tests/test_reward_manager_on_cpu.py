@@ -89,6 +89,22 @@ async def test_rows_scored_by_the_population_step_are_deferred(manager, monkeypa
     assert set(out["reward_extra_info"]) == set(EXTRA_KEYS) and calls == []
 
 
+@pytest.mark.parametrize("role", ["teacher", "student", "seed"])
+async def test_every_row_the_trainer_builds_is_deferred(manager, role):
+    """The rows of all three generation phases (teachers, students, the seeding phase's base-policy proposals), as
+    convert.requests_to_rows builds them, are accepted and deferred (on the H100 the seeding rows were rejected)."""
+    from populora_verl.step import GenRequest
+    from populora_verl.step.orchestration import BASE_POLICY
+    from populora_verl.trainer import convert
+
+    task = Task(type="code_o", program="def f(a):\n    return a\n", input="1", output="1")
+    adapter = BASE_POLICY if role == "seed" else "t0"
+    req = GenRequest(adapter, role, "code_o", "prompt", 1, {"task": task, "program": None})
+    row = convert.requests_to_rows([req], {adapter: {"slot": 0, "lora_int_id": 1000, "lora_name": "0@v0"}}, 1)[0]
+    out = await manager.run_single(make_item("anything", row["populora"]))
+    assert out["reward_score"] == 0.0 and out["reward_extra_info"]["populora_status"] == "deferred"
+
+
 async def test_teacher_proposals(manager):
     prop = wrap("```python\ndef g(a, b):\n    return a * b + 1\n```\n```input\n3, 4\n```")
     out = await manager.run_single(make_item(prop, {"role": "propose", "task_type": "code_o", "adapter": "t2",

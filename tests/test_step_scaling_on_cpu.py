@@ -60,6 +60,9 @@ def test_file_logger_first_with_warmup_spread_and_tokens(tmp_path):
     assert "| 2t2s | 4 | 11.0 | 1.4 | 10.0-12.0 | 2 | 2.20 | 2.8 | 61 | 90.0 | 1000 | 1.00 | 2.50 | 0 |" in table
     assert "| config | gen s | update_actor s |" in table and "| 2t2s | 7.0 | 3.0 |" in table
     assert "| 2t2s | 2 | 4 | 4072 | 7.0 | 582 | 2000 | 0.29 |" in table
+    # the proposal validation (sandboxed execution) nested in verl's gen timer is not generation
+    v = ss.RunResult("x", 1, 0, 0.0, phases_s={"gen": 8.0, "populora_validate": 2.0}, gen_tokens=600.0)
+    assert v.gen_s == 6.0 and v.gen_tok_s == 100.0
     # warm-up of 2 leaves one step
     assert ss.RunResult("x", 1, 0, 0.0, {1: 9.0, 2: 9.0, 3: 4.0}, warmup=2).steady == [4.0]
 
@@ -70,6 +73,7 @@ def test_command_profiles_and_model_tags():
     assert "actor_rollout_ref.model.enable_gradient_checkpointing=false" in extra
     assert "++trainer.populora_fused_rpc=true" in extra
     assert "data.max_response_length=1024" in extra and "actor_rollout_ref.rollout.ignore_eos=true" in extra
+    assert "populora.buffer.seed_programs=0" in extra  # a one-off phase, not a step cost
     assert "++trainer.populora_fused_rpc=false" in ss.plan_overrides("baseline", None, False)
     assert not any("ignore_eos" in x or "max_response_length" in x for x in ss.plan_overrides("baseline", 0, False))
     with pytest.raises(ValueError):
@@ -78,9 +82,10 @@ def test_command_profiles_and_model_tags():
     assert "populora.population.num_teachers=8" in cmd and "trainer.total_training_steps=3" in cmd
     assert "actor_rollout_ref.rollout.engine_kwargs.vllm.max_loras=16" in cmd
     assert "trainer.logger=[console,file]" in cmd and cmd[-len(extra):] == extra
-    assert ss.parse_models(["1.5b=/a/b", "/x/qwen-0.5b:single,2t2s"], ["single", "4t4s"]) == [
-        ("1.5b", "/a/b", ["single", "4t4s"]), ("qwen-0.5b", "/x/qwen-0.5b", ["single", "2t2s"])]
-    for bad in (["a=/x", "a=/y"], ["bad tag=/x"], ["a="], ["a=/x:9t9s"], ["a=/x"]):
+    assert ss.parse_models(["1.5b=/a/b:single,4t4s+8t8s", "/x/qwen-0.5b:single,2t2s"], ["single", "4t4s"]) == [
+        ("1.5b", "/a/b", ["single", "4t4s"], ["8t8s"]), ("qwen-0.5b", "/x/qwen-0.5b", ["single", "2t2s"], [])]
+    assert ss.parse_models(["m=/p"], ["single"]) == [("m", "/p", ["single"], [])]
+    for bad in (["a=/x", "a=/y"], ["bad tag=/x"], ["a="], ["a=/x:9t9s"], ["a=/x"], ["a=/x:single+single"]):
         with pytest.raises(ValueError):
             ss.parse_models(bad, [] if bad == ["a=/x"] else ["single"])
 
@@ -94,7 +99,7 @@ def test_recipe_composes_with_every_config_and_profile():
     from populora_verl.trainer import convert
 
     with initialize_config_dir(config_dir=str(ss.RECIPES), version_base=None):
-        for name, profile in [(n, "fast") for n in ss.CONFIGS] + [("4t4s", "baseline")]:
+        for name, profile in [(n, "fast") for n in ss.CONFIGS] + [("4t4s", "baseline"), ("2t2s", "varlen")]:
             cmd = ss.command("/m", name, 6, Path("/tmp/o"), ss.plan_overrides(profile, 1024, True))
             overrides = cmd[cmd.index("smoke_0.5b") + 1:]
             cfg = compose(config_name="smoke_0.5b", overrides=overrides)
@@ -102,11 +107,15 @@ def test_recipe_composes_with_every_config_and_profile():
             convert.validate_verl_config(cfg, pcfg)
             assert pcfg.population.num_adapters == ss.ADAPTERS[name]
             assert cfg.data.max_response_length == 1024 and cfg.actor_rollout_ref.rollout.ignore_eos
+            assert pcfg.buffer.seed_programs == 0
             if profile == "fast":
                 assert cfg.actor_rollout_ref.rollout.enforce_eager is False
                 assert list(cfg.actor_rollout_ref.rollout.cudagraph_capture_sizes) == ss.CUDAGRAPH_SIZES
                 assert cfg.actor_rollout_ref.model.enable_gradient_checkpointing is False
                 assert cfg.trainer.populora_fused_rpc is True
+            if profile == "varlen":  # the later override wins over the command's sdpa
+                assert cfg.actor_rollout_ref.model.override_config.attn_implementation == "populora_varlen"
+                assert cfg.actor_rollout_ref.model.use_remove_padding is True
 
 
 def test_ceiling_spec_from_measured_rollouts():
@@ -120,7 +129,8 @@ def test_ceiling_spec_from_measured_rollouts():
         {"phase": "teacher", "requests": 24, "prompt_tokens": 310, "answer_tokens": 1024, "loras": 4},
         {"phase": "student", "requests": 48, "prompt_tokens": 420, "answer_tokens": 1024, "loras": 4}]}
     assert spec["single"]["phases"] == [{"phase": "teacher", "requests": 6, "prompt_tokens": 100,
-                                         "answer_tokens": 1024, "loras": 1}]
+                                         "answer_tokens": 1024, "loras": 1, "first_lora": 0}]
+    assert cl.adapters_needed(spec) == 8
     natural = ss.ceiling_spec(rs[:1], 1024, force_length=False)
     assert [p["answer_tokens"] for p in natural["4t4s"]["phases"]] == [700, 1024]
     ss.attach_ceiling(rs, {"configs": {"4t4s": {"tok_s": 5000.0}}})
@@ -214,6 +224,9 @@ def test_plan_requests_and_spec_validation(tmp_path):
     assert [k for _, k, _ in plan[0]] == [0, 1, 0, 1, 0] and [k for _, k, _ in plan[1]] == [2, 3, 4]
     assert all(len(ids) == 7 and a == 9 for ids, _, a in plan[0]) and all(100 <= i < 999 for i in plan[0][0][0])
     assert plan == cl.plan_requests(phases, vocab=1000, seed=1)
+    shared = [dict(p, first_lora=0) for p in phases]  # the single agent: one adapter for both phases
+    assert [k for _, k, _ in cl.plan_requests(shared, 1000)[1]] == [0, 1, 2]
+    assert cl.adapters_needed({"a": {"phases": phases}, "b": {"phases": shared}}) == 5
     good = tmp_path / "s.json"
     good.write_text(json.dumps({"4t4s": {"adapters": 8, "phases": phases}}))
     assert cl.load_spec(good)["4t4s"]["phases"][1]["loras"] == 3
@@ -300,6 +313,7 @@ def test_trainer_switches_population_bank_and_adapters_at_an_entry_start(monkeyp
     class _Step:
         def __init__(self, pcfg, executor=None):
             self.cfg, self.tasks = pcfg, type("T", (), {"executor": executor or "pool"})()
+            self.seeded = True  # seed_programs=0 (the bench's setting): nothing to seed
             self.population = type("P", (), {"members": [None] * pcfg.population.num_adapters})()
 
     monkeypatch.setattr("populora_verl.step.PopulationStep", _Step)
@@ -373,15 +387,22 @@ def test_main_runs_a_schedule_and_reruns_what_it_did_not_finish(tmp_path, monkey
     monkeypatch.setattr(ss, "command", fake_command)
     monkeypatch.setattr(ss, "_has_cuda", lambda: True)
     out = tmp_path / "run"
-    rc = ss.main(["--model", f"m={tmp_path}:single,2t2s", "--steps", "3", "--out", str(out), "--no-ceiling"])
+    ceilings = []
+    monkeypatch.setattr(ss, "run_ceiling", lambda path, o, results, *a: ceilings.append(sorted(r.name for r in results))
+                        or 0)
+    rc = ss.main(["--model", f"m={tmp_path}:single,2t2s+1t1s", "--model", f"n={tmp_path}:single", "--steps", "3",
+                  "--out", str(out)])
     assert rc == 0
+    # the optional configuration runs after every model's main rows and ceiling
+    assert ceilings == [["2t2s", "single"], ["single"]]
+    assert json.loads((out / "progress.json").read_text())["done"][-1] == "m/1t1s"
     rows = {r["name"]: r for r in json.loads((out / "m" / "results.json").read_text())}
-    assert set(rows) == {"single", "2t2s"} and all(r["rc"] == 0 for r in rows.values())
+    assert set(rows) == {"single", "2t2s", "1t1s"} and all(r["rc"] == 0 for r in rows.values())
     assert rows["single"]["step_s"] == {"1": 1.1, "2": 1.2, "3": 1.3}  # from the schedule's first entry
     assert (out / "m" / "2t2s.metrics.jsonl").exists()  # rerun on its own
     assert rows["2t2s"]["startup_s"] is not None and rows["2t2s"]["gen_tokens"] == 400
     assert rows["2t2s"]["rollout"]["student"]["sequences"] == 4
     progress = json.loads((out / "progress.json").read_text())
-    assert progress["state"] == "finished" and progress["done"] == ["m/single", "m/2t2s"]
+    assert progress["state"] == "finished" and progress["done"] == ["m/single", "m/2t2s", "n/single", "m/1t1s"]
     assert "| 2t2s | 4 |" in (out / "m" / "results.md").read_text()
     assert "state finished" in ss.status(out)

@@ -382,3 +382,39 @@ def test_step_writes_signals_per_adapter_batch_and_clears(tq_cluster, tmp_path, 
     assert metrics["populora/fake/samples"] == float(len(samples))
     assert metrics["populora/s1/populora/samples"] == N["s1"] - 1
     assert metrics["populora/s1/actor/pg_loss"] == (0.5 + SLOTS["s1"] if fused_rpc else 0.5)
+
+
+@pytest.mark.timeout(120)
+def test_seeding_phase_runs_through_tq_on_a_fresh_lora_id_and_trains_nothing(tq_cluster, tmp_path):
+    """populora.buffer.seed_programs on verl: before step 1 the base-policy prompts go through TQ under the first
+    member's LoRA id (lora_B is still zero), are validated by the real population step, then cleared from TQ; the
+    seed set is written next to the checkpoints and begin() is allowed afterwards."""
+    import json
+
+    from populora_verl.config import load_config
+    from populora_verl.step import PopulationStep
+    from populora_verl.step.orchestration import BASE_POLICY
+    from populora_verl.tasks import Task
+
+    t = _trainer(tmp_path)
+    t.pop_step = PopulationStep(load_config({"population": {"num_teachers": 2, "num_students": 2},
+                                             "tasks": {"types": ["code_o"]},
+                                             "buffer": {"seed_programs": 2, "seed_rounds": 3}}), executor=object())
+    made = iter(range(100))
+
+    def validate_many(items):  # every proposal "valid", each a new program
+        return [(Task(type="code_o", program=f"def f(a):\n    return a + {next(made)}\n", input="1", output="2",
+                      teacher="seed", step=0), "valid") for _ in items]
+
+    t.pop_step.tasks.validate_many = validate_many
+    rows = []
+    real_submit = t._submit_rows
+    t._submit_rows = lambda rs: (rows.extend(rs), real_submit(rs))[1]
+    t.on_step_begin()
+    assert t.pop_step.seeded and len(t.pop_step.seed_set) == 2
+    assert rows and all(r["populora"]["adapter"] == BASE_POLICY and r["populora"]["lora_int_id"] == 1000
+                        and r["populora"]["role"] == "seed" and r["populora"]["prompt_format"] == "text" for r in rows)
+    assert _listed() == {}  # nothing of the seeding phase stays in TQ to be trained on
+    saved = [json.loads(x) for x in (tmp_path / "ckpt" / "seed_tasks.jsonl").read_text().splitlines()]
+    assert [d["program"] for d in saved] == [s.program for s in t.pop_step.seed_set]
+    assert t.pop_step.begin(1)  # training may start

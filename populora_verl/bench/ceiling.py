@@ -28,7 +28,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["lora_shapes", "write_random_adapters", "plan_requests", "load_spec", "main"]
+__all__ = ["lora_shapes", "write_random_adapters", "plan_requests", "adapters_needed", "load_spec", "main"]
 
 #: Modules verl's ``target_modules: all-linear`` reaches in a Qwen2 decoder layer (PEFT leaves lm_head out).
 QWEN2_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -99,17 +99,31 @@ def load_spec(path: str | Path) -> dict[str, dict[str, Any]]:
 
 def plan_requests(phases: Sequence[Mapping[str, Any]], vocab: int, seed: int = 0) -> list[list[tuple[list[int], int, int]]]:
     """Per phase, ``(prompt token ids, adapter index, answer tokens)`` per request. Adapters are numbered across
-    phases (phase 0 uses 0..loras0-1, phase 1 the next ones), requests go round-robin over their phase's adapters,
-    and prompts are random ids (no shared prefix: the ceiling does not lean on prefix caching)."""
+    phases (phase 0 uses 0..loras0-1, phase 1 the next ones) unless a phase names its ``first_lora`` (the single
+    agent serves both phases with adapter 0); requests go round-robin over their phase's adapters, and prompts are
+    random ids (no shared prefix: the ceiling does not lean on prefix caching)."""
     rng = random.Random(seed)
-    out, first = [], 0
+    out, nxt = [], 0
     for p in phases:
         n, loras = int(p["requests"]), int(p["loras"])
+        first = int(p.get("first_lora", nxt))
         plen, alen = int(p["prompt_tokens"]), int(p["answer_tokens"])
         out.append([([rng.randrange(100, max(101, vocab - 1)) for _ in range(plen)], first + i % loras, alen)
                     for i in range(n)])
-        first += loras
+        nxt = max(nxt, first + loras)
     return out
+
+
+def adapters_needed(spec: Mapping[str, Mapping[str, Any]]) -> int:
+    """The most adapters any configuration's phases address (``first_lora`` + ``loras``, numbered as in
+    :func:`plan_requests`)."""
+    most = 0
+    for c in spec.values():
+        nxt = 0
+        for p in c["phases"]:
+            nxt = max(nxt, int(p.get("first_lora", nxt)) + int(p["loras"]))
+        most = max(most, nxt)
+    return most
 
 
 def _spec_from_args(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
@@ -152,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from populora_verl.bench.step_scaling import CUDAGRAPH_SIZES
 
-    n_adapters = max(sum(int(p["loras"]) for p in c["phases"]) for c in spec.values())
+    n_adapters = adapters_needed(spec)
     max_len = max(int(p["prompt_tokens"]) + int(p["answer_tokens"]) for c in spec.values() for p in c["phases"])
     dirs = write_random_adapters(args.model, args.workdir, n_adapters, args.lora_rank, args.lora_alpha)
     t0 = time.time()

@@ -18,7 +18,8 @@ Per configuration, from verl's ``file`` logger (one JSON line per step) and a cl
 * seconds per step over the steps after ``--warmup`` (mean, standard deviation, min, max), ``x single``, and the mean
   of each phase (generation, validation, scoring, old log-probs, update, weight sync);
 * start-up (process start to the first step's start), the warm-up step, and tear-down, separately;
-* generated tokens per step and generation tokens/s (both rollout phases, ``timing_s/gen``);
+* generated tokens per step and generation tokens/s (both rollout phases: ``timing_s/gen`` less the proposal
+  validation nested in it);
 * peak GPU memory (``nvidia-smi`` polled every 0.5 s: vLLM and the FSDP worker are separate processes) and verl's
   ``actor/perf/max_memory_allocated_gb`` (the trainer worker's own peak).
 
@@ -68,6 +69,14 @@ PROFILES: dict[str, list[str]] = {
              f"actor_rollout_ref.rollout.cudagraph_capture_sizes=[{','.join(map(str, CUDAGRAPH_SIZES))}]",
              "actor_rollout_ref.model.enable_gradient_checkpointing=false",
              "++trainer.populora_fused_rpc=true"],
+    # fast + packed training rows (verl's remove-padding path) with torch's varlen flash kernel
+    # (populora_verl.workers.varlen_attention): no padding and no quadratic packed mask.
+    "varlen": ["actor_rollout_ref.rollout.enforce_eager=false",
+               f"actor_rollout_ref.rollout.cudagraph_capture_sizes=[{','.join(map(str, CUDAGRAPH_SIZES))}]",
+               "actor_rollout_ref.model.enable_gradient_checkpointing=false",
+               "++trainer.populora_fused_rpc=true",
+               "actor_rollout_ref.model.use_remove_padding=true",
+               "++actor_rollout_ref.model.override_config.attn_implementation=populora_varlen"],
     "baseline": ["actor_rollout_ref.rollout.enforce_eager=true",
                  "actor_rollout_ref.model.enable_gradient_checkpointing=true",
                  "++trainer.populora_fused_rpc=false"],
@@ -115,9 +124,15 @@ class RunResult:
         return statistics.stdev(s) if len(s) > 1 else (0.0 if s else None)
 
     @property
-    def gen_tok_s(self) -> float | None:
+    def gen_s(self) -> float | None:
+        """Rollout time: verl's ``gen`` timer less the proposal validation nested in it (sandboxed execution)."""
         gen = self.phases_s.get("gen")
-        return self.gen_tokens / gen if self.gen_tokens and gen else None
+        return None if gen is None else gen - self.phases_s.get("populora_validate", 0.0)
+
+    @property
+    def gen_tok_s(self) -> float | None:
+        gen = self.gen_s
+        return self.gen_tokens / gen if self.gen_tokens and gen and gen > 0 else None
 
     @classmethod
     def from_json(cls, row: Mapping[str, Any]) -> RunResult:
@@ -284,7 +299,8 @@ def plan_overrides(profile: str, answer_tokens: int | None, force_length: bool) 
     """The hydra overrides every configuration of a run shares (besides the model and the configuration)."""
     if profile not in PROFILES:
         raise ValueError(f"unknown profile {profile!r}; known: {sorted(PROFILES)}")
-    out = list(PROFILES[profile])
+    # The seeding phase runs once before step 1 (and after every schedule switch): not a per-step cost.
+    out = [*PROFILES[profile], "populora.buffer.seed_programs=0"]
     if answer_tokens:
         out.append(f"data.max_response_length={int(answer_tokens)}")
     if force_length:
@@ -296,6 +312,7 @@ def command(model: str, name: str, steps: int, out_dir: Path, extra: list[str]) 
     return [sys.executable, "-m", "verl.trainer.main_ppo", "--config-path", str(RECIPES), "--config-name", "smoke_0.5b",
             f"actor_rollout_ref.model.path={model}", "trainer.logger=[console,file]", f"trainer.total_training_steps={steps}",
             "trainer.save_freq=-1", "trainer.resume_mode=disable", "populora.pbt.enabled=false",
+            "populora.buffer.seed_programs=0",  # the seeding phase is a one-off before step 1, not a step cost
             f"trainer.default_local_dir={out_dir / name / 'ckpt'}",
             "++actor_rollout_ref.model.override_config.attn_implementation=sdpa",
             *CONFIGS[name], *extra]
@@ -427,7 +444,11 @@ def _kill_group(proc: subprocess.Popen) -> None:
             os.killpg(proc.pid, signal.SIGKILL)
         except OSError:
             pass
-    try:  # Ray's daemons outlive the killed driver; the next configuration starts its own cluster
+    _ray_stop()
+
+
+def _ray_stop() -> None:
+    try:  # Ray's daemons can outlive a killed or finished trainer and hold GPU memory; the next run starts its own
         subprocess.run(["ray", "stop", "--force"], capture_output=True, timeout=60, check=False)
     except (OSError, subprocess.TimeoutExpired):
         pass
@@ -472,12 +493,12 @@ def report(results: list[RunResult]) -> str:
                   for r in phase_rows]
     gen_rows = [r for r in results if r.gen_tokens]
     if gen_rows:
-        lines += ["", "| config | teacher seqs | student seqs | tokens/step | gen s | our gen tok/s | "
+        lines += ["", "| config | teacher seqs | student seqs | tokens/step | rollout s | our gen tok/s | "
                   "vLLM ceiling tok/s | fraction |", "|---|---|---|---|---|---|---|---|"]
         for r in gen_rows:
             seqs = [_fmt(r.rollout.get(p, {}).get("sequences"), ".0f") for p in ROLLOUT_PHASES]
             frac = r.gen_tok_s / r.ceiling_tok_s if r.gen_tok_s and r.ceiling_tok_s else None
-            lines.append(f"| {r.name} | {seqs[0]} | {seqs[1]} | {r.gen_tokens:.0f} | {_fmt(r.phases_s.get('gen'))} | "
+            lines.append(f"| {r.name} | {seqs[0]} | {seqs[1]} | {r.gen_tokens:.0f} | {_fmt(r.gen_s)} | "
                          f"{_fmt(r.gen_tok_s, '.0f')} | {_fmt(r.ceiling_tok_s, '.0f')} | {_fmt(frac, '.2f')} |")
     return "\n".join(lines)
 
@@ -500,6 +521,8 @@ def ceiling_spec(results: Iterable[RunResult], answer_tokens: int | None, force_
             answer = answer_tokens if force_length and answer_tokens else d.get("response_tokens", 0) / n
             phases.append({"phase": p, "requests": n, "prompt_tokens": max(1, round(d.get("prompt_tokens", n) / n)),
                            "answer_tokens": max(1, round(answer)), "loras": loras})
+            if r.name == "single":
+                phases[-1]["first_lora"] = 0  # one adapter proposes and solves
         if phases:
             out[r.name] = {"adapters": r.adapters, "phases": phases}
     return out
@@ -518,6 +541,7 @@ def run_ceiling(model: str, out_dir: Path, results: list[RunResult], answer_toke
     if not spec:
         return 0
     (out_dir / "ceiling_spec.json").write_text(json.dumps(spec, indent=1))
+    _ray_stop()  # vLLM checks free GPU memory at start: nothing of the trainer's cluster may linger
     cmd = [sys.executable, "-m", "populora_verl.bench.ceiling", "--model", model, "--spec",
            str(out_dir / "ceiling_spec.json"), "--out", str(out_dir / "ceiling.json"), *extra]
     with open(out_dir / "ceiling.log", "w") as f:
@@ -531,25 +555,29 @@ def run_ceiling(model: str, out_dir: Path, results: list[RunResult], answer_toke
 # --- bookkeeping ---------------------------------------------------------------------------------------------------
 
 
-def parse_models(specs: Sequence[str], default_configs: Sequence[str] = ()) -> list[tuple[str, str, list[str]]]:
-    """``TAG=PATH[:cfg,cfg]`` (or a bare path, tagged by its folder name) -> ``[(tag, path, configs)]``; a model
-    without its own configuration list gets ``default_configs``; tags must be unique and configurations known."""
-    out: list[tuple[str, str, list[str]]] = []
+def parse_models(specs: Sequence[str], default_configs: Sequence[str] = ()) -> list[tuple[str, str, list[str], list[str]]]:
+    """``TAG=PATH[:cfg,cfg[+cfg,cfg]]`` (or a bare path, tagged by its folder name) -> ``[(tag, path, configs,
+    extras)]``. ``extras`` (after ``+``) are optional rows (e.g. 8T8S) run after every model's main rows and ceiling,
+    so a run cut short has those; a model without its own list gets ``default_configs``; tags unique, names known."""
+    out: list[tuple[str, str, list[str], list[str]]] = []
     for s in specs:
         tag, sep, rest = s.partition("=")
         if not sep:
             tag, rest = "", s
         path, _, cfgs = rest.partition(":")
+        main_cfgs, _, extra_cfgs = cfgs.partition("+")
         tag = tag or Path(path).name or "model"
-        names = [c.strip() for c in cfgs.split(",") if c.strip()] or list(default_configs)
+        names = [c.strip() for c in main_cfgs.split(",") if c.strip()] or list(default_configs)
+        extras = [c.strip() for c in extra_cfgs.split(",") if c.strip()]
         if not path or not re.fullmatch(r"[\w.\-]+", tag):
             raise ValueError(f"--model {s!r}: expected TAG=PATH[:configs] with a tag of letters, digits, '.', '_', '-'")
-        if tag in {t for t, _, _ in out}:
+        if tag in {t for t, *_ in out}:
             raise ValueError(f"--model tag {tag!r} given twice")
-        unknown = [n for n in names if n not in CONFIGS]
-        if unknown or not names:
-            raise ValueError(f"--model {s!r}: configurations {unknown or names} not in {list(CONFIGS)}")
-        out.append((tag, path, names))
+        unknown = [n for n in names + extras if n not in CONFIGS]
+        if unknown or not names or len(set(names + extras)) != len(names + extras):
+            raise ValueError(f"--model {s!r}: configurations {unknown or names + extras} not in {list(CONFIGS)} "
+                             "(or repeated)")
+        out.append((tag, path, names, extras))
     return out
 
 
@@ -625,6 +653,43 @@ def status(root: Path) -> str:
     return "\n".join(lines)
 
 
+def _mark_done(root: Path, names: Iterable[str]) -> None:
+    done = json.loads((root / "progress.json").read_text()).get("done", [])
+    write_progress(root, done=done + list(names))
+
+
+def _run_configs(args: argparse.Namespace, root: Path, tag: str, path: str, names: list[str], out: Path,
+                 results: list[RunResult], extra: list[str]) -> tuple[list[RunResult], bool]:
+    """``names`` of one model: in one trainer process (a population schedule) when asked and there are several,
+    then whatever that did not finish one process each; every row saved as it lands."""
+    ok, todo = True, list(names)
+    if args.one_process and len(names) > 1 and not _STOP.is_set():
+        write_progress(root, current={"model": tag, "config": "schedule", "since": time.time(),
+                                      "steps": args.steps * len(names), "configs": names})
+        print(f"step_scaling: {tag} {names} in one trainer process ({args.steps} steps each) ...", flush=True)
+        got, rc = run_schedule(path, names, args.steps, out, extra, args.timeout_s, args.warmup)
+        print(f"  exit={rc}; complete: {[r.name for r in got if r.rc == 0]}", flush=True)
+        for r in got:
+            results = [x for x in results if x.name != r.name] + [r]
+        save_results(out, results)
+        finished = [r.name for r in got if r.rc == 0]
+        _mark_done(root, [f"{tag}/{n}" for n in finished])
+        todo = [n for n in names if n not in finished]
+    for name in todo:
+        if _STOP.is_set():
+            break
+        write_progress(root, current={"model": tag, "config": name, "since": time.time(), "steps": args.steps})
+        print(f"step_scaling: {tag}/{name} ({ADAPTERS[name]} adapters, {args.steps} steps) ...", flush=True)
+        r = run_one(path, name, args.steps, out, extra, args.timeout_s, args.warmup)
+        print(f"  exit={r.rc} wall={r.wall_s:.0f}s start-up={_fmt(r.startup_s, '.0f')}s steps={r.step_s} "
+              f"peak={r.smi_peak_mib} MiB", flush=True)
+        ok = ok and r.rc == 0
+        results = [x for x in results if x.name != name] + [r]
+        save_results(out, results)
+        _mark_done(root, [f"{tag}/{name}"])
+    return results, ok
+
+
 def _has_cuda() -> bool:
     try:
         import torch
@@ -637,7 +702,8 @@ def _has_cuda() -> bool:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", action="append", default=[],
-                    help="TAG=PATH[:cfg,cfg] of an HF checkpoint, optionally with its own configurations (repeatable; "
+                    help="TAG=PATH[:cfg,cfg[+cfg]] of an HF checkpoint, optionally with its own configurations; those "
+                         "after '+' are optional and run after every model's main rows and ceiling (repeatable; "
                          "models run in the order given)")
     ap.add_argument("--steps", type=int, default=6, help="steps per configuration (the first --warmup are excluded)")
     ap.add_argument("--warmup", type=int, default=1, help="leading steps left out of the means (kernel JIT etc.)")
@@ -678,51 +744,30 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     root.mkdir(parents=True, exist_ok=True)
     signal.signal(signal.SIGTERM, _on_sigterm)
-    plan = [f"{tag}/{n}" for tag, _, names in models for n in names]
+    plan = [f"{tag}/{n}" for tag, _, names, extras in models for n in names + extras]
     write_progress(root, pid=os.getpid(), state="running", started=time.time(), plan=plan, done=[], current=None,
                    profile=args.profile, overrides=extra)
-    ok = True
-    for tag, path, names in models:
+    ok, results_of = True, {}
+    for tag, path, names, extras in models:
         out = root / tag
         out.mkdir(parents=True, exist_ok=True)
-        results = load_results(out, keep=names)
-        todo = list(names)
-        if args.one_process and len(names) > 1:
-            write_progress(root, current={"model": tag, "config": "schedule", "since": time.time(),
-                                          "steps": args.steps * len(names), "configs": names})
-            print(f"step_scaling: {tag} {names} in one trainer process ({args.steps} steps each) ...", flush=True)
-            got, rc = run_schedule(path, names, args.steps, out, extra, args.timeout_s, args.warmup)
-            print(f"  exit={rc}; complete: {[r.name for r in got if r.rc == 0]}", flush=True)
-            for r in got:
-                results = [x for x in results if x.name != r.name] + [r]
-            save_results(out, results)
-            finished = [r.name for r in got if r.rc == 0]
-            done = json.loads((root / "progress.json").read_text()).get("done", [])
-            write_progress(root, done=done + [f"{tag}/{n}" for n in finished])
-            # whatever the schedule did not finish runs the old way, one process per configuration
-            todo = [n for n in names if n not in finished]
-        for name in todo:
-            if _STOP.is_set():
-                break
-            write_progress(root, current={"model": tag, "config": name, "since": time.time(), "steps": args.steps})
-            print(f"step_scaling: {tag}/{name} ({ADAPTERS[name]} adapters, {args.steps} steps) ...", flush=True)
-            r = run_one(path, name, args.steps, out, extra, args.timeout_s, args.warmup)
-            print(f"  exit={r.rc} wall={r.wall_s:.0f}s start-up={_fmt(r.startup_s, '.0f')}s steps={r.step_s} "
-                  f"peak={r.smi_peak_mib} MiB", flush=True)
-            ok = ok and r.rc == 0
-            results = [x for x in results if x.name != name] + [r]
-            save_results(out, results)
-            done = json.loads((root / "progress.json").read_text()).get("done", [])
-            write_progress(root, done=done + [f"{tag}/{name}"])
+        results = load_results(out, keep=names + extras)
+        results, ok_main = _run_configs(args, root, tag, path, names, out, results, extra)
+        ok = ok and ok_main
         if args.ceiling and not _STOP.is_set() and (not args.ceiling_models or tag in args.ceiling_models.split(",")):
             write_progress(root, current={"model": tag, "config": "ceiling", "since": time.time(), "steps": 0})
             print(f"step_scaling: {tag} vLLM ceiling ...", flush=True)
             rc = run_ceiling(path, out, results, args.answer_tokens, args.force_length, args.timeout_s)
             print(f"  ceiling exit={rc}", flush=True)
             ok = ok and rc == 0
+        results_of[tag] = results
         print(save_results(out, results), flush=True)
-        if _STOP.is_set():
-            break
+    # The optional configurations (after "+") last, once every model's main rows and ceiling have landed.
+    for tag, path, _, extras in models:
+        if extras and not _STOP.is_set():
+            results, ok_extra = _run_configs(args, root, tag, path, extras, root / tag, results_of[tag], extra)
+            ok = ok and ok_extra
+            print(save_results(root / tag, results), flush=True)
     write_progress(root, state="stopped" if _STOP.is_set() else "finished", current=None)
     return 0 if ok else 1
 

@@ -11,9 +11,10 @@ and to every seed task (:meth:`TaskEnv.solver_request`, :meth:`TaskEnv.score_man
 model and serves all of that model's settings.
 
 Templates: ``chat`` (the question and the format note in one user message, wrapped by the tokenizer's chat
-template), ``azr`` (AZR's plain-text conversation, also as one user message inside the chat template: this is
-what verl's agent loop does with a plain-text prompt, see ``trainer/convert.py::prompt_to_messages``) and
-``azr-raw`` (the plain text as is, ending with ``Assistant: <think>``: what the CPU driver feeds the model).
+template), ``azr`` (AZR's plain-text conversation, also as one user message inside the chat template: what
+verl's agent loop did with a plain-text prompt before issue 10) and ``azr-raw`` (the plain text as is, ending with
+``Assistant: <think>``: what both engines feed the model for ``tasks.prompt_template=azr``, see
+``tasks/prompts.py::encode_prompt``).
 
 Engines: ``vllm`` (offline ``LLM.generate``, one engine per model; run with ``VLLM_WORKER_MULTIPROC_METHOD=spawn``)
 and ``hf`` (transformers ``generate``; CPU friendly, used by the tests). Stop tokens are the tokenizer's EOS plus
@@ -212,6 +213,7 @@ _REASON_RULES: tuple[tuple[str, str], ...] = (
     ("positional parameter", "no parameter"),
     ("longer than", "program too long"),
     ("valid distinct inputs", "too few valid inputs"),
+    ("input blocks, need", "too few input blocks"),  # code_f under tasks.code_f_rule=azr
     ("execution failed", "runtime error"),
     ("failed", "runtime error"),
 )

@@ -34,7 +34,7 @@ or the network, printing or logging, or any state outside the function.
 - It makes the reader follow values through several successive transformations of the data, keeping track of \
 state at every step, so that working it out takes a long chain of reasoning.
 - Do not write the test input inside the program; it goes in the input block.
-- These words are forbidden anywhere in your answer, in any form, even inside comments: {banned_keywords}."""
+- These words must not appear in your program in any form, not even inside comments: {banned_keywords}."""
 
 _INPUT_RULES = """\
 Requirements for the input:

@@ -485,7 +485,7 @@ class PopuLoRATrainer(PPOTrainerSync):
         if idx:  # a later entry of a population schedule starts with this step (entry 0 is set up by init)
             with marked_timer("populora_switch", self.timing_raw, color="green"):
                 self._switch_population(idx)
-        if not self.pop_step.seeded:
+        if not getattr(self.pop_step, "seeded", True):  # buffer.seed_programs > 0 on a fresh run (or entry)
             self._seed_buffers()
         if self.debug_probes:
             self._probe_adapters()
@@ -524,6 +524,7 @@ class PopuLoRATrainer(PPOTrainerSync):
         self.checkpoint_manager.sleep_replicas()
         self.pcfg = self._schedule_cfgs[idx]
         self.pop_step = PopulationStep(self.pcfg, executor=old.tasks.executor)
+        self.pop_step.updates_per_step = getattr(old, "updates_per_step", 1)  # the compute metrics count it
         self._phase, self._checksums = None, None
         info = self._rpc("populora_init_bank", self.pcfg.population.num_adapters, self.pcfg.population.seed)
         self.checkpoint_manager.update_weights(self.global_steps)

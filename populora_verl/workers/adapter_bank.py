@@ -377,7 +377,10 @@ class AdapterBank:
                     if val.shape == _local(p).shape and val.dim() > 0:
                         cur = torch.zeros_like(p, dtype=val.dtype)  # keeps the DTensor layout of the parameter
                     else:
-                        cur = torch.empty(val.shape, dtype=val.dtype, device=saved.get(f"__device__{key}", "cpu"))
+                        # CPU stays CPU; an accelerator tensor (e.g. a fused AdamW step) goes to this rank's device,
+                        # not the saved index: a bank resumed on another GPU numbering must still load.
+                        was_cpu = str(saved.get(f"__device__{key}", "cpu")).startswith("cpu")
+                        cur = torch.empty(val.shape, dtype=val.dtype, device="cpu" if was_cpu else _local(p).device)
                     live[key] = cur
                 _local(cur).copy_(val)
         sched = s.scheduler if s.scheduler is not None else self._initial_scheduler
@@ -462,7 +465,9 @@ class AdapterBank:
                 full = DTensor.from_local(
                     local.to(_comm_device(p)), p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
                 ).full_tensor()
-                out[self._keys[n]] = full.detach().cpu()
+                # Always a copy: when no rank needs to send anything (a mesh of one shard group on CPU) the gather
+                # hands back the slot's own buffer, which the next swap_out overwrites in place.
+                out[self._keys[n]] = full.detach().to("cpu", copy=True)
             else:
                 out[self._keys[n]] = local.detach().clone()
         return out

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Check", "PRELOAD", "run_rank", "check_results", "main", "NUM_SLOTS", "TRAIN_ORDER"]
+__all__ = ["Check", "PRELOAD", "layouts", "layout_name", "run_rank", "check_results", "main", "NUM_SLOTS", "TRAIN_ORDER"]
 
 LR = 1e-2
 NUM_SLOTS = 3
@@ -141,7 +141,17 @@ def _reference(world: int, device: torch.device) -> dict[str, Any]:
 # --- one rank ------------------------------------------------------------------------------------------------------
 
 
-def _scenarios(rank: int, world: int, device: torch.device, outdir: str) -> dict[str, Any]:
+def layouts(world: int) -> list[int]:
+    """FSDP sizes to check: every rank shards each adapter (verl's default), and HSDP with half the ranks per shard
+    group (``actor.fsdp_config.fsdp_size``, e.g. one group per node), whose placements are (Replicate, Shard)."""
+    return [world] + ([world // 2] if world % 2 == 0 else [])
+
+
+def layout_name(world: int, fsdp_size: int) -> str:
+    return f"FSDP over {world}" if fsdp_size == world else f"HSDP {world // fsdp_size} x {fsdp_size}"
+
+
+def _scenarios(rank: int, world: int, device: torch.device, outdir: str, fsdp_size: int) -> dict[str, Any]:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import distribute_tensor
@@ -149,12 +159,16 @@ def _scenarios(rank: int, world: int, device: torch.device, outdir: str) -> dict
 
     from populora_verl.workers.adapter_bank import AdapterBank, AdapterBankError, bank_filename
 
-    mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("fsdp",))
+    # The meshes verl's FSDP engine builds (create_device_mesh): 1-D, or (ddp, fsdp) when fsdp_size < world.
+    if fsdp_size == world:
+        mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("fsdp",))
+    else:
+        mesh = init_device_mesh(device.type, (world // fsdp_size, fsdp_size), mesh_dim_names=("ddp", "fsdp"))
     model = _tiny_peft_model(device)
     apply_fsdp2(model, {"mesh": mesh, "reshard_after_forward": True}, {})  # verl's own FSDP2 wrapping
     opt, sched = _opt(model)
     bank = AdapterBank(model, opt, sched)
-    out: dict[str, Any] = {"rank": rank, "world": world, "device": str(device)}
+    out: dict[str, Any] = {"rank": rank, "world": world, "fsdp_size": fsdp_size, "device": str(device)}
     out["placements"] = sorted({str(p.placements) for p in bank._params.values()})
     out["local_rows"] = {n: int(p.to_local().shape[0]) for n, p in bank._params.items()}
     out["full_rows"] = {n: int(p.shape[0]) for n, p in bank._params.items()}
@@ -201,7 +215,7 @@ def _scenarios(rank: int, world: int, device: torch.device, outdir: str) -> dict
         _same_locals(locals_before, locals_after, k) for k in range(NUM_SLOTS))
 
     # Per-rank bank files, loaded into a fresh bank over the same sharded model.
-    ckpt = os.path.join(outdir, "bank")
+    ckpt = os.path.join(outdir, f"bank_fsdp{fsdp_size}")
     os.makedirs(ckpt, exist_ok=True)
     path = os.path.join(ckpt, bank_filename(world, rank))
     bank.save(path)
@@ -222,7 +236,7 @@ def _scenarios(rank: int, world: int, device: torch.device, outdir: str) -> dict
     unsharded_model = _tiny_peft_model(device)
     unsharded = AdapterBank(unsharded_model, *_opt(unsharded_model))
     unsharded.init_slots(NUM_SLOTS, seed=5)
-    other = os.path.join(outdir, f"unsharded_rank{rank}.pt")
+    other = os.path.join(outdir, f"unsharded_fsdp{fsdp_size}_rank{rank}.pt")
     unsharded.save(other)
     try:
         fresh.load(other)
@@ -250,9 +264,6 @@ def _scenarios(rank: int, world: int, device: torch.device, outdir: str) -> dict
     with bank.active(1):
         _train(model, opt, sched, _ids(50, rank, device))
     out["post_evolution_step"] = bank.slot_info(1)["optimizer_step"]
-
-    if rank == 0:
-        out["reference"] = _reference(world, device)
     return out
 
 
@@ -276,7 +287,9 @@ def run_rank(rank: int, world: int, outdir: str, backend: str = "gloo", port: in
     dist.init_process_group(backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=180))
     found: dict[str, Any] = {"rank": rank}
     try:
-        found = _scenarios(rank, world, device, outdir)
+        found["layouts"] = {f: _scenarios(rank, world, device, outdir, f) for f in layouts(world)}
+        if rank == 0:
+            found["reference"] = _reference(world, device)
         found["seconds"] = time.perf_counter() - start
     except BaseException:  # recorded, so the checks name the failing rank instead of a bare exit code
         found["error"] = traceback.format_exc()
@@ -311,17 +324,29 @@ def _all(name: str, problems: Sequence[str]) -> Check:
 
 
 def check_results(found: Sequence[Mapping[str, Any]]) -> list[Check]:
-    """Named checks over every rank's findings (rank 0 carries the unsharded reference)."""
+    """Named checks over every rank's findings (rank 0 carries the unsharded reference), per mesh layout; each name
+    starts with the layout, e.g. ``FSDP over 2: ...``."""
     errors = [f"rank {f.get('rank', i)}:\n{f['error']}" for i, f in enumerate(found) if "error" in f]
     if errors:
         return [Check("ranks ran every scenario", False, "\n".join(errors))]
-    ref = found[0]["reference"]
+    world = len(found)
+    checks = [Check("ranks ran every scenario", True)]
+    for fsdp_size in layouts(world):
+        per_rank = [f["layouts"][fsdp_size] for f in found]
+        prefix = layout_name(world, fsdp_size)
+        checks += [Check(f"{prefix}: {c.name}", c.ok, c.detail)
+                   for c in _layout_checks(per_rank, found[0]["reference"], fsdp_size)]
+    return checks
+
+
+def _layout_checks(found: Sequence[Mapping[str, Any]], ref: Mapping[str, Any], fsdp_size: int) -> list[Check]:
     world = len(found)
     r = range(NUM_SLOTS)
     steps = [TRAIN_ORDER.count(k) for k in r]
+    sharded = fsdp_size > 1  # a shard group of one rank holds whole tensors: nothing uneven, any bank file fits
     checks = [
-        Check("ranks ran every scenario", True),
         _all("FSDP2 shards are uneven across ranks (the hard case)", [
+            "" if not sharded or any(f["local_rows"][n] * fsdp_size != f["full_rows"][n] for n in f["local_rows"]) else
             "" if any(f["local_rows"][n] * world != f["full_rows"][n] for n in f["local_rows"]) else
             f"rank {f['rank']}: every shard is even" for f in found]),
         _all("init_slots: identical full adapters on every rank, equal to one process", [
@@ -349,7 +374,7 @@ def check_results(found: Sequence[Mapping[str, Any]]) -> list[Check]:
                f"rank {f['rank']}: loaded state differs" for f in found]
             + [_diff(f["loaded"][k], f["trained"][k], exact=True) for f in found for k in r]),
         _all("a bank saved at another world size is refused", [
-            "" if "world size or sharding changed" in f["world_size_change"] else
+            "" if not sharded or "world size or sharding changed" in f["world_size_change"] else
             f"rank {f['rank']}: {f['world_size_change'][:200]}" for f in found]),
         _all("evolution (apply_plan): same children on every rank, equal to one process", [
             _diff(f["evolved"][k], ref["evolved"][k], exact=False) for f in found for k in r]
@@ -362,6 +387,10 @@ def check_results(found: Sequence[Mapping[str, Any]]) -> list[Check]:
                f"rank {f['rank']}: slices={f['child_shards_are_slices']} step={f['post_evolution_step']}"
                for f in found]),
     ]
+    if not sharded:  # say so rather than pass silently
+        vacuous = ("FSDP2 shards are uneven across ranks (the hard case)", "a bank saved at another world size is refused")
+        checks = [Check(c.name, c.ok, "n/a: shard groups of one rank hold whole tensors") if c.name in vacuous else c
+                  for c in checks]
     return checks
 
 

@@ -39,6 +39,14 @@ from populora_verl.workers.adapter_bank import AdapterBank, AdapterBankError, ba
 logger = logging.getLogger(__name__)
 logger.setLevel(os.getenv("VERL_LOGGING_LEVEL", "WARN"))
 
+# attn_implementation=populora_varlen (opt-in): the worker processes build the model, so they register it here.
+try:
+    from populora_verl.workers.varlen_attention import register as _register_varlen
+
+    _register_varlen()
+except ImportError as _e:  # a transformers without AttentionInterface: the name stays unknown, sdpa etc. work
+    logger.warning("populora: attn_implementation=populora_varlen unavailable: %s", _e)
+
 __all__ = ["PopuLoRAActorRolloutRefWorker", "ADAPTER_KEY", "slot_from_batch"]
 
 #: Non-tensor batch entry naming the slot a compute_log_prob / update_actor call runs on.
