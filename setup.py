@@ -59,6 +59,7 @@ setup(
             "populora-local = populora_verl.local.__main__:main",
             "populora-eval = populora_verl.eval.cli:eval_main",
             "populora-report = populora_verl.eval.cli:report_main",
+            "populora-export = populora_verl.export:main",
         ],
     },
 )

@@ -45,6 +45,8 @@ def test_local_ctrl_c_names_the_last_checkpoint_and_the_resume_command(tmp_path,
     assert local_main(["--run-dir", str(run), "--resume"]) == 130
     assert _one_line(capsys) == (f"populora-local: interrupted; last complete checkpoint: {run}/checkpoints/step_2; "
                                  f"continue with: python -m populora_verl.local --run-dir {run} --resume")
+    assert local_main(["--run-dir", str(run), "--resume", "--model", str(tmp_path / "m")]) == 130
+    assert _one_line(capsys).endswith(f"--run-dir {run} --model {tmp_path / 'm'} --resume")
     assert local_main(["--run-dir", str(tmp_path / "fresh")]) == 130
     assert "nothing to resume" in _one_line(capsys)
     with pytest.raises(KeyboardInterrupt):  # --debug: the traceback, for a bug report

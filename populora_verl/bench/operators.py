@@ -96,9 +96,14 @@ def machine_description(device: torch.device) -> str:
 
 def run(device: str = "cpu", ranks: tuple[int, ...] = (16, 64), repeats: int = 3, warmup: int = 1,
         operators: list[str] | None = None, shape: ModelShape = QWEN25_CODER_7B, log=print) -> list[dict]:
+    from tqdm.auto import tqdm
+
     dev = torch.device(device)
     names = operators or list(OPERATORS)
     rows = []
+    bar = tqdm(total=len(ranks) * len(names), desc="operators", unit="op", disable=None)
+    if not bar.disable:
+        log = bar.write  # keep the per-operator lines above the bar
     for rank in ranks:
         parents = [make_adapter(shape, rank, device=dev, seed=s) for s in (0, 1)]
         n_params = sum(v.numel() for v in parents[0].values())
@@ -113,7 +118,9 @@ def run(device: str = "cpu", ranks: tuple[int, ...] = (16, 64), repeats: int = 3
                 row["peak_gib"] = torch.cuda.max_memory_allocated(dev) / 2**30
             rows.append(row)
             log(f"  {name:<24} {row['ms']:10.1f} ms/child")
+            bar.update(1)
         del parents
+    bar.close()
     return rows
 
 

@@ -79,6 +79,10 @@ class HFBackend:
                 model.load_adapter(m.adapter, adapter_name=m.name)
         self.model = model.eval()
         self._has_adapters = bool(adapters)
+        self._bar: Any = None
+        from populora_verl.stop_tokens import stop_token_ids
+
+        self.stop_ids = stop_token_ids(self.tokenizer, getattr(model, "generation_config", None))
 
     def _batch(self, prompts: Sequence[str]) -> list[str]:
         import torch
@@ -86,8 +90,8 @@ class HFBackend:
         enc = self.tokenizer(list(prompts), return_tensors="pt", padding=True, add_special_tokens=False).to(self.device)
         with torch.no_grad():
             out = self.model.generate(**enc, max_new_tokens=self.max_new_tokens, do_sample=False,
-                                      pad_token_id=self.tokenizer.pad_token_id, temperature=None, top_p=None,
-                                      top_k=None)
+                                      pad_token_id=self.tokenizer.pad_token_id, eos_token_id=self.stop_ids,
+                                      temperature=None, top_p=None, top_k=None)
         new = out[:, enc["input_ids"].shape[1]:]
         return self.tokenizer.batch_decode(new, skip_special_tokens=True)
 
@@ -103,10 +107,19 @@ class HFBackend:
         with ctx:
             for i in range(0, len(prompts), self.batch_size):
                 outs.extend(self._batch(prompts[i:i + self.batch_size]))
+                if self._bar is not None:
+                    self._bar.update(len(prompts[i:i + self.batch_size]))
         return outs
 
     def generate(self, prompts: Sequence[str], members: Sequence[Member]) -> dict[str, list[str]]:
-        return {m.name: self._member(prompts, m) for m in members}
+        from tqdm.auto import tqdm
+
+        # disable=None: a bar on a terminal, nothing in a log file
+        with tqdm(total=len(prompts) * len(members), desc="generate", unit="prompt", disable=None) as self._bar:
+            try:
+                return {m.name: self._member(prompts, m) for m in members}
+            finally:
+                self._bar = None
 
 
 class VLLMBackend:
@@ -130,13 +143,20 @@ class VLLMBackend:
         kwargs.update(extra or {})
         self.llm = LLM(**kwargs)
         self.tokenizer = self.llm.get_tokenizer()
-        self.params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, n=1)
+        from populora_verl.stop_tokens import load_generation_config, stop_token_ids
+
+        # Explicit, so the answer ends at the chat end token even where vLLM's generation-config handling differs.
+        self.stop_ids = stop_token_ids(self.tokenizer, load_generation_config(model_path))
+        self.params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, n=1, stop_token_ids=self.stop_ids)
         self._ids = {m.name: i + 1 for i, m in enumerate(adapters)}  # LoRA int ids start at 1
 
     def _run(self, prompts: list[str], requests: list[Any] | None) -> list[str]:
         token_prompts = [{"prompt_token_ids": self.tokenizer(p, add_special_tokens=False)["input_ids"]}
                          for p in prompts]
-        outs = self.llm.generate(token_prompts, self.params, lora_request=requests, use_tqdm=False)
+        import sys
+
+        # vLLM's own progress bar, on a terminal only (a log file gets none)
+        outs = self.llm.generate(token_prompts, self.params, lora_request=requests, use_tqdm=sys.stderr.isatty())
         return [o.outputs[0].text for o in outs]
 
     def generate(self, prompts: Sequence[str], members: Sequence[Member]) -> dict[str, list[str]]:

@@ -16,6 +16,8 @@ from typing import Any, Callable, Sequence
 
 from populora_verl.eval.backends import GenerationBackend, Member
 from populora_verl.eval.code_grader import CodeResult, Expected, check_candidate, compute_expected, extract_code
+from tqdm.auto import tqdm
+
 from populora_verl.eval.data import Item, find_benchmark_file, load_benchmark, resolve_data_dir
 from populora_verl.eval.lcb import check_lcb, load_lcb_items
 from populora_verl.eval.math_grader import score_math
@@ -73,8 +75,9 @@ def grade(items_by_bench: dict[str, list[Item]], completions: dict[str, dict[str
     if code_items:
         t0 = time.time()
         with ThreadPoolExecutor(workers) as pool:
-            for it, exp in zip(code_items, pool.map(lambda it: compute_expected(it.gold, cache_dir=cache_dir),
-                                                    code_items)):
+            results = pool.map(lambda it: compute_expected(it.gold, cache_dir=cache_dir), code_items)
+            for it, exp in zip(code_items, tqdm(results, total=len(code_items), desc="expected outputs", unit="task",
+                                                disable=None)):
                 expected[(it.benchmark, it.id)] = exp
                 if exp.error:
                     log(f"warning: {it.id}: {exp.error}")
@@ -89,11 +92,13 @@ def grade(items_by_bench: dict[str, list[Item]], completions: dict[str, dict[str
                 jobs.append((member, it, text))
     code_jobs = [j for j in jobs if j[1].kind == "code"]
     with ThreadPoolExecutor(workers) as pool:
-        code_out = list(pool.map(lambda j: _grade_code(j[1], j[2], expected.get((j[1].benchmark, j[1].id)), limits),
-                                 code_jobs))
+        code_out = list(tqdm(pool.map(lambda j: _grade_code(j[1], j[2], expected.get((j[1].benchmark, j[1].id)),
+                                                            limits), code_jobs),
+                             total=len(code_jobs), desc="grade code", unit="answer", disable=None))
     for (member, it, text), res in zip(code_jobs, code_out):
         records.append({"member": member, "benchmark": it.benchmark, "id": it.id, **res, "completion": text})
-    for member, it, text in jobs:
+    for member, it, text in tqdm(jobs, desc="grade math", unit="answer", disable=None if any(
+            j[1].kind == "math" for j in jobs) else True):
         if it.kind == "math":
             ok, pred = score_math(text, it.gold)
             records.append({"member": member, "benchmark": it.benchmark, "id": it.id, "correct": ok,

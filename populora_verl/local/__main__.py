@@ -137,7 +137,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def resume_cmd(args: argparse.Namespace) -> str:
-    return f"python -m populora_verl.local --run-dir {args.run_dir} --resume"
+    import shlex
+
+    # The model is a flag, not part of the saved config: the resumed run must be given the same one.
+    model = f" --model {shlex.quote(args.model)}" if args.model else f" --gguf {shlex.quote(args.gguf)}" if args.gguf else ""
+    return f"python -m populora_verl.local --run-dir {shlex.quote(str(args.run_dir))}{model} --resume"
 
 
 def interrupted_message(run_dir: str | Path, resume: str) -> str:
@@ -179,11 +183,11 @@ def _run(args: argparse.Namespace) -> int:
         driver.run()
     finally:
         driver.close()
-    _print_summary(driver)
+    _print_summary(driver, tiny=not (args.model or args.gguf))
     return 0
 
 
-def _print_summary(driver: Any) -> None:
+def _print_summary(driver: Any, tiny: bool = False) -> None:
     pop = driver.population
     last = driver.history[-1] if driver.history else {}
     print(f"\nfinished step {pop.step}; population:")
@@ -198,10 +202,14 @@ def _print_summary(driver: Any) -> None:
     if last:
         print(f"last step: validity {last.get('populora/validity/mean', 0):.2f}, student accuracy "
               f"{last.get('populora/student/accuracy', 0):.2f}, coverage {last.get('populora/coverage/fraction', 0):.2f}")
-    run = driver.run_dir
-    print(f"metrics: {run / 'metrics.jsonl'}  tensorboard: {run / 'tb'}  plots: {run / 'plots'}")
-    print(f"checkpoints: {run / 'checkpoints'} (latest: {(run / 'checkpoints' / 'latest').read_text().strip()})"
-          if (run / "checkpoints" / "latest").is_file() else "")
+    from populora_verl.local.progress import TINY_MODEL_NOTE, files_written
+
+    print("files written:")
+    print("\n".join(files_written(driver.run_dir)))
+    if tiny:
+        import textwrap
+
+        print(textwrap.fill(TINY_MODEL_NOTE, width=110))
 
 
 if __name__ == "__main__":

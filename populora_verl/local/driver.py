@@ -21,6 +21,7 @@ from populora_verl.checkpoint import (CheckpointError, Checkpoint, capture_rng_s
 from populora_verl.config import PopuLoRAConfig, to_dict
 from populora_verl.local.config import LocalConfig
 from populora_verl.local.hf_engine import HFEngine, seed_for, slot_name
+from populora_verl.local.progress import step_line
 from populora_verl.step import PopulationStep, StepResult
 from populora_verl.step.orchestration import BASE_POLICY
 
@@ -208,6 +209,7 @@ class LocalDriver:
                 metrics[f"populora/train/{m.id}/{k}"] = v
         t4 = time.perf_counter()
         plan, children = ps.maybe_evolve(step, self.adapters())
+        self.last_plan = plan  # for the step line
         if plan is not None:
             self.apply_plan(plan, children)
             metrics["populora/evolution/events"] = float(len(plan))
@@ -244,8 +246,11 @@ class LocalDriver:
         try:
             self.seed_buffers()  # no-op unless buffer.seed_programs > 0 on a fresh run
             for step in range(self.start_step + 1, total + 1):
-                _, metrics = self.run_step(step)
+                result, metrics = self.run_step(step)
                 self.history.append(self.logger.log(metrics, step))
+                if self.local.progress:  # one line per step a user can follow (populora_verl.local.progress)
+                    line = step_line(step, total, result, metrics, self.population, self.last_plan)
+                    bar.write(line) if bar is not None else print(line, flush=True)
                 every = self.local.save_every
                 if (every and step % every == 0) or step == total:
                     self.save(step)

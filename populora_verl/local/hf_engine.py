@@ -134,7 +134,9 @@ class HFEngine:
         texts: list[list[str]] = [[] for _ in requests]
         extra: list[list[Any]] = [[] for _ in requests]
         lengths: list[list[int]] = [[] for _ in requests]
-        eos = self.tokenizer.eos_token_id
+        from populora_verl.stop_tokens import stop_token_ids
+
+        stops = stop_token_ids(self.tokenizer, getattr(self.model, "generation_config", None))
         pad = self.tokenizer.pad_token_id
         self.model.eval()
         with torch.random.fork_rng(devices=[]):
@@ -150,15 +152,16 @@ class HFEngine:
                         attn[j, width - len(r.prompt_ids):] = 1
                 sample = self.temperature > 0
                 kwargs: dict[str, Any] = dict(do_sample=sample, max_new_tokens=self.max_new_tokens, pad_token_id=pad,
-                                              eos_token_id=eos)
+                                              eos_token_id=stops)
                 if sample:
                     kwargs.update(temperature=self.temperature, top_p=self.cfg.top_p, top_k=0)
                 out = self.model.generate(input_ids=input_ids, attention_mask=attn,
                                           adapter_names=[r.slot for r in batch], **kwargs)
                 for j, r in enumerate(batch):
                     resp = out[j, width:].tolist()
-                    if eos in resp:  # keep the EOS: ending is an action the policy is trained on
-                        resp = resp[:resp.index(eos) + 1]
+                    end = next((k for k, t in enumerate(resp) if t in stops), None)
+                    if end is not None:  # keep the stop token: ending is an action the policy is trained on
+                        resp = resp[:end + 1]
                     texts[r.request_index].append(self.tokenizer.decode(resp, skip_special_tokens=True))
                     extra[r.request_index].append((r.prompt_ids, resp))
                     lengths[r.request_index].append(max(1, len(resp)))

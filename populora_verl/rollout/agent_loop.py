@@ -36,6 +36,22 @@ def raw_text_prompt(populora: Any, raw_prompt: Any) -> str | None:
     return msgs[0]["content"]
 
 
+_STOP_CACHE: dict[str, list[int]] = {}
+
+
+def _stop_ids(tokenizer: Any, config: Any) -> list[int]:
+    """Stop ids for the run's model, read once per process (every agent-loop worker builds many loops)."""
+    from omegaconf import OmegaConf
+
+    from populora_verl.stop_tokens import load_generation_config, stop_token_ids
+
+    path = OmegaConf.select(config, "actor_rollout_ref.model.path", default=None) if config is not None else None
+    key = f"{path}|{getattr(tokenizer, 'name_or_path', '')}"
+    if key not in _STOP_CACHE:
+        _STOP_CACHE[key] = stop_token_ids(tokenizer, load_generation_config(path))
+    return _STOP_CACHE[key]
+
+
 class LoraInjectingClient:
     """Wraps an ``LLMServerClient``: ``generate`` adds the current prompt's ``populora_lora``; all else delegates."""
 
@@ -62,9 +78,16 @@ class PopuLoRAAgentLoop(SingleTurnAgentLoop):
         super().__init__(*args, **kwargs)
         if not isinstance(self.server_manager, LoraInjectingClient):
             self.server_manager = LoraInjectingClient(self.server_manager)
+        self.stop_ids = _stop_ids(self.tokenizer, self.config)
 
     async def run(self, sampling_params: dict[str, Any], **kwargs: Any) -> AgentLoopOutput:
         spec = lora_spec_from_prompt(kwargs.get(POPULORA_FIELD))
+        stops = getattr(self, "stop_ids", None)
+        if stops is None and getattr(self, "tokenizer", None) is not None:
+            stops = self.stop_ids = _stop_ids(self.tokenizer, getattr(self, "config", None))
+        if stops:  # the model's chat end token as well as the tokenizer's EOS (populora_verl.stop_tokens)
+            given = list(sampling_params.get("stop_token_ids") or [])
+            sampling_params = {**sampling_params, "stop_token_ids": given + [i for i in stops if i not in given]}
         text = raw_text_prompt(kwargs.get(POPULORA_FIELD), kwargs.get("raw_prompt", ()))
         token, text_token = _PROMPT_LORA.set(spec), _PROMPT_TEXT.set(text)
         try:

@@ -249,7 +249,8 @@ class PopuLoRATrainer(PPOTrainerSync):
         m = self.config.actor_rollout_ref.model
         tm = m.get("target_modules", "all-linear")
         return {"r": int(m.lora_rank), "lora_alpha": int(m.get("lora_alpha", m.lora_rank)),
-                "target_modules": tm if isinstance(tm, str) else list(tm)}
+                "target_modules": tm if isinstance(tm, str) else list(tm),
+                "base_model_name_or_path": str(m.path)}  # saved adapters load (and export) on their own
 
     # --- generation through TransferQueue --------------------------------------------------------------------
 
