@@ -146,3 +146,29 @@ def test_eval_generation_shows_progress_on_a_terminal(chat_model, monkeypatch):
     monkeypatch.setattr(sys, "stderr", log)
     backend.generate(["a"], [Member("base")])
     assert log.getvalue() == ""
+
+
+def test_verl_agent_loop_adds_no_stop_ids_when_eos_is_ignored(chat_model, monkeypatch):
+    """rollout.ignore_eos (step_scaling's forced answer lengths): vLLM would still stop on the extra stop ids, so the
+    loop must not add them (found on the H100: forced 1,024-token answers came back ~240 tokens long)."""
+    from omegaconf import OmegaConf
+    from verl.experimental.agent_loop.single_turn_agent_loop import SingleTurnAgentLoop
+
+    from populora_verl.rollout.agent_loop import PopuLoRAAgentLoop, _stop_ids
+
+    _, tok, folder, eos, im_end = chat_model
+    cfg = OmegaConf.create({"actor_rollout_ref": {"model": {"path": str(folder)}, "rollout": {"ignore_eos": True}}})
+    loop = PopuLoRAAgentLoop.__new__(PopuLoRAAgentLoop)
+    loop.tokenizer, loop.config = tok, cfg
+    loop.stop_ids = _stop_ids(tok, cfg)
+    assert loop.stop_ids == [eos, im_end]
+    seen = []
+
+    async def run(self, sampling_params, **kwargs):
+        seen.append(dict(sampling_params))
+        return types.SimpleNamespace(extra_fields={})
+
+    monkeypatch.setattr(SingleTurnAgentLoop, "run", run)
+    asyncio.run(loop.run({"temperature": 1.0}, populora={"lora_int_id": 3}))
+    asyncio.run(loop.run({"temperature": 1.0, "ignore_eos": False}, populora={"lora_int_id": 3}))
+    assert seen == [{"temperature": 1.0}, {"temperature": 1.0, "ignore_eos": False, "stop_token_ids": [eos, im_end]}]

@@ -52,6 +52,18 @@ def _stop_ids(tokenizer: Any, config: Any) -> list[int]:
     return _STOP_CACHE[key]
 
 
+def _ignores_eos(config: Any, sampling_params: Mapping[str, Any]) -> bool:
+    """``ignore_eos`` asks for answers that run to the length cap (e.g. step_scaling's forced lengths); vLLM still
+    stops on ``stop_token_ids``, so the extra stop ids must not be added then."""
+    if "ignore_eos" in sampling_params:
+        return bool(sampling_params["ignore_eos"])
+    if config is None:
+        return False
+    from omegaconf import OmegaConf
+
+    return bool(OmegaConf.select(config, "actor_rollout_ref.rollout.ignore_eos", default=False))
+
+
 class LoraInjectingClient:
     """Wraps an ``LLMServerClient``: ``generate`` adds the current prompt's ``populora_lora``; all else delegates."""
 
@@ -85,7 +97,8 @@ class PopuLoRAAgentLoop(SingleTurnAgentLoop):
         stops = getattr(self, "stop_ids", None)
         if stops is None and getattr(self, "tokenizer", None) is not None:
             stops = self.stop_ids = _stop_ids(self.tokenizer, getattr(self, "config", None))
-        if stops:  # the model's chat end token as well as the tokenizer's EOS (populora_verl.stop_tokens)
+        if stops and not _ignores_eos(getattr(self, "config", None), sampling_params):
+            # the model's chat end token as well as the tokenizer's EOS (populora_verl.stop_tokens)
             given = list(sampling_params.get("stop_token_ids") or [])
             sampling_params = {**sampling_params, "stop_token_ids": given + [i for i in stops if i not in given]}
         text = raw_text_prompt(kwargs.get(POPULORA_FIELD), kwargs.get("raw_prompt", ()))
