@@ -31,7 +31,7 @@ import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import numpy as np
 import torch
@@ -277,6 +277,25 @@ def load_checkpoint(path: str | os.PathLike, *, population_cls: Any = None) -> C
                       optimizers=optimizers, step_state=step_state, rng=meta.get("rng"), extra=meta.get("extra", {}))
 
 
+def newest_loadable(candidates: Iterable[Path], load: Callable[[Path], Any], warn: Callable[[str], None],
+                    prefix: str = "") -> tuple[Path | None, Any, list[str]]:
+    """Try ``candidates`` (newest first) until ``load`` succeeds: ``(candidate, loaded, names skipped)``, or
+    ``(None, None, names skipped)``. Each :class:`CheckpointError` is reported in one line through ``warn``; the CPU
+    driver and the verl trainer fall back the same way."""
+    skipped: list[str] = []
+    for cand in candidates:
+        try:
+            loaded = load(cand)
+        except CheckpointError as e:
+            warn(f"{prefix}checkpoint {cand.name} cannot be loaded: {e}; trying the previous one")
+            skipped.append(cand.name)
+            continue
+        if skipped:
+            warn(f"{prefix}resuming from {cand.name}, the newest checkpoint that loads")
+        return cand, loaded, skipped
+    return None, None, skipped
+
+
 def load_latest_checkpoint(run_dir: str | os.PathLike, *, population_cls: Any = None,
                            warn: Callable[[str], None] | None = None) -> Checkpoint:
     """The newest checkpoint of ``run_dir`` that loads. Each one skipped (no ``COMPLETE`` marker, or a damaged or
@@ -294,16 +313,9 @@ def load_latest_checkpoint(run_dir: str | os.PathLike, *, population_cls: Any = 
     if not complete:
         raise CheckpointError(f"no complete checkpoint in {root}")
     first = latest_checkpoint(run_dir)  # what ``latest`` names, when complete
-    problems = []
-    for cand in [first] + [c for c in reversed(complete) if c != first]:
-        try:
-            ck = load_checkpoint(cand, population_cls=population_cls)
-        except CheckpointError as e:
-            warn(f"checkpoint {cand.name} cannot be loaded: {e}; trying the previous one")
-            problems.append(cand.name)
-            continue
-        if problems:
-            warn(f"resuming from {cand.name}, the newest checkpoint that loads")
-        return ck
-    raise CheckpointError(f"no checkpoint in {root} can be loaded (tried {', '.join(problems)}); "
-                          "see the lines above for the damaged files")
+    found, ck, problems = newest_loadable([first] + [c for c in reversed(complete) if c != first],
+                                          lambda c: load_checkpoint(c, population_cls=population_cls), warn)
+    if found is None:
+        raise CheckpointError(f"no checkpoint in {root} can be loaded (tried {', '.join(problems)}); "
+                              "see the lines above for the damaged files")
+    return ck

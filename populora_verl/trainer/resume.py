@@ -15,7 +15,8 @@ import zipfile
 from pathlib import Path
 from typing import Callable
 
-from populora_verl.checkpoint import Checkpoint, CheckpointError, latest_checkpoint, load_checkpoint
+from populora_verl.checkpoint import (Checkpoint, CheckpointError, latest_checkpoint, load_checkpoint,
+                                      newest_loadable)
 
 __all__ = ["choose_resume_folder", "check_bank_files", "tracked_folder"]
 
@@ -81,17 +82,9 @@ def choose_resume_folder(default_local_dir: str | os.PathLike,
         raise CheckpointError(f"{tracker}: unreadable ({e})") from e
     steps = sorted((int(m.group(1)) for p in root.iterdir() if (m := _GLOBAL_STEP.match(p.name)) and p.is_dir()),
                    reverse=True)
-    tried = []
-    for step in (s for s in steps if s <= newest):
-        folder = root / f"global_step_{step}"
-        try:
-            ck = _check_folder(folder)
-        except CheckpointError as e:
-            warn(f"[populora] checkpoint {folder.name} cannot be resumed: {e}; trying the previous one")
-            tried.append(folder.name)
-            continue
-        if tried:
-            warn(f"[populora] resuming from {folder.name}, the newest checkpoint that loads")
+    folder, ck, tried = newest_loadable([root / f"global_step_{s}" for s in steps if s <= newest], _check_folder, warn,
+                                        prefix="[populora] ")
+    if folder is not None:
         return folder, ck
     raise CheckpointError(f"no usable checkpoint in {root} (tried {', '.join(tried) or 'none: no global_step_N folder'}"
                           f"); fix or move the damaged folders, or set trainer.resume_mode=disable to start fresh")
