@@ -29,6 +29,9 @@ INSTALL_REQUIRES = [
     # backtracks through dozens of datasets releases (minutes on a fresh machine).
     "datasets==5.2.0",
     "fsspec==2026.9.0",
+    # verl's unpinned wandb: on 2026-11-26 pip walked back through 28 wandb releases (about 600 MB of downloads)
+    # before settling on this one; the pin skips the walk.
+    "wandb==0.31.0",
 ]
 
 setup(
