@@ -289,21 +289,20 @@ def main(argv: list[str] | None = None) -> dict:
           f"{', '.join(figures['protections_off']) or 'none'}" + (f" ({'; '.join(notes)})" if notes else ""))
     header = "| validations/s (median, min..max) | " + " | ".join(systems) + " |"
     lines = [header, "|---" * (len(systems) + 1) + "|"]
-    for mix_name in mixes:
-        cells = []
-        for name in systems:
-            med, lo, hi = _summary(rates[(mix_name, name)])
-            figures["rates"][f"{mix_name}/{name}"] = {"median": med, "min": lo, "max": hi}
-            cells.append(f"{med:.0f} ({lo:.0f}..{hi:.0f})")
-        lines.append(f"| {mix_name} | " + " | ".join(cells) + " |")
+
+    def _rows(values: dict, suffix: str, digits: int) -> None:
+        # one table row per mix: median (min..max) per system, also kept in figures["rates"]
+        for mix_name in mixes:
+            cells = []
+            for name in systems:
+                med, lo, hi = _summary(values[(mix_name, name)])
+                figures["rates"][f"{mix_name}/{name}{suffix}"] = {"median": med, "min": lo, "max": hi}
+                cells.append(f"{med:.{digits}f} ({lo:.{digits}f}..{hi:.{digits}f})")
+            lines.append(f"| {mix_name} | " + " | ".join(cells) + " |")
+
+    _rows(rates, "", 0)
     lines.append("| **CPU ms per validation** (median, all processes) | " + " | ".join(systems) + " |")
-    for mix_name in mixes:
-        cells = []
-        for name in systems:
-            med, lo, hi = _summary(cpu_ms[(mix_name, name)])
-            figures["rates"][f"{mix_name}/{name}/cpu_ms"] = {"median": med, "min": lo, "max": hi}
-            cells.append(f"{med:.2f} ({lo:.2f}..{hi:.2f})")
-        lines.append(f"| {mix_name} | " + " | ".join(cells) + " |")
+    _rows(cpu_ms, "/cpu_ms", 2)
     if "ours" in systems and "azr_pool" in systems:
         for mix_name in mixes:
             ratio = (figures["rates"][f"{mix_name}/ours"]["median"] /

@@ -99,6 +99,15 @@ def _plan() -> list[dict[str, Any]]:
     ]
 
 
+def _slot_logits(bank: Any, model: Any, device: Any) -> list[Any]:
+    """The probe's logits under every slot, each swapped in for inference."""
+    out = []
+    for k in range(NUM_SLOTS):
+        bank.swap_in(k, train=False)
+        out.append(_probe_logits(model, device))
+    return out
+
+
 def _probe_logits(model: torch.nn.Module, device: torch.device) -> torch.Tensor:
     with torch.no_grad():
         return model(input_ids=_ids(99, 0, device)).logits.detach().float().cpu()
@@ -129,10 +138,7 @@ def _reference(world: int, device: torch.device) -> dict[str, Any]:
             _train(model, opt, sched, torch.cat([_ids(step, r, device) for r in range(world)]))
     out["trained"] = [bank.get_adapter_state(k) for k in range(NUM_SLOTS)]
     out["optimizer_steps"] = [bank.slot_info(k)["optimizer_step"] for k in range(NUM_SLOTS)]
-    out["logits"] = []
-    for k in range(NUM_SLOTS):
-        bank.swap_in(k, train=False)
-        out["logits"].append(_probe_logits(model, device))
+    out["logits"] = _slot_logits(bank, model, device)
     bank.apply_plan(_plan())
     out["evolved"] = [bank.get_adapter_state(k) for k in range(NUM_SLOTS)]
     return out
@@ -196,10 +202,7 @@ def _scenarios(rank: int, world: int, device: torch.device, outdir: str, fsdp_si
     out["trained"] = [bank.get_adapter_state(k) for k in range(NUM_SLOTS)]
     out["optimizer_steps"] = [bank.slot_info(k)["optimizer_step"] for k in range(NUM_SLOTS)]
 
-    out["logits"] = []
-    for k in range(NUM_SLOTS):
-        bank.swap_in(k, train=False)
-        out["logits"].append(_probe_logits(model, device))
+    out["logits"] = _slot_logits(bank, model, device)
 
     # The weight sync as the worker runs it: per slot, verl's gather of the live adapter; no slot may change.
     locals_before, versions_before = _locals(bank), [bank.version(k) for k in range(NUM_SLOTS)]
