@@ -180,15 +180,16 @@ class VLLMProbeEngine:
 
 
 def encode_prompt(tokenizer: Any, prompt: Any, template: str, max_prompt_tokens: int) -> list[int]:
-    """Token ids the model sees for a rendered prompt, as training feeds it (see the module docstring)."""
-    if template == "azr-raw":
-        text = prompt if isinstance(prompt, str) else "\n".join(m["content"] for m in prompt)
-    else:
+    """Token ids the model sees for a rendered prompt (see the module docstring): training's own encoder
+    (:func:`populora_verl.tasks.prompts.encode_prompt`) for ``azr-raw`` and ``chat``; ``azr`` re-creates the
+    pre-issue-10 verl form, the plain text wrapped in one chat turn."""
+    if template == "azr":
         from populora_verl.trainer.convert import prompt_to_messages
 
-        text = tokenizer.apply_chat_template(prompt_to_messages(prompt), add_generation_prompt=True, tokenize=False)
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    return list(ids[-max_prompt_tokens:])
+        prompt = prompt_to_messages(prompt)
+    from populora_verl.tasks.prompts import encode_prompt as training_encode
+
+    return training_encode(tokenizer, prompt)[-max_prompt_tokens:]
 
 
 # --- failure reasons -------------------------------------------------------------------------------------------
