@@ -220,6 +220,9 @@ class BufferConfig:
     # Skipped when seed_file is set (a saved seed set, e.g. <run dir>/seed_tasks.jsonl of an earlier run).
     seed_programs: int = 0
     seed_rounds: int = 16  # generation rounds the seeding phase may take before training starts anyway
+    # > 0: a seed_file that does not exist yet is waited for (up to this many seconds) at the first step instead of
+    # failing at start-up, so a run can start alongside the run whose seeding phase writes it.
+    seed_file_wait_s: float = 0.0
     _prefix: str = field(default=f"{ROOT}.buffer", repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -227,6 +230,7 @@ class BufferConfig:
         _check(self.max_programs >= 1, f"{p}.max_programs", "must be >= 1")
         _choice(self.valid_program_filter, ("all", "non_one", "non_extremes"), f"{p}.valid_program_filter")
         _choice(self.student_mix, ("fallback", "max_new"), f"{p}.student_mix")
+        _check(self.seed_file_wait_s >= 0, f"{p}.seed_file_wait_s", f"must be >= 0, got {self.seed_file_wait_s!r}")
         for k in ("seed_programs", "seed_rounds"):
             v = getattr(self, k)
             _check(isinstance(v, int) and not isinstance(v, bool) and v >= 0, f"{p}.{k}",

@@ -449,7 +449,9 @@ def test_compare_runs_draws_every_run_on_shared_axes(tmp_path, monkeypatch):
                             **coverage_metrics(cells_filled=step, num_cells=8, window_cells_filled=1),
                             "populora/role/teacher/reward_mean": 0.5, "populora/role/student/reward_mean": 0.2,
                             "populora/role/teacher/response_length_mean": 100.0 + step,
-                            "populora/role/student/response_length_mean": 50.0}, step=step)
+                            "populora/role/student/response_length_mean": 50.0,
+                            "populora/role/teacher/format_error_rate": 1.0 / step,
+                            "populora/role/student/format_error_rate": 0.5 / step}, step=step)
         runs.append(run)
     _events_log(runs[1], [(2, [("t1", "t2", "neftune", "t0")])])
     saved = {}
@@ -457,14 +459,18 @@ def test_compare_runs_draws_every_run_on_shared_axes(tmp_path, monkeypatch):
     written = plots.compare_runs(runs, tmp_path / "cmp")
     assert sorted(p.name for p in written) == sorted(
         ["solve_rate.png", "validity.png", "complexity.png", "coverage.png", "ratings.png", "response_length.png",
-         "reward.png"])
-    for name in ("solve_rate.png", "coverage.png", "reward.png", "response_length.png"):
+         "format_error.png", "reward.png"])
+    for name in ("solve_rate.png", "coverage.png", "reward.png", "response_length.png", "format_error.png"):
         for ax in saved[name].axes:
             labels = [ln.get_label() for ln in ax.get_lines() if not ln.get_label().startswith("_")]
             assert labels == ["single", "pop"], (name, labels)
     assert [ax.get_title() for ax in saved["validity.png"].axes] == [
         "Valid proposals: all types", "Valid proposals: code_o"]
     assert [ax.get_title().split(": ")[1] for ax in saved["complexity.png"].axes] == ["ast_depth", "cyclomatic", "loc"]
+    fmt = saved["format_error.png"].axes
+    assert [ax.get_title() for ax in fmt] == ["Format errors (answer envelope): teacher",
+                                              "Format errors (answer envelope): student"]
+    assert list(fmt[0].get_lines()[0].get_ydata()) == [1.0, 0.5, 1 / 3, 0.25]
     titles = [ax.get_title() for ax in saved["ratings.png"].axes]
     assert titles[0].startswith("TrueSkill rating (teachers)") and titles[-1].startswith("TrueSkill rating (members)")
     assert any("pop: t2 = neftune(t0)" in t.get_text() for t in saved["ratings.png"].axes[0].texts)

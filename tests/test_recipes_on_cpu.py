@@ -10,7 +10,7 @@ from hydra import compose, initialize_config_dir  # noqa: E402
 from populora_verl.config import load_config  # noqa: E402
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes" / "populora"
-NAMES = ["1t1s", "2t2s", "4t4s", "8t8s", "azr_single_agent", "smoke_0.5b"]
+NAMES = ["1t1s", "2t2s", "4t4s", "8t8s", "azr_single_agent", "smoke_0.5b", "qwen1.5b_1gpu_2t2s", "qwen1.5b_1gpu_single"]
 
 
 def _compose(name, overrides=()):
@@ -30,10 +30,10 @@ def test_recipe_composes_and_validates(name):
     assert cfg.actor_rollout_ref.actor.strategy == "fsdp2"
     assert cfg.actor_rollout_ref.rollout.checkpoint_engine.backend == "naive"
     pcfg = load_config(cfg.populora)
-    if name == "azr_single_agent":
+    if name in ("azr_single_agent", "qwen1.5b_1gpu_single"):
         assert pcfg.population.num_adapters == 1 and not pcfg.pbt.enabled
     else:
-        t, s = (2, 2) if name == "smoke_0.5b" else (int(name[0]), int(name[2]))
+        t, s = (2, 2) if name == "smoke_0.5b" or name.startswith("qwen") else (int(name[0]), int(name[2]))
         assert (pcfg.population.num_teachers, pcfg.population.num_students) == (t, s)
 
 
@@ -64,3 +64,23 @@ def test_bad_populora_override_fails_naming_the_key():
     cfg = _compose("2t2s", ["populora.pbt.cull_fraction=2.0"])
     with pytest.raises(ConfigError, match=r"^populora\.pbt\.cull_fraction:"):
         load_config(cfg.populora)
+
+
+def test_one_gpu_learning_run_arms_are_compute_matched():
+    """The issue-13 arms: same per-adapter trained trajectories (18), generation limits, LoRA, optimizer and seed
+    source; the population evolves every 5 steps and checkpoints at every step a run may stop at."""
+    from populora_verl.step import planned_trajectories
+
+    single, pop = _compose("qwen1.5b_1gpu_single"), _compose("qwen1.5b_1gpu_2t2s")
+    ps, pp = load_config(single.populora), load_config(pop.populora)
+    assert planned_trajectories(ps) == planned_trajectories(pp) == 18.0
+    assert ps.population.mode == "single_agent" and ps.rollout.buffer_task_n == 1
+    assert not ps.rewards.train_on_estimation_rollouts and ps.buffer.student_mix == "max_new"
+    assert ps.rollout.student_n == pp.rollout.student_n and ps.tasks == pp.tasks and ps.buffer.seed_programs > 0
+    a, b = single.actor_rollout_ref, pop.actor_rollout_ref
+    for key in ("model.lora_rank", "model.lora_alpha", "actor.optim.lr", "actor.ppo_epochs", "rollout.temperature"):
+        from omegaconf import OmegaConf
+        assert OmegaConf.select(a, key) == OmegaConf.select(b, key), key
+    assert single.data.max_response_length == pop.data.max_response_length >= 1024
+    assert pp.pbt.enabled and pp.pbt.interval_steps == pop.trainer.save_freq == 5 and pp.pbt.quiet_steps == 5
+    assert pop.trainer.n_gpus_per_node == 1 and pop.algorithm.rollout_correction.bypass_mode

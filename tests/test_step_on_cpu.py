@@ -166,3 +166,20 @@ def test_step_metrics_validity_per_task_type_and_length_per_role(executor):
     assert m["populora/task_type/code_o/validity"] == 1.0 and m["populora/task_type/code_i/validity"] == 0.0
     assert m["populora/role/teacher/response_length_mean"] == 7.0
     assert m["populora/role/student/response_length_mean"] == 3.0
+
+
+def test_step_metrics_format_error_rate_per_role(executor):
+    """The envelope failure rate per role (what a weak base model gets wrong first) counts every generated text."""
+    ps = PopulationStep(_cfg(tasks={"types": ["code_o", "code_i"]}), executor=executor, seed=0)
+    teacher_reqs = ps.begin(1)
+    # Half the teachers' prompts (the code_i ones) get garbage: a format error, not an invalid program.
+    responses = [GenResponse(r, [GOOD_PROPOSAL if r.task_type == "code_o" else GARBAGE] * r.n) for r in teacher_reqs]
+    student_reqs = ps.on_proposals(responses)
+    # Students: one in four answers has no answer envelope at all; the rest are right or wrong answers.
+    answers = [GenResponse(r, [GARBAGE if k % 4 == 0 else (RIGHT if k % 2 else WRONG) for k in range(r.n)])
+               for r in student_reqs]
+    n_answers = sum(r.n for r in student_reqs)
+    m = ps.on_answers(answers).metrics
+    assert m["populora/role/teacher/format_error_rate"] == 0.5
+    expected = sum(k % 4 == 0 for r in student_reqs for k in range(r.n)) / n_answers
+    assert m["populora/role/student/format_error_rate"] == pytest.approx(expected) and 0 < expected < 1

@@ -340,3 +340,48 @@ def test_metrics_row_is_written_after_evolution(trainer_cls, tmp_path, monkeypat
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert rows == [{"step": 2, "populora/validity/mean": 0.25, "populora/evolution/events": 2.0}]
     assert t._pending_sync_metrics["populora/evolution/events"] == 2.0  # verl's own logger gets it too
+
+
+def test_stop_file_ends_the_run_at_the_first_step_past_the_quiet_window(trainer_cls, tmp_path, monkeypatch):
+    """touch <run dir>/STOP: no evolution, a checkpoint and the end of fit() at the first step where no member is
+    younger than the final quiet window; before that step the run goes on (and evolves) as usual."""
+    from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
+
+    from populora_verl.step import PopulationStep
+    from populora_verl.trainer import stop
+
+    cfg = _compose("smoke_0.5b", ["actor_rollout_ref.model.path=/m", f"trainer.default_local_dir={tmp_path}"])
+    t = _bare(trainer_cls, cfg)
+    t.pop_step = PopulationStep(cfg.populora, total_steps=100)
+    evolved, saved = [], []
+    monkeypatch.setattr(t, "_evolve", lambda: evolved.append(t.global_steps) or {"populora/evolution/events": 1.0})
+    monkeypatch.setattr(t, "_save_all", lambda: saved.append(t.global_steps))
+    monkeypatch.setattr(PPOTrainerSync, "on_step_end", lambda self: None)  # the weight sync needs vLLM
+    t.timing_raw, t.total_training_steps = {}, 100
+    window = t.pop_step.population.age_window
+    assert window == 2  # smoke recipe: pbt.interval_steps 2, quiet window one interval
+
+    t.global_steps = 1
+    t.on_step_end()  # no stop file: evolution runs
+    assert evolved == [1] and saved == [] and t.total_training_steps == 100
+
+    (tmp_path / "STOP").write_text("")
+    t.pop_step.population.members[0].age = window - 1  # a child one step too young
+    t.global_steps = 2
+    t.on_step_end()
+    assert evolved == [1, 2] and saved == [] and t.total_training_steps == 100
+    for m in t.pop_step.population.members:
+        m.age = window
+    t.global_steps = 3
+    t.on_step_end()
+    assert evolved == [1, 2] and saved == [3] and t.total_training_steps == 3  # fit() leaves its loop after step 3
+
+    # "echo N > STOP": not before step N; garbage in the file means "stop"
+    assert stop.read_request(str(tmp_path / "missing")) is None
+    (tmp_path / "STOP").write_text("40\n")
+    assert stop.read_request(str(tmp_path / "STOP")) == 40
+    assert not stop.due(40, 39, 9, 2) and stop.due(40, 40, 9, 2) and not stop.due(0, 40, 1, 2)
+    assert stop.due(0, 7, None, None)  # no PBT: any step
+    (tmp_path / "STOP").write_text("soon please")
+    assert stop.read_request(str(tmp_path / "STOP")) == 0
+    assert stop.stop_file(cfg) == str(tmp_path / "STOP")

@@ -520,7 +520,7 @@ def compare_runs(run_dirs: Sequence[str | os.PathLike], out_dir: str | os.PathLi
 
     Solve rate (all student answers, else the mean pair solve rate), valid proposals (all types and per task
     type), complexity of valid programs, CVT coverage (cumulative solid, window dashed), TrueSkill mu +- sigma per
-    member with each run's evolution events, response length and training reward per role.
+    member with each run's evolution events, response length, format-error rate and training reward per role.
     """
     paths = [Path(p) for p in run_dirs]
     for p in paths:
@@ -561,6 +561,9 @@ def compare_runs(run_dirs: Sequence[str | os.PathLike], out_dir: str | os.PathLi
         "response_length": lambda: _compare_panels(
             runs, out / "response_length.png", "Mean response length", "tokens",
             [(r, _key(f"{PREFIX}/role/{r}/response_length_mean")) for r in roles]),
+        "format_error": lambda: _compare_panels(
+            runs, out / "format_error.png", "Format errors (answer envelope)", "format errors / texts",
+            [(r, _key(f"{PREFIX}/role/{r}/format_error_rate")) for r in roles], RATE),
         "reward": lambda: _compare_panels(
             runs, out / "reward.png", "Mean training reward", "reward",
             [(r, _key(f"{PREFIX}/role/{r}/reward_mean")) for r in roles]),

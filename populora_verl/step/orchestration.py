@@ -34,6 +34,7 @@ Decisions (documented in docs/cpu-driver.md, "Decisions in the population step")
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
@@ -43,6 +44,8 @@ import torch
 from populora_verl.advantage import group_keys, trrpp_advantages
 from populora_verl.config import PopuLoRAConfig, load_config
 from populora_verl.reward.levels import solve_rate, teacher_reward
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["GenRequest", "GenResponse", "Sample", "StepResult", "PopulationStep", "compute_metrics",
            "planned_trajectories", "BASE_POLICY"]
@@ -178,6 +181,7 @@ class PopulationStep:
         self._phase = "idle"
         self._teacher_requests: list[GenRequest] = []
         self._teacher_records: list[dict[str, Any]] = []
+        self._answer_format_errors: list[bool] = []  # per answer of the step being scored
         self._student_requests: list[GenRequest] = []
         self._pairs: list[tuple[str, str]] = []
         self._current = 0
@@ -283,6 +287,9 @@ class PopulationStep:
             raise RuntimeError(f"PopulationStep.begin: previous step still in phase {self._phase!r}")
         if not self.seeded:
             raise RuntimeError("PopulationStep.begin: run the seeding phase first (seed_begin until it returns [])")
+        waited = self.tasks.buffers.await_seed_file()  # buffer.seed_file_wait_s: another run's seed set
+        if waited:
+            logger.info("populora: step %d: %d seed tasks from %s", step, waited, self.cfg.buffer.seed_file)
         self._current = int(step)
         self._pairs = self.matchmaker.pairs(self.population, self._current)
         requests = []
@@ -371,6 +378,9 @@ class PopulationStep:
         scores = self.tasks.score_many([(r.request.meta["task"], r.texts[k]) for r, k in items])
 
         student_samples: list[Sample] = []
+        # Every answer counts here, estimation answers that are not trained included: it is what the policy wrote.
+        self._answer_format_errors = [float(reward) == float(rw.format_error) and not correct
+                                      for reward, correct in scores]
         for (resp, k), (reward, correct) in zip(items, scores):
             req = resp.request
             if req.meta["record"] is not None:
@@ -500,6 +510,12 @@ class PopulationStep:
             lengths.setdefault(s.role, []).append(s.length)
         for role, ls in lengths.items():
             out[f"populora/role/{role}/response_length_mean"] = float(np.mean(ls))
+        # The envelope is what a weak base model fails first: these rates should fall in the first steps.
+        if self._teacher_records:
+            out["populora/role/teacher/format_error_rate"] = float(np.mean(
+                [rec["status"] == "format_error" for rec in self._teacher_records]))
+        if self._answer_format_errors:
+            out["populora/role/student/format_error_rate"] = float(np.mean(self._answer_format_errors))
         correct = [s.meta["correct"] for s in samples if s.role == STUDENT]
         if correct:
             out["populora/student/accuracy"] = float(np.mean(correct))

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import random
+import time
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
@@ -179,7 +180,29 @@ class TaskBuffers:
     def __init__(self, cfg: BufferConfig | None = None, types: Sequence[str] = TASK_TYPES) -> None:
         self.cfg = cfg or BufferConfig()
         self.buffers = {t: TaskBuffer(t, self.cfg.max_programs) for t in types}
-        self.seed()
+        # A seed file another run is still writing (buffer.seed_file_wait_s): read at the first step, not now.
+        self.pending_seed_file: str | None = None
+        if self.cfg.seed_file and self.cfg.seed_file_wait_s > 0 and not Path(self.cfg.seed_file).exists():
+            self.pending_seed_file = str(self.cfg.seed_file)
+        else:
+            self.seed()
+
+    def await_seed_file(self, poll_s: float = 2.0) -> int:
+        """Block until the pending seed file exists (``buffer.seed_file_wait_s`` at most), then seed from it;
+        returns the number of seed tasks (0 when nothing was pending)."""
+        path = self.pending_seed_file
+        if path is None:
+            return 0
+        deadline = time.monotonic() + self.cfg.seed_file_wait_s
+        while not Path(path).exists():
+            if time.monotonic() >= deadline:
+                raise FileNotFoundError(f"populora.buffer.seed_file: {path} did not appear within "
+                                        f"{self.cfg.seed_file_wait_s:g} s (populora.buffer.seed_file_wait_s)")
+            time.sleep(poll_s)
+        tasks = load_seed_file(path)  # written atomically by save_seed_file: complete once it exists
+        self.seed(tasks)
+        self.pending_seed_file = None
+        return len(tasks)
 
     def seed(self, tasks: Iterable[Task] | None = None) -> None:
         """Fill with ``tasks``, else with the seed file, else with AZR's identity seeds."""
@@ -227,6 +250,7 @@ class TaskBuffers:
         return {"buffers": {t: b.state_dict() for t, b in self.buffers.items()}}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.pending_seed_file = None  # a checkpoint's buffers hold the seeds already
         for t, s in state["buffers"].items():
             if t not in self.buffers:
                 self.buffers[t] = TaskBuffer(t, self.cfg.max_programs)

@@ -38,7 +38,7 @@ from verl.utils.metric import reduce_metrics
 from verl.utils.py_functional import rename_dict
 
 from populora_verl.config import PopuLoRAConfig, load_config
-from populora_verl.trainer import convert, fused, probes, schedule
+from populora_verl.trainer import convert, fused, probes, schedule, stop
 from populora_verl.workers import ADAPTER_KEY
 
 logger = logging.getLogger(__name__)
@@ -173,6 +173,10 @@ class PopuLoRATrainer(PPOTrainerSync):
 
     def _init_populora_state(self) -> None:
         self._save_pending = False
+        self._stop_path = stop.stop_file(self.config)
+        if stop.read_request(self._stop_path) is not None:
+            print(f"[populora] stop file {self._stop_path} exists: the run ends at its first safe step "
+                  "(delete the file to run to trainer.total_training_steps)", flush=True)
         self._phase: _Phase | None = None
         self._next_index = 0
         self._checksums: dict[int, str] | None = None
@@ -532,8 +536,15 @@ class PopuLoRATrainer(PPOTrainerSync):
               f"({info['num_slots']} adapters)", flush=True)
 
     def on_step_end(self) -> None:
+        ending = self._stop_due()
         with marked_timer("populora_evolve", self.timing_raw, color="green"):
-            evo = self._evolve()
+            evo = {} if ending else self._evolve()
+        if ending:
+            # fit() leaves its loop once global_steps passes total_training_steps: this step is the last one.
+            self._save_pending = True
+            self.total_training_steps = self.global_steps
+            print(f"[populora] step {self.global_steps}: stop file {self._stop_path} found; no evolution, "
+                  f"checkpoint, then the run ends", flush=True)
         step_metrics = getattr(self, "_step_population_metrics", None)
         if step_metrics is not None:
             self._log_population_metrics({**step_metrics, **evo}, self.global_steps)
@@ -546,6 +557,15 @@ class PopuLoRATrainer(PPOTrainerSync):
         super().on_step_end()
         pending = getattr(self, "_pending_sync_metrics", None) or {}
         self._pending_sync_metrics = {**pending, **evo}
+
+    def _stop_due(self) -> bool:
+        request = stop.read_request(self._stop_path)
+        if request is None:
+            return False
+        pop = self.pop_step.population
+        ages = [int(m.age) for m in pop.members]
+        window = pop.age_window if self.pop_step.pbt is not None else None
+        return stop.due(request, self.global_steps, min(ages) if ages else None, window)
 
     def _evolve(self) -> dict[str, float]:
         step, pbt = self.global_steps, self.pop_step.pbt

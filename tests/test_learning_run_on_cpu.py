@@ -1,0 +1,134 @@
+"""The learning-run driver (populora_verl.bench.learning_run) on CPU: a stand-in trainer per arm that behaves like
+ours (seed set, metrics rows, a checkpoint every 2 steps, ends at a safe step once its stop file exists)."""
+
+import json
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from populora_verl.bench import learning_run as lr
+
+FAKE_TRAINER = textwrap.dedent('''
+    import json, os, sys, time
+    from pathlib import Path
+    run, seeding = Path(sys.argv[1]), sys.argv[2] == "seed"
+    run.mkdir(parents=True, exist_ok=True)
+    while not seeding and not Path(sys.argv[2]).exists():
+        time.sleep(0.05)
+    if seeding:
+        time.sleep(0.3)
+        (run / "seed_tasks.jsonl").write_text('{"program": "def f(x):\\\\n    return x", "input": "1", "output": "1"}\\n')
+    ids = ["t0", "t1", "s0", "s1"] if seeding else ["a0"]
+    step = 0
+    while step < 200:
+        step += 1
+        time.sleep(0.05)
+        with open(run / "metrics.jsonl", "a") as f:
+            f.write(json.dumps({"step": step, "populora/validity/mean": 0.1, "populora/student/accuracy": 0.5}) + "\\n")
+        with open(run / "verl_metrics.jsonl", "a") as f:
+            f.write(json.dumps({"step": step, "data": {"timing_s/step": 1.5}}) + "\\n")
+        if step % 2 == 0:
+            pop = run / f"global_step_{step}" / "populora" / "checkpoints" / f"step_{step}" / "population"
+            for i in ids:
+                (pop / "adapters" / i).mkdir(parents=True, exist_ok=True)
+                (pop / "adapters" / i / "adapter_config.json").write_text("{}")
+            (pop / "population.json").write_text(json.dumps({"lineage": [{"id": i, "role": "member"} for i in ids]}))
+            if (run / "STOP").exists():
+                sys.exit(0)
+''')
+
+
+def test_arm_command_uses_the_recipe_model_run_dir_and_shared_seed_set(tmp_path):
+    cmd = lr.arm_command("single", "/m", tmp_path, str(tmp_path / "2t2s" / "seed_tasks.jsonl"), ["trainer.x=1"])
+    assert cmd[1:3] == ["-m", "verl.trainer.main_ppo"] and cmd[cmd.index("--config-name") + 1] == "qwen1.5b_1gpu_single"
+    assert f"trainer.default_local_dir={tmp_path / 'single'}" in cmd and "actor_rollout_ref.model.path=/m" in cmd
+    assert f"populora.buffer.seed_file={tmp_path / '2t2s' / 'seed_tasks.jsonl'}" in cmd and cmd[-1] == "trainer.x=1"
+    assert "populora.buffer.seed_file_wait_s=1800" in cmd
+    assert (lr.RECIPES / (lr.ARMS["2t2s"] + ".yaml")).is_file() and (lr.RECIPES / (lr.ARMS["single"] + ".yaml")).is_file()
+    env = lr.arm_env("single", tmp_path)
+    assert env["RAY_ADDRESS"] == "local" and env["RAY_TMPDIR"] != lr.arm_env("2t2s", tmp_path)["RAY_TMPDIR"]
+    with pytest.raises(ValueError, match="unknown arm"):
+        lr.arm_command("4t4s_typo", "/m", tmp_path, None, [])
+
+
+def test_driver_seeds_once_stops_both_arms_and_evaluates_at_the_common_step(tmp_path, monkeypatch, capsys):
+    script = tmp_path / "fake_trainer.py"
+    script.write_text(FAKE_TRAINER)
+    launched = []
+
+    def fake_command(arm, model, root, seed_file, extra):
+        launched.append((arm, seed_file))
+        # the reusing arm waits for the seed set like the trainer does (buffer.seed_file_wait_s)
+        return [sys.executable, str(script), str(root / arm), seed_file or "seed"]
+
+    eval_calls = []
+
+    def fake_eval(model, runs, step, out, *a):
+        eval_calls.append((step, {k: str(v) for k, v in runs.items()}))
+        # the real command builder on the fake checkpoints: baseline = the single agent, run dir = the population
+        cmd = lr.eval_command.__wrapped__(model, runs, step, out, *a)
+        (out.parent / "real_eval_command.json").write_text(json.dumps(cmd))
+        return [sys.executable, "-c", "print('eval ok')"]
+
+    real = lr.eval_command
+    fake_eval.__wrapped__ = real
+    monkeypatch.setattr(lr, "arm_command", fake_command)
+    monkeypatch.setattr(lr, "eval_command", fake_eval)
+    monkeypatch.setattr(lr, "POLL_S", 0.05)
+    root = tmp_path / "learn"
+    rc = lr.main(["--out", str(root), "--model", "/m", "--stop-after-min", "0.02", "--grace-min", "1"])
+    assert rc == 0
+    # the population arm seeds; the single agent starts alongside and waits for that seed set
+    assert launched == [("2t2s", None), ("single", str(root / "2t2s" / "seed_tasks.jsonl"))]
+    prog = json.loads((root / "progress.json").read_text())
+    assert prog["state"] == "finished" and prog["rcs"] == {"2t2s": 0, "single": 0} and prog["eval_rc"] == 0
+    assert (root / "2t2s" / "STOP").exists() and (root / "single" / "STOP").exists()
+    # both arms ended at an even (checkpointed) step; the eval compares them at the last step both have
+    steps = {a: lr.checkpoint_steps(root / a) for a in ("2t2s", "single")}
+    common = max(set(steps["2t2s"]) & set(steps["single"]))
+    assert prog["common_step"] == common and eval_calls[0][0] == common
+    cmd = json.loads((root / "real_eval_command.json").read_text())
+    assert cmd[cmd.index("--baseline") + 1].endswith(f"step_{common}/population/adapters/a0")
+    assert cmd[cmd.index("--run-dir") + 1].endswith(f"global_step_{common}/populora/checkpoints/step_{common}/population")
+    assert cmd[cmd.index("--benchmarks") + 1] == "humaneval_plus,mbpp_plus"
+    assert "eval ok" in (root / "eval.log").read_text()
+    # status names each arm's steps, checkpoints and last metrics
+    out = lr.status(root)
+    assert "state finished" in out and "2t2s:" in out and "validity/mean=0.1" in out and "step=1.5" in out
+    assert (root / "compare" / "compare.md").is_file()
+
+
+def test_driver_reports_a_seeding_arm_that_dies(tmp_path, monkeypatch):
+    monkeypatch.setattr(lr, "arm_command", lambda arm, *a: [sys.executable, "-c", "import sys; sys.exit(3)"])
+    monkeypatch.setattr(lr, "POLL_S", 0.05)
+    root = tmp_path / "learn"
+    assert lr.main(["--out", str(root), "--model", "/m"]) == 1
+    prog = json.loads((root / "progress.json").read_text())
+    assert prog["state"] == "failed" and "rc 3" in prog["reason"]
+    with pytest.raises(SystemExit):
+        lr.main(["--out", str(root), "--model", "/m", "--arms", "2t2s,nope"])
+
+
+def test_seed_file_written_later_is_awaited_at_the_first_step(tmp_path):
+    """buffer.seed_file_wait_s: an arm started alongside the seeding arm reads its seed set when it appears."""
+    import threading
+
+    from populora_verl.config import BufferConfig
+    from populora_verl.tasks import TaskBuffers, save_seed_file
+    from populora_verl.tasks.task import Task
+
+    path = tmp_path / "seed_tasks.jsonl"
+    bufs = TaskBuffers(BufferConfig(seed_file=str(path), seed_file_wait_s=30))
+    assert bufs.pending_seed_file == str(path) and len(bufs["code_o"]) == 0
+    seed = Task(type="code_o", program="def f(x):\n    return x * 3", input="2", output="6")
+    threading.Timer(0.2, lambda: save_seed_file([seed], path)).start()
+    assert bufs.await_seed_file(poll_s=0.05) == 2  # one triplet seeds code_i and code_o
+    assert bufs.pending_seed_file is None and len(bufs["code_o"]) == len(bufs["code_i"]) == 1
+    assert bufs.await_seed_file() == 0  # nothing pending any more
+    late = TaskBuffers(BufferConfig(seed_file=str(tmp_path / "never.jsonl"), seed_file_wait_s=0.1))
+    with pytest.raises(FileNotFoundError, match=r"populora\.buffer\.seed_file: .* did not appear within 0\.1 s"):
+        late.await_seed_file(poll_s=0.02)
+    with pytest.raises(FileNotFoundError):  # no wait configured: a missing seed file fails at once, as before
+        TaskBuffers(BufferConfig(seed_file=str(tmp_path / "never.jsonl")))
