@@ -13,6 +13,7 @@ from populora_verl.bench import learning_run as lr
 FAKE_TRAINER = textwrap.dedent('''
     import json, os, sys, time
     from pathlib import Path
+    from populora_verl.trainer.stop import due, read_request
     run, seeding = Path(sys.argv[1]), sys.argv[2] == "seed"
     run.mkdir(parents=True, exist_ok=True)
     while not seeding and not Path(sys.argv[2]).exists():
@@ -35,7 +36,7 @@ FAKE_TRAINER = textwrap.dedent('''
                 (pop / "adapters" / i).mkdir(parents=True, exist_ok=True)
                 (pop / "adapters" / i / "adapter_config.json").write_text("{}")
             (pop / "population.json").write_text(json.dumps({"lineage": [{"id": i, "role": "member"} for i in ids]}))
-            if (run / "STOP").exists():
+            if due(read_request(str(run / "STOP")), step, None, None):  # checkpointed steps are the safe ones
                 sys.exit(0)
 ''')
 
@@ -44,8 +45,8 @@ def test_arm_command_uses_the_recipe_model_run_dir_and_shared_seed_set(tmp_path)
     cmd = lr.arm_command("single", "/m", tmp_path, str(tmp_path / "2t2s" / "seed_tasks.jsonl"), ["trainer.x=1"])
     assert cmd[1:3] == ["-m", "verl.trainer.main_ppo"] and cmd[cmd.index("--config-name") + 1] == "qwen1.5b_1gpu_single"
     assert f"trainer.default_local_dir={tmp_path / 'single'}" in cmd and "actor_rollout_ref.model.path=/m" in cmd
-    assert f"populora.buffer.seed_file={tmp_path / '2t2s' / 'seed_tasks.jsonl'}" in cmd and cmd[-1] == "trainer.x=1"
-    assert "populora.buffer.seed_file_wait_s=1800" in cmd
+    assert f"++populora.buffer.seed_file={tmp_path / '2t2s' / 'seed_tasks.jsonl'}" in cmd and cmd[-1] == "trainer.x=1"
+    assert "++populora.buffer.seed_file_wait_s=1800" in cmd
     assert (lr.RECIPES / (lr.ARMS["2t2s"] + ".yaml")).is_file() and (lr.RECIPES / (lr.ARMS["single"] + ".yaml")).is_file()
     env = lr.arm_env("single", tmp_path)
     assert env["RAY_ADDRESS"] == "local" and env["RAY_TMPDIR"] != lr.arm_env("2t2s", tmp_path)["RAY_TMPDIR"]
@@ -98,6 +99,22 @@ def test_driver_seeds_once_stops_both_arms_and_evaluates_at_the_common_step(tmp_
     out = lr.status(root)
     assert "state finished" in out and "2t2s:" in out and "validity/mean=0.1" in out and "step=1.5" in out
     assert (root / "compare" / "compare.md").is_file()
+
+
+def test_stop_at_step_ends_every_arm_there(tmp_path, monkeypatch):
+    script = tmp_path / "fake_trainer.py"
+    script.write_text(FAKE_TRAINER)
+    monkeypatch.setattr(lr, "arm_command", lambda arm, model, root, seed_file, extra: [
+        sys.executable, str(script), str(root / arm), seed_file or "seed"])
+    monkeypatch.setattr(lr, "POLL_S", 0.05)
+    seeds = tmp_path / "seeds.jsonl"
+    seeds.write_text("")
+    root = tmp_path / "learn"
+    # a given seed set: no arm seeds; the stop file asks for step 6 from the start
+    assert lr.main(["--out", str(root), "--model", "/m", "--seed-file", str(seeds), "--stop-at-step", "6",
+                    "--stop-after-min", "5", "--no-eval"]) == 0
+    assert {a: lr.checkpoint_steps(root / a)[-1] for a in ("2t2s", "single")} == {"2t2s": 6, "single": 6}
+    assert not (root / "2t2s" / "seed_tasks.jsonl").exists()
 
 
 def test_driver_reports_a_seeding_arm_that_dies(tmp_path, monkeypatch):

@@ -8,7 +8,8 @@ background by ``scripts/gpu/learning_run.sh``) runs, on one GPU:
    ``populora.buffer.seed_file`` and ``seed_file_wait_s``): one seed set and one base for every arm. Each arm is its own
    ``python -m verl.trainer.main_ppo`` with its own Ray instance; population metrics go to
    ``<ROOT>/<arm>/metrics.jsonl``, verl's own (timings, actor) to ``verl_metrics.jsonl``, the log to ``train.log``.
-2. ``M`` minutes after the start it writes each running arm's stop file (:mod:`populora_verl.trainer.stop`): an arm
+2. With ``--stop-at-step N`` each arm ends at step N (the first safe step from N on). ``M`` minutes after the start
+   (whichever comes first) it writes each running arm's stop file (:mod:`populora_verl.trainer.stop`): an arm
    ends at its first step where no member is younger than the final quiet window, with a checkpoint.
 3. When every arm has ended: ``populora-eval`` (vLLM, greedy, HumanEval+ and MBPP+) on the base model, the single
    agent and every population member, all at the last step every arm has a checkpoint for (the same number of
@@ -51,7 +52,8 @@ def arm_command(arm: str, model: str, root: Path, seed_file: str | None, extra: 
     cmd = [sys.executable, "-m", "verl.trainer.main_ppo", "--config-path", str(RECIPES), "--config-name", ARMS[arm],
            f"actor_rollout_ref.model.path={model}", f"trainer.default_local_dir={root / arm}"]
     if seed_file:
-        cmd += [f"populora.buffer.seed_file={seed_file}", f"populora.buffer.seed_file_wait_s={seed_wait_s:g}"]
+        # ++: the recipes leave both keys out (null defaults), and hydra refuses a plain override of a new key
+        cmd += [f"++populora.buffer.seed_file={seed_file}", f"++populora.buffer.seed_file_wait_s={seed_wait_s:g}"]
     return [*cmd, *extra]
 
 
@@ -138,9 +140,12 @@ def write_progress(root: Path, **state: Any) -> None:
     tmp.replace(path)
 
 
-def _launch(arm: str, model: str, root: Path, seed_file: str | None, extra: Sequence[str]) -> subprocess.Popen:
+def _launch(arm: str, model: str, root: Path, seed_file: str | None, extra: Sequence[str],
+            stop_at_step: int | None = None) -> subprocess.Popen:
     (root / arm).mkdir(parents=True, exist_ok=True)
     (root / arm / "STOP").unlink(missing_ok=True)  # a stale stop file would end the new run at once
+    if stop_at_step:  # the run ends at this step (or the first safe one after it)
+        (root / arm / "STOP").write_text(f"{stop_at_step}\n")
     log = open(root / arm / "train.log", "w")
     cmd = arm_command(arm, model, root, seed_file, extra)
     (root / arm / "command.txt").write_text(" ".join(cmd) + "\n")
@@ -182,11 +187,11 @@ def run(args: argparse.Namespace) -> int:
     deadline = t0 + args.stop_after_min * 60
     write_progress(root, pid=os.getpid(), started=t0, state="starting", arms=arms, deadline=deadline, model=args.model)
     first, rest = arms[0], arms[1:]
-    procs = {first: _launch(first, args.model, root, args.seed_file, args.overrides)}
+    procs = {first: _launch(first, args.model, root, args.seed_file, args.overrides, args.stop_at_step)}
     seed_file = args.seed_file or str(root / first / "seed_tasks.jsonl")
     # The other arms start now (start-up overlaps) and wait at their first step for the first arm's seed set.
     for arm in rest:
-        procs[arm] = _launch(arm, args.model, root, seed_file, args.overrides)
+        procs[arm] = _launch(arm, args.model, root, seed_file, args.overrides, args.stop_at_step)
     write_progress(root, state="training", seed_file=seed_file, launched={a: time.time() for a in procs})
     stopped: set[str] = set()
     def seeding_failed() -> bool:  # the seeding arm ended without a seed set: the others would wait for nothing
@@ -197,7 +202,7 @@ def run(args: argparse.Namespace) -> int:
         if now >= deadline:
             for arm, p in procs.items():
                 if p.poll() is None and arm not in stopped:
-                    (root / arm / "STOP").write_text("")
+                    (root / arm / "STOP").write_text("")  # end at the next safe step, even before --stop-at-step
                     stopped.add(arm)
                     print(f"learning_run: {arm}: stop file written at {now - t0:.0f} s", flush=True)
         if now >= deadline + args.grace_min * 60:  # an arm that never reached a safe step
@@ -285,6 +290,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--arms", default="2t2s,single", help="comma list, the first seeds: " + ", ".join(ARMS))
     ap.add_argument("--seed-file", help="start every arm from this seed set instead of the first arm's seeding")
     ap.add_argument("--stop-after-min", type=float, default=17.0, help="minutes after start to write the stop files")
+    ap.add_argument("--stop-at-step", type=int, help="every arm ends at this step (the first safe one from it on), "
+                    "or at the deadline, whichever comes first")
     ap.add_argument("--grace-min", type=float, default=6.0, help="minutes after the stop files before a kill")
     ap.add_argument("--no-eval", action="store_true")
     ap.add_argument("--data-dir", help="benchmark folder for populora-eval (default: the package's copy)")
