@@ -47,6 +47,9 @@ class _StubTasks:
     def add_to_buffers(self, tasks):
         pass
 
+    def await_seed_file(self):
+        return 0
+
     def buffers_state(self):
         return {}
 

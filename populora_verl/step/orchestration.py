@@ -287,7 +287,7 @@ class PopulationStep:
             raise RuntimeError(f"PopulationStep.begin: previous step still in phase {self._phase!r}")
         if not self.seeded:
             raise RuntimeError("PopulationStep.begin: run the seeding phase first (seed_begin until it returns [])")
-        waited = self.tasks.buffers.await_seed_file()  # buffer.seed_file_wait_s: another run's seed set
+        waited = self.tasks.await_seed_file()  # buffer.seed_file_wait_s: another run's seed set
         if waited:
             logger.info("populora: step %d: %d seed tasks from %s", step, waited, self.cfg.buffer.seed_file)
         self._current = int(step)

@@ -127,6 +127,10 @@ class TaskEnv:
                 added.append(task)
         return added
 
+    def await_seed_file(self) -> int:
+        """Seed from a seed file another run is still writing (``buffer.seed_file_wait_s``); 0 if none is pending."""
+        return self.buffers.await_seed_file()
+
     def buffers_state(self) -> dict[str, Any]:
         return self.buffers.state_dict()
 
