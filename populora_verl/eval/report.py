@@ -271,18 +271,21 @@ INTERVAL_NOTE = ("95% intervals: Wilson score interval for a member on one bench
                  "and population rows, the best member re-chosen in every draw.")
 
 
-# --- paired differences ------------------------------------------------------------------------------------
+# --- paired differences ---------------------------------------------------------------------------------------
 
 
-def _comparison_sides(table: dict[str, Any]) -> list[tuple[str, str, list[str], str]]:
+_Side = tuple[str, str, list[str], str]  # (label, table row, members, stat over the members)
+
+
+def _comparison_sides(table: dict[str, Any]) -> list[tuple[_Side, _Side]]:
     """The pairs users read off the table, ``(a side, b side)`` for a - b: population mean and max against each
     baseline, population mean against each base, each baseline against each base; pairs with a missing side are
-    left out. A side is ``(label, table row, members, stat over members)``."""
+    left out."""
     pop = _group_members(table, "population")
     base = [r["name"] for r in table["rows"] if r["kind"] == "base"]
     baseline = [r["name"] for r in table["rows"] if r["kind"] == "baseline"]
 
-    def member(name: str, role: str) -> tuple[str, str, list[str], str]:
+    def member(name: str, role: str) -> _Side:
         return (name if name == role else f"{name} ({role})", name, [name], "mean")
 
     mean = ("population mean", "population mean", pop, "mean")
