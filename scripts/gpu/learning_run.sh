@@ -37,7 +37,8 @@ case "$cmd" in
     for a in "$ROOT"/*/train.log; do
       [ -f "$a" ] || continue
       echo "--- $a: errors and populora lines (tail)"
-      grep -a "\[populora\]\|Error\|error:\|Traceback\|OOM\|out of memory" "$a" | grep -av "Warning\|warn(" | tail -6
+      grep -a "\[populora\]\|Error\|error:\|Traceback\|OOM\|out of memory" "$a" \
+        | grep -av "Warning\|warn(\|_moe_C\|engine is not available" | tail -6
     done
     echo "--- GPU (MiB used, util %):"; tail -2 "$ROOT/gpu_mem.log" 2>/dev/null
     # Everything small in one archive (the device returns at most 8 files): metrics, logs' tails, seed set,
