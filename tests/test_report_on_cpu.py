@@ -192,3 +192,89 @@ def test_summarize_keeps_per_item_outcomes():
             enumerate([True, False, True])]
     s = summarize(recs, [Member("m")], ["humaneval_plus"])["m"]["humaneval_plus"]
     assert s["outcomes"] == [1, 0, 1] and s["correct"] == 2 and s["n"] == 3
+
+
+# --- paired differences ----------------------------------------------------------------------------------------
+
+
+def _comparison_results(*, baseline: bool = True) -> dict:
+    """40 HumanEval+ and 40 GSM8K items. The baseline solves items 0-9, t0 items 0-29 and s0 items 0-25 (so the
+    population wins on known items and never loses one); the base model solves items 30-39: as many as the
+    baseline, on other items."""
+    n = 40
+    def o(first: int, last: int) -> list[int]:
+        return [1 if first <= i <= last else 0 for i in range(n)]
+    solved = {"base": o(30, 39), "single": o(0, 9), "t0": o(0, 29), "s0": o(0, 25)}
+    roles = {"base": "base", "single": "baseline", "t0": "teacher", "s0": "student"}
+    if not baseline:
+        del solved["single"], roles["single"]
+    benches = ["humaneval_plus", "gsm8k"]
+    return {"format": "populora.eval/1", "benchmarks": benches, "limit": None,
+            "members": [{"name": m, "adapter": None, "role": r} for m, r in roles.items()],
+            "scores": {m: {b: {"pass@1": sum(x) / n, "n": n, "correct": sum(x), "outcomes": x} for b in benches}
+                       for m, x in solved.items()}}
+
+
+def test_paired_differences_points_and_intervals():
+    from populora_verl.eval.report import paired_differences
+
+    diffs = {d["name"]: d for d in paired_differences(_comparison_results())}
+    assert list(diffs) == ["population mean - single (baseline)", "population max - single (baseline)",
+                           "population mean - base", "single (baseline) - base"]
+    mean_bl, max_bl = diffs["population mean - single (baseline)"], diffs["population max - single (baseline)"]
+    assert (mean_bl["a"], mean_bl["b"]) == ("population mean", "single")
+    for col in ("humaneval_plus", "gsm8k", "code_avg", "math_avg", "avg"):
+        assert mean_bl["diff"][col] == pytest.approx((30 + 26) / 2 / 40 - 10 / 40)
+        assert max_bl["diff"][col] == pytest.approx(30 / 40 - 10 / 40)
+        assert diffs["single (baseline) - base"]["diff"][col] == pytest.approx(0.0)
+        # A large difference won item by item: the paired interval holds the point and stays clear of 0, while the
+        # members' own intervals (Wilson, 40 items) are each about +-14 points wide.
+        for d in (mean_bl, max_bl, diffs["population mean - base"]):
+            lo, hi = d["interval"][col]
+            assert 0 < lo <= d["diff"][col] <= hi
+        # Same score on different items: no difference, and the interval straddles 0.
+        lo, hi = diffs["single (baseline) - base"]["interval"][col]
+        assert lo < 0 < hi
+    # The population max never drops below the population mean, draw by draw.
+    assert max_bl["interval"]["avg"][0] >= mean_bl["interval"]["avg"][0]
+
+
+def test_paired_differences_identical_members_and_missing_rows():
+    from populora_verl.eval.report import paired_differences
+
+    res = _comparison_results()
+    res["scores"]["single"] = res["scores"]["t0"] = res["scores"]["s0"]  # every member answers alike
+    d = {d["name"]: d for d in paired_differences(res)}["population mean - single (baseline)"]
+    assert d["diff"]["avg"] == 0.0 and d["interval"]["avg"] == pytest.approx([0.0, 0.0])
+    # No baseline: its pairs are skipped, the base comparison stays.
+    assert [d["name"] for d in paired_differences(_comparison_results(baseline=False))] == ["population mean - base"]
+    no_pop = _comparison_results()
+    no_pop["members"] = [m for m in no_pop["members"] if m["name"] in ("base", "single")]
+    assert [d["name"] for d in paired_differences(no_pop)] == ["single (baseline) - base"]
+    # Older results without per-item outcomes: point differences, no intervals.
+    old = {d["name"]: d for d in paired_differences(_results())}
+    assert old["population mean - baseline"]["diff"]["humaneval_plus"] == pytest.approx(0.65 - 0.55)
+    assert old["population mean - baseline"]["interval"] == {}
+
+
+def test_paired_differences_in_eval_md_json_and_run_report(tmp_path):
+    paths = write_table(_comparison_results(), tmp_path / "eval")
+    md = paths["md"].read_text()
+    head = "## Paired differences (percentage points, 95% paired bootstrap)"
+    assert md.index("## With 95% intervals") < md.index(head)
+    assert "| population mean - single (baseline) | +45.0 [+" in md and "Paired differences: the same" in md
+    doc = json.loads(paths["json"].read_text())
+    assert doc["differences"][1]["name"] == "population max - single (baseline)"
+    assert doc["differences"][1]["diff"]["avg"] == pytest.approx(0.5)
+    # populora-report --eval regenerates both eval.md and report.md with the section.
+    run = tmp_path / "run"
+    run.mkdir()
+    (tmp_path / "results.json").write_text(json.dumps(_comparison_results(baseline=False)))
+    assert report_main([str(run), "--eval", str(tmp_path / "results.json"), "--out", str(tmp_path / "rep")]) == 0
+    report = (tmp_path / "rep" / "report.md").read_text()
+    assert "### Paired differences (percentage points, 95% paired bootstrap)" in report
+    assert "| population mean - base | +" in report and "single (baseline)" not in report
+    assert head in (tmp_path / "rep" / "eval.md").read_text()
+    # Nothing to compare: the section says so instead of an empty table.
+    assert "No pair to compare" in write_table(_paired_results() | {"members": [
+        {"name": "t0", "adapter": None, "role": "teacher"}]}, tmp_path / "alone")["md"].read_text()

@@ -21,7 +21,8 @@ from populora_verl.eval.data import BENCHMARKS, CODE_BENCHMARKS, MATH_BENCHMARKS
 
 __all__ = ["population_table", "write_table", "markdown_table", "find_population_dir", "read_lineage",
            "plot_lineage", "final_ratings", "build_run_report", "build_compare_report", "wilson_interval",
-           "table_intervals", "markdown_interval_table", "young_members"]
+           "table_intervals", "markdown_interval_table", "paired_differences", "markdown_difference_table",
+           "young_members"]
 
 AGG_COLUMNS = ("code_avg", "math_avg", "avg")
 NON_POPULATION_ROLES = ("base", "baseline")
@@ -99,9 +100,9 @@ def write_table(results: dict[str, Any], out_dir: str | Path, stem: str = "eval"
     out.mkdir(parents=True, exist_ok=True)
     table = population_table(results)
     md = out / f"{stem}.md"
+    diffs = paired_differences(results, table)
     md.write_text(f"# Evaluation (greedy pass@1, %)\n\n{markdown_table(table)}\n\n{_notes(results)}\n\n"
-                  f"## With 95% intervals\n\n{markdown_interval_table(results, table)}\n\n{INTERVAL_NOTE}\n",
-                  encoding="utf-8")
+                  + _uncertainty_sections(results, table, diffs, level=2), encoding="utf-8")
     cs = out / f"{stem}.csv"
     with open(cs, "w", newline="", encoding="utf-8") as f:
         w = csv.writer(f)
@@ -111,8 +112,8 @@ def write_table(results: dict[str, Any], out_dir: str | Path, stem: str = "eval"
                                                              for c in table["columns"]])
     js = out / f"{stem}.json"
     intervals = {name: {c: list(iv) for c, iv in cells.items()} for name, cells in table_intervals(results, table).items()}
-    js.write_text(json.dumps({"table": table, "intervals": intervals, "results": results}, indent=1),
-                  encoding="utf-8")
+    js.write_text(json.dumps({"table": table, "intervals": intervals, "differences": diffs, "results": results},
+                             indent=1), encoding="utf-8")
     return {"md": md, "csv": cs, "json": js}
 
 
@@ -178,6 +179,32 @@ def _column_draws(results: dict[str, Any], members: Sequence[str], columns: Sequ
     return {c: draws[c] for c in columns if c in draws}
 
 
+def _percentile_interval(x: Any) -> tuple[float, float] | None:
+    """Central 95% percentile interval of bootstrap draws, draws without a value (NaN) left out."""
+    import numpy as np
+
+    x = x[~np.isnan(x)]
+    lo_q, hi_q = 100 * (1 - CONFIDENCE) / 2, 100 * (1 + CONFIDENCE) / 2
+    return (float(np.percentile(x, lo_q)), float(np.percentile(x, hi_q))) if x.size else None
+
+
+def _group_draws(column_draws: Any, rows: Sequence[int], stat: str) -> Any | None:
+    """Draws of ``stat`` (mean | min | max) over the members ``rows`` of one column's draws, taken draw by draw so
+    the best member is re-chosen on every resample; None when a draw has none of them evaluated."""
+    import numpy as np
+
+    sub = column_draws[list(rows)]
+    if np.isnan(sub).all(axis=0).any():
+        return None
+    return {"mean": np.nanmean, "min": np.nanmin, "max": np.nanmax}[stat](sub, axis=0)
+
+
+def _group_members(table: dict[str, Any], label: str) -> list[str]:
+    """Members behind a stat row label: ``population`` (every member row) or ``<role>s``."""
+    return [r["name"] for r in table["rows"] if r["kind"] == "member"
+            and (label == "population" or f"{r['role']}s" == label)]
+
+
 def table_intervals(results: dict[str, Any], table: dict[str, Any] | None = None, *,
                     samples: int = BOOTSTRAP_SAMPLES, seed: int = 0) -> dict[str, dict[str, tuple[float, float]]]:
     """95% interval of every number of :func:`population_table`: ``{row name: {column: (low, high)}}``.
@@ -193,13 +220,7 @@ def table_intervals(results: dict[str, Any], table: dict[str, Any] | None = None
     columns = table["columns"]
     names = [r["name"] for r in table["rows"] if r["kind"] != "stat"]
     draws = _column_draws(results, names, columns, samples, seed)
-    lo_q, hi_q = 100 * (1 - CONFIDENCE) / 2, 100 * (1 + CONFIDENCE) / 2
     out: dict[str, dict[str, tuple[float, float]]] = {}
-
-    def _pct(x: Any) -> tuple[float, float] | None:
-        x = x[~np.isnan(x)]
-        return (float(np.percentile(x, lo_q)), float(np.percentile(x, hi_q))) if x.size else None
-
     for row in table["rows"]:
         cells: dict[str, tuple[float, float]] = {}
         if row["kind"] != "stat":
@@ -209,22 +230,17 @@ def table_intervals(results: dict[str, Any], table: dict[str, Any] | None = None
                 if sc is not None and sc.get("n"):
                     cells[c] = wilson_interval(sc["correct"], sc["n"])
                 elif draws is not None and c in draws and not np.isnan(draws[c][i]).all():
-                    ci = _pct(draws[c][i])
+                    ci = _percentile_interval(draws[c][i])
                     if ci is not None:
                         cells[c] = ci
         elif draws is not None:
             label, stat = row["name"].rsplit(" ", 1)
-            group = [r["name"] for r in table["rows"] if r["kind"] == "member"
-                     and (label == "population" or f"{r['role']}s" == label)]
-            rows_idx = [names.index(n) for n in group]
-            fn = {"mean": np.nanmean, "min": np.nanmin, "max": np.nanmax}.get(stat)
+            rows_idx = [names.index(n) for n in _group_members(table, label)]
             for c in columns:
-                if fn is None or c not in draws or not rows_idx:
+                if stat not in ("mean", "min", "max") or c not in draws:
                     continue
-                sub = draws[c][rows_idx]
-                if np.isnan(sub).all(axis=0).any():
-                    continue
-                ci = _pct(fn(sub, axis=0))
+                side = _group_draws(draws[c], rows_idx, stat)
+                ci = _percentile_interval(side) if side is not None else None
                 if ci is not None:
                     cells[c] = ci
         out[row["name"]] = cells
@@ -253,6 +269,106 @@ def markdown_interval_table(results: dict[str, Any], table: dict[str, Any] | Non
 INTERVAL_NOTE = ("95% intervals: Wilson score interval for a member on one benchmark; percentile bootstrap over "
                  f"items ({BOOTSTRAP_SAMPLES} draws, resampled per benchmark, paired across members) for averages "
                  "and population rows, the best member re-chosen in every draw.")
+
+
+# --- paired differences ---------------------------------------------------------------------------------------
+
+
+_Side = tuple[str, str, list[str], str]  # (label, table row, members, stat over the members)
+
+
+def _comparison_sides(table: dict[str, Any]) -> list[tuple[_Side, _Side]]:
+    """The pairs users read off the table, ``(a side, b side)`` for a - b: population mean and max against each
+    baseline, population mean against each base, each baseline against each base; pairs with a missing side are
+    left out."""
+    pop = _group_members(table, "population")
+    base = [r["name"] for r in table["rows"] if r["kind"] == "base"]
+    baseline = [r["name"] for r in table["rows"] if r["kind"] == "baseline"]
+
+    def member(name: str, role: str) -> _Side:
+        return (name if name == role else f"{name} ({role})", name, [name], "mean")
+
+    mean = ("population mean", "population mean", pop, "mean")
+    best = ("population max", "population max", pop, "max")
+    pairs = []
+    for bl in baseline:
+        pairs += [(side, member(bl, "baseline")) for side in (mean, best) if pop]
+    for b in base:
+        pairs += [(mean, member(b, "base"))] if pop else []
+        pairs += [(member(bl, "baseline"), member(b, "base")) for bl in baseline]
+    return pairs
+
+
+def paired_differences(results: dict[str, Any], table: dict[str, Any] | None = None, *,
+                       samples: int = BOOTSTRAP_SAMPLES, seed: int = 0) -> list[dict[str, Any]]:
+    """Differences (fractions) between the population and the baseline / base model, with 95% paired bootstrap
+    intervals: ``[{"name", "a", "b", "diff": {column: a - b}, "interval": {column: [low, high]}}]``.
+
+    Pairs: population mean - baseline, population max - baseline, population mean - base, baseline - base (those
+    whose rows exist). Per-member intervals overlap even when one side wins on nearly every item; resampling the
+    same items for both sides cancels the item difficulty they share, so the difference's interval is far tighter.
+    The draws are those of :func:`table_intervals` (same seed, same items) and the best member is re-chosen in
+    every draw. Columns where either side is missing get no entry; results without per-item outcomes get the
+    point differences only.
+    """
+    table = table or population_table(results)
+    columns = table["columns"]
+    rows = {r["name"]: r for r in table["rows"]}
+    names = [r["name"] for r in table["rows"] if r["kind"] != "stat"]
+    draws = _column_draws(results, names, columns, samples, seed)
+    out = []
+    for (a_label, a_row, a_members, a_stat), (b_label, b_row, b_members, b_stat) in _comparison_sides(table):
+        diff: dict[str, float] = {}
+        interval: dict[str, list[float]] = {}
+        for c in columns:
+            if rows[a_row][c] is None or rows[b_row][c] is None:
+                continue
+            diff[c] = rows[a_row][c] - rows[b_row][c]
+            if draws is None or c not in draws:
+                continue
+            a = _group_draws(draws[c], [names.index(n) for n in a_members], a_stat)
+            b = _group_draws(draws[c], [names.index(n) for n in b_members], b_stat)
+            ci = _percentile_interval(a - b) if a is not None and b is not None else None
+            if ci is not None:
+                interval[c] = list(ci)
+        out.append({"name": f"{a_label} - {b_label}", "a": a_row, "b": b_row, "diff": diff, "interval": interval})
+    return out
+
+
+def markdown_difference_table(results: dict[str, Any], table: dict[str, Any] | None = None,
+                              diffs: list[dict[str, Any]] | None = None) -> str:
+    """One row per pair of :func:`paired_differences`: ``+diff [low, high]`` in percentage points."""
+    table = table or population_table(results)
+    diffs = paired_differences(results, table) if diffs is None else diffs
+    if not diffs:
+        return "No pair to compare: needs population members with a baseline or base row, or both of those."
+    cols = table["columns"]
+    lines = ["| difference | " + " | ".join(_display(c) for c in cols) + " |", "|---|" + "---:|" * len(cols)]
+    for d in diffs:
+        cells = []
+        for c in cols:
+            v, iv = d["diff"].get(c), d["interval"].get(c)
+            if v is None:
+                cells.append("-")
+            else:
+                cells.append(f"{100 * v:+.1f} [{100 * iv[0]:+.1f}, {100 * iv[1]:+.1f}]" if iv else f"{100 * v:+.1f}")
+        lines.append(f"| {d['name']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+DIFFERENCE_NOTE = (f"Paired differences: the same resampled items for both sides ({BOOTSTRAP_SAMPLES} draws, per "
+                   "benchmark, the population max re-chosen in every draw), 95% percentile interval; an interval "
+                   "that excludes 0 is a difference the item sample supports, even where the intervals above overlap.")
+
+
+def _uncertainty_sections(results: dict[str, Any], table: dict[str, Any] | None = None,
+                          diffs: list[dict[str, Any]] | None = None, *, level: int = 2) -> str:
+    """The intervals table and the paired differences with their notes, headings at markdown ``level``."""
+    table = table or population_table(results)
+    h = "#" * level
+    return (f"{h} With 95% intervals\n\n{markdown_interval_table(results, table)}\n\n{INTERVAL_NOTE}\n\n"
+            f"{h} Paired differences (percentage points, 95% paired bootstrap)\n\n"
+            f"{markdown_difference_table(results, table, diffs)}\n\n{DIFFERENCE_NOTE}\n")
 
 
 def young_members(state: dict[str, Any]) -> tuple[dict[str, int], int | None]:
@@ -414,7 +530,7 @@ def build_run_report(run_dir: str | Path, out_dir: str | Path | None = None, *,
         paths = write_table(eval_results, out)
         parts.append("## Evaluation (greedy pass@1, %)\n\n" + markdown_table(population_table(eval_results))
                      + f"\n\n{_notes(eval_results)} Files: `{paths['csv'].name}`, `{paths['json'].name}`.\n\n"
-                     + "### With 95% intervals\n\n" + markdown_interval_table(eval_results) + f"\n\n{INTERVAL_NOTE}\n")
+                     + _uncertainty_sections(eval_results, level=3))
     else:
         parts.append("## Evaluation\n\nNo evaluation results (run `populora-eval --run-dir ...` first).\n")
 
