@@ -32,6 +32,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from populora_verl.bench.progress import alive, write_progress
+
 RECIPES = Path(__file__).resolve().parents[2] / "recipes" / "populora"
 ARMS = {"2t2s": "qwen1.5b_1gpu_2t2s", "single": "qwen1.5b_1gpu_single"}
 # What the status line shows of an arm's last metrics row.
@@ -129,15 +131,6 @@ def eval_command(model: str, runs: Mapping[str, Path], step: int, out: Path, dat
         else:
             cmd += ["--run-dir", str(pop)]
     return cmd
-
-
-def write_progress(root: Path, **state: Any) -> None:
-    path = root / "progress.json"
-    old = json.loads(path.read_text()) if path.exists() else {}
-    old.update(state)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(old, indent=1, default=str))
-    tmp.replace(path)
 
 
 def _launch(arm: str, model: str, root: Path, seed_file: str | None, extra: Sequence[str],
@@ -260,13 +253,8 @@ def status(root: Path) -> str:
         return f"learning_run: no run under {root}"
     prog = json.loads(p.read_text())
     now = time.time()
-    alive = False
-    try:
-        os.kill(int(prog.get("pid", 0)), 0)
-        alive = True
-    except (OSError, ValueError):
-        pass
-    lines = [f"learning_run pid {prog.get('pid')} {'running' if alive else 'not running'}; state {prog.get('state')}; "
+    lines = [f"learning_run pid {prog.get('pid')} {'running' if alive(prog.get('pid')) else 'not running'}; "
+             f"state {prog.get('state')}; "
              f"{now - prog.get('started', now):.0f} s since start; stop files at "
              f"{prog.get('deadline', now) - prog.get('started', now):.0f} s"]
     for arm in prog.get("arms", []):

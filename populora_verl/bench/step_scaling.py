@@ -47,6 +47,8 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from populora_verl.bench.progress import alive, write_progress
+
 RECIPES = Path(__file__).resolve().parents[2] / "recipes" / "populora"
 CONFIGS: dict[str, list[str]] = {
     "single": ["populora.population.mode=single_agent", "populora.pbt.enabled=false"],
@@ -604,23 +606,6 @@ def save_results(out: Path, results: list[RunResult]) -> str:
     return table
 
 
-def write_progress(root: Path, **state: Any) -> None:
-    path = root / "progress.json"
-    cur = json.loads(path.read_text()) if path.exists() else {}
-    cur.update(state, updated=time.time())
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(cur, indent=1))
-    os.replace(tmp, path)
-
-
-def _alive(pid: Any) -> bool:
-    try:
-        os.kill(int(pid), 0)
-        return True
-    except (OSError, TypeError, ValueError):
-        return False
-
-
 def status(root: Path) -> str:
     """One screen: the driver, the configuration in flight (steps logged so far), finished rows, recent errors."""
     path = root / "progress.json"
@@ -628,7 +613,7 @@ def status(root: Path) -> str:
         return f"step_scaling: no run under {root} (no progress.json)"
     p = json.loads(path.read_text())
     now = time.time()
-    lines = [f"step_scaling driver pid {p.get('pid')} {'running' if _alive(p.get('pid')) else 'not running'}; "
+    lines = [f"step_scaling driver pid {p.get('pid')} {'running' if alive(p.get('pid')) else 'not running'}; "
              f"state {p.get('state')}; started {now - p.get('started', now):.0f} s ago; "
              f"plan {p.get('plan')}; done {p.get('done', [])}"]
     cur = p.get("current")
