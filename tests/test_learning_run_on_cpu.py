@@ -117,13 +117,34 @@ def test_stop_at_step_ends_every_arm_there(tmp_path, monkeypatch):
     assert not (root / "2t2s" / "seed_tasks.jsonl").exists()
 
 
+def test_an_arm_failing_at_start_up_stops_the_others(tmp_path, monkeypatch):
+    """A config mistake in one arm (here: the single agent exits 2 at once) ends the whole run within a poll, naming
+    the arm, instead of training the other arm for a comparison that cannot happen."""
+    script = tmp_path / "fake_trainer.py"
+    script.write_text(FAKE_TRAINER)
+
+    def cmd(arm, model, root, seed_file, extra):
+        if arm == "single":
+            return [sys.executable, "-c", "import sys; sys.exit(2)"]
+        return [sys.executable, str(script), str(root / arm), "seed"]
+
+    monkeypatch.setattr(lr, "arm_command", cmd)
+    monkeypatch.setattr(lr, "POLL_S", 0.05)
+    root = tmp_path / "learn"
+    assert lr.main(["--out", str(root), "--model", "/m", "--stop-after-min", "5"]) == 1
+    prog = json.loads((root / "progress.json").read_text())
+    assert prog["state"] == "failed" and prog["reason"].startswith("single ended (rc 2) before its first step")
+    rows = lr.metrics_rows(root / "2t2s" / "metrics.jsonl")
+    assert len(rows) < 200  # the population arm was stopped long before its 200 steps
+
+
 def test_driver_reports_a_seeding_arm_that_dies(tmp_path, monkeypatch):
     monkeypatch.setattr(lr, "arm_command", lambda arm, *a: [sys.executable, "-c", "import sys; sys.exit(3)"])
     monkeypatch.setattr(lr, "POLL_S", 0.05)
     root = tmp_path / "learn"
     assert lr.main(["--out", str(root), "--model", "/m"]) == 1
     prog = json.loads((root / "progress.json").read_text())
-    assert prog["state"] == "failed" and "rc 3" in prog["reason"]
+    assert prog["state"] == "failed" and "rc 3" in prog["reason"] and "before its first step" in prog["reason"]
     with pytest.raises(SystemExit):
         lr.main(["--out", str(root), "--model", "/m", "--arms", "2t2s,nope"])
 

@@ -187,10 +187,18 @@ def run(args: argparse.Namespace) -> int:
         procs[arm] = _launch(arm, args.model, root, seed_file, args.overrides, args.stop_at_step)
     write_progress(root, state="training", seed_file=seed_file, launched={a: time.time() for a in procs})
     stopped: set[str] = set()
-    def seeding_failed() -> bool:  # the seeding arm ended without a seed set: the others would wait for nothing
-        return bool(rest) and procs[first].poll() is not None and not Path(seed_file).exists()
+    def early_failure() -> str | None:
+        """Why the run cannot give a comparison any more, or None. An arm that fails before its first step (a config
+        mistake, an OOM at start-up) leaves nothing to compare, so the others stop too instead of burning the lease;
+        the seeding arm ending without its seed set leaves the others waiting for nothing."""
+        for arm, p in procs.items():
+            if p.poll() not in (None, 0) and not metrics_rows(root / arm / "metrics.jsonl"):
+                return f"{arm} ended (rc {p.returncode}) before its first step; see {root / arm / 'train.log'}"
+        if rest and procs[first].poll() is not None and not Path(seed_file).exists():
+            return f"{first} ended (rc {procs[first].returncode}) before writing its seed set {seed_file}"
+        return None
 
-    while any(p.poll() is None for p in procs.values()) and not seeding_failed():
+    while any(p.poll() is None for p in procs.values()) and not early_failure():
         now = time.time()
         if now >= deadline:
             for arm, p in procs.items():
@@ -205,12 +213,12 @@ def run(args: argparse.Namespace) -> int:
                           flush=True)
                     _kill(p)
         time.sleep(POLL_S)
-    if seeding_failed():
-        for arm in rest:
-            _kill(procs[arm])
-        write_progress(root, state="failed",
-                       reason=f"{first} ended (rc {procs[first].returncode}) before writing its seed set")
-        print(f"learning_run: {first} ended before writing {seed_file}; see {root / first / 'train.log'}", flush=True)
+    reason = early_failure()
+    if reason:
+        for p in procs.values():
+            _kill(p)
+        write_progress(root, state="failed", reason=reason)
+        print(f"learning_run: {reason}; the other arms were stopped", flush=True)
         return 1
     rcs = {a: p.returncode for a, p in procs.items()}
     runs = {a: root / a for a in arms}
