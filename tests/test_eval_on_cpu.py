@@ -331,3 +331,21 @@ def test_vllm_backend_routes_every_member_through_one_engine(tmp_path, monkeypat
     assert out["s0"] == [f"s0#2@{dirs['s0']}|[2]", f"s0#2@{dirs['s0']}|[4]"]
     gens = [c[1] for c in calls if c[0] == "generate"]
     assert gens[0] is None and all(r is not None for r in gens[1])  # base alone; every adapter row names its LoRA
+
+
+def test_warm_cache_fills_the_expected_outputs_the_evaluation_then_reads(tmp_path, monkeypatch):
+    """populora-eval --warm-cache (no model): the canonical outputs are cached, and grading later runs none of them."""
+    from populora_verl.eval import cli, code_grader
+    from populora_verl.eval.evaluate import expected_outputs, load_items
+
+    cache = tmp_path / "cache"
+    assert cli.eval_main(["--warm-cache", "--benchmarks", "humaneval_plus", "--limit", "2",
+                          "--cache-dir", str(cache), "--workers", "1"]) == 0
+    assert len([p for p in cache.rglob("*") if p.is_file()]) == 2
+
+    def no_run(*a, **k):  # a cache miss would run the canonical solution again
+        raise AssertionError("canonical solution re-run despite the warm cache")
+
+    monkeypatch.setattr(code_grader, "run_program", no_run)
+    got = expected_outputs(load_items(["humaneval_plus"], limit=2), cache_dir=cache, workers=1)
+    assert len(got) == 2 and all(e.error is None and e.values for e in got.values())

@@ -50,6 +50,9 @@ def test_arm_command_uses_the_recipe_model_run_dir_and_shared_seed_set(tmp_path)
     assert (lr.RECIPES / (lr.ARMS["2t2s"] + ".yaml")).is_file() and (lr.RECIPES / (lr.ARMS["single"] + ".yaml")).is_file()
     env = lr.arm_env("single", tmp_path)
     assert env["RAY_ADDRESS"] == "local" and env["RAY_TMPDIR"] != lr.arm_env("2t2s", tmp_path)["RAY_TMPDIR"]
+    warm = lr.warm_cache_command("/bench")
+    assert warm[1:4] == ["-m", "populora_verl.eval.cli", "--warm-cache"] and warm[-2:] == ["--data-dir", "/bench"]
+    assert warm[warm.index("--benchmarks") + 1] == "humaneval_plus,mbpp_plus"
     with pytest.raises(ValueError, match="unknown arm"):
         lr.arm_command("4t4s_typo", "/m", tmp_path, None, [])
 
@@ -77,6 +80,9 @@ def test_driver_seeds_once_stops_both_arms_and_evaluates_at_the_common_step(tmp_
     fake_eval.__wrapped__ = real
     monkeypatch.setattr(lr, "arm_command", fake_command)
     monkeypatch.setattr(lr, "eval_command", fake_eval)
+    warm_marker = tmp_path / "warmed"
+    monkeypatch.setattr(lr, "warm_cache_command", lambda data_dir: [
+        sys.executable, "-c", f"import pathlib; pathlib.Path({str(warm_marker)!r}).write_text('ok')"])
     monkeypatch.setattr(lr, "POLL_S", 0.05)
     root = tmp_path / "learn"
     rc = lr.main(["--out", str(root), "--model", "/m", "--stop-after-min", "0.02", "--grace-min", "1"])
@@ -95,6 +101,7 @@ def test_driver_seeds_once_stops_both_arms_and_evaluates_at_the_common_step(tmp_
     assert cmd[cmd.index("--run-dir") + 1].endswith(f"global_step_{common}/populora/checkpoints/step_{common}/population")
     assert cmd[cmd.index("--benchmarks") + 1] == "humaneval_plus,mbpp_plus"
     assert "eval ok" in (root / "eval.log").read_text()
+    assert warm_marker.read_text() == "ok"  # the expected-output cache was warmed while the arms trained
     # status names each arm's steps, checkpoints and last metrics
     out = lr.status(root)
     assert "state finished" in out and "2t2s:" in out and "validity/mean=0.1" in out and "step=1.5" in out

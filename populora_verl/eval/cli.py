@@ -133,6 +133,8 @@ def eval_parser() -> argparse.ArgumentParser:
     p.add_argument("--memory-mb", type=int, default=4096, help="address-space limit of a test process")
     p.add_argument("--cache-dir", help="expected-output cache (default: $POPULORA_CACHE or ~/.cache/populora_verl)")
     p.add_argument("--out", help="output folder (default: <run-dir>/eval or ./populora_eval)")
+    p.add_argument("--warm-cache", action="store_true", help="only compute the canonical solutions' expected outputs "
+                   "into the cache (no model: run it on idle CPUs before the evaluation) and exit")
     p.add_argument("--debug", action="store_true", help="show the full traceback of an error")
     return p
 
@@ -141,7 +143,18 @@ def eval_main(argv: Sequence[str] | None = None) -> int:
     args = eval_parser().parse_args(argv)
     from populora_verl.cli_errors import run_cli
 
-    return run_cli("populora-eval", lambda: _eval(args), debug=args.debug)
+    return run_cli("populora-eval", lambda: _warm(args) if args.warm_cache else _eval(args), debug=args.debug)
+
+
+def _warm(args: argparse.Namespace) -> int:
+    from populora_verl.eval.evaluate import default_cache_dir, warm_expected_cache
+
+    benches = resolve_benchmarks(args.benchmarks, args.data_dir, args.lcb_path)
+    cache = args.cache_dir or default_cache_dir()
+    n = warm_expected_cache(benches, data_dir=args.data_dir, limit=args.limit, cache_dir=cache,
+                            workers=args.workers, log=_log)
+    _log(f"expected outputs of {n} code tasks cached in {cache}")
+    return 0
 
 
 def _eval(args: argparse.Namespace) -> int:

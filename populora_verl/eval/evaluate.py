@@ -61,14 +61,12 @@ def _grade_code(item: Item, text: str, expected: Expected | None, limits: Sandbo
     return {"correct": res.plus_pass, "base_correct": res.base_pass, "error": res.error}
 
 
-def grade(items_by_bench: dict[str, list[Item]], completions: dict[str, dict[str, list[str]]], *,
-          limits: SandboxLimits = SandboxLimits(), cache_dir: str | os.PathLike | None = None,
-          workers: int | None = None, log: Callable[[str], None] = lambda s: None) -> list[dict[str, Any]]:
-    """Grade ``completions[member][benchmark][k]`` (the k-th item's response). Returns one record per
-    (member, benchmark, item): ``correct`` (HumanEval+/MBPP+: plus tests), ``base_correct`` for EvalPlus sets,
-    the extracted ``answer`` (math) and an ``error`` note."""
+def expected_outputs(items_by_bench: dict[str, list[Item]], *, cache_dir: str | os.PathLike | None = None,
+                     workers: int | None = None, log: Callable[[str], None] = lambda s: None
+                     ) -> dict[tuple[str, str], Expected]:
+    """The canonical solutions' outputs for every HumanEval+/MBPP+ item, ``{(benchmark, id): Expected}``, from
+    ``cache_dir`` where present (else computed and stored there)."""
     workers = workers or max(1, os.cpu_count() or 1)
-    records: list[dict[str, Any]] = []
     code_items = [it for items in items_by_bench.values() for it in items
                   if it.kind == "code" and it.gold["dataset"] != "lcb"]
     expected: dict[tuple[str, str], Expected] = {}
@@ -82,6 +80,29 @@ def grade(items_by_bench: dict[str, list[Item]], completions: dict[str, dict[str
                 if exp.error:
                     log(f"warning: {it.id}: {exp.error}")
         log(f"expected outputs for {len(code_items)} code tasks in {time.time() - t0:.1f}s")
+    return expected
+
+
+def warm_expected_cache(benchmarks: Sequence[str], *, data_dir: str | None = None, limit: int | None = None,
+                        cache_dir: str | os.PathLike | None = None, workers: int | None = None,
+                        log: Callable[[str], None] = lambda s: None) -> int:
+    """Fill the expected-output cache for ``benchmarks`` ahead of an evaluation (no model needed): on a GPU
+    machine this runs on idle CPUs while training, so the evaluation does not wait for it. Returns the number of
+    code tasks whose outputs are now cached."""
+    items = load_items(benchmarks, data_dir=data_dir, limit=limit)
+    got = expected_outputs(items, cache_dir=cache_dir, workers=workers, log=log)
+    return sum(1 for e in got.values() if e.error is None)
+
+
+def grade(items_by_bench: dict[str, list[Item]], completions: dict[str, dict[str, list[str]]], *,
+          limits: SandboxLimits = SandboxLimits(), cache_dir: str | os.PathLike | None = None,
+          workers: int | None = None, log: Callable[[str], None] = lambda s: None) -> list[dict[str, Any]]:
+    """Grade ``completions[member][benchmark][k]`` (the k-th item's response). Returns one record per
+    (member, benchmark, item): ``correct`` (HumanEval+/MBPP+: plus tests), ``base_correct`` for EvalPlus sets,
+    the extracted ``answer`` (math) and an ``error`` note."""
+    workers = workers or max(1, os.cpu_count() or 1)
+    records: list[dict[str, Any]] = []
+    expected = expected_outputs(items_by_bench, cache_dir=cache_dir, workers=workers, log=log)
     jobs = []
     for member, by_bench in completions.items():
         for bench, items in items_by_bench.items():
