@@ -38,7 +38,8 @@ def _scripted_validate(self, items):
 
 
 def _scripted_score(self, items):
-    return [((1.0, True), (-0.5, False), (-1.0, False))[_h(text) % 3] for _, text in items]
+    return [((1.0, True, "correct"), (-0.5, False, "wrong"), (-1.0, False, "format_error"))[_h(text) % 3]
+            for _, text in items]
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -168,9 +168,12 @@ def test_step_metrics_validity_per_task_type_and_length_per_role(executor):
     assert m["populora/role/student/response_length_mean"] == 3.0
 
 
-def test_step_metrics_format_error_rate_per_role(executor):
-    """The envelope failure rate per role (what a weak base model gets wrong first) counts every generated text."""
-    ps = PopulationStep(_cfg(tasks={"types": ["code_o", "code_i"]}), executor=executor, seed=0)
+@pytest.mark.parametrize("rewards", [{}, {"format_error": -0.5, "wrong_answer": -0.5}],
+                         ids=["azr_levels", "format_error_priced_as_wrong"])
+def test_step_metrics_format_error_rate_per_role(executor, rewards):
+    """The envelope failure rate per role (what a weak base model gets wrong first) counts every generated text,
+    from the scorer's status: it stays right when a config prices a format error like a wrong answer."""
+    ps = PopulationStep(_cfg(tasks={"types": ["code_o", "code_i"]}, rewards=rewards), executor=executor, seed=0)
     teacher_reqs = ps.begin(1)
     # Half the teachers' prompts (the code_i ones) get garbage: a format error, not an invalid program.
     responses = [GenResponse(r, [GOOD_PROPOSAL if r.task_type == "code_o" else GARBAGE] * r.n) for r in teacher_reqs]

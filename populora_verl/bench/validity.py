@@ -383,7 +383,7 @@ def run_setting(engine: ProbeEngine, setting: Setting, *, types: Sequence[str], 
     score_s = time.perf_counter() - t0
     from populora_verl.tasks import extract_answer
 
-    for ((task, kind), g), (_, correct) in zip(zip(jobs, sgens), scored):
+    for ((task, kind), g), (_, correct, _) in zip(zip(jobs, sgens), scored):
         r = reports[task.type]
         r.student_answers += 1
         try:

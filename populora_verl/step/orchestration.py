@@ -379,9 +379,8 @@ class PopulationStep:
 
         student_samples: list[Sample] = []
         # Every answer counts here, estimation answers that are not trained included: it is what the policy wrote.
-        self._answer_format_errors = [float(reward) == float(rw.format_error) and not correct
-                                      for reward, correct in scores]
-        for (resp, k), (reward, correct) in zip(items, scores):
+        self._answer_format_errors = [status == "format_error" for _, _, status in scores]
+        for (resp, k), (reward, correct, _) in zip(items, scores):
             req = resp.request
             if req.meta["record"] is not None:
                 self._teacher_records[req.meta["record"]]["solve"].setdefault(req.adapter, []).append(bool(correct))

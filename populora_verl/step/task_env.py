@@ -93,17 +93,18 @@ class TaskEnv:
             out.append((res.task if res.valid else None, res.status))
         return out
 
-    def score_many(self, items: Sequence[tuple[Any, str]]) -> list[tuple[float, bool]]:
-        """``(task, response)`` -> ``(reward, correct)``; identical answers to one task are scored once."""
+    def score_many(self, items: Sequence[tuple[Any, str]]) -> list[tuple[float, bool, str]]:
+        """``(task, response)`` -> ``(reward, correct, status)`` (status: correct | wrong | format_error); identical
+        answers to one task are scored once."""
         from populora_verl.tasks import score_answer
 
-        cache: dict[tuple[str, str], tuple[float, bool]] = {}
+        cache: dict[tuple[str, str], tuple[float, bool, str]] = {}
         out = []
         for task, text in items:
             key = (task.id, text)
             if key not in cache:
                 s = score_answer(task, text, self.executor, self.cfg, think_prefilled=self.think_prefilled)
-                cache[key] = (float(s.reward), bool(s.correct))
+                cache[key] = (float(s.reward), bool(s.correct), s.status)
             out.append(cache[key])
         return out
 
