@@ -141,7 +141,7 @@ def test_an_arm_failing_at_start_up_stops_the_others(tmp_path, monkeypatch):
     assert lr.main(["--out", str(root), "--model", "/m", "--stop-after-min", "5"]) == 1
     prog = json.loads((root / "progress.json").read_text())
     assert prog["state"] == "failed" and prog["reason"].startswith("single ended (rc 2) before its first step")
-    rows = lr.metrics_rows(root / "2t2s" / "metrics.jsonl")
+    rows = lr.population_rows(root / "2t2s")
     assert len(rows) < 200  # the population arm was stopped long before its 200 steps
 
 

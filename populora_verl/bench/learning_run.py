@@ -34,6 +34,8 @@ from pathlib import Path
 from typing import Any
 
 from populora_verl.bench.progress import alive, write_progress
+from populora_verl.bench.step_scaling import file_log_rows
+from populora_verl.diagnostics.metrics import read_metrics
 
 RECIPES = Path(__file__).resolve().parents[2] / "recipes" / "populora"
 ARMS = {"2t2s": "qwen1.5b_1gpu_2t2s", "single": "qwen1.5b_1gpu_single"}
@@ -44,6 +46,7 @@ WATCH = ("populora/validity/mean", "populora/role/teacher/format_error_rate", "p
 _CHILDREN: dict[str, subprocess.Popen] = {}
 POLL_S = 5.0
 SEED_WAIT_S = 1800.0  # how long an arm waits at its first step for the seeding arm's seed set
+EVAL_BENCHMARKS = "humaneval_plus,mbpp_plus"
 
 
 def arm_command(arm: str, model: str, root: Path, seed_file: str | None, extra: Sequence[str],
@@ -69,23 +72,16 @@ def arm_env(arm: str, root: Path) -> dict[str, str]:
                 VERL_FILE_LOGGER_PATH=str(root / arm / "verl_metrics.jsonl"))
 
 
-def metrics_rows(path: Path) -> list[dict[str, Any]]:
-    """The rows of a metrics.jsonl; a torn last line (the trainer is writing) is skipped."""
-    rows = []
-    try:
-        text = path.read_text(encoding="utf-8", errors="replace")
-    except FileNotFoundError:
-        return rows
-    for line in text.splitlines():
-        try:
-            row = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(row, dict):
-            rows.append(row.get("data", row) if "data" in row and isinstance(row["data"], dict) else row)
-            if "step" in row and "step" not in rows[-1]:
-                rows[-1] = {**rows[-1], "step": row["step"]}
-    return rows
+def population_rows(run: Path) -> list[dict[str, Any]]:
+    """The trainer's population metrics of an arm so far (``<run>/metrics.jsonl``; [] before its first step)."""
+    path = run / "metrics.jsonl"
+    return read_metrics(path) if path.is_file() else []
+
+
+def verl_rows(run: Path) -> list[dict[str, Any]]:
+    """verl's own metrics of an arm so far (timings, actor; its ``file`` logger, ``verl_metrics.jsonl``)."""
+    path = run / "verl_metrics.jsonl"
+    return [row for _, row in file_log_rows(path.read_text(errors="replace"))] if path.is_file() else []
 
 
 def checkpoint_steps(run: Path) -> list[int]:
@@ -126,15 +122,13 @@ def eval_command(model: str, runs: Mapping[str, Path], step: int, out: Path, dat
         cmd += ["--data-dir", data_dir]
     for arm, run in runs.items():
         pop = population_dir(run, step)
-        alive = [r["id"] for r in read_population(pop).get("lineage", []) if r.get("death_step") is None]
+        living = [r["id"] for r in read_population(pop).get("lineage", []) if r.get("death_step") is None]
         if arm == "single":
-            cmd += ["--baseline", str(pop / "adapters" / alive[0]), "--baseline-name", "single"]
+            cmd += ["--baseline", str(pop / "adapters" / living[0]), "--baseline-name", "single"]
         else:
             cmd += ["--run-dir", str(pop)]
     return cmd
 
-
-EVAL_BENCHMARKS = "humaneval_plus,mbpp_plus"
 
 
 def warm_cache_command(data_dir: str | None, workers: int = 4) -> list[str]:
@@ -205,12 +199,13 @@ def run(args: argparse.Namespace) -> int:
                                     start_new_session=True, preexec_fn=lambda: os.nice(10))
         _CHILDREN["warm_cache"] = warm
     stopped: set[str] = set()
+
     def early_failure() -> str | None:
         """Why the run cannot give a comparison any more, or None. An arm that fails before its first step (a config
         mistake, an OOM at start-up) leaves nothing to compare, so the others stop too instead of burning the lease;
         the seeding arm ending without its seed set leaves the others waiting for nothing."""
         for arm, p in procs.items():
-            if p.poll() not in (None, 0) and not metrics_rows(root / arm / "metrics.jsonl"):
+            if p.poll() not in (None, 0) and not population_rows(root / arm):
                 return f"{arm} ended (rc {p.returncode}) before its first step; see {root / arm / 'train.log'}"
         if rest and procs[first].poll() is not None and not Path(seed_file).exists():
             return f"{first} ended (rc {procs[first].returncode}) before writing its seed set {seed_file}"
@@ -289,9 +284,8 @@ def status(root: Path) -> str:
              f"{now - prog.get('started', now):.0f} s since start; stop files at "
              f"{prog.get('deadline', now) - prog.get('started', now):.0f} s"]
     for arm in prog.get("arms", []):
-        rows = metrics_rows(root / arm / "metrics.jsonl")
-        verl_rows = metrics_rows(root / arm / "verl_metrics.jsonl")
-        last = {**(verl_rows[-1] if verl_rows else {}), **(rows[-1] if rows else {})}
+        rows, timings = population_rows(root / arm), verl_rows(root / arm)
+        last = {**(timings[-1] if timings else {}), **(rows[-1] if rows else {})}
         watch = " ".join(f"{k.split('/', 1)[-1]}={last[k]:.3g}" for k in WATCH if isinstance(last.get(k), (int, float)))
         lines.append(f"  {arm}: {len(rows)} steps; checkpoints {checkpoint_steps(root / arm)}; last: {watch}")
     for k in ("rcs", "common_step", "eval_rc", "reason"):
