@@ -164,9 +164,34 @@ def save_rows(path: Path, rows: Sequence[ScalingRow]) -> None:
                                 for r in rows], indent=1))
 
 
+def merge(dirs: Sequence[str], out: Path) -> int:
+    """Rows of several ``--out`` folders in one table (a later folder's row replaces an earlier one's of the same
+    configuration, GPU count and GPU model); written to ``out/results.{json,md}``."""
+    rows: list[ScalingRow] = []
+    for d in dirs:
+        path = Path(d) / "results.json"
+        if not path.exists():
+            print(f"gpu_scaling: {path} is missing; its rows are left out", file=sys.stderr)
+            continue
+        for row in load_rows(path):
+            rows = [r for r in rows if r.key != row.key or r.gpu_name != row.gpu_name] + [row]
+    if not rows:
+        print("gpu_scaling: no rows to merge", file=sys.stderr)
+        return 2
+    out.mkdir(parents=True, exist_ok=True)
+    save_rows(out / "results.json", rows)
+    table = report(rows)
+    (out / "results.md").write_text(table + "\n")
+    print(table)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", required=True)
+    ap.add_argument("--model", help="model directory (required unless --merge)")
+    ap.add_argument("--merge", nargs="+", metavar="DIR",
+                    help="no run: join the results.json of these --out folders (rows measured side by side in "
+                         "separate folders) into --out and print the table")
     ap.add_argument("--gpus", default="1,2,4", help="comma-separated GPU counts (each <= the visible GPUs)")
     ap.add_argument("--config", default="4t4s", choices=sorted(ss.CONFIGS))
     ap.add_argument("--tp", type=int, default=1, help="rollout tensor parallel size (1-GPU rows always use 1)")
@@ -175,6 +200,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout-s", type=int, default=1800)
     ap.add_argument("overrides", nargs="*", help="extra hydra overrides for every run")
     args = ap.parse_args(argv)
+    if args.merge:
+        return merge(args.merge, Path(args.out))
+    if not args.model:
+        ap.error("--model is required")
     counts = [int(x) for x in args.gpus.split(",") if x.strip()]
     if args.steps < 2:
         ap.error("--steps must be >= 2 (step 1 is warm-up)")

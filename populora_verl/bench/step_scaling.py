@@ -232,7 +232,7 @@ def console_rows(text: str) -> Iterator[tuple[int, dict[str, float]]]:
 
 
 class GpuMemoryPoller:
-    """``memory.used`` (MiB, summed over visible GPUs) from ``nvidia-smi``, polled in a thread, with the time each
+    """``memory.used`` (MiB, summed over the visible GPUs: ``CUDA_VISIBLE_DEVICES`` where set) from ``nvidia-smi``, polled in a thread, with the time each
     step's metrics row first appears in the watched file (start-up ends at the first; windows split a schedule)."""
 
     def __init__(self, interval_s: float = 0.5, watch: Path | None = None) -> None:
@@ -259,8 +259,11 @@ class GpuMemoryPoller:
         return max(vals) if vals else None
 
     def _sample(self) -> float | None:
+        # nvidia-smi ignores CUDA_VISIBLE_DEVICES: ask for this run's GPUs only (other runs may share the host)
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").strip()
+        only = ["-i", visible] if re.fullmatch(r"\d+(,\d+)*", visible) else []
         try:
-            out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+            out = subprocess.run(["nvidia-smi", *only, "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
                                  capture_output=True, text=True, timeout=10)
         except (OSError, subprocess.TimeoutExpired):
             return None

@@ -26,7 +26,10 @@ N=${1:?number of GPUs}; shift
 have=$(nvidia-smi --list-gpus | wc -l)
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 [ "$have" -ge "$N" ] || { echo "multi_gpu_proof: needs $N GPUs, this machine has $have"; exit 2; }
-export CUDA_VISIBLE_DEVICES=$(seq -s, 0 $((N - 1)))
+# The first N GPUs, unless the caller chose them (populora_verl.bench.gpu_plan runs jobs side by side on one host)
+export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-$(seq -s, 0 $((N - 1)))}
+[ "$(tr ',' '\n' <<< "$CUDA_VISIBLE_DEVICES" | grep -c .)" -ge "$N" ] \
+  || { echo "multi_gpu_proof: CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES has fewer than $N GPUs"; exit 2; }
 
 case "$job" in
   shard_check)
@@ -36,13 +39,15 @@ case "$job" in
       | grep -v -i "warn" | tee "$OUT/shard_check_${N}gpu.log"
     exit "${PIPESTATUS[0]}" ;;
   scaling)
+    # rows of runs made side by side go to their own folders (MGPU_SCALING_OUT); gpu_scaling --merge joins them
+    SCALING_OUT=${MGPU_SCALING_OUT:-/tmp/gpu_scaling}
     TP=1
     if [[ ${1:-} =~ ^[0-9]+$ ]]; then TP=$1; shift; fi
     python3 -m populora_verl.bench.gpu_scaling --model "$MODEL_DIR" --gpus "$N" --tp "$TP" --steps 3 \
-      --out /tmp/gpu_scaling data.max_response_length=256 "$@" 2>&1 | grep -v "Warning\|warn(" \
+      --out "$SCALING_OUT" data.max_response_length=256 "$@" 2>&1 | grep -v "Warning\|warn(" \
       | tee "$OUT/gpu_scaling_${N}gpu_tp${TP}.log"
     rc=${PIPESTATUS[0]}
-    cp /tmp/gpu_scaling/results.md /tmp/gpu_scaling/results.json "$OUT/" 2>/dev/null
+    cp "$SCALING_OUT"/results.md "$SCALING_OUT"/results.json "$OUT/" 2>/dev/null
     exit "$rc" ;;
   proof) ;;
   *) echo "unknown job $job" >&2; exit 2 ;;

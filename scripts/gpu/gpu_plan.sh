@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# A plan of GPU jobs (populora_verl.bench.gpu_plan) in the background on one staged GPU machine: the jobs of a
+# phase side by side on their own GPUs, phase after phase, while the caller polls with short device calls.
+#   bash scripts/gpu/gpu_plan.sh start scripts/gpu/plans/issue14_x4.plan   # returns at once
+#   bash scripts/gpu/gpu_plan.sh wait 420     # block until done or 420 s passed, then status (+ plan.tgz to $OUT)
+#   bash scripts/gpu/gpu_plan.sh status
+#   bash scripts/gpu/gpu_plan.sh stop         # start no further phase (running jobs finish)
+#   bash scripts/gpu/gpu_plan.sh kill         # end everything now
+# The code runs from a private copy (/tmp/populora-src): each device call replaces the checkout under the run.
+set -uo pipefail
+ROOT=${GPU_PLAN_OUT:-/tmp/gpu_plan}
+OUT=${OUT:-$PWD/gpu-out}; mkdir -p "$OUT" "$ROOT"
+cmd=${1:-status}; shift || true
+case "$cmd" in
+  start)
+    plan=${1:?usage: gpu_plan.sh start PLAN_FILE}
+    if [ -f "$ROOT/driver.pid" ] && kill -0 "$(cat "$ROOT/driver.pid")" 2>/dev/null; then
+      echo "already running (pid $(cat "$ROOT/driver.pid")); use status, stop or kill"; exit 1
+    fi
+    source scripts/gpu/env.sh
+    rm -rf /tmp/populora-src && mkdir -p /tmp/populora-src && cp -r populora_verl recipes scripts /tmp/populora-src/
+    mkdir -p /tmp/populora-src/.gpub && cp -r .gpub/tool /tmp/populora-src/.gpub/ && cp -r .gpuwork /tmp/populora-src/
+    cp "$plan" "$ROOT/plan.txt"
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$ROOT/gpu.txt"
+    n=$(nvidia-smi --list-gpus | wc -l)
+    cd /tmp/populora-src
+    PYTHONPATH="/tmp/populora-src:$PYTHONPATH" setsid nohup python3 -m populora_verl.bench.gpu_plan \
+      --plan "$ROOT/plan.txt" --out "$ROOT" --gpu-count "$n" > "$ROOT/driver.log" 2>&1 < /dev/null &
+    echo $! > "$ROOT/driver.pid"
+    setsid nohup bash -c "while kill -0 $(cat "$ROOT/driver.pid") 2>/dev/null; do
+      echo \"\$(date +%s) \$(nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader,nounits | tr '\n' ' ')\"; sleep 10; done" \
+      > "$ROOT/gpu_mem.log" 2>&1 < /dev/null &
+    sleep 5; echo "started pid $(cat "$ROOT/driver.pid") at $(date -u +%T)"; tail -3 "$ROOT/driver.log" ;;
+  status)
+    source scripts/gpu/env.sh >/dev/null 2>&1
+    PYTHONPATH="/tmp/populora-src:${PYTHONPATH:-}" python3 -m populora_verl.bench.gpu_plan --status --out "$ROOT" \
+      | tee "$OUT/status.txt"
+    echo "--- driver.log (tail)"; tail -4 "$ROOT/driver.log" 2>/dev/null
+    for log in "$ROOT"/*.log; do
+      case "$(basename "$log")" in driver.log|gpu_mem.log) continue ;; esac
+      echo "--- $(basename "$log"): populora lines, checks and errors (tail)"
+      grep -a "\[populora\] \(layout\|step\|resumed\|seeding\)\|^OK \|^MISS \|exit=\|Error\|Traceback\|out of memory" "$log" \
+        | grep -av "Warning\|warn(\|_moe_C\|engine is not available" | cut -c1-300 | tail -8
+    done
+    echo "--- GPU (MiB used, util % per GPU):"; tail -1 "$ROOT/gpu_mem.log" 2>/dev/null
+    # Everything small in one archive (the device returns at most 8 files); logs cut to their last 3 MB.
+    tmp=$(mktemp -d); mkdir -p "$tmp/plan"
+    (cd "$ROOT" && for f in *; do
+       if [ -d "$f" ]; then mkdir -p "$tmp/plan/$f"
+         find "$f" -maxdepth 1 -type f -size -3M -exec cp {} "$tmp/plan/$f/" \;
+         for big in $(find "$f" -maxdepth 1 -type f -size +3M); do tail -c 3000000 "$big" > "$tmp/plan/$big"; done
+       else tail -c 3000000 "$f" > "$tmp/plan/$f"; fi; done) 2>/dev/null
+    tar -czf "$OUT/plan.tgz" -C "$tmp" plan && rm -rf "$tmp"
+    ls -la "$OUT/plan.tgz" ;;
+  wait)
+    # One long call instead of many short ones: the machine stays held, nothing idles between polls.
+    limit=${1:-420}; pid=$(cat "$ROOT/driver.pid" 2>/dev/null || echo 0); t=0
+    while [ "$t" -lt "$limit" ] && kill -0 "$pid" 2>/dev/null; do sleep 10; t=$((t + 10)); done
+    exec bash "$0" status ;;
+  stop) : > "$ROOT/STOP"; echo "no further phase will start" ;;
+  kill)
+    pid=$(cat "$ROOT/driver.pid" 2>/dev/null) || { echo "no run"; exit 0; }
+    kill -TERM "$pid" 2>/dev/null   # the driver ends each job's process group
+    for _ in $(seq 40); do kill -0 "$pid" 2>/dev/null || break; sleep 1; done
+    kill -KILL -- "-$pid" 2>/dev/null; echo "killed $pid" ;;
+  *) echo "usage: gpu_plan.sh start PLAN|status|wait [seconds]|stop|kill" >&2; exit 2 ;;
+esac
