@@ -26,6 +26,8 @@ common=(
   trainer.logger=[console]
   trainer.save_freq=2
   populora.pbt.interval_steps=2
+  populora.pbt.min_age=0            # evolve at step 2 although every member is 2 steps old (default min_age 20)
+  populora.pbt.final_quiet_steps=0  # and although step 2 is run 1's last step (default: no evolution in the last interval)
   +trainer.populora_debug_probes=true
   ray_kwargs.ray_init.num_cpus=${GPU_PROOF_NUM_CPUS:-16}
 )
@@ -57,7 +59,9 @@ missing=0
 check run1_steps1-2.log '\[populora\] seeding: [0-9]+ rounds, [0-9]+ seed tasks' "seeding phase from the base policy before step 1"
 check run1_steps1-2.log '\[populora\] step 1 greedy probe' "start-up greedy probe under every LoRA id"
 check run1_steps1-2.log '\[populora\] step 2 greedy probe: .*, [2-9]/[0-9]+ distinct greedy log-probs' "vLLM serves each adapter under its own LoRA id (distinct log-probs after step 1)"
-check run2_resume_to4.log '\[populora\] step [34] greedy probe: [2-9]/' "greedy outputs differ by LoRA id after evolution"
+if grep -q '\[populora\] step 2 evolution:' "$OUT_DIR/run1_steps1-2.log"; then
+  check run2_resume_to4.log '\[populora\] step [34] greedy probe: [2-9]/' "greedy outputs differ by LoRA id after evolution"
+else echo "MISS greedy outputs differ by LoRA id after evolution: step 2 did not evolve" | tee -a "$OUT_DIR/summary.txt"; missing=1; fi
 check run1_steps1-2.log 'rollout_vs_trainer=\{"[a-z_]*rollout_probs_diff' "per-adapter rollout-vs-trainer log-prob diff"
 check run1_steps1-2.log 'bank checksums: .* OK$' "only trained slots changed"
 check run1_steps1-2.log '\[populora\] step 2 evolution:' "evolution at step 2"

@@ -238,7 +238,7 @@ import subprocess  # noqa: E402
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu" / "multi_gpu_checks.sh"
 
 
-def _fake_proof_logs(tmp_path, n: int, tp: int, *, stale_rank: bool = False) -> None:
+def _fake_proof_logs(tmp_path, n: int, tp: int, *, stale_rank: bool = False, evolved: bool = True) -> None:
     layout = _layout("smoke_0.5b", f"trainer.n_gpus_per_node={n}",
                      f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp}",
                      "populora.population.num_teachers=4", "populora.population.num_students=4")
@@ -257,6 +257,8 @@ def _fake_proof_logs(tmp_path, n: int, tp: int, *, stale_rank: bool = False) -> 
         return probes.rank_report(step, before, after, list(range(8)))[0]
 
     run1 = [f"[populora] layout: {layout.describe()}", *replicas(1, False), ranks(1), *replicas(2, True), ranks(2)]
+    if evolved:  # the trainer's line (trainer.py, PBT event)
+        run1.append("[populora] step 2 evolution: t1 (slot 1) <- t4 = neftune(t0)")
     run2 = [*replicas(3, True), ranks(3), *replicas(4, True), ranks(4)]
     (tmp_path / "run1_steps1-2.log").write_text("(TaskRunner pid=1) " + "\n(TaskRunner pid=1) ".join(run1) + "\n")
     (tmp_path / "run2_resume_to4.log").write_text("\n".join(run2) + "\n")
@@ -276,3 +278,16 @@ def test_multi_gpu_checks_catch_a_rank_with_a_stale_shard(tmp_path):
     assert res.returncode == 1
     assert "MISS every rank changed exactly the trained slots (step 1)" in res.stdout
     assert "MISS a per-rank or per-replica MISMATCH was logged" in res.stdout
+
+
+def test_multi_gpu_checks_refuse_the_after_evolution_check_when_nothing_evolved(tmp_path):
+    # The x4 run of 2026-11-26 passed this check although pbt.min_age kept step 2 from evolving.
+    _fake_proof_logs(tmp_path, 2, 1, evolved=False)
+    res = subprocess.run(["bash", str(SCRIPT), str(tmp_path), "2", "1"], capture_output=True, text=True)
+    assert res.returncode == 1
+    assert "MISS evolved adapters (step 2) served by every replica after resume: step 2 did not evolve" in res.stdout
+
+
+def test_gpu_proof_makes_step_2_evolve():
+    text = (Path(__file__).resolve().parents[1] / "scripts" / "gpu_proof.sh").read_text()
+    assert "populora.pbt.min_age=0" in text and "populora.pbt.final_quiet_steps=0" in text

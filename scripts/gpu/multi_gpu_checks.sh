@@ -21,8 +21,14 @@ check $R1 "step 1 replica probe: $REPLICAS replica\(s\), every LoRA id on every 
 for r in $(seq 0 $((REPLICAS - 1))); do
   check $R1 "step 2 replica $r: [0-9]+/[0-9]+ LoRA ids loaded, [2-9]/[0-9]+ distinct" "replica $r: adapters differ after training"
 done
-check $R2 "step 3 replica probe: $REPLICAS replica\(s\), every LoRA id on every replica OK" \
-  "evolved adapters (step 2) served by every replica after resume"
+# Only meaningful if step 2 did evolve (the proof sets pbt.min_age=0 and final_quiet_steps=0 so that it does)
+if grep -Eq '\[populora\] step 2 evolution: ' "$DIR/$R1" 2>/dev/null; then
+  check $R2 "step 3 replica probe: $REPLICAS replica\(s\), every LoRA id on every replica OK" \
+    "evolved adapters (step 2) served by every replica after resume"
+else
+  echo "MISS evolved adapters (step 2) served by every replica after resume: step 2 did not evolve" \
+    | tee -a "$DIR/summary.txt"; missing=1
+fi
 if grep -q 'rank checksums: .*MISMATCH\|replica probe: .*MISMATCH' "$DIR"/run*.log 2>/dev/null; then
   echo "MISS a per-rank or per-replica MISMATCH was logged" | tee -a "$DIR/summary.txt"; missing=1
 fi
