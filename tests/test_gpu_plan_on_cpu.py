@@ -122,3 +122,31 @@ def test_shipped_plans_parse_for_the_host_they_name():
     for p in plans:
         gpus = 4 if "x4" in p.name else 2 if "x2" in p.name else 1
         assert gpu_plan.parse_plan(p.read_text(), gpu_count=gpus)
+
+
+def test_background_launcher_runs_a_driver_from_a_private_copy_and_waits_for_it(tmp_path):
+    """scripts/gpu/bg_lib.sh (shared by the three background wrappers) on a plan whose job reports its directory."""
+    import subprocess
+
+    repo = Path(__file__).resolve().parents[1]
+    root, src = tmp_path / "root", tmp_path / "src"
+    root.mkdir()
+    (tmp_path / "plan").write_text("0 j pwd > \"$OUT/cwd\"; sleep 1\n")
+    script = (f"set -u; ROOT={root}; BG_SRC={src}; BG_START_WAIT_S=0; source scripts/gpu/bg_lib.sh; "
+              f"bg_launch populora_verl.bench.gpu_plan --plan {tmp_path / 'plan'} --out {root} && bg_wait 60; "
+              f"bg_refuse_if_running; echo after")
+    res = subprocess.run(["bash", "-c", script], cwd=repo, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "started pid" in res.stdout and res.stdout.rstrip().endswith("after")
+    assert (src / "populora_verl" / "bench" / "gpu_plan.py").exists()  # the driver ran from the copy
+    assert (root / "j" / "cwd").read_text().strip() == str(src)
+    assert json.loads((root / "progress.json").read_text())["state"] == "finished"
+    # a second launch while a driver runs is refused
+    hold = subprocess.Popen(["sleep", "30"])
+    try:
+        (root / "driver.pid").write_text(str(hold.pid))
+        res = subprocess.run(["bash", "-c", f"ROOT={root}; source scripts/gpu/bg_lib.sh; bg_refuse_if_running"],
+                             cwd=repo, capture_output=True, text=True)
+        assert res.returncode == 1 and "already running" in res.stdout
+    finally:
+        hold.kill()

@@ -11,26 +11,15 @@ set -uo pipefail
 ROOT=${GPU_PLAN_OUT:-/tmp/gpu_plan}
 OUT=${OUT:-$PWD/gpu-out}; mkdir -p "$OUT" "$ROOT"
 cmd=${1:-status}; shift || true
+source scripts/gpu/bg_lib.sh
 case "$cmd" in
   start)
     plan=${1:?usage: gpu_plan.sh start PLAN_FILE}
-    if [ -f "$ROOT/driver.pid" ] && kill -0 "$(cat "$ROOT/driver.pid")" 2>/dev/null; then
-      echo "already running (pid $(cat "$ROOT/driver.pid")); use status, stop or kill"; exit 1
-    fi
+    bg_refuse_if_running
     source scripts/gpu/env.sh
-    rm -rf /tmp/populora-src && mkdir -p /tmp/populora-src && cp -r populora_verl recipes scripts /tmp/populora-src/
-    mkdir -p /tmp/populora-src/.gpub && cp -r .gpub/tool /tmp/populora-src/.gpub/ && cp -r .gpuwork /tmp/populora-src/
     cp "$plan" "$ROOT/plan.txt"
-    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$ROOT/gpu.txt"
-    n=$(nvidia-smi --list-gpus | wc -l)
-    cd /tmp/populora-src
-    PYTHONPATH="/tmp/populora-src:$PYTHONPATH" setsid nohup python3 -m populora_verl.bench.gpu_plan \
-      --plan "$ROOT/plan.txt" --out "$ROOT" --gpu-count "$n" > "$ROOT/driver.log" 2>&1 < /dev/null &
-    echo $! > "$ROOT/driver.pid"
-    setsid nohup bash -c "while kill -0 $(cat "$ROOT/driver.pid") 2>/dev/null; do
-      echo \"\$(date +%s) \$(nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader,nounits | tr '\n' ' ')\"; sleep 10; done" \
-      > "$ROOT/gpu_mem.log" 2>&1 < /dev/null &
-    sleep 5; echo "started pid $(cat "$ROOT/driver.pid") at $(date -u +%T)"; tail -3 "$ROOT/driver.log" ;;
+    bg_launch populora_verl.bench.gpu_plan --plan "$ROOT/plan.txt" --out "$ROOT" \
+      --gpu-count "$(nvidia-smi --list-gpus | wc -l)" ;;
   status)
     source scripts/gpu/env.sh >/dev/null 2>&1
     PYTHONPATH="/tmp/populora-src:${PYTHONPATH:-}" python3 -m populora_verl.bench.gpu_plan --status --out "$ROOT" \
@@ -53,9 +42,7 @@ case "$cmd" in
     tar -czf "$OUT/plan.tgz" -C "$tmp" plan && rm -rf "$tmp"
     ls -la "$OUT/plan.tgz" ;;
   wait)
-    # One long call instead of many short ones: the machine stays held, nothing idles between polls.
-    limit=${1:-420}; pid=$(cat "$ROOT/driver.pid" 2>/dev/null || echo 0); t=0
-    while [ "$t" -lt "$limit" ] && kill -0 "$pid" 2>/dev/null; do sleep 10; t=$((t + 10)); done
+    bg_wait "${1:-420}"
     exec bash "$0" status ;;
   stop) : > "$ROOT/STOP"; echo "no further phase will start" ;;
   kill)

@@ -11,24 +11,13 @@ set -uo pipefail
 ROOT=${LEARN_OUT:-/tmp/learn}
 OUT=${OUT:-$PWD/gpu-out}; mkdir -p "$OUT" "$ROOT"
 cmd=${1:-status}; shift || true
+source scripts/gpu/bg_lib.sh
 case "$cmd" in
   start)
-    if [ -f "$ROOT/driver.pid" ] && kill -0 "$(cat "$ROOT/driver.pid")" 2>/dev/null; then
-      echo "already running (pid $(cat "$ROOT/driver.pid")); use status, stop or kill"; exit 1
-    fi
+    bg_refuse_if_running
     source scripts/gpu/env.sh
-    rm -rf /tmp/populora-src && mkdir -p /tmp/populora-src && cp -r populora_verl recipes /tmp/populora-src/
-    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$ROOT/gpu.txt"
-    data=$PWD/.gpuwork/benchmarks
-    cd /tmp/populora-src
-    PYTHONPATH="/tmp/populora-src:$PYTHONPATH" setsid nohup python3 -m populora_verl.bench.learning_run \
-      --out "$ROOT" --data-dir "$data" "$@" > "$ROOT/driver.log" 2>&1 < /dev/null &
-    echo $! > "$ROOT/driver.pid"
-    # GPU memory every 10 s for the whole run (both arms share the card)
-    setsid nohup bash -c "while kill -0 $(cat "$ROOT/driver.pid") 2>/dev/null; do
-      echo \"\$(date +%s) \$(nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader,nounits)\"; sleep 10; done" \
-      > "$ROOT/gpu_mem.log" 2>&1 < /dev/null &
-    sleep 5; echo "started pid $(cat "$ROOT/driver.pid") at $(date -u +%T)"; tail -3 "$ROOT/driver.log" ;;
+    # both arms share the card: gpu_mem.log is the run's memory record
+    bg_launch populora_verl.bench.learning_run --out "$ROOT" --data-dir "$PWD/.gpuwork/benchmarks" "$@" ;;
   status)
     source scripts/gpu/env.sh >/dev/null 2>&1
     PYTHONPATH="/tmp/populora-src:${PYTHONPATH:-}" python3 -m populora_verl.bench.learning_run --status --out "$ROOT" \
@@ -55,9 +44,7 @@ case "$cmd" in
     tar -czf "$OUT/learn.tgz" -C "$tmp" learn && rm -rf "$tmp"
     ls -la "$OUT/learn.tgz" ;;
   wait)
-    # One long call instead of many short ones: the machine stays held, nothing idles between polls.
-    limit=${1:-420}; pid=$(cat "$ROOT/driver.pid" 2>/dev/null || echo 0); t=0
-    while [ "$t" -lt "$limit" ] && kill -0 "$pid" 2>/dev/null; do sleep 10; t=$((t + 10)); done
+    bg_wait "${1:-420}"
     exec bash "$0" status ;;
   stop)
     for d in "$ROOT"/*/; do [ -f "$d/train.log" ] && : > "$d/STOP" && echo "stop file: $d/STOP"; done ;;

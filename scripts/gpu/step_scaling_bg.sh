@@ -10,19 +10,12 @@ set -uo pipefail
 ROOT=${STEP_SCALING_OUT:-/tmp/step_scaling}
 OUT=${OUT:-$PWD/gpu-out}; mkdir -p "$OUT" "$ROOT"
 cmd=${1:-status}; shift || true
+source scripts/gpu/bg_lib.sh
 case "$cmd" in
   start)
-    if [ -f "$ROOT/driver.pid" ] && kill -0 "$(cat "$ROOT/driver.pid")" 2>/dev/null; then
-      echo "already running (pid $(cat "$ROOT/driver.pid")); use status or stop"; exit 1
-    fi
+    bg_refuse_if_running
     source scripts/gpu/env.sh
-    rm -rf /tmp/populora-src && mkdir -p /tmp/populora-src && cp -r populora_verl recipes /tmp/populora-src/
-    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$ROOT/gpu.txt"
-    cd /tmp/populora-src
-    PYTHONPATH="/tmp/populora-src:$PYTHONPATH" setsid nohup python3 -m populora_verl.bench.step_scaling \
-      --out "$ROOT" "$@" > "$ROOT/driver.log" 2>&1 < /dev/null &
-    echo $! > "$ROOT/driver.pid"
-    sleep 5; echo "started pid $(cat "$ROOT/driver.pid") at $(date -u +%T)"; tail -3 "$ROOT/driver.log" ;;
+    bg_launch populora_verl.bench.step_scaling --out "$ROOT" "$@" ;;
   status)
     source scripts/gpu/env.sh >/dev/null 2>&1
     python3 -m populora_verl.bench.step_scaling --status --out "$ROOT" | tee "$OUT/status.txt"
@@ -36,9 +29,7 @@ case "$cmd" in
     done
     cp "$ROOT"/gpu.txt "$ROOT"/progress.json "$ROOT"/driver.log "$OUT/" 2>/dev/null; true ;;
   wait)
-    # One long call instead of many short ones: the machine stays held, nothing idles between polls.
-    limit=${1:-420}; pid=$(cat "$ROOT/driver.pid" 2>/dev/null || echo 0); t=0
-    while [ "$t" -lt "$limit" ] && kill -0 "$pid" 2>/dev/null; do sleep 10; t=$((t + 10)); done
+    bg_wait "${1:-420}"
     exec bash "$0" status ;;
   stop)
     pid=$(cat "$ROOT/driver.pid" 2>/dev/null) || { echo "no run"; exit 0; }
