@@ -406,3 +406,22 @@ def test_main_runs_a_schedule_and_reruns_what_it_did_not_finish(tmp_path, monkey
     assert progress["state"] == "finished" and progress["done"] == ["m/single", "m/2t2s", "n/single", "m/1t1s"]
     assert "| 2t2s | 4 |" in (out / "m" / "results.md").read_text()
     assert "state finished" in ss.status(out)
+
+
+def test_profile_steps_compose_into_verls_profiler_config(tmp_path):
+    """--profile-steps turns on verl's own torch profiler for those steps, on the actor's rank 0."""
+    pytest.importorskip("hydra")
+    from hydra import compose, initialize_config_dir
+
+    assert ss.profiler_overrides("", tmp_path) == []
+    for bad in ("x", "0", ","):
+        with pytest.raises(ValueError, match="--profile-steps"):
+            ss.profiler_overrides(bad, tmp_path)
+    extra = ss.plan_overrides("fast", 1024, True) + ss.profiler_overrides("9,3", tmp_path / "profile")
+    cmd = ss.command("/m", "4t4s", 6, Path("/tmp/o"), extra)
+    with initialize_config_dir(config_dir=str(ss.RECIPES), version_base=None):
+        cfg = compose(config_name="smoke_0.5b", overrides=cmd[cmd.index("smoke_0.5b") + 1:])
+    assert cfg.global_profiler.tool == "torch" and list(cfg.global_profiler.steps) == [3, 9]
+    prof = cfg.actor_rollout_ref.actor.profiler
+    assert prof.enable is True and list(prof.ranks) == [0]
+    assert prof.tool == "torch" and prof.save_path == str(tmp_path / "profile")  # inherited from global_profiler

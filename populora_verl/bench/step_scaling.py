@@ -687,6 +687,24 @@ def _has_cuda() -> bool:
         return False
 
 
+def profiler_overrides(steps: str, save_path: Path) -> list[str]:
+    """verl's own torch profiler on the actor (rank 0) for the given trainer steps ('' = none).
+
+    verl's trainer starts and stops it around those steps; every worker call of the step lands in one trace
+    (``*.json.gz`` under ``save_path``), with verl's stage markers (``update_actor``, ``compute_log_prob``)."""
+    if not steps.strip():
+        return []
+    try:
+        nums = sorted({int(x) for x in steps.split(",") if x.strip()})
+    except ValueError:
+        raise ValueError(f"--profile-steps must be comma-separated step numbers, got {steps!r}") from None
+    if not nums or nums[0] < 1:
+        raise ValueError(f"--profile-steps must be step numbers >= 1, got {steps!r}")
+    return ["global_profiler.tool=torch", f"global_profiler.steps=[{','.join(map(str, nums))}]",
+            f"global_profiler.save_path={save_path}", "actor_rollout_ref.actor.profiler.enable=true",
+            "actor_rollout_ref.actor.profiler.ranks=[0]"]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", action="append", default=[],
@@ -709,6 +727,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ceiling-models", default="", help="tags of the models to run the ceiling for (default: all)")
     ap.add_argument("--out", default="bench_step_scaling", help="folder for logs and results (one sub-folder per model)")
     ap.add_argument("--timeout-s", type=int, default=1200, help="per configuration")
+    ap.add_argument("--profile-steps", default="",
+                    help="comma-separated trainer steps to record with verl's torch profiler (rank 0 of the actor; "
+                         "in a schedule, configuration i's step k is i*--steps+k); traces go to OUT/profile, "
+                         "summarise them with python -m populora_verl.bench.trace_summary")
     ap.add_argument("--status", action="store_true", help="print the progress of a run writing to --out, then exit")
     ap.add_argument("overrides", nargs="*", help="extra hydra overrides for every run")
     args = ap.parse_args(argv)
@@ -722,6 +744,7 @@ def main(argv: list[str] | None = None) -> int:
         default = [n.strip() for n in args.configs.split(",") if n.strip()]
         models = parse_models(args.model, default)
         extra = plan_overrides(args.profile, args.answer_tokens, args.force_length) + list(args.overrides)
+        extra += profiler_overrides(args.profile_steps, root / "profile")
     except ValueError as e:
         ap.error(str(e))
     if args.steps <= args.warmup:

@@ -27,7 +27,11 @@ case "$cmd" in
       cp "$d"/results.* "$d"/*.metrics.jsonl "$d"/ceiling*.json "$OUT/$t/" 2>/dev/null
       for f in "$d"/*.log; do [ -f "$f" ] && tail -c 200000 "$f" > "$OUT/$t/$(basename "$f")"; done
     done
-    cp "$ROOT"/gpu.txt "$ROOT"/progress.json "$ROOT"/driver.log "$OUT/" 2>/dev/null; true ;;
+    cp "$ROOT"/gpu.txt "$ROOT"/progress.json "$ROOT"/driver.log "$OUT/" 2>/dev/null
+    # --profile-steps: the traces are too large to bring back; their summaries are not
+    traces=$(find "$ROOT/profile" -name '*.json.gz' 2>/dev/null)
+    [ -n "$traces" ] && python3 -m populora_verl.bench.trace_summary $traces --out "$OUT/profile_summary.md"
+    true ;;
   wait)
     bg_wait "${1:-420}"
     exec bash "$0" status ;;
