@@ -291,3 +291,38 @@ def test_multi_gpu_checks_refuse_the_after_evolution_check_when_nothing_evolved(
 def test_gpu_proof_makes_step_2_evolve():
     text = (Path(__file__).resolve().parents[1] / "scripts" / "gpu_proof.sh").read_text()
     assert "populora.pbt.min_age=0" in text and "populora.pbt.final_quiet_steps=0" in text
+
+
+def test_multi_gpu_proof_script_streams_step_lines_keeps_the_exit_code_and_checks_gpu_choice(tmp_path):
+    """scripts/gpu/multi_gpu_proof.sh's plumbing with a stand-in gpu_proof.sh, env.sh and nvidia-smi."""
+    import os
+    import shutil
+
+    repo = Path(__file__).resolve().parents[1]
+    (tmp_path / "scripts" / "gpu").mkdir(parents=True)
+    for f in ("multi_gpu_proof.sh", "multi_gpu_checks.sh"):
+        shutil.copy(repo / "scripts" / "gpu" / f, tmp_path / "scripts" / "gpu" / f)
+    (tmp_path / "scripts" / "gpu" / "env.sh").write_text("export MODEL_DIR=/m\n")
+    (tmp_path / "scripts" / "gpu_proof.sh").write_text(
+        'echo "=== gpu_proof: run1_steps1-2 (total_training_steps=2) ==="; mkdir -p "$2"\n'
+        'for i in 1 2; do echo "(TaskRunnerV1 pid=1) [populora] step $i rank checksums: rank0:[0] | trained=[0] OK"; '
+        'echo "vllm noise $i"; done | tee "$2/run1_steps1-2.log"\n'
+        'echo "CUDA=$CUDA_VISIBLE_DEVICES" > "$2/cuda.txt"; echo "run1_steps1-2 exit=0"; exit 3\n')
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "nvidia-smi").write_text('#!/bin/bash\n[ "$1" = --list-gpus ] && { for i in 0 1 2 3; do echo GPU$i; done; '
+                                        'exit 0; }\necho H100\n')
+    (bin_dir / "nvidia-smi").chmod(0o755)
+    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", OUT=str(tmp_path / "out"), MGPU_PHASE="run1",
+               MGPU_DIR=str(tmp_path / "proof"), CUDA_VISIBLE_DEVICES="2,3")
+    res = subprocess.run(["bash", "scripts/gpu/multi_gpu_proof.sh", "proof", "2", "replicas"], cwd=tmp_path,
+                         env=env, capture_output=True, text=True, timeout=60)
+    assert res.returncode == 3, res.stdout + res.stderr  # the proof's own exit code, not the pipeline's
+    live = res.stdout.split("--- summary of")[0]
+    assert "[populora] step 2 rank checksums" in live and "vllm noise" not in live
+    assert (tmp_path / "proof" / "cuda.txt").read_text().strip() == "CUDA=2,3"  # the caller's GPUs kept
+    assert (tmp_path / "out" / "2gpu_replicas_run1_steps1-2.log").exists()
+    env["CUDA_VISIBLE_DEVICES"] = "3"
+    res = subprocess.run(["bash", "scripts/gpu/multi_gpu_proof.sh", "proof", "2", "replicas"], cwd=tmp_path,
+                         env=env, capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2 and "has fewer than 2 GPUs" in res.stdout

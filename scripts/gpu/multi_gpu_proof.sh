@@ -60,7 +60,7 @@ case "$layout" in
   *) echo "layout must be replicas or tp, got $layout" >&2; exit 2 ;;
 esac
 REPLICAS=$((N / TP))
-DIR=/tmp/mgpu_${N}_${layout}
+DIR=${MGPU_DIR:-/tmp/mgpu_${N}_${layout}}
 PHASE=${MGPU_PHASE:-all}
 [ "$PHASE" = run2 ] || rm -rf "$DIR"
 mkdir -p "$DIR"
@@ -71,9 +71,14 @@ overrides=(
   actor_rollout_ref.rollout.agent.num_workers=$((2 * REPLICAS))
   data.max_response_length=256
 )
+# The whole output to $DIR/$PHASE.out; the step lines also live on stdout, so a background runner's log
+# (populora_verl.bench.gpu_plan) shows how far the proof got while it runs.
 GPU_PROOF_PHASE=$PHASE GPU_PROOF_TIMEOUT_S=${GPU_PROOF_TIMEOUT_S:-540} \
-  bash scripts/gpu_proof.sh "$MODEL_DIR" "$DIR" "${overrides[@]}" "$@" > "$DIR/$PHASE.out" 2>&1
-rc=$?
+  bash scripts/gpu_proof.sh "$MODEL_DIR" "$DIR" "${overrides[@]}" "$@" 2>&1 | tee "$DIR/$PHASE.out" \
+  | grep --line-buffered -aE '\[populora\] (layout|seeding|resumed|step [0-9]+(:| evolution| rank| replica probe))|=== gpu_proof|exit=' \
+  | cut -c1-300
+rc=${PIPESTATUS[0]}
+echo "--- summary of $DIR/$PHASE.out"
 grep -hE '\[populora\]|^(OK|MISS) |exit=' "$DIR/$PHASE.out" | cut -c1-400 | tail -60
 grep -hE 'Traceback|Error' "$DIR/$PHASE.out" | head -5
 if [ "$PHASE" != run1 ] && [ -f "$DIR/run2_resume_to4.log" ]; then
