@@ -41,6 +41,20 @@ def test_phases_run_side_by_side_then_in_order_each_job_on_its_gpus(tmp_path):
     assert "plan finished" in text and "rc=3" in text
 
 
+def test_run_plan_gives_the_callers_sigterm_handler_back(tmp_path):
+    import signal
+
+    def mine(signum, frame):
+        pass
+
+    before = signal.signal(signal.SIGTERM, mine)
+    try:
+        gpu_plan.run_plan(gpu_plan.parse_plan("0 a true\n"), tmp_path, poll_s=0.05)
+        assert signal.getsignal(signal.SIGTERM) is mine
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
 def test_stop_file_starts_no_further_phase(tmp_path):
     plan = "0 first touch \"$OUT/../STOP\"\n---\n0 second touch \"$OUT/ran\"\n"
     assert gpu_plan.run_plan(gpu_plan.parse_plan(plan), tmp_path, poll_s=0.1) == 1

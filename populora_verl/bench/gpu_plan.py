@@ -123,7 +123,19 @@ def run_plan(phases: Sequence[Sequence[Job]], out: Path, *, cwd: Path | None = N
     def _on_term(signum, frame):  # noqa: ARG001
         stopping["flag"] = True
 
-    signal.signal(signal.SIGTERM, _on_term)
+    try:
+        previous = signal.signal(signal.SIGTERM, _on_term)
+    except ValueError:  # not the main thread: only the STOP file stops the plan
+        previous = None
+    try:
+        return _run_phases(phases, out, state, stopping, cwd=cwd, poll_s=poll_s)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _run_phases(phases: Sequence[Sequence[Job]], out: Path, state: dict, stopping: dict, *, cwd: Path | None,
+                poll_s: float) -> int:
     for i, phase in enumerate(phases):
         if stopping["flag"] or (out / "STOP").exists():
             break
