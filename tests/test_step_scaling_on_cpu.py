@@ -99,7 +99,8 @@ def test_recipe_composes_with_every_config_and_profile():
     from populora_verl.trainer import convert
 
     with initialize_config_dir(config_dir=str(ss.RECIPES), version_base=None):
-        for name, profile in [(n, "fast") for n in ss.CONFIGS] + [("4t4s", "baseline"), ("2t2s", "varlen")]:
+        for name, profile in [(n, "fast") for n in ss.CONFIGS] + [("4t4s", "baseline"), ("2t2s", "varlen"),
+                                                                   ("4t4s", "fused")]:
             cmd = ss.command("/m", name, 6, Path("/tmp/o"), ss.plan_overrides(profile, 1024, True))
             overrides = cmd[cmd.index("smoke_0.5b") + 1:]
             cfg = compose(config_name="smoke_0.5b", overrides=overrides)
@@ -113,7 +114,10 @@ def test_recipe_composes_with_every_config_and_profile():
                 assert list(cfg.actor_rollout_ref.rollout.cudagraph_capture_sizes) == ss.CUDAGRAPH_SIZES
                 assert cfg.actor_rollout_ref.model.enable_gradient_checkpointing is False
                 assert cfg.trainer.populora_fused_rpc is True
-            if profile == "varlen":  # the later override wins over the command's sdpa
+            if profile == "fused":
+                assert cfg.actor_rollout_ref.model.use_fused_kernels is True
+                assert cfg.actor_rollout_ref.model.fused_kernel_options.impl_backend == "torch"
+            if profile in ("varlen", "fused"):  # the later override wins over the command's sdpa
                 assert cfg.actor_rollout_ref.model.override_config.attn_implementation == "populora_varlen"
                 assert cfg.actor_rollout_ref.model.use_remove_padding is True
 

@@ -79,6 +79,17 @@ PROFILES: dict[str, list[str]] = {
                "++trainer.populora_fused_rpc=true",
                "actor_rollout_ref.model.use_remove_padding=true",
                "++actor_rollout_ref.model.override_config.attn_implementation=populora_varlen"],
+    # varlen + verl's fused LM-head kernels (torch backend): log-probs and entropy from the hidden states in chunks
+    # of 512 tokens. Without the flash_attn package verl's logprobs_from_logits loops in Python once per token
+    # (populora_verl.bench.logprob_paths); this path does not. Not yet run on a GPU.
+    "fused": ["actor_rollout_ref.rollout.enforce_eager=false",
+              f"actor_rollout_ref.rollout.cudagraph_capture_sizes=[{','.join(map(str, CUDAGRAPH_SIZES))}]",
+              "actor_rollout_ref.model.enable_gradient_checkpointing=false",
+              "++trainer.populora_fused_rpc=true",
+              "actor_rollout_ref.model.use_remove_padding=true",
+              "++actor_rollout_ref.model.override_config.attn_implementation=populora_varlen",
+              "actor_rollout_ref.model.use_fused_kernels=true",
+              "actor_rollout_ref.model.fused_kernel_options.impl_backend=torch"],
     "baseline": ["actor_rollout_ref.rollout.enforce_eager=true",
                  "actor_rollout_ref.model.enable_gradient_checkpointing=true",
                  "++trainer.populora_fused_rpc=false"],
