@@ -44,3 +44,45 @@ def test_cli_rejects_unknown_paths_and_bad_sizes():
         lp.main(["--paths", "nope"])
     with pytest.raises(SystemExit):
         lp.main(["--tokens", "0"])
+
+
+_FUSED_UNDER_PEFT = r'''
+import torch, warnings
+warnings.filterwarnings("ignore")
+from peft import LoraConfig, get_peft_model
+from transformers import Qwen2Config, Qwen2ForCausalLM
+from verl.models.transformers.monkey_patch import apply_monkey_patch
+
+torch.manual_seed(0)
+cfg = Qwen2Config(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=True)
+cfg._attn_implementation = "sdpa"
+model = Qwen2ForCausalLM(cfg)
+# as verl's FSDP engine builds the actor: patch the HF model, then wrap it with PEFT
+apply_monkey_patch(model, use_remove_padding=True, use_fused_kernels=True, fused_kernels_backend="torch")
+peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
+                                               init_lora_weights=False))
+ids = torch.randint(0, 97, (1, 20))
+pos = torch.arange(20).unsqueeze(0)
+out = peft_model(input_ids=ids, position_ids=pos, temperature=1.0, return_dict=True)
+with torch.no_grad():  # the reference: full logits from the same LoRA model, log_softmax, gather
+    hidden = peft_model.base_model.model.model(input_ids=ids, position_ids=pos).last_hidden_state
+    logits = peft_model.base_model.model.lm_head(hidden).float()
+    expected = logits.log_softmax(-1).gather(-1, torch.roll(ids, -1, dims=1).unsqueeze(-1)).squeeze(-1)
+torch.testing.assert_close(out.log_probs, expected, rtol=1e-5, atol=1e-5)
+out.log_probs.sum().backward()
+lora = [p for n, p in peft_model.named_parameters() if "lora_" in n]
+assert lora and all(p.grad is not None and p.grad.abs().sum() > 0 for p in lora), "a LoRA matrix got no gradient"
+print("FUSED_OK", len(lora))
+'''
+
+
+def test_verls_fused_lm_head_path_works_under_peft_lora():
+    """--profile fused rests on this: verl's use_fused_kernels (torch backend) patches the HF model that PEFT then
+    wraps; log-probs must equal the logits path and every LoRA matrix must train. Own process: verl's patch replaces
+    the model class's forward for the whole interpreter."""
+    import subprocess
+    import sys
+
+    res = subprocess.run([sys.executable, "-c", _FUSED_UNDER_PEFT], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0 and "FUSED_OK 28" in res.stdout, res.stdout[-2000:] + res.stderr[-3000:]
