@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import re
 import signal
@@ -33,7 +32,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from populora_verl.bench.progress import alive, write_progress
+from populora_verl.bench.progress import alive, read_progress, write_progress
 
 __all__ = ["Job", "parse_plan", "run_plan", "main"]
 
@@ -175,10 +174,9 @@ def _run_phases(phases: Sequence[Sequence[Job]], out: Path, state: dict, stoppin
 
 
 def status(out: Path) -> str:
-    path = out / "progress.json"
-    if not path.exists():
+    p = read_progress(out)
+    if p is None:
         return f"no plan in {out}"
-    p = json.loads(path.read_text())
     running = p.get("state") == "running" and alive(p.get("pid"))
     state = p.get("state") if p.get("state") != "running" or running else "died (driver gone)"
     lines = [f"plan {state}; phase {p.get('phase')} of {p.get('phases')}"]

@@ -22,7 +22,6 @@ background by ``scripts/gpu/learning_run.sh``) runs, on one GPU:
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import signal
@@ -33,7 +32,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from populora_verl.bench.progress import alive, write_progress
+from populora_verl.bench.progress import alive, read_progress, write_progress
 from populora_verl.bench.step_scaling import file_log_rows
 from populora_verl.diagnostics.metrics import read_metrics
 
@@ -274,10 +273,9 @@ def _compare(runs: Mapping[str, Path], root: Path) -> None:
 
 def status(root: Path) -> str:
     """Progress and, per arm, its steps so far and the last row's key metrics."""
-    p = root / "progress.json"
-    if not p.exists():
+    prog = read_progress(root)
+    if prog is None:
         return f"learning_run: no run under {root}"
-    prog = json.loads(p.read_text())
     now = time.time()
     lines = [f"learning_run pid {prog.get('pid')} {'running' if alive(prog.get('pid')) else 'not running'}; "
              f"state {prog.get('state')}; "

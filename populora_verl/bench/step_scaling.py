@@ -47,7 +47,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from populora_verl.bench.progress import alive, write_progress
+from populora_verl.bench.progress import alive, read_progress, write_progress
 
 RECIPES = Path(__file__).resolve().parents[2] / "recipes" / "populora"
 CONFIGS: dict[str, list[str]] = {
@@ -622,10 +622,9 @@ def save_results(out: Path, results: list[RunResult]) -> str:
 
 def status(root: Path) -> str:
     """One screen: the driver, the configuration in flight (steps logged so far), finished rows, recent errors."""
-    path = root / "progress.json"
-    if not path.exists():
+    p = read_progress(root)
+    if p is None:
         return f"step_scaling: no run under {root} (no progress.json)"
-    p = json.loads(path.read_text())
     now = time.time()
     lines = [f"step_scaling driver pid {p.get('pid')} {'running' if alive(p.get('pid')) else 'not running'}; "
              f"state {p.get('state')}; started {now - p.get('started', now):.0f} s ago; "
