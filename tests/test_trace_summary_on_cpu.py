@@ -52,3 +52,15 @@ def test_a_real_cpu_trace_from_torch_profiler_and_the_cli(tmp_path, capsys):
     (tmp_path / "bad.json.gz").write_bytes(b"not gzip")
     assert ts.main([str(tmp_path / "bad.json.gz")]) == 2
     assert "cannot read" in capsys.readouterr().err
+
+
+def test_busy_time_inside_a_window_equals_clipping_then_merging():
+    import random
+
+    rng = random.Random(0)
+    for _ in range(200):
+        iv = [(s, s + rng.uniform(0, 20)) for s in (rng.uniform(0, 100) for _ in range(rng.randint(0, 15)))]
+        lo, hi = sorted(rng.uniform(-10, 110) for _ in range(2))
+        union = ts._union(iv)
+        clipped = [(max(s, lo), min(e, hi)) for s, e in iv if min(e, hi) > max(s, lo)]
+        assert ts._busy_within(union, [s for s, _ in union], lo, hi) == pytest.approx(ts.busy_time(clipped))

@@ -17,6 +17,7 @@ synchronisations); a share near 1 with small kernels means the micro-batches are
 from __future__ import annotations
 
 import argparse
+import bisect
 import gzip
 import json
 import sys
@@ -39,32 +40,34 @@ def load_events(path: Path) -> list[dict[str, Any]]:
     return [e for e in events if isinstance(e, Mapping) and e.get("ph") == "X" and "dur" in e and "ts" in e]
 
 
+def _union(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Disjoint, sorted ``(start, end)`` intervals covering the same time as ``intervals``."""
+    out: list[tuple[float, float]] = []
+    for s, e in sorted(intervals):
+        if out and s <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], e))
+        else:
+            out.append((s, e))
+    return out
+
+
 def busy_time(intervals: Iterable[tuple[float, float]]) -> float:
     """Length of the union of ``(start, end)`` intervals."""
-    total, cur_s, cur_e = 0.0, None, None
-    for s, e in sorted(intervals):
-        if cur_e is None or s > cur_e:
-            if cur_e is not None:
-                total += cur_e - cur_s
-            cur_s, cur_e = s, e
-        else:
-            cur_e = max(cur_e, e)
-    if cur_e is not None:
-        total += cur_e - cur_s
+    return sum(e - s for s, e in _union(intervals))
+
+
+def _busy_within(union: Sequence[tuple[float, float]], starts: Sequence[float], lo: float, hi: float) -> float:
+    """Busy time of a disjoint sorted ``union`` (``starts`` its start times) inside ``[lo, hi]``."""
+    i = max(bisect.bisect_right(starts, lo) - 1, 0)  # the interval that may straddle ``lo``
+    total = 0.0
+    for s, e in union[i:bisect.bisect_left(starts, hi)]:
+        total += max(0.0, min(e, hi) - max(s, lo))
     return total
 
 
-def _gpu_intervals(events: Sequence[Mapping[str, Any]], lo: float = float("-inf"),
-                   hi: float = float("inf")) -> list[tuple[float, float]]:
-    """GPU activity clipped to ``[lo, hi]`` (µs)."""
-    out = []
-    for e in events:
-        if e.get("cat") in _GPU_CATS:
-            s, t = float(e["ts"]), float(e["ts"]) + float(e["dur"])
-            s, t = max(s, lo), min(t, hi)
-            if t > s:
-                out.append((s, t))
-    return out
+def _gpu_intervals(events: Sequence[Mapping[str, Any]]) -> list[tuple[float, float]]:
+    """GPU activity (kernels, copies, memsets) as ``(start, end)`` in µs."""
+    return [(float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in events if e.get("cat") in _GPU_CATS]
 
 
 def summarize(events: Sequence[Mapping[str, Any]], *, top: int = 25) -> str:
@@ -72,9 +75,12 @@ def summarize(events: Sequence[Mapping[str, Any]], *, top: int = 25) -> str:
         return "empty trace: no complete events"
     start = min(float(e["ts"]) for e in events)
     end = max(float(e["ts"]) + float(e["dur"]) for e in events)
-    gpu = _gpu_intervals(events)
-    lines = [f"trace span {(end - start) / 1e3:.1f} ms; GPU busy {busy_time(gpu) / 1e3:.1f} ms "
-             f"({busy_time(gpu) / max(end - start, 1e-9):.0%} of the span); {len(events)} events", ""]
+    # the GPU's busy time once, as disjoint intervals: each stage marker below is a bisect into it, not a rescan
+    union = _union(_gpu_intervals(events))
+    starts = [s for s, _ in union]
+    busy = sum(e - s for s, e in union)
+    lines = [f"trace span {(end - start) / 1e3:.1f} ms; GPU busy {busy / 1e3:.1f} ms "
+             f"({busy / max(end - start, 1e-9):.0%} of the span); {len(events)} events", ""]
 
     # verl's stage markers: the span of each and the GPU's busy share inside it
     stages = [e for e in events if e.get("cat") == "user_annotation"]
@@ -86,7 +92,7 @@ def summarize(events: Sequence[Mapping[str, Any]], *, top: int = 25) -> str:
             a = agg[str(e.get("name"))]
             a[0] += 1
             a[1] += t - s
-            a[2] += busy_time(_gpu_intervals(events, s, t))
+            a[2] += _busy_within(union, starts, s, t)
         for name, (n, span, busy) in sorted(agg.items(), key=lambda kv: -kv[1][1])[:top]:
             lines.append(f"| {name} | {n} | {span / 1e3:.1f} | {busy / 1e3:.1f} | {busy / max(span, 1e-9):.0%} |")
         lines.append("")
@@ -98,10 +104,10 @@ def summarize(events: Sequence[Mapping[str, Any]], *, top: int = 25) -> str:
             k[0] += 1
             k[1] += float(e["dur"])
     if kernels:
-        busy = sum(v[1] for v in kernels.values())
+        kernel_time = sum(v[1] for v in kernels.values())
         lines += ["| GPU kernel | count | total ms | mean µs | share of kernel time |", "|---|---|---|---|---|"]
         for name, (n, tot) in sorted(kernels.items(), key=lambda kv: -kv[1][1])[:top]:
-            lines.append(f"| `{name}` | {n} | {tot / 1e3:.1f} | {tot / n:.1f} | {tot / busy:.1%} |")
+            lines.append(f"| `{name}` | {n} | {tot / 1e3:.1f} | {tot / n:.1f} | {tot / kernel_time:.1%} |")
         lines.append("")
 
     ops: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
