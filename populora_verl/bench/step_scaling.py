@@ -66,30 +66,24 @@ PHASE_ADAPTERS = {"single": (1, 1), "1t1s": (1, 1), "2t2s": (2, 2), "4t4s": (4, 
 # Decode batch sizes captured as CUDA graphs: every request count of these configurations fits; capturing vLLM's
 # default list (up to 512, times the LoRA cases) costs start-up for batch sizes a step never reaches.
 CUDAGRAPH_SIZES = [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256]
+# Each profile adds to the one before it (later overrides win in hydra, so the order is kept).
+_FAST = ["actor_rollout_ref.rollout.enforce_eager=false",
+         f"actor_rollout_ref.rollout.cudagraph_capture_sizes=[{','.join(map(str, CUDAGRAPH_SIZES))}]",
+         "actor_rollout_ref.model.enable_gradient_checkpointing=false",
+         "++trainer.populora_fused_rpc=true"]
+# fast + packed training rows (verl's remove-padding path) with torch's varlen flash kernel
+# (populora_verl.workers.varlen_attention): no padding and no quadratic packed mask.
+_VARLEN = [*_FAST, "actor_rollout_ref.model.use_remove_padding=true",
+           "++actor_rollout_ref.model.override_config.attn_implementation=populora_varlen"]
+# varlen + verl's fused LM-head kernels (torch backend): log-probs and entropy from the hidden states in chunks
+# of 512 tokens. Without the flash_attn package verl's logprobs_from_logits loops in Python once per token
+# (populora_verl.bench.logprob_paths); this path does not. Not yet run on a GPU.
+_FUSED = [*_VARLEN, "actor_rollout_ref.model.use_fused_kernels=true",
+          "actor_rollout_ref.model.fused_kernel_options.impl_backend=torch"]
 PROFILES: dict[str, list[str]] = {
-    "fast": ["actor_rollout_ref.rollout.enforce_eager=false",
-             f"actor_rollout_ref.rollout.cudagraph_capture_sizes=[{','.join(map(str, CUDAGRAPH_SIZES))}]",
-             "actor_rollout_ref.model.enable_gradient_checkpointing=false",
-             "++trainer.populora_fused_rpc=true"],
-    # fast + packed training rows (verl's remove-padding path) with torch's varlen flash kernel
-    # (populora_verl.workers.varlen_attention): no padding and no quadratic packed mask.
-    "varlen": ["actor_rollout_ref.rollout.enforce_eager=false",
-               f"actor_rollout_ref.rollout.cudagraph_capture_sizes=[{','.join(map(str, CUDAGRAPH_SIZES))}]",
-               "actor_rollout_ref.model.enable_gradient_checkpointing=false",
-               "++trainer.populora_fused_rpc=true",
-               "actor_rollout_ref.model.use_remove_padding=true",
-               "++actor_rollout_ref.model.override_config.attn_implementation=populora_varlen"],
-    # varlen + verl's fused LM-head kernels (torch backend): log-probs and entropy from the hidden states in chunks
-    # of 512 tokens. Without the flash_attn package verl's logprobs_from_logits loops in Python once per token
-    # (populora_verl.bench.logprob_paths); this path does not. Not yet run on a GPU.
-    "fused": ["actor_rollout_ref.rollout.enforce_eager=false",
-              f"actor_rollout_ref.rollout.cudagraph_capture_sizes=[{','.join(map(str, CUDAGRAPH_SIZES))}]",
-              "actor_rollout_ref.model.enable_gradient_checkpointing=false",
-              "++trainer.populora_fused_rpc=true",
-              "actor_rollout_ref.model.use_remove_padding=true",
-              "++actor_rollout_ref.model.override_config.attn_implementation=populora_varlen",
-              "actor_rollout_ref.model.use_fused_kernels=true",
-              "actor_rollout_ref.model.fused_kernel_options.impl_backend=torch"],
+    "fast": _FAST,
+    "varlen": _VARLEN,
+    "fused": _FUSED,
     "baseline": ["actor_rollout_ref.rollout.enforce_eager=true",
                  "actor_rollout_ref.model.enable_gradient_checkpointing=true",
                  "++trainer.populora_fused_rpc=false"],
@@ -243,8 +237,9 @@ def console_rows(text: str) -> Iterator[tuple[int, dict[str, float]]]:
 
 
 class GpuMemoryPoller:
-    """``memory.used`` (MiB, summed over the visible GPUs: ``CUDA_VISIBLE_DEVICES`` where set) from ``nvidia-smi``, polled in a thread, with the time each
-    step's metrics row first appears in the watched file (start-up ends at the first; windows split a schedule)."""
+    """``memory.used`` (MiB, summed over the visible GPUs: ``CUDA_VISIBLE_DEVICES`` where set) from ``nvidia-smi``,
+    polled in a thread, with the time each step's metrics row first appears in the watched file (start-up ends at the
+    first; windows split a schedule)."""
 
     def __init__(self, interval_s: float = 0.5, watch: Path | None = None) -> None:
         self.interval_s, self._stop = interval_s, threading.Event()
