@@ -164,6 +164,18 @@ def save_rows(path: Path, rows: Sequence[ScalingRow]) -> None:
                                 for r in rows], indent=1))
 
 
+def upsert(rows: Sequence[ScalingRow], row: ScalingRow) -> list[ScalingRow]:
+    """``rows`` with ``row`` replacing any row of the same configuration, GPU count and GPU model."""
+    return [r for r in rows if r.key != row.key or r.gpu_name != row.gpu_name] + [row]
+
+
+def write_table(out: Path, rows: Sequence[ScalingRow]) -> str:
+    """``out/results.md`` from ``rows``; returns the table."""
+    table = report(rows)
+    (out / "results.md").write_text(table + "\n")
+    return table
+
+
 def merge(dirs: Sequence[str], out: Path) -> int:
     """Rows of several ``--out`` folders in one table (a later folder's row replaces an earlier one's of the same
     configuration, GPU count and GPU model); written to ``out/results.{json,md}``."""
@@ -174,15 +186,13 @@ def merge(dirs: Sequence[str], out: Path) -> int:
             print(f"gpu_scaling: {path} is missing; its rows are left out", file=sys.stderr)
             continue
         for row in load_rows(path):
-            rows = [r for r in rows if r.key != row.key or r.gpu_name != row.gpu_name] + [row]
+            rows = upsert(rows, row)
     if not rows:
         print("gpu_scaling: no rows to merge", file=sys.stderr)
         return 2
     out.mkdir(parents=True, exist_ok=True)
     save_rows(out / "results.json", rows)
-    table = report(rows)
-    (out / "results.md").write_text(table + "\n")
-    print(table)
+    print(write_table(out, rows))
     return 0
 
 
@@ -229,11 +239,9 @@ def main(argv: list[str] | None = None) -> int:
         row = run_one(args.model, args.config, g, tp, args.steps, out, list(args.overrides), args.timeout_s)
         print(f"  exit={row.rc} wall={row.wall_s:.0f}s s/step={row.mean_step_s} tokens/s={row.tokens_per_s}",
               flush=True)
-        rows = [r for r in rows if r.key != row.key or r.gpu_name != row.gpu_name] + [row]
+        rows = upsert(rows, row)
         save_rows(results, rows)
-    table = report(rows)
-    print(table)
-    (out / "results.md").write_text(table + "\n")
+    print(write_table(out, rows))
     return 0 if all(r.rc == 0 for r in rows) else 1
 
 
