@@ -140,7 +140,6 @@ def _run_phases(phases: Sequence[Sequence[Job]], out: Path, state: dict, stoppin
             break
         write_progress(out, phase=i)
         procs: dict[str, subprocess.Popen] = {}
-        started: dict[str, float] = {}
         for job in phase:
             (out / job.name).mkdir(parents=True, exist_ok=True)
             log = open(out / f"{job.name}.log", "w")
@@ -148,8 +147,7 @@ def _run_phases(phases: Sequence[Sequence[Job]], out: Path, state: dict, stoppin
                                                stdin=subprocess.DEVNULL, env=job_env(job, out), cwd=cwd,
                                                start_new_session=True)
             log.close()
-            started[job.name] = time.time()
-            state[job.name].update(state="running", started=started[job.name])
+            state[job.name].update(state="running", started=time.time())
         write_progress(out, jobs=state)
         while any(p.poll() is None for p in procs.values()):
             if stopping["flag"]:
@@ -158,13 +156,14 @@ def _run_phases(phases: Sequence[Sequence[Job]], out: Path, state: dict, stoppin
             time.sleep(poll_s)
             for name, p in procs.items():
                 if p.returncode is not None and state[name]["state"] == "running":
-                    state[name].update(state="done", rc=p.returncode, wall_s=round(time.time() - started[name], 1))
+                    state[name].update(state="done", rc=p.returncode,
+                                       wall_s=round(time.time() - state[name]["started"], 1))
                     write_progress(out, jobs=state)
         for name, p in procs.items():
             if state[name]["state"] == "running":
                 rc = p.wait()
                 state[name].update(state="stopped" if stopping["flag"] else "done", rc=rc,
-                                   wall_s=round(time.time() - started[name], 1))
+                                   wall_s=round(time.time() - state[name]["started"], 1))
         write_progress(out, jobs=state)
     for s in state.values():
         if s["state"] == "waiting":
