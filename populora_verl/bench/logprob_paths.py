@@ -22,6 +22,7 @@ fallback, with the device. On a GPU each timing ends with a synchronisation.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -95,8 +96,6 @@ def run(tokens: int, vocab: int, hidden: int, rounds: int, *, device: str | None
 
 def actor_uses_flash_ce() -> bool:
     """Whether verl's ``logprobs_from_logits`` takes the flash-attn kernel on this machine (else the fallback)."""
-    import os
-
     from verl.utils import torch_functional as verl_F
 
     return bool(verl_F.FLAH_ATTN_CROSS_ENTROPY_LOSS_AVAILABLE) and os.environ.get("VERL_DISABLE_FLASH_ATTN_CE") != "1"
