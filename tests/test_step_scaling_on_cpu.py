@@ -429,3 +429,22 @@ def test_profile_steps_compose_into_verls_profiler_config(tmp_path):
     prof = cfg.actor_rollout_ref.actor.profiler
     assert prof.enable is True and list(prof.ranks) == [0]
     assert prof.tool == "torch" and prof.save_path == str(tmp_path / "profile")  # inherited from global_profiler
+
+
+@pytest.mark.parametrize("profile,expect", [("verl_logprobs", "verl"), ("baseline", "verl"), ("varlen", None)])
+def test_a_profiles_environment_reaches_the_trainer_processes(monkeypatch, tmp_path, profile, expect):
+    """verl_logprobs (the A/B for our chunked log-probs) differs from varlen only in the environment the trainer
+    inherits: POPULORA_LOGPROBS=verl keeps verl's per-token fallback in the workers."""
+    monkeypatch.delenv("POPULORA_LOGPROBS", raising=False)
+    seen = []
+
+    def fake_run_configs(args, root, tag, path, names, out, results, extra):
+        seen.append((os.environ.get("POPULORA_LOGPROBS"), list(extra)))
+        return results, True
+
+    monkeypatch.setattr(ss, "_has_cuda", lambda: True)
+    monkeypatch.setattr(ss, "_run_configs", fake_run_configs)
+    assert ss.main(["--model", "m=/m:single", "--profile", profile, "--no-ceiling", "--out", str(tmp_path)]) == 0
+    assert seen and seen[0][0] == expect
+    if profile == "verl_logprobs":
+        assert seen[0][1][:len(ss._VARLEN)] == ss._VARLEN

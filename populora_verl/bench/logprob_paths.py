@@ -11,7 +11,9 @@ same shapes, forward and backward:
 * ``vectorised``: ``log_softmax`` + ``gather`` over the whole ``(tokens, vocab)`` block in fp32;
 * ``verl_fused_torch``: verl's own ``FusedLinearForPPO`` (``actor_rollout_ref.model.use_fused_kernels=true``,
   ``fused_kernel_options.impl_backend=torch``): log-probs and entropy from the hidden states and the LM head in
-  chunks of 512 tokens, without materialising the logits.
+  chunks of 512 tokens, without materialising the logits;
+* ``populora_chunked``: :func:`populora_verl.workers.logprobs.label_logprobs` on the logits in the model's dtype
+  (what our worker installs in place of the fallback): logsumexp and the gradient in chunks of 2,048 tokens.
 
     python -m populora_verl.bench.logprob_paths [--tokens 8192] [--vocab 151936] [--hidden 896] [--rounds 5]
 
@@ -51,10 +53,17 @@ def _verl_fused_torch(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.
     return log_probs
 
 
+def _populora_chunked(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    from populora_verl.workers.logprobs import label_logprobs
+
+    return label_logprobs(hidden @ weight.t(), labels)
+
+
 PATHS: dict[str, Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]] = {
     "verl_fallback": _verl_fallback,
     "vectorised": _vectorised,
     "verl_fused_torch": _verl_fused_torch,
+    "populora_chunked": _populora_chunked,
 }
 
 
@@ -64,8 +73,10 @@ def _sync(device: torch.device) -> None:
 
 
 def run(tokens: int, vocab: int, hidden: int, rounds: int, *, device: str | None = None,
-        dtype: torch.dtype | None = None, paths: list[str] | None = None, seed: int = 0) -> dict[str, list[float]]:
-    """Seconds per forward+backward for each path, ``rounds`` interleaved rounds after one warm-up round."""
+        dtype: torch.dtype | None = None, paths: list[str] | None = None, seed: int = 0,
+        peaks: dict[str, float] | None = None) -> dict[str, list[float]]:
+    """Seconds per forward+backward for each path, ``rounds`` interleaved rounds after one warm-up round. On a GPU,
+    ``peaks`` (if given) receives each path's peak memory above its inputs, in GiB."""
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dt = dtype or (torch.bfloat16 if dev.type == "cuda" else torch.float32)
     gen = torch.Generator(device="cpu").manual_seed(seed)
@@ -79,11 +90,16 @@ def run(tokens: int, vocab: int, hidden: int, rounds: int, *, device: str | None
         for name in names:
             h = h0.detach().clone().requires_grad_(True)
             _sync(dev)
+            if dev.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(dev)
+                base = torch.cuda.memory_allocated(dev)
             t0 = time.perf_counter()
             out = PATHS[name](h, w0, labels)
             out.sum().backward()
             _sync(dev)
             dt_s = time.perf_counter() - t0
+            if dev.type == "cuda" and peaks is not None:
+                peaks[name] = max(peaks.get(name, 0.0), (torch.cuda.max_memory_allocated(dev) - base) / 2**30)
             if r == 0:  # warm-up round: also check that the paths agree
                 if reference is None:
                     reference = out.detach().float()
@@ -101,16 +117,17 @@ def actor_uses_flash_ce() -> bool:
     return bool(verl_F.FLAH_ATTN_CROSS_ENTROPY_LOSS_AVAILABLE) and os.environ.get("VERL_DISABLE_FLASH_ATTN_CE") != "1"
 
 
-def report(times: dict[str, list[float]], tokens: int, device: str) -> str:
+def report(times: dict[str, list[float]], tokens: int, device: str, peaks: dict[str, float] | None = None) -> str:
     base = statistics.median(times["verl_fallback"]) if "verl_fallback" in times else None
     lines = [f"device {device}; {tokens} tokens; forward + backward; median (min-max) over {len(next(iter(times.values())))}"
-             " interleaved rounds", "", "| path | ms | min-max ms | µs per token | × verl_fallback |",
-             "|---|---|---|---|---|"]
+             " interleaved rounds", "", "| path | ms | min-max ms | µs per token | × verl_fallback | peak GiB |",
+             "|---|---|---|---|---|---|"]
     for name, ts in times.items():
         med = statistics.median(ts)
         ratio = f"{med / base:.3f}" if base else "-"
+        peak = f"{peaks[name]:.2f}" if peaks and name in peaks else "-"
         lines.append(f"| {name} | {med * 1e3:.1f} | {min(ts) * 1e3:.1f}-{max(ts) * 1e3:.1f} | "
-                     f"{med / tokens * 1e6:.1f} | {ratio} |")
+                     f"{med / tokens * 1e6:.1f} | {ratio} | {peak} |")
     return "\n".join(lines)
 
 
@@ -129,8 +146,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.tokens < 1 or args.vocab < 2 or args.hidden < 1 or args.rounds < 1:
         ap.error("--tokens, --hidden and --rounds must be >= 1 and --vocab >= 2")
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    times = run(args.tokens, args.vocab, args.hidden, args.rounds, paths=names)
-    print(report(times, args.tokens, device))
+    peaks: dict[str, float] = {}
+    times = run(args.tokens, args.vocab, args.hidden, args.rounds, paths=names, peaks=peaks)
+    print(report(times, args.tokens, device, peaks))
     print(f"\nverl's actor uses the flash-attn cross-entropy kernel here: {actor_uses_flash_ce()} "
           "(False: it runs verl_fallback)")
     return 0

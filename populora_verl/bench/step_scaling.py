@@ -76,17 +76,26 @@ _FAST = ["actor_rollout_ref.rollout.enforce_eager=false",
 _VARLEN = [*_FAST, "actor_rollout_ref.model.use_remove_padding=true",
            "++actor_rollout_ref.model.override_config.attn_implementation=populora_varlen"]
 # varlen + verl's fused LM-head kernels (torch backend): log-probs and entropy from the hidden states in chunks
-# of 512 tokens. Without the flash_attn package verl's logprobs_from_logits loops in Python once per token
-# (populora_verl.bench.logprob_paths); this path does not. Not yet run on a GPU.
+# of 512 tokens. On an H100 it failed at the first log-prob call for Qwen2.5-Coder-1.5B, whose converted checkpoint
+# has an untied LM head: verl's FSDP2 wrapping shards lm_head as its own unit, and the fused forward reads
+# lm_head.weight directly, still a DTensor ("mixed torch.Tensor and DTensor"). Tied heads (0.5B) are unaffected.
 _FUSED = [*_VARLEN, "actor_rollout_ref.model.use_fused_kernels=true",
           "actor_rollout_ref.model.fused_kernel_options.impl_backend=torch"]
 PROFILES: dict[str, list[str]] = {
     "fast": _FAST,
     "varlen": _VARLEN,
+    "verl_logprobs": _VARLEN,
     "fused": _FUSED,
     "baseline": ["actor_rollout_ref.rollout.enforce_eager=true",
                  "actor_rollout_ref.model.enable_gradient_checkpointing=true",
                  "++trainer.populora_fused_rpc=false"],
+}
+# Environment of a profile's trainer (Ray's local workers inherit it). Every profile but these runs our chunked
+# log-probs (populora_verl.workers.logprobs, installed by the worker where verl would loop per token);
+# verl_logprobs is varlen with verl's own per-token fallback, the A/B for that change.
+PROFILE_ENV: dict[str, dict[str, str]] = {
+    "verl_logprobs": {"POPULORA_LOGPROBS": "verl"},
+    "baseline": {"POPULORA_LOGPROBS": "verl"},
 }
 # verl's console logger line, possibly behind Ray's "(TaskRunnerV1 pid=...)" prefix.
 _STEP_LINE = re.compile(r"(?:^|\s)step:(\d+) - ")
@@ -759,10 +768,11 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     root.mkdir(parents=True, exist_ok=True)
+    os.environ.update(PROFILE_ENV.get(args.profile, {}))  # the trainer processes inherit it
     signal.signal(signal.SIGTERM, _on_sigterm)
     plan = [f"{tag}/{n}" for tag, _, names, extras in models for n in names + extras]
     write_progress(root, pid=os.getpid(), state="running", started=time.time(), plan=plan, done=[], current=None,
-                   profile=args.profile, overrides=extra)
+                   profile=args.profile, overrides=extra, env=PROFILE_ENV.get(args.profile, {}))
     ok, results_of = True, {}
     for tag, path, names, extras in models:
         out = root / tag

@@ -47,6 +47,13 @@ try:
 except ImportError as _e:  # a transformers without AttentionInterface: the name stays unknown, sdpa etc. work
     logger.warning("populora: attn_implementation=populora_varlen unavailable: %s", _e)
 
+# verl's log-prob fallback loops in Python once per token when flash-attn is missing; the worker processes run the
+# actor, so they swap in the chunked one here (POPULORA_LOGPROBS=verl keeps verl's).
+from populora_verl.workers.logprobs import install as _install_logprobs  # noqa: E402
+
+if _install_logprobs():
+    logger.warning("populora: verl's per-token log-prob fallback replaced by populora_verl.workers.logprobs")
+
 __all__ = ["PopuLoRAActorRolloutRefWorker", "ADAPTER_KEY", "slot_from_batch"]
 
 #: Non-tensor batch entry naming the slot a compute_log_prob / update_actor call runs on.
