@@ -81,9 +81,16 @@ _VARLEN = [*_FAST, "actor_rollout_ref.model.use_remove_padding=true",
 # lm_head.weight directly, still a DTensor ("mixed torch.Tensor and DTensor"). Tied heads (0.5B) are unaffected.
 _FUSED = [*_VARLEN, "actor_rollout_ref.model.use_fused_kernels=true",
           "actor_rollout_ref.model.fused_kernel_options.impl_backend=torch"]
+# varlen with twice the tokens per training micro-batch and four times per log-prob micro-batch: the trainer is
+# launch-bound (GPU busy about 30% inside verl's micro-batches on 1.5B, docs/gpu/step_scaling_qwen1.5b_h100_chunked),
+# so fewer, larger micro-batches do the same work in fewer kernel launches. Costs trainer memory (53-59 GiB on
+# 1.5B at 1,024-token answers): for a GPU of its own, not for two runs sharing one.
+_VARLEN_WIDE = [*_VARLEN, "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=16384",
+                "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=32768"]
 PROFILES: dict[str, list[str]] = {
     "fast": _FAST,
     "varlen": _VARLEN,
+    "varlen_wide": _VARLEN_WIDE,
     "verl_logprobs": _VARLEN,
     "fused": _FUSED,
     "baseline": ["actor_rollout_ref.rollout.enforce_eager=true",
