@@ -96,3 +96,13 @@ print("DTYPE", out.dtype)
 '''
     res = subprocess.run([sys.executable, "-c", code, "auto"], capture_output=True, text=True, timeout=300)
     assert "DTYPE torch.float32" in res.stdout, res.stdout[-2000:] + res.stderr[-3000:]
+
+
+def test_backward_leaves_float32_logits_untouched():
+    """The backward works in place on a copy of each chunk; with fp32 logits a plain .float() would alias them."""
+    z = torch.randn(9, 17, dtype=torch.float32, requires_grad=True)
+    before = z.detach().clone()
+    out = lp.label_logprobs(z, torch.randint(0, 17, (9,)), chunk=4)
+    out.sum().backward()
+    torch.testing.assert_close(z.detach(), before, rtol=0, atol=0)
+    assert z.grad is not None and torch.isfinite(z.grad).all()
