@@ -106,3 +106,19 @@ def test_backward_leaves_float32_logits_untouched():
     out.sum().backward()
     torch.testing.assert_close(z.detach(), before, rtol=0, atol=0)
     assert z.grad is not None and torch.isfinite(z.grad).all()
+
+
+def test_the_documented_ray_override_composes_into_rays_runtime_env():
+    """Workers on other nodes do not inherit the shell: docs/verl-integration.md gives this override instead."""
+    import os as _os
+
+    pytest.importorskip("hydra")
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    recipes = _os.path.join(_os.path.dirname(__file__), "..", "recipes", "populora")
+    with initialize_config_dir(config_dir=_os.path.abspath(recipes), version_base=None):
+        cfg = compose(config_name="smoke_0.5b", overrides=[
+            "actor_rollout_ref.model.path=/m", f"+ray_kwargs.ray_init.runtime_env.env_vars.{lp.ENV}=verl"])
+    env = OmegaConf.to_container(cfg.ray_kwargs.ray_init.runtime_env)["env_vars"]
+    assert env == {lp.ENV: "verl"}
