@@ -3,8 +3,8 @@
 verl's actor computes ``log softmax(z)[y]`` with ``verl.utils.torch_functional.logprobs_from_logits``. With the
 ``flash_attn`` package it uses flash-attn's fused cross-entropy; without it (no wheel exists for our GPU image) it
 falls back to ``logprobs_from_logits_v2``, which loops in Python over the first dimension of the packed logits, i.e.
-once per token: on an H100 that is 0.91 s forward+backward for one 8,192-token micro-batch of Qwen2.5-1.5B against
-0.03 s for the same arithmetic in one piece (``python -m populora_verl.bench.logprob_paths``). verl's own
+once per token: on an H100 that is 0.9-1.2 s forward+backward for one 8,192-token micro-batch of Qwen2.5-1.5B, and
+0.043 s for this module's path (``python -m populora_verl.bench.logprob_paths``, BENCHMARKS.md §5). verl's own
 alternative, ``use_fused_kernels``, reads ``lm_head.weight`` directly and fails under FSDP2 whenever the LM head is
 not tied to the embeddings (verl then shards it as its own unit, and the weight is still a DTensor at that point).
 
