@@ -9,6 +9,7 @@ verl's ``main``, and a failed check ends the command with one line naming the ke
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from typing import Any
@@ -46,6 +47,27 @@ def _check_model_path(config: Any) -> None:
             raise ConfigError(f"{MODEL_KEY}: {path!r} holds no HF model (no config.json)")
 
 
+FUSED_KEY = "actor_rollout_ref.model.use_fused_kernels"
+
+
+def _check_fused_kernels(config: Any) -> None:
+    """verl's fused LM-head kernels read ``lm_head.weight`` directly; when the head is not tied to the embeddings,
+    verl's FSDP2 wrapping shards it as a unit of its own and that read fails at the first log-prob call ("mixed
+    torch.Tensor and DTensor"), minutes into the run. A local model's config.json says which case it is."""
+    if not _select(config, FUSED_KEY, False):
+        return
+    cfg_file = os.path.join(os.path.expanduser(str(_select(config, MODEL_KEY))), "config.json")
+    try:
+        with open(cfg_file) as f:
+            tied = json.load(f).get("tie_word_embeddings")
+    except (OSError, ValueError, AttributeError):
+        return  # a hub id, or no readable config: nothing to tell yet
+    if tied is False:
+        raise ConfigError(f"{FUSED_KEY}: verl's fused LM-head kernels fail under FSDP2 with an untied LM head "
+                          f"(tie_word_embeddings is false in {cfg_file}); set it false (PopuLoRA's chunked "
+                          "log-probs already avoid verl's per-token loop)")
+
+
 def _check_gpus(config: Any) -> None:
     want = int(_select(config, "trainer.n_gpus_per_node", 1) or 0)
     nodes = int(_select(config, "trainer.nnodes", 1) or 1)
@@ -78,6 +100,7 @@ def preflight(config: Any, *, check_gpus: bool = True) -> None:
 
     scheduled_configs(config)  # a population schedule (benchmarks): every entry valid before Ray starts
     _check_model_path(config)
+    _check_fused_kernels(config)
     from populora_verl.plugin import check_registrations
 
     check_registrations()

@@ -76,3 +76,23 @@ def test_verl_main_stops_in_one_line_before_ray(tmp_path):
     assert r.stderr.strip().splitlines()[-1] == "populora: actor_rollout_ref.model.path: no such directory " \
                                                 "'/nonexistent/model'"
     assert "Traceback" not in r.stderr and "ray" not in r.stdout.lower()
+
+
+@pytest.mark.parametrize("tie,fails", [(False, True), (True, False), (None, False)])
+def test_fused_kernels_with_an_untied_head_stop_at_start_up(tmp_path, tie, fails):
+    """verl's fused LM-head path fails under FSDP2 with an untied head (seen on an H100 with our 1.5B checkpoint,
+    reproduced on CPU by test_logprob_paths_on_cpu.py::test_fused_kernels_under_fsdp2_need_a_tied_head): say so
+    before Ray starts."""
+    import json
+
+    m = tmp_path / "m"
+    m.mkdir()
+    (m / "config.json").write_text(json.dumps({} if tie is None else {"tie_word_embeddings": tie}))
+    cfg = _compose("smoke_0.5b", [f"actor_rollout_ref.model.path={m}", "actor_rollout_ref.model.use_fused_kernels=true"])
+    if fails:
+        with pytest.raises(ConfigError, match=r"^actor_rollout_ref\.model\.use_fused_kernels: .*untied LM head"):
+            preflight(cfg, check_gpus=False)
+    else:
+        preflight(cfg, check_gpus=False)
+    # without the fused kernels an untied head is fine
+    preflight(_compose("smoke_0.5b", [f"actor_rollout_ref.model.path={m}"]), check_gpus=False)

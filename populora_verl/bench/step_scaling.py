@@ -78,7 +78,8 @@ _VARLEN = [*_FAST, "actor_rollout_ref.model.use_remove_padding=true",
 # varlen + verl's fused LM-head kernels (torch backend): log-probs and entropy from the hidden states in chunks
 # of 512 tokens. On an H100 it failed at the first log-prob call for Qwen2.5-Coder-1.5B, whose converted checkpoint
 # has an untied LM head: verl's FSDP2 wrapping shards lm_head as its own unit, and the fused forward reads
-# lm_head.weight directly, still a DTensor ("mixed torch.Tensor and DTensor"). Tied heads (0.5B) are unaffected.
+# lm_head.weight directly, still a DTensor ("mixed torch.Tensor and DTensor"). Tied heads (0.5B) are unaffected;
+# for untied ones the start-up check (populora_verl.startup) now stops the run in one line.
 _FUSED = [*_VARLEN, "actor_rollout_ref.model.use_fused_kernels=true",
           "actor_rollout_ref.model.fused_kernel_options.impl_backend=torch"]
 # varlen with twice the tokens per training micro-batch and four times per log-prob micro-batch: the trainer is
