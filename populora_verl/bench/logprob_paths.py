@@ -24,7 +24,6 @@ fallback, with the device. On a GPU each timing ends with a synchronisation.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 from collections.abc import Callable
@@ -112,9 +111,9 @@ def run(tokens: int, vocab: int, hidden: int, rounds: int, *, device: str | None
 
 def actor_uses_flash_ce() -> bool:
     """Whether verl's ``logprobs_from_logits`` takes the flash-attn kernel on this machine (else the fallback)."""
-    from verl.utils import torch_functional as verl_F
+    from populora_verl.workers.logprobs import verl_uses_flash_ce
 
-    return bool(verl_F.FLAH_ATTN_CROSS_ENTROPY_LOSS_AVAILABLE) and os.environ.get("VERL_DISABLE_FLASH_ATTN_CE") != "1"
+    return verl_uses_flash_ce()
 
 
 def report(times: dict[str, list[float]], tokens: int, device: str, peaks: dict[str, float] | None = None) -> str:

@@ -776,11 +776,12 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     root.mkdir(parents=True, exist_ok=True)
-    os.environ.update(PROFILE_ENV.get(args.profile, {}))  # the trainer processes inherit it
+    profile_env = PROFILE_ENV.get(args.profile, {})
+    os.environ.update(profile_env)  # the trainer processes inherit it
     signal.signal(signal.SIGTERM, _on_sigterm)
     plan = [f"{tag}/{n}" for tag, _, names, extras in models for n in names + extras]
     write_progress(root, pid=os.getpid(), state="running", started=time.time(), plan=plan, done=[], current=None,
-                   profile=args.profile, overrides=extra, env=PROFILE_ENV.get(args.profile, {}))
+                   profile=args.profile, overrides=extra, env=profile_env)
     ok, results_of = True, {}
     for tag, path, names, extras in models:
         out = root / tag

@@ -78,12 +78,17 @@ def verl_logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor, inplac
     return label_logprobs(logits, labels)
 
 
+def verl_uses_flash_ce() -> bool:
+    """Whether verl's ``logprobs_from_logits`` takes flash-attn's cross-entropy kernel here (verl's own test)."""
+    tf = importlib.import_module("verl.utils.torch_functional")
+    return bool(getattr(tf, "FLAH_ATTN_CROSS_ENTROPY_LOSS_AVAILABLE", False)) and \
+        os.environ.get("VERL_DISABLE_FLASH_ATTN_CE", "0") != "1"
+
+
 def verl_would_loop() -> bool:
     """True when verl's ``logprobs_from_logits`` takes its per-token fallback here (no flash-attn, no NPU kernel)."""
     tf = importlib.import_module("verl.utils.torch_functional")
-    flash = getattr(tf, "FLAH_ATTN_CROSS_ENTROPY_LOSS_AVAILABLE", False) and \
-        os.environ.get("VERL_DISABLE_FLASH_ATTN_CE", "0") != "1"
-    return not flash and not getattr(tf, "NPU_CROSS_ENTROPY_LOSS_AVAILABLE", False)
+    return not verl_uses_flash_ce() and not getattr(tf, "NPU_CROSS_ENTROPY_LOSS_AVAILABLE", False)
 
 
 def install(mode: str | None = None) -> bool:
