@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     times = run(args.tokens, args.vocab, args.hidden, args.rounds, paths=names, peaks=peaks)
     print(report(times, args.tokens, device, peaks))
     print(f"\nverl's actor uses the flash-attn cross-entropy kernel here: {actor_uses_flash_ce()} "
-          "(False: it runs verl_fallback)")
+          "(False: verl alone would run verl_fallback; PopuLoRA's worker runs populora_chunked instead)")
     return 0
 
 
