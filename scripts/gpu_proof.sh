@@ -46,29 +46,43 @@ run() {  # run <name> <total_steps>
 
 # GPU_PROOF_PHASE=run1 | run2 | all: the two runs can go in separate calls (each under a call's time limit) when
 # OUT_DIR persists between them (e.g. under /tmp on a warm machine); the checks run after run2.
+# GPU_PROOF_PHASE=one: a single run to step 3 (evolution and checkpoint at 2, the evolved members served at 3), no
+# resume: half the device time of `all`, for when resume is already proven on that layout.
 PHASE=${GPU_PROOF_PHASE:-all}
-if [ "$PHASE" != run2 ]; then rm -f "$OUT_DIR/summary.txt"; run run1_steps1-2 2 "$@"; fi
-[ "$PHASE" = run1 ] && exit 0
-run run2_resume_to4 "${GPU_PROOF_RESUME_TO:-4}" "$@"
+case "$PHASE" in all | run1 | run2 | one) ;; *) echo "gpu_proof: GPU_PROOF_PHASE must be all, run1, run2 or one, got '$PHASE'" >&2; exit 2 ;; esac
+if [ "$PHASE" = one ]; then
+  rm -f "$OUT_DIR/summary.txt"; run run1_steps1-3 3 "$@"
+  R1=run1_steps1-3.log R2=run1_steps1-3.log LAST=3
+else
+  if [ "$PHASE" != run2 ]; then rm -f "$OUT_DIR/summary.txt"; run run1_steps1-2 2 "$@"; fi
+  [ "$PHASE" = run1 ] && exit 0
+  LAST=${GPU_PROOF_RESUME_TO:-4}
+  run run2_resume_to4 "$LAST" "$@"
+  R1=run1_steps1-2.log R2=run2_resume_to4.log
+fi
 
 check() {  # check <log> <grep -E pattern> <what>
   if grep -Eq "$2" "$OUT_DIR/$1"; then echo "OK   $3" | tee -a "$OUT_DIR/summary.txt"
   else echo "MISS $3" | tee -a "$OUT_DIR/summary.txt"; missing=1; fi
 }
 missing=0
-check run1_steps1-2.log '\[populora\] seeding: [0-9]+ rounds, [0-9]+ seed tasks' "seeding phase from the base policy before step 1"
-check run1_steps1-2.log '\[populora\] step 1 greedy probe' "start-up greedy probe under every LoRA id"
-check run1_steps1-2.log '\[populora\] step 2 greedy probe: .*, [2-9]/[0-9]+ distinct greedy log-probs' "vLLM serves each adapter under its own LoRA id (distinct log-probs after step 1)"
-if grep -q '\[populora\] step 2 evolution:' "$OUT_DIR/run1_steps1-2.log"; then
-  check run2_resume_to4.log '\[populora\] step [34] greedy probe: [2-9]/' "greedy outputs differ by LoRA id after evolution"
+check $R1 '\[populora\] seeding: [0-9]+ rounds, [0-9]+ seed tasks' "seeding phase from the base policy before step 1"
+check $R1 '\[populora\] step 1 greedy probe' "start-up greedy probe under every LoRA id"
+check $R1 '\[populora\] step 2 greedy probe: .*, [2-9]/[0-9]+ distinct greedy log-probs' "vLLM serves each adapter under its own LoRA id (distinct log-probs after step 1)"
+if grep -q '\[populora\] step 2 evolution:' "$OUT_DIR/$R1"; then
+  check $R2 '\[populora\] step [34] greedy probe: [2-9]/' "greedy outputs differ by LoRA id after evolution"
 else echo "MISS greedy outputs differ by LoRA id after evolution: step 2 did not evolve" | tee -a "$OUT_DIR/summary.txt"; missing=1; fi
-check run1_steps1-2.log 'rollout_vs_trainer=\{"[a-z_]*rollout_probs_diff' "per-adapter rollout-vs-trainer log-prob diff"
-check run1_steps1-2.log 'bank checksums: .* OK$' "only trained slots changed"
-check run1_steps1-2.log '\[populora\] step 2 evolution:' "evolution at step 2"
-check run1_steps1-2.log '\[populora\] step 2: checkpoint' "checkpoint at step 2"
-check run2_resume_to4.log '\[populora\] resumed step 2' "resume from step 2"
-check run2_resume_to4.log "step:${GPU_PROOF_RESUME_TO:-4} " "reached step ${GPU_PROOF_RESUME_TO:-4}"
-if grep -q '\[populora\] seeding:' "$OUT_DIR/run2_resume_to4.log"; then echo "MISS a resumed run seeded again" | tee -a "$OUT_DIR/summary.txt"; missing=1; fi
+check $R1 'rollout_vs_trainer=\{"[a-z_]*rollout_probs_diff' "per-adapter rollout-vs-trainer log-prob diff"
+check $R1 'bank checksums: .* OK$' "only trained slots changed"
+check $R1 '\[populora\] step 2 evolution:' "evolution at step 2"
+check $R1 '\[populora\] step 2: checkpoint' "checkpoint at step 2"
+if [ "$R2" = "$R1" ]; then
+  echo "SKIP resume from step 2: one run (GPU_PROOF_PHASE=one)" | tee -a "$OUT_DIR/summary.txt"
+else
+  check $R2 '\[populora\] resumed step 2' "resume from step 2"
+  if grep -q '\[populora\] seeding:' "$OUT_DIR/$R2"; then echo "MISS a resumed run seeded again" | tee -a "$OUT_DIR/summary.txt"; missing=1; fi
+fi
+check $R2 "step:$LAST " "reached step $LAST"
 if grep -q 'MISMATCH' "$OUT_DIR"/run*.log; then echo "MISS a bank checksum MISMATCH was logged" | tee -a "$OUT_DIR/summary.txt"; missing=1; fi
 grep -hE '\[populora\]' "$OUT_DIR"/run*.log > "$OUT_DIR/populora_lines.txt" || true
 grep -hoE 'populora/[a-z0-9]+/training/rollout_probs_diff_(mean|max):[-0-9.e]+' "$OUT_DIR"/run*.log \

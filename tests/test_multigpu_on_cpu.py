@@ -214,8 +214,15 @@ def test_gpu_scaling_speedup_only_against_one_gpu_of_the_same_kind():
 
     rows = [row(1, "H100", 30.0), row(2, "H100", 16.0), row(4, "H200", 8.0)]
     table = gpu_scaling.report(rows)
-    assert "| 4t4s | 2 | 2 x TP1 | H100 | 16.0 | 188 | 1.88x | >= 1.7x |" in table
-    assert "| 4t4s | 4 | 4 x TP1 | H200 | 8.0 | 375 | - | >= 3.2x |" in table  # no H200 1-GPU row: no ratio
+    assert "| 4t4s | - | 2 | 2 x TP1 | H100 | 16.0 | 188 | 1.88x | >= 1.7x |" in table
+    assert "| 4t4s | - | 4 | 4 x TP1 | H200 | 8.0 | 375 | - | >= 3.2x |" in table  # no H200 1-GPU row: no ratio
+    # nor against a 1-GPU row of another speed profile
+    other = gpu_scaling.ScalingRow(2, 1, "4t4s", "H100", 0, 1.0, {2: 16.0}, {2: 3000.0}, profile="varlen")
+    assert "| 4t4s | varlen | 2 | 2 x TP1 | H100 | 16.0 | 188 | - |" in gpu_scaling.report([*rows, other])
+    uneven = gpu_scaling.ScalingRow(2, 1, "4t4s", "H100", 0, 1.0, {2: 10.0, 3: 20.0, 4: 40.0},
+                                    {2: 3000.0, 3: 3000.0, 4: 3000.0})
+    assert uneven.tokens_per_s_range() == (75.0, 150.0, 300.0)  # per-step spread: min, median, max
+    assert "| 75 / 150 / 300 | 3 |" in gpu_scaling.report([uneven])
     assert gpu_scaling.overrides_for(4, 2) == ["trainer.n_gpus_per_node=4", "trainer.nnodes=1",
                                                 "actor_rollout_ref.rollout.tensor_model_parallel_size=2"]
 
@@ -231,6 +238,25 @@ def test_gpu_scaling_rows_round_trip_and_refuse_without_gpus(tmp_path, capsys):
         gpu_scaling.main(["--model", "/m", "--gpus", "2,3", "--tp", "2"])
 
 
+def test_gpu_scaling_runs_every_row_with_the_profile_and_forced_answers(tmp_path, monkeypatch):
+    import torch
+
+    calls = []
+
+    def fake_run_one(model, config, gpus, tp, steps, out, extra, timeout_s, profile):
+        calls.append((gpus, tp, extra, profile))
+        return gpu_scaling.ScalingRow(gpus, tp, config, "H100", 0, 1.0, {2: 10.0 / gpus}, {2: 1000.0}, profile=profile)
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(gpu_scaling, "run_one", fake_run_one)
+    assert gpu_scaling.main(["--model", "/m", "--gpus", "1,2", "--out", str(tmp_path), "trainer.x=1"]) == 0
+    assert [(g, tp, p) for g, tp, _, p in calls] == [(1, 1, "varlen"), (2, 1, "varlen")]
+    extra = calls[0][2]
+    assert "data.max_response_length=1024" in extra and "actor_rollout_ref.rollout.ignore_eos=true" in extra
+    assert "actor_rollout_ref.model.use_remove_padding=true" in extra and extra[-1] == "trainer.x=1"
+    assert "| 4t4s | varlen | 2 | 2 x TP1 | H100 | 5.0 | 200 | 2.00x | >= 1.7x |" in (tmp_path / "results.md").read_text()
+
+
 # --- scripts/gpu/multi_gpu_checks.sh against lines printed by the Python code above ------------------------------
 
 import subprocess  # noqa: E402
@@ -238,7 +264,8 @@ import subprocess  # noqa: E402
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu" / "multi_gpu_checks.sh"
 
 
-def _fake_proof_logs(tmp_path, n: int, tp: int, *, stale_rank: bool = False, evolved: bool = True) -> None:
+def _fake_proof_logs(tmp_path, n: int, tp: int, *, stale_rank: bool = False, evolved: bool = True,
+                     one_run: bool = False) -> None:
     layout = _layout("smoke_0.5b", f"trainer.n_gpus_per_node={n}",
                      f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp}",
                      "populora.population.num_teachers=4", "populora.population.num_students=4")
@@ -259,6 +286,10 @@ def _fake_proof_logs(tmp_path, n: int, tp: int, *, stale_rank: bool = False, evo
     run1 = [f"[populora] layout: {layout.describe()}", *replicas(1, False), ranks(1), *replicas(2, True), ranks(2)]
     if evolved:  # the trainer's line (trainer.py, PBT event)
         run1.append("[populora] step 2 evolution: t1 (slot 1) <- t4 = neftune(t0)")
+    if one_run:  # MGPU_PHASE=one: the same run goes on to step 3
+        run1 += [*replicas(3, True), ranks(3)]
+        (tmp_path / "run1_steps1-3.log").write_text("\n".join(run1) + "\n")
+        return
     run2 = [*replicas(3, True), ranks(3), *replicas(4, True), ranks(4)]
     (tmp_path / "run1_steps1-2.log").write_text("(TaskRunner pid=1) " + "\n(TaskRunner pid=1) ".join(run1) + "\n")
     (tmp_path / "run2_resume_to4.log").write_text("\n".join(run2) + "\n")
@@ -270,6 +301,19 @@ def test_multi_gpu_checks_pass_on_the_lines_the_trainer_prints(tmp_path, n, tp):
     res = subprocess.run(["bash", str(SCRIPT), str(tmp_path), str(n), str(tp)], capture_output=True, text=True)
     assert res.returncode == 0, res.stdout + res.stderr
     assert "MISS" not in res.stdout and res.stdout.count("OK   ") == 5 + n // tp
+
+
+@pytest.mark.parametrize("evolved", [True, False])
+def test_multi_gpu_checks_of_one_run_to_step_3(tmp_path, evolved):
+    _fake_proof_logs(tmp_path, 2, 1, evolved=evolved, one_run=True)
+    res = subprocess.run(["bash", str(SCRIPT), str(tmp_path), "2", "1"], capture_output=True, text=True)
+    assert "OK   every rank changed exactly the trained slots at step 3" in res.stdout
+    if evolved:
+        assert res.returncode == 0 and res.stdout.count("OK   ") == 5 + 2, res.stdout
+        assert "OK   evolved adapters (step 2) served by every replica at step 3" in res.stdout
+    else:
+        assert res.returncode == 1
+        assert "MISS evolved adapters (step 2) served by every replica at step 3: step 2 did not evolve" in res.stdout
 
 
 def test_multi_gpu_checks_catch_a_rank_with_a_stale_shard(tmp_path):
@@ -291,6 +335,52 @@ def test_multi_gpu_checks_refuse_the_after_evolution_check_when_nothing_evolved(
 def test_gpu_proof_makes_step_2_evolve():
     text = (Path(__file__).resolve().parents[1] / "scripts" / "gpu_proof.sh").read_text()
     assert "populora.pbt.min_age=0" in text and "populora.pbt.final_quiet_steps=0" in text
+
+
+def _stand_in_verl(tmp_path, lines_of_step) -> dict:
+    """PATH with a ``python`` that answers gpu_proof.sh's start-up checks and prints a run's lines per step."""
+    import os
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    steps = "\n".join(f'[ $s -ge {k} ] && printf "%s\\n" {" ".join(repr(x) for x in v)}' for k, v in lines_of_step.items())
+    (bin_dir / "python").write_text(
+        '#!/bin/bash\n[ "$1" = -c ] && exit 0\n'
+        's=$(printf "%s\\n" "$@" | sed -n "s/^trainer.total_training_steps=//p")\n'
+        f'{steps}\nfor i in $(seq 1 $s); do echo "step:$i - timing_s/step:1.0"; done\n')
+    (bin_dir / "python").chmod(0o755)
+    return dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}")
+
+
+@pytest.mark.parametrize("evolves", [True, False])
+def test_gpu_proof_one_run_checks_evolution_without_a_resume(tmp_path, evolves):
+    step2 = ["[populora] step 2 greedy probe: 3/4 distinct outputs, 3/4 distinct greedy log-probs",
+             "[populora] step 2: checkpoint /x/global_step_2"]
+    if evolves:
+        step2.append("[populora] step 2 evolution: t1 (slot 1) <- t2 = neftune(t0)")
+    env = _stand_in_verl(tmp_path, {
+        1: ["[populora] seeding: 2 rounds, 3 seed tasks -> /x", "[populora] step 1 greedy probe: 1/4 distinct outputs",
+            '[populora] step 1 t0: rollout_vs_trainer={"rollout_probs_diff_max": 0.1}',
+            "[populora] step 1 bank checksums: t0@0:a->b OK"],
+        2: step2,
+        3: ["[populora] step 3 greedy probe: 4/4 distinct outputs, 4/4 distinct greedy log-probs"]})
+    script = Path(__file__).resolve().parents[1] / "scripts" / "gpu_proof.sh"
+    res = subprocess.run(["bash", str(script), "/model", str(tmp_path / "proof")], capture_output=True, text=True,
+                         env=dict(env, GPU_PROOF_PHASE="one"), timeout=60)
+    out = res.stdout
+    assert "=== gpu_proof: run1_steps1-3 (total_training_steps=3) ===" in out
+    assert "SKIP resume from step 2" in out and "OK   reached step 3" in out
+    assert "run2" not in out  # no second run
+    if evolves:
+        assert res.returncode == 0 and "MISS" not in out, out + res.stderr
+        assert "OK   greedy outputs differ by LoRA id after evolution" in out
+    else:
+        assert res.returncode == 1
+        assert "MISS greedy outputs differ by LoRA id after evolution: step 2 did not evolve" in out
+        assert "MISS evolution at step 2" in out
+    res = subprocess.run(["bash", str(script), "/model", str(tmp_path / "proof")], capture_output=True, text=True,
+                         env=dict(env, GPU_PROOF_PHASE="both"), timeout=60)
+    assert res.returncode == 2 and "GPU_PROOF_PHASE must be all, run1, run2 or one, got 'both'" in res.stderr
 
 
 def test_multi_gpu_proof_script_streams_step_lines_keeps_the_exit_code_and_checks_gpu_choice(tmp_path):

@@ -1,11 +1,13 @@
 """Scaling of one PopuLoRA configuration over 1, 2, 4, ... GPUs of one host (issue 14: >= 1.7x at 2, >= 3.2x at 4).
 
     python -m populora_verl.bench.gpu_scaling --model /path/to/qwen-coder-0.5b --gpus 1,2,4 [--config 4t4s] \
-        [--tp 1] [--steps 3] [--out DIR] [hydra overrides...]
+        [--tp 1] [--steps 5] [--profile varlen] [--answer-tokens 1024] [--out DIR] [hydra overrides...]
 
 Runs the ``smoke_0.5b`` recipe with the same population and per-step work on the first G visible GPUs
 (``CUDA_VISIBLE_DEVICES``, ``trainer.n_gpus_per_node=G``): G FSDP2 ranks for the actor and G / TP vLLM replicas.
-Only the GPU count changes, so tokens per step stay the same and the speed-up is a throughput ratio. Per GPU count:
+Only the GPU count changes, so tokens per step stay the same and the speed-up is a throughput ratio. The speed
+settings are ``step_scaling``'s profiles (default ``varlen``, what docs/verl-integration.md recommends), and every
+answer is forced to ``--answer-tokens`` (vLLM ``ignore_eos``), so every row generates the same tokens. Per GPU count:
 
 * seconds per step and tokens per second (``perf/total_num_tokens`` / ``timing_s/step``), over steps 2..N;
 * the speed-up against the 1-GPU row **of the same machine** (the GPU name is recorded; a 1-GPU row from another
@@ -21,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -48,6 +51,7 @@ class ScalingRow:
     tokens: dict[int, float] = field(default_factory=dict)
     phases_s: dict[str, float] = field(default_factory=dict)
     smi_peak_mib: float | None = None
+    profile: str = ""  # step_scaling's speed profile ("" in rows from before profiles were recorded)
 
     @property
     def key(self) -> str:
@@ -66,6 +70,11 @@ class ScalingRow:
         steps = self.steady()
         time_s = sum(self.step_s[k] for k in steps)
         return sum(self.tokens[k] for k in steps) / time_s if steps and time_s > 0 else None
+
+    def tokens_per_s_range(self) -> tuple[float, float, float] | None:
+        """``(min, median, max)`` of the steady steps' own tokens/s: the spread behind :attr:`tokens_per_s`."""
+        per_step = sorted(self.tokens[k] / self.step_s[k] for k in self.steady() if self.step_s[k] > 0)
+        return (per_step[0], statistics.median(per_step), per_step[-1]) if per_step else None
 
 
 def figures(rows: Iterable[tuple[int, Mapping[str, Any]]]) -> tuple[dict[int, float], dict[int, float], dict[str, float]]:
@@ -91,23 +100,25 @@ def overrides_for(gpus: int, tp: int) -> list[str]:
 
 
 def baseline(rows: Sequence[ScalingRow], row: ScalingRow) -> ScalingRow | None:
-    """The 1-GPU row of the same configuration on the same GPU model, if measured."""
+    """The 1-GPU row of the same configuration and profile on the same GPU model, if measured."""
     return next((b for b in rows if b.gpus == 1 and b.config == row.config and b.gpu_name == row.gpu_name
-                 and b.tokens_per_s), None)
+                 and b.profile == row.profile and b.tokens_per_s), None)
 
 
 def report(rows: Sequence[ScalingRow]) -> str:
-    lines = ["| config | GPUs | rollout | GPU | s/step (2..N) | tokens/s | speed-up vs 1 GPU | goal | "
+    lines = ["| config | profile | GPUs | rollout | GPU | s/step (2..N) | tokens/s | speed-up vs 1 GPU | goal | "
+             "tokens/s per step: min / median / max | steps | "
              + " | ".join(f"{p} s" for p in PHASES) + " | peak MiB | exit |",
-             "|---|---|---|---|---|---|---|---|" + "---|" * len(PHASES) + "---|---|"]
-    for r in sorted(rows, key=lambda r: (r.config, r.gpus, r.tp)):
+             "|---|---|---|---|---|---|---|---|---|---|---|" + "---|" * len(PHASES) + "---|---|"]
+    for r in sorted(rows, key=lambda r: (r.config, r.profile, r.gpus, r.tp)):
         base = baseline(rows, r)
         tps, s = r.tokens_per_s, r.mean_step_s
         speed = f"{tps / base.tokens_per_s:.2f}x" if tps and base else "-"
         goal = f">= {GOALS[r.gpus]}x" if r.gpus in GOALS else "-"
         layout = f"{r.gpus // r.tp} x TP{r.tp}"
-        lines.append(f"| {r.config} | {r.gpus} | {layout} | {r.gpu_name or '-'} | {f'{s:.1f}' if s else '-'} | "
-                     f"{f'{tps:.0f}' if tps else '-'} | {speed} | {goal} | "
+        spread = " / ".join(f"{x:.0f}" for x in r.tokens_per_s_range() or ()) or "-"
+        lines.append(f"| {r.config} | {r.profile or '-'} | {r.gpus} | {layout} | {r.gpu_name or '-'} | {f'{s:.1f}' if s else '-'} | "
+                     f"{f'{tps:.0f}' if tps else '-'} | {speed} | {goal} | {spread} | {len(r.steady())} | "
                      + " | ".join(f"{r.phases_s[p]:.1f}" if p in r.phases_s else "-" for p in PHASES)
                      + f" | {f'{r.smi_peak_mib:.0f}' if r.smi_peak_mib else '-'} | {r.rc} |")
     return "\n".join(lines)
@@ -123,15 +134,17 @@ def _gpu_name() -> str:
 
 
 def run_one(model: str, config: str, gpus: int, tp: int, steps: int, out: Path, extra: list[str],
-            timeout_s: int) -> ScalingRow:
-    row = ScalingRow(gpus, tp, config, _gpu_name(), rc=-1, wall_s=0.0)
+            timeout_s: int, profile: str = "") -> ScalingRow:
+    """One row: ``config`` on the first ``gpus`` visible GPUs; ``extra`` holds the profile's overrides, ``profile``
+    names it (its environment, ``step_scaling.PROFILE_ENV``, reaches the trainer)."""
+    row = ScalingRow(gpus, tp, config, _gpu_name(), rc=-1, wall_s=0.0, profile=profile)
     visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()] or \
         [str(i) for i in range(gpus)]
     metrics = out / f"{row.key}.metrics.jsonl"
     metrics.unlink(missing_ok=True)
     env = dict(os.environ, CUDA_VISIBLE_DEVICES=",".join(visible[:gpus]), VLLM_WORKER_MULTIPROC_METHOD="spawn",
                VLLM_USE_FLASHINFER_SAMPLER="0", RAY_AUTH_MODE="disabled", TOKENIZERS_PARALLELISM="false",
-               PYTHONUNBUFFERED="1", VERL_FILE_LOGGER_PATH=str(metrics))
+               PYTHONUNBUFFERED="1", VERL_FILE_LOGGER_PATH=str(metrics), **ss.PROFILE_ENV.get(profile, {}))
     cmd = ss.command(model, config, steps, out / row.key, [*overrides_for(gpus, tp), *extra])
     t0 = time.time()
     with ss.GpuMemoryPoller() as poller, open(out / f"{row.key}.log", "w") as f:
@@ -166,7 +179,7 @@ def save_rows(path: Path, rows: Sequence[ScalingRow]) -> None:
 
 def upsert(rows: Sequence[ScalingRow], row: ScalingRow) -> list[ScalingRow]:
     """``rows`` with ``row`` replacing any row of the same configuration, GPU count and GPU model."""
-    return [r for r in rows if r.key != row.key or r.gpu_name != row.gpu_name] + [row]
+    return [r for r in rows if (r.key, r.gpu_name, r.profile) != (row.key, row.gpu_name, row.profile)] + [row]
 
 
 def write_table(out: Path, rows: Sequence[ScalingRow]) -> str:
@@ -205,7 +218,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gpus", default="1,2,4", help="comma-separated GPU counts (each <= the visible GPUs)")
     ap.add_argument("--config", default="4t4s", choices=sorted(ss.CONFIGS))
     ap.add_argument("--tp", type=int, default=1, help="rollout tensor parallel size (1-GPU rows always use 1)")
-    ap.add_argument("--steps", type=int, default=3, help="steps per run (step 1 is warm-up)")
+    ap.add_argument("--steps", type=int, default=5, help="steps per run (step 1 is warm-up)")
+    ap.add_argument("--profile", default="varlen", choices=sorted(ss.PROFILES), help="step_scaling's speed settings")
+    ap.add_argument("--answer-tokens", type=int, default=1024, help="answer length (data.max_response_length)")
+    ap.add_argument("--force-length", action=argparse.BooleanOptionalAction, default=True,
+                    help="every answer exactly --answer-tokens long (vLLM ignore_eos)")
     ap.add_argument("--out", default="bench_gpu_scaling")
     ap.add_argument("--timeout-s", type=int, default=1800)
     ap.add_argument("overrides", nargs="*", help="extra hydra overrides for every run")
@@ -236,7 +253,8 @@ def main(argv: list[str] | None = None) -> int:
     for g in counts:
         tp = 1 if g == 1 else args.tp
         print(f"gpu_scaling: {args.config} on {g} GPU(s), rollout TP {tp} ...", flush=True)
-        row = run_one(args.model, args.config, g, tp, args.steps, out, list(args.overrides), args.timeout_s)
+        extra = [*ss.plan_overrides(args.profile, args.answer_tokens, args.force_length), *args.overrides]
+        row = run_one(args.model, args.config, g, tp, args.steps, out, extra, args.timeout_s, args.profile)
         print(f"  exit={row.rc} wall={row.wall_s:.0f}s s/step={row.mean_step_s} tokens/s={row.tokens_per_s}",
               flush=True)
         rows = upsert(rows, row)

@@ -8,10 +8,13 @@
 #   bash scripts/gpu/multi_gpu_proof.sh proof N replicas|tp [hydra overrides...]
 #       4T4S through verl + Ray on N GPUs: `replicas` = N vLLM replicas with TP 1, `tp` = N/2 replicas with TP 2.
 #       Run 1: steps 1-2 (evolution + checkpoint at 2); run 2: resume to step 4. MGPU_PHASE=run1|run2 splits the two
-#       runs over two calls on a warm machine (logs kept in /tmp/mgpu_<N>_<layout>).
+#       runs over two calls on a warm machine (logs kept in /tmp/mgpu_<N>_<layout>); MGPU_PHASE=one is one run to
+#       step 3 (evolution and checkpoint at 2, no resume), half the device time.
 #   bash scripts/gpu/multi_gpu_proof.sh scaling G [TP] [hydra overrides...]
 #       the same 4T4S config on the first G GPUs (populora_verl.bench.gpu_scaling); one G per call, rows merge in
-#       /tmp/gpu_scaling. Run G=1 on the same machine first: it is the baseline of the speed-up.
+#       /tmp/gpu_scaling (MGPU_SCALING_STEPS steps per row, default 5, step 1 left out; the varlen profile, 1,024-token
+#       forced answers: gpu_scaling --help). Run G=1 on the same machine
+#       first: it is the baseline of the speed-up.
 #
 # Checks of `proof` (each an OK/MISS line in summary.txt; exit != 0 if one is missing): those of scripts/gpu_proof.sh
 # (greedy outputs differ by LoRA id, per-adapter rollout-vs-trainer log-prob diff, only trained slots changed,
@@ -43,8 +46,8 @@ case "$job" in
     SCALING_OUT=${MGPU_SCALING_OUT:-/tmp/gpu_scaling}
     TP=1
     if [[ ${1:-} =~ ^[0-9]+$ ]]; then TP=$1; shift; fi
-    python3 -m populora_verl.bench.gpu_scaling --model "$MODEL_DIR" --gpus "$N" --tp "$TP" --steps 3 \
-      --out "$SCALING_OUT" data.max_response_length=256 "$@" 2>&1 | grep -v "Warning\|warn(" \
+    python3 -m populora_verl.bench.gpu_scaling --model "$MODEL_DIR" --gpus "$N" --tp "$TP" --steps "${MGPU_SCALING_STEPS:-5}" \
+      --out "$SCALING_OUT" "$@" 2>&1 | grep -v "Warning\|warn(" \
       | tee "$OUT/gpu_scaling_${N}gpu_tp${TP}.log"
     rc=${PIPESTATUS[0]}
     cp "$SCALING_OUT"/results.md "$SCALING_OUT"/results.json "$OUT/" 2>/dev/null
@@ -79,9 +82,9 @@ GPU_PROOF_PHASE=$PHASE GPU_PROOF_TIMEOUT_S=${GPU_PROOF_TIMEOUT_S:-540} \
   | cut -c1-300
 rc=${PIPESTATUS[0]}
 echo "--- summary of $DIR/$PHASE.out"
-grep -hE '\[populora\]|^(OK|MISS) |exit=' "$DIR/$PHASE.out" | cut -c1-400 | tail -60
+grep -hE '\[populora\]|^(OK|MISS|SKIP) |exit=' "$DIR/$PHASE.out" | cut -c1-400 | tail -60
 grep -hE 'Traceback|Error' "$DIR/$PHASE.out" | head -5
-if [ "$PHASE" != run1 ] && [ -f "$DIR/run2_resume_to4.log" ]; then
+if [ "$PHASE" != run1 ] && { [ -f "$DIR/run2_resume_to4.log" ] || [ -f "$DIR/run1_steps1-3.log" ]; }; then
   bash scripts/gpu/multi_gpu_checks.sh "$DIR" "$N" "$TP"
   checks=$?
   [ "$rc" -eq 0 ] && rc=$checks
