@@ -26,8 +26,8 @@ common=(
   trainer.logger=[console]
   trainer.save_freq=2
   populora.pbt.interval_steps=2
-  populora.pbt.min_age=0            # evolve at step 2 although every member is 2 steps old (default min_age 20)
-  populora.pbt.final_quiet_steps=0  # and although step 2 is run 1's last step (default: no evolution in the last interval)
+  ++populora.pbt.min_age=0            # evolve at step 2 although every member is 2 steps old (default min_age 20)
+  ++populora.pbt.final_quiet_steps=0  # and although step 2 is run 1's last step (default: no evolution in the last interval)
   +trainer.populora_debug_probes=true
   ray_kwargs.ray_init.num_cpus=${GPU_PROOF_NUM_CPUS:-16}
 )

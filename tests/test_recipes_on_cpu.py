@@ -84,3 +84,23 @@ def test_one_gpu_learning_run_arms_are_compute_matched():
     assert single.data.max_response_length == pop.data.max_response_length >= 1024
     assert pp.pbt.enabled and pp.pbt.interval_steps == pop.trainer.save_freq == 5 and pp.pbt.quiet_steps == 5
     assert pop.trainer.n_gpus_per_node == 1 and pop.algorithm.rollout_correction.bypass_mode
+
+
+def test_every_populora_key_is_in_the_base_recipe_with_its_default():
+    """Any populora.* key takes a plain override (hydra refuses keys a recipe does not list unless written with "+";
+    the 2026-11-26 x2 proof lost a run to ``populora.pbt.min_age``). The base recipe lists each key with the
+    dataclass default, except the documented AZR choice of a seeding phase."""
+    import dataclasses
+
+    from populora_verl.config import PopuLoRAConfig
+
+    cfg = _compose("4t4s")
+    expected = PopuLoRAConfig()
+    expected.buffer.seed_programs = 256  # AZR: 64 x 4 base-model programs before step 1
+    assert load_config(cfg.populora) == expected
+    for section in dataclasses.fields(expected):
+        keys = {f.name for f in dataclasses.fields(getattr(expected, section.name)) if not f.name.startswith("_")}
+        assert keys <= set(cfg.populora[section.name]), (section.name, keys - set(cfg.populora[section.name]))
+    for override in ["populora.pbt.min_age=0", "populora.pbt.final_quiet_steps=0", "populora.rollout.max_loras=16",
+                     "populora.buffer.seed_file=/x.jsonl", "populora.pbt.operators={neftune: 1.0}"]:
+        load_config(_compose("2t2s", [override]).populora)  # composes without "+" and validates

@@ -148,18 +148,18 @@ BAD = [
     ("algorithm.filter_groups.enable=true", "algorithm.filter_groups.enable"),
     ("trainer.val_before_train=true", "trainer.val_before_train"),
     ("trainer.total_training_steps=null", "trainer.total_training_steps"),
-    ("+populora.rollout.max_loras=16", "populora.rollout.max_loras"),
+    ("populora.rollout.max_loras=16", "populora.rollout.max_loras"),
     # Keys the trainer overrides or verl never reads: a value that would be ignored fails at start-up.
     ("actor_rollout_ref.rollout.n=4", "actor_rollout_ref.rollout.n"),
     ("actor_rollout_ref.actor.ppo_mini_batch_size=2", "actor_rollout_ref.actor.ppo_mini_batch_size"),
-    ("+populora.rollout.max_new_tokens=100", "populora.rollout.max_new_tokens"),
-    ("+populora.rollout.temperature=0.7", "populora.rollout.temperature"),
+    ("populora.rollout.max_new_tokens=100", "populora.rollout.max_new_tokens"),
+    ("populora.rollout.temperature=0.7", "populora.rollout.temperature"),
 ]
 
 
 def test_populora_rollout_keys_equal_to_verl_pass():
-    cfg = _compose("smoke_0.5b", ["actor_rollout_ref.model.path=/m", "+populora.rollout.max_new_tokens=512",
-                                  "+populora.rollout.temperature=1.0"])
+    cfg = _compose("smoke_0.5b", ["actor_rollout_ref.model.path=/m", "populora.rollout.max_new_tokens=512",
+                                  "populora.rollout.temperature=1.0"])
     convert.validate_verl_config(cfg, load_config(cfg.populora))
 
 
