@@ -214,11 +214,11 @@ def test_gpu_scaling_speedup_only_against_one_gpu_of_the_same_kind():
 
     rows = [row(1, "H100", 30.0), row(2, "H100", 16.0), row(4, "H200", 8.0)]
     table = gpu_scaling.report(rows)
-    assert "| 4t4s | - | 2 | 2 x TP1 | H100 | 16.0 | 188 | 1.88x | >= 1.7x |" in table
-    assert "| 4t4s | - | 4 | 4 x TP1 | H200 | 8.0 | 375 | - | >= 3.2x |" in table  # no H200 1-GPU row: no ratio
+    assert "| 4t4s | - | fixed | 2 | 2 x TP1 | H100 | 16.0 | 188 | 1.88x | >= 1.7x |" in table
+    assert "| 4t4s | - | fixed | 4 | 4 x TP1 | H200 | 8.0 | 375 | - | >= 3.2x |" in table  # no H200 1-GPU row: no ratio
     # nor against a 1-GPU row of another speed profile
     other = gpu_scaling.ScalingRow(2, 1, "4t4s", "H100", 0, 1.0, {2: 16.0}, {2: 3000.0}, profile="varlen")
-    assert "| 4t4s | varlen | 2 | 2 x TP1 | H100 | 16.0 | 188 | - |" in gpu_scaling.report([*rows, other])
+    assert "| 4t4s | varlen | fixed | 2 | 2 x TP1 | H100 | 16.0 | 188 | - |" in gpu_scaling.report([*rows, other])
     uneven = gpu_scaling.ScalingRow(2, 1, "4t4s", "H100", 0, 1.0, {2: 10.0, 3: 20.0, 4: 40.0},
                                     {2: 3000.0, 3: 3000.0, 4: 3000.0})
     assert uneven.tokens_per_s_range() == (75.0, 150.0, 300.0)  # per-step spread: min, median, max
@@ -243,9 +243,10 @@ def test_gpu_scaling_runs_every_row_with_the_profile_and_forced_answers(tmp_path
 
     calls = []
 
-    def fake_run_one(model, config, gpus, tp, steps, out, extra, timeout_s, profile):
+    def fake_run_one(model, config, gpus, tp, steps, out, extra, timeout_s, profile, per_gpu_proposals):
         calls.append((gpus, tp, extra, profile))
-        return gpu_scaling.ScalingRow(gpus, tp, config, "H100", 0, 1.0, {2: 10.0 / gpus}, {2: 1000.0}, profile=profile)
+        return gpu_scaling.ScalingRow(gpus, tp, config, "H100", 0, 1.0, {2: 10.0 / gpus}, {2: 1000.0}, profile=profile,
+                                      per_gpu_proposals=per_gpu_proposals)
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setattr(gpu_scaling, "run_one", fake_run_one)
@@ -254,7 +255,17 @@ def test_gpu_scaling_runs_every_row_with_the_profile_and_forced_answers(tmp_path
     extra = calls[0][2]
     assert "data.max_response_length=1024" in extra and "actor_rollout_ref.rollout.ignore_eos=true" in extra
     assert "actor_rollout_ref.model.use_remove_padding=true" in extra and extra[-1] == "trainer.x=1"
-    assert "| 4t4s | varlen | 2 | 2 x TP1 | H100 | 5.0 | 200 | 2.00x | >= 1.7x |" in (tmp_path / "results.md").read_text()
+    assert "| 4t4s | varlen | fixed | 2 | 2 x TP1 | H100 | 5.0 | 200 | 2.00x | >= 1.7x |" in (tmp_path / "results.md").read_text()
+    assert not any("proposals_per_type" in x for x in extra)  # the recipe's work on every GPU count
+    # weak scaling: the step's work grows with the GPUs, and its rows are compared only with each other
+    calls.clear()
+    assert gpu_scaling.main(["--model", "/m", "--gpus", "1,2", "--out", str(tmp_path), "--per-gpu-proposals", "3"]) == 0
+    assert [c[2][-1] for c in calls] == ["populora.rollout.proposals_per_type=3", "populora.rollout.proposals_per_type=6"]
+    table = (tmp_path / "results.md").read_text()
+    assert "| 4t4s | varlen | 6 proposals/type | 2 | 2 x TP1 | H100 | 5.0 | 200 | 2.00x |" in table
+    assert "| 4t4s | varlen | fixed | 2 | 2 x TP1 | H100 | 5.0 | 200 | 2.00x |" in table  # the fixed rows are kept
+    with pytest.raises(SystemExit):
+        gpu_scaling.main(["--model", "/m", "--gpus", "1", "--per-gpu-proposals", "0"])
 
 
 # --- scripts/gpu/multi_gpu_checks.sh against lines printed by the Python code above ------------------------------

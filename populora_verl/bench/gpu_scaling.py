@@ -1,13 +1,16 @@
 """Scaling of one PopuLoRA configuration over 1, 2, 4, ... GPUs of one host (issue 14: >= 1.7x at 2, >= 3.2x at 4).
 
     python -m populora_verl.bench.gpu_scaling --model /path/to/qwen-coder-0.5b --gpus 1,2,4 [--config 4t4s] \
-        [--tp 1] [--steps 5] [--profile varlen] [--answer-tokens 1024] [--out DIR] [hydra overrides...]
+        [--tp 1] [--steps 5] [--profile varlen] [--answer-tokens 1024] [--per-gpu-proposals N] [--out DIR] \
+        [hydra overrides...]
 
 Runs the ``smoke_0.5b`` recipe with the same population and per-step work on the first G visible GPUs
 (``CUDA_VISIBLE_DEVICES``, ``trainer.n_gpus_per_node=G``): G FSDP2 ranks for the actor and G / TP vLLM replicas.
 Only the GPU count changes, so tokens per step stay the same and the speed-up is a throughput ratio. The speed
 settings are ``step_scaling``'s profiles (default ``varlen``, what docs/verl-integration.md recommends), and every
 answer is forced to ``--answer-tokens`` (vLLM ``ignore_eos``), so every row generates the same tokens. Per GPU count:
+(``--per-gpu-proposals N`` instead scales the step's work with the GPUs, ``populora.rollout.proposals_per_type =
+N x G``: weak scaling, where tokens/s is still the comparable figure.)
 
 * seconds per step and tokens per second (``perf/total_num_tokens`` / ``timing_s/step``), over steps 2..N;
 * the speed-up against the 1-GPU row **of the same machine** (the GPU name is recorded; a 1-GPU row from another
@@ -52,10 +55,12 @@ class ScalingRow:
     phases_s: dict[str, float] = field(default_factory=dict)
     smi_peak_mib: float | None = None
     profile: str = ""  # step_scaling's speed profile ("" in rows from before profiles were recorded)
+    per_gpu_proposals: int | None = None  # weak scaling: proposals_per_type = this x gpus; None: the recipe's, fixed
 
     @property
     def key(self) -> str:
-        return f"{self.config}@{self.gpus}gpu_tp{self.tp}"
+        weak = f"_w{self.per_gpu_proposals}" if self.per_gpu_proposals else ""
+        return f"{self.config}@{self.gpus}gpu_tp{self.tp}{weak}"
 
     def steady(self) -> list[int]:
         return sorted(k for k in self.step_s if k >= 2 and k in self.tokens)
@@ -100,24 +105,26 @@ def overrides_for(gpus: int, tp: int) -> list[str]:
 
 
 def baseline(rows: Sequence[ScalingRow], row: ScalingRow) -> ScalingRow | None:
-    """The 1-GPU row of the same configuration and profile on the same GPU model, if measured."""
+    """The 1-GPU row of the same configuration, profile and work per GPU on the same GPU model, if measured."""
     return next((b for b in rows if b.gpus == 1 and b.config == row.config and b.gpu_name == row.gpu_name
-                 and b.profile == row.profile and b.tokens_per_s), None)
+                 and b.profile == row.profile and b.per_gpu_proposals == row.per_gpu_proposals and b.tokens_per_s),
+                None)
 
 
 def report(rows: Sequence[ScalingRow]) -> str:
-    lines = ["| config | profile | GPUs | rollout | GPU | s/step (2..N) | tokens/s | speed-up vs 1 GPU | goal | "
+    lines = ["| config | profile | work | GPUs | rollout | GPU | s/step (2..N) | tokens/s | speed-up vs 1 GPU | goal | "
              "tokens/s per step: min / median / max | steps | "
              + " | ".join(f"{p} s" for p in PHASES) + " | peak MiB | exit |",
-             "|---|---|---|---|---|---|---|---|---|---|---|" + "---|" * len(PHASES) + "---|---|"]
-    for r in sorted(rows, key=lambda r: (r.config, r.profile, r.gpus, r.tp)):
+             "|---|---|---|---|---|---|---|---|---|---|---|---|" + "---|" * len(PHASES) + "---|---|"]
+    for r in sorted(rows, key=lambda r: (r.config, r.profile, r.per_gpu_proposals or 0, r.gpus, r.tp)):
         base = baseline(rows, r)
         tps, s = r.tokens_per_s, r.mean_step_s
         speed = f"{tps / base.tokens_per_s:.2f}x" if tps and base else "-"
         goal = f">= {GOALS[r.gpus]}x" if r.gpus in GOALS else "-"
         layout = f"{r.gpus // r.tp} x TP{r.tp}"
         spread = " / ".join(f"{x:.0f}" for x in r.tokens_per_s_range() or ()) or "-"
-        lines.append(f"| {r.config} | {r.profile or '-'} | {r.gpus} | {layout} | {r.gpu_name or '-'} | {f'{s:.1f}' if s else '-'} | "
+        work = f"{r.per_gpu_proposals * r.gpus} proposals/type" if r.per_gpu_proposals else "fixed"
+        lines.append(f"| {r.config} | {r.profile or '-'} | {work} | {r.gpus} | {layout} | {r.gpu_name or '-'} | {f'{s:.1f}' if s else '-'} | "
                      f"{f'{tps:.0f}' if tps else '-'} | {speed} | {goal} | {spread} | {len(r.steady())} | "
                      + " | ".join(f"{r.phases_s[p]:.1f}" if p in r.phases_s else "-" for p in PHASES)
                      + f" | {f'{r.smi_peak_mib:.0f}' if r.smi_peak_mib else '-'} | {r.rc} |")
@@ -134,10 +141,12 @@ def _gpu_name() -> str:
 
 
 def run_one(model: str, config: str, gpus: int, tp: int, steps: int, out: Path, extra: list[str],
-            timeout_s: int, profile: str = "") -> ScalingRow:
-    """One row: ``config`` on the first ``gpus`` visible GPUs; ``extra`` holds the profile's overrides, ``profile``
-    names it (its environment, ``step_scaling.PROFILE_ENV``, reaches the trainer)."""
-    row = ScalingRow(gpus, tp, config, _gpu_name(), rc=-1, wall_s=0.0, profile=profile)
+            timeout_s: int, profile: str = "", per_gpu_proposals: int | None = None) -> ScalingRow:
+    """One row: ``config`` on the first ``gpus`` visible GPUs; ``extra`` holds the profile's overrides (and, for weak
+    scaling, the step's work), ``profile`` names it (its environment, ``step_scaling.PROFILE_ENV``, reaches the
+    trainer) and ``per_gpu_proposals`` is recorded with the row."""
+    row = ScalingRow(gpus, tp, config, _gpu_name(), rc=-1, wall_s=0.0, profile=profile,
+                     per_gpu_proposals=per_gpu_proposals)
     visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()] or \
         [str(i) for i in range(gpus)]
     metrics = out / f"{row.key}.metrics.jsonl"
@@ -223,6 +232,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--answer-tokens", type=int, default=1024, help="answer length (data.max_response_length)")
     ap.add_argument("--force-length", action=argparse.BooleanOptionalAction, default=True,
                     help="every answer exactly --answer-tokens long (vLLM ignore_eos)")
+    ap.add_argument("--per-gpu-proposals", type=int, default=None, metavar="N",
+                    help="weak scaling: populora.rollout.proposals_per_type = N x GPUs (default: the recipe's, the "
+                         "same work on every GPU count)")
     ap.add_argument("--out", default="bench_gpu_scaling")
     ap.add_argument("--timeout-s", type=int, default=1800)
     ap.add_argument("overrides", nargs="*", help="extra hydra overrides for every run")
@@ -234,6 +246,8 @@ def main(argv: list[str] | None = None) -> int:
     counts = [int(x) for x in args.gpus.split(",") if x.strip()]
     if args.steps < 2:
         ap.error("--steps must be >= 2 (step 1 is warm-up)")
+    if args.per_gpu_proposals is not None and args.per_gpu_proposals < 1:
+        ap.error("--per-gpu-proposals must be >= 1")
     bad_tp = [g for g in counts if g > 1 and g % args.tp]
     if bad_tp:
         ap.error(f"--tp {args.tp} does not divide GPU counts {bad_tp}")
@@ -254,7 +268,10 @@ def main(argv: list[str] | None = None) -> int:
         tp = 1 if g == 1 else args.tp
         print(f"gpu_scaling: {args.config} on {g} GPU(s), rollout TP {tp} ...", flush=True)
         extra = [*ss.plan_overrides(args.profile, args.answer_tokens, args.force_length), *args.overrides]
-        row = run_one(args.model, args.config, g, tp, args.steps, out, extra, args.timeout_s, args.profile)
+        if args.per_gpu_proposals:
+            extra.append(f"populora.rollout.proposals_per_type={args.per_gpu_proposals * g}")
+        row = run_one(args.model, args.config, g, tp, args.steps, out, extra, args.timeout_s, args.profile,
+                      args.per_gpu_proposals)
         print(f"  exit={row.rc} wall={row.wall_s:.0f}s s/step={row.mean_step_s} tokens/s={row.tokens_per_s}",
               flush=True)
         rows = upsert(rows, row)
