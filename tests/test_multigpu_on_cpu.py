@@ -255,12 +255,13 @@ def test_gpu_scaling_runs_every_row_with_the_profile_and_forced_answers(tmp_path
     extra = calls[0][2]
     assert "data.max_response_length=1024" in extra and "actor_rollout_ref.rollout.ignore_eos=true" in extra
     assert "actor_rollout_ref.model.use_remove_padding=true" in extra and extra[-1] == "trainer.x=1"
-    assert "| 4t4s | varlen | fixed | 2 | 2 x TP1 | H100 | 5.0 | 200 | 2.00x | >= 1.7x |" in (tmp_path / "results.md").read_text()
+    table = (tmp_path / "results.md").read_text()
+    assert "| 4t4s | varlen | fixed | 2 | 2 x TP1 | H100 | 5.0 | 200 | 2.00x | >= 1.7x |" in table
     assert not any("proposals_per_type" in x for x in extra)  # the recipe's work on every GPU count
     # weak scaling: the step's work grows with the GPUs, and its rows are compared only with each other
     calls.clear()
     assert gpu_scaling.main(["--model", "/m", "--gpus", "1,2", "--out", str(tmp_path), "--per-gpu-proposals", "3"]) == 0
-    assert [c[2][-1] for c in calls] == ["populora.rollout.proposals_per_type=3", "populora.rollout.proposals_per_type=6"]
+    assert [c[2][-1] for c in calls] == [f"populora.rollout.proposals_per_type={n}" for n in (3, 6)]
     table = (tmp_path / "results.md").read_text()
     assert "| 4t4s | varlen | 6 proposals/type | 2 | 2 x TP1 | H100 | 5.0 | 200 | 2.00x |" in table
     assert "| 4t4s | varlen | fixed | 2 | 2 x TP1 | H100 | 5.0 | 200 | 2.00x |" in table  # the fixed rows are kept

@@ -8,9 +8,9 @@ Runs the ``smoke_0.5b`` recipe with the same population and per-step work on the
 (``CUDA_VISIBLE_DEVICES``, ``trainer.n_gpus_per_node=G``): G FSDP2 ranks for the actor and G / TP vLLM replicas.
 Only the GPU count changes, so tokens per step stay the same and the speed-up is a throughput ratio. The speed
 settings are ``step_scaling``'s profiles (default ``varlen``, what docs/verl-integration.md recommends), and every
-answer is forced to ``--answer-tokens`` (vLLM ``ignore_eos``), so every row generates the same tokens. Per GPU count:
-(``--per-gpu-proposals N`` instead scales the step's work with the GPUs, ``populora.rollout.proposals_per_type =
-N x G``: weak scaling, where tokens/s is still the comparable figure.)
+answer is forced to ``--answer-tokens`` (vLLM ``ignore_eos``), so every row generates the same tokens.
+``--per-gpu-proposals N`` instead scales the step's work with the GPUs (``populora.rollout.proposals_per_type =
+N x G``): weak scaling, where tokens/s is still the comparable figure. Per GPU count:
 
 * seconds per step and tokens per second (``perf/total_num_tokens`` / ``timing_s/step``), over steps 2..N;
 * the speed-up against the 1-GPU row **of the same machine** (the GPU name is recorded; a 1-GPU row from another
@@ -124,8 +124,9 @@ def report(rows: Sequence[ScalingRow]) -> str:
         layout = f"{r.gpus // r.tp} x TP{r.tp}"
         spread = " / ".join(f"{x:.0f}" for x in r.tokens_per_s_range() or ()) or "-"
         work = f"{r.per_gpu_proposals * r.gpus} proposals/type" if r.per_gpu_proposals else "fixed"
-        lines.append(f"| {r.config} | {r.profile or '-'} | {work} | {r.gpus} | {layout} | {r.gpu_name or '-'} | {f'{s:.1f}' if s else '-'} | "
-                     f"{f'{tps:.0f}' if tps else '-'} | {speed} | {goal} | {spread} | {len(r.steady())} | "
+        lines.append(f"| {r.config} | {r.profile or '-'} | {work} | {r.gpus} | {layout} | {r.gpu_name or '-'} | "
+                     f"{f'{s:.1f}' if s else '-'} | {f'{tps:.0f}' if tps else '-'} | {speed} | {goal} | {spread} | "
+                     f"{len(r.steady())} | "
                      + " | ".join(f"{r.phases_s[p]:.1f}" if p in r.phases_s else "-" for p in PHASES)
                      + f" | {f'{r.smi_peak_mib:.0f}' if r.smi_peak_mib else '-'} | {r.rc} |")
     return "\n".join(lines)
@@ -187,7 +188,7 @@ def save_rows(path: Path, rows: Sequence[ScalingRow]) -> None:
 
 
 def upsert(rows: Sequence[ScalingRow], row: ScalingRow) -> list[ScalingRow]:
-    """``rows`` with ``row`` replacing any row of the same configuration, GPU count and GPU model."""
+    """``rows`` with ``row`` replacing any row of the same configuration, GPU count, work, profile and GPU model."""
     return [r for r in rows if (r.key, r.gpu_name, r.profile) != (row.key, row.gpu_name, row.profile)] + [row]
 
 

@@ -13,8 +13,7 @@
 #   bash scripts/gpu/multi_gpu_proof.sh scaling G [TP] [hydra overrides...]
 #       the same 4T4S config on the first G GPUs (populora_verl.bench.gpu_scaling); one G per call, rows merge in
 #       /tmp/gpu_scaling (MGPU_SCALING_STEPS steps per row, default 5, step 1 left out; the varlen profile, 1,024-token
-#       forced answers: gpu_scaling --help). Run G=1 on the same machine
-#       first: it is the baseline of the speed-up.
+#       forced answers: gpu_scaling --help). Run G=1 on the same machine first: it is the baseline of the speed-up.
 #
 # Checks of `proof` (each an OK/MISS line in summary.txt; exit != 0 if one is missing): those of scripts/gpu_proof.sh
 # (greedy outputs differ by LoRA id, per-adapter rollout-vs-trainer log-prob diff, only trained slots changed,
@@ -46,8 +45,8 @@ case "$job" in
     SCALING_OUT=${MGPU_SCALING_OUT:-/tmp/gpu_scaling}
     TP=1
     if [[ ${1:-} =~ ^[0-9]+$ ]]; then TP=$1; shift; fi
-    python3 -m populora_verl.bench.gpu_scaling --model "$MODEL_DIR" --gpus "$N" --tp "$TP" --steps "${MGPU_SCALING_STEPS:-5}" \
-      --out "$SCALING_OUT" "$@" 2>&1 | grep -v "Warning\|warn(" \
+    python3 -m populora_verl.bench.gpu_scaling --model "$MODEL_DIR" --gpus "$N" --tp "$TP" \
+      --steps "${MGPU_SCALING_STEPS:-5}" --out "$SCALING_OUT" "$@" 2>&1 | grep -v "Warning\|warn(" \
       | tee "$OUT/gpu_scaling_${N}gpu_tp${TP}.log"
     rc=${PIPESTATUS[0]}
     cp "$SCALING_OUT"/results.md "$SCALING_OUT"/results.json "$OUT/" 2>/dev/null
