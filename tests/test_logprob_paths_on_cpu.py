@@ -12,7 +12,7 @@ def test_every_path_agrees_with_the_others_and_is_timed():
     times = lp.run(tokens=64, vocab=97, hidden=16, rounds=2, device="cpu", dtype=torch.float32)
     assert set(times) == set(lp.PATHS) and all(len(v) == 2 and min(v) > 0 for v in times.values())
     text = lp.report(times, 64, "cpu")
-    assert lp.actor_uses_flash_ce() is False  # no flash_attn package here (nor in our GPU bundle)
+    assert lp.verl_uses_flash_ce() is False  # no flash_attn package here (nor in our GPU bundle)
     assert "| verl_fallback |" in text and text.count("| 1.000 |") == 1  # the fallback is the reference
 
 

@@ -200,8 +200,8 @@ def write_table(out: Path, rows: Sequence[ScalingRow]) -> str:
 
 
 def merge(dirs: Sequence[str], out: Path) -> int:
-    """Rows of several ``--out`` folders in one table (a later folder's row replaces an earlier one's of the same
-    configuration, GPU count and GPU model); written to ``out/results.{json,md}``."""
+    """Rows of several ``--out`` folders in one table (a later folder's row replaces an earlier one's as
+    :func:`upsert` says); written to ``out/results.{json,md}``."""
     rows: list[ScalingRow] = []
     for d in dirs:
         path = Path(d) / "results.json"

@@ -30,6 +30,8 @@ from collections.abc import Callable
 
 import torch
 
+from populora_verl.workers.logprobs import label_logprobs, verl_uses_flash_ce
+
 __all__ = ["PATHS", "run", "main"]
 
 
@@ -53,8 +55,6 @@ def _verl_fused_torch(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.
 
 
 def _populora_chunked(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    from populora_verl.workers.logprobs import label_logprobs
-
     return label_logprobs(hidden @ weight.t(), labels)
 
 
@@ -109,13 +109,6 @@ def run(tokens: int, vocab: int, hidden: int, rounds: int, *, device: str | None
     return times
 
 
-def actor_uses_flash_ce() -> bool:
-    """Whether verl's ``logprobs_from_logits`` takes the flash-attn kernel on this machine (else the fallback)."""
-    from populora_verl.workers.logprobs import verl_uses_flash_ce
-
-    return verl_uses_flash_ce()
-
-
 def report(times: dict[str, list[float]], tokens: int, device: str, peaks: dict[str, float] | None = None) -> str:
     base = statistics.median(times["verl_fallback"]) if "verl_fallback" in times else None
     lines = [f"device {device}; {tokens} tokens; forward + backward; median (min-max) over {len(next(iter(times.values())))}"
@@ -148,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     peaks: dict[str, float] = {}
     times = run(args.tokens, args.vocab, args.hidden, args.rounds, paths=names, peaks=peaks)
     print(report(times, args.tokens, device, peaks))
-    print(f"\nverl's actor uses the flash-attn cross-entropy kernel here: {actor_uses_flash_ce()} "
+    print(f"\nverl's actor uses the flash-attn cross-entropy kernel here: {verl_uses_flash_ce()} "
           "(False: verl alone would run verl_fallback; PopuLoRA's worker runs populora_chunked instead)")
     return 0
 
