@@ -158,6 +158,9 @@ class TasksConfig:
     # fails to run makes the proposal invalid (AZR). lenient: the first <= num_inputs, failing and duplicate inputs
     # dropped, at least min_valid_inputs kept.
     code_f_rule: str = "azr"
+    # AZR judges the envelope and the program apart: a valid program under a failed <think>/<answer> envelope is
+    # still a task for students, and the teacher still gets rewards.format_error. false: no task without the envelope.
+    keep_unformatted_tasks: bool = True
     max_program_chars: int = 5600
     max_response_chars: int = 65_536  # longer model responses are format errors, never parsed
     banned_keywords: list[str] = field(default_factory=lambda: list(AZR_BANNED_MODULES))

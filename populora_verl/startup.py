@@ -96,6 +96,11 @@ def preflight(config: Any, *, check_gpus: bool = True) -> None:
 
     pcfg = load_config(_select(config, "populora"))
     validate_verl_config(config, pcfg)
+    from populora_verl.step.orchestration import small_group_warning
+
+    warning = small_group_warning(pcfg)
+    if warning:  # a setting that runs but cannot learn early on: say so before minutes of start-up
+        print(f"populora: warning: {warning}", file=sys.stderr, flush=True)
     from populora_verl.trainer.schedule import scheduled_configs
 
     scheduled_configs(config)  # a population schedule (benchmarks): every entry valid before Ray starts

@@ -69,10 +69,10 @@ def test_driver_seeds_once_stops_both_arms_and_evaluates_at_the_common_step(tmp_
 
     eval_calls = []
 
-    def fake_eval(model, runs, step, out, *a):
+    def fake_eval(model, runs, step, out, *a, **kw):
         eval_calls.append((step, {k: str(v) for k, v in runs.items()}))
         # the real command builder on the fake checkpoints: baseline = the single agent, run dir = the population
-        cmd = lr.eval_command.__wrapped__(model, runs, step, out, *a)
+        cmd = lr.eval_command.__wrapped__(model, runs, step, out, *a, **kw)
         (out.parent / "real_eval_command.json").write_text(json.dumps(cmd))
         return [sys.executable, "-c", "print('eval ok')"]
 

@@ -114,7 +114,7 @@ def test_long_flat_expression_in_a_code_f_input_is_invalid_not_an_exception():
         assert res.status == "invalid", (cfg.tasks.code_f_rule, res)
     env = TaskEnv(CFG, executor=EX)
     assert env.validate_many([("code_f", response, {"program": identity_code_f_task()}, "t", 0)]) == [
-        (None, "invalid")]
+        (None, "invalid", "input")]
     for text in (LONG_SUM, DEEP, f"f({LONG_SUM})", "(" * 300 + ")" * 300):
         _never_raises(text)
         _never_raises(_envelope(f"```python\ndef f(x):\n    return {text}\n```\n```input\n{text}\n```"))

@@ -67,13 +67,18 @@ def test_bad_populora_override_fails_naming_the_key():
 
 
 def test_one_gpu_learning_run_arms_are_compute_matched():
-    """The issue-13 arms: same per-adapter trained trajectories (18), generation limits, LoRA, optimizer and seed
-    source; the population evolves every 5 steps and checkpoints at every step a run may stop at."""
+    """The learning-run arms: same per-adapter trained trajectories (90), generation limits, LoRA, optimizer and seed
+    source; the population evolves every 5 steps and checkpoints at every step a run may stop at; LoRA lr 1e-4 and
+    teacher groups of >= 4 (settings that learned; 1e-5 or groups of 2 did not)."""
     from populora_verl.step import planned_trajectories
+    from populora_verl.step.orchestration import small_group_warning, teacher_group_size
 
     single, pop = _compose("qwen1.5b_1gpu_single"), _compose("qwen1.5b_1gpu_2t2s")
     ps, pp = load_config(single.populora), load_config(pop.populora)
-    assert planned_trajectories(ps) == planned_trajectories(pp) == 18.0
+    assert planned_trajectories(ps) == planned_trajectories(pp) == 90.0
+    assert single.actor_rollout_ref.actor.optim.lr == 1e-4
+    assert teacher_group_size(ps) == 15 and teacher_group_size(pp) == 10
+    assert small_group_warning(ps) is None and small_group_warning(pp) is None
     assert ps.population.mode == "single_agent" and ps.rollout.buffer_task_n == 1
     assert not ps.rewards.train_on_estimation_rollouts and ps.buffer.student_mix == "max_new"
     assert ps.rollout.student_n == pp.rollout.student_n and ps.tasks == pp.tasks and ps.buffer.seed_programs > 0
@@ -104,3 +109,22 @@ def test_every_populora_key_is_in_the_base_recipe_with_its_default():
     for override in ["populora.pbt.min_age=0", "populora.pbt.final_quiet_steps=0", "populora.rollout.max_loras=16",
                      "populora.buffer.seed_file=/x.jsonl", "populora.pbt.operators={neftune: 1.0}"]:
         load_config(_compose("2t2s", [override]).populora)  # composes without "+" and validates
+
+
+def test_the_short_learning_run_overrides_stay_compute_matched():
+    """The two-seed, 4-GPU learning run cut the batch to fit 40 steps into one lease (scripts/gpu/learning_run_x4.sh):
+    2T2S at 4 proposals per type and 4 answers per task, the single agent at 5 per type: 30 trajectories per adapter
+    in both, and teacher groups of 4 and 5."""
+    from populora_verl.step import planned_trajectories
+    from populora_verl.step.orchestration import small_group_warning
+
+    common = ["populora.rollout.student_n=4"]
+    single = load_config(_compose("qwen1.5b_1gpu_single", [*common, "populora.rollout.proposals_per_type=5"]).populora)
+    pop = load_config(_compose("qwen1.5b_1gpu_2t2s", [*common, "populora.rollout.proposals_per_type=4"]).populora)
+    assert planned_trajectories(single) == planned_trajectories(pop) == 30.0
+    assert small_group_warning(single) is None and small_group_warning(pop) is None
+    small = load_config(_compose("qwen1.5b_1gpu_2t2s", ["populora.rollout.proposals_per_type=2"]).populora)
+    assert "has 2 sample(s)" in small_group_warning(small)
+    pooled = load_config(_compose("qwen1.5b_1gpu_2t2s", ["populora.rollout.proposals_per_type=2",
+                                                         "populora.advantage.group=subpop_task_role"]).populora)
+    assert small_group_warning(pooled) is None  # two teachers' proposals share one group of 4

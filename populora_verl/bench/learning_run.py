@@ -1,20 +1,24 @@
-"""The learning run on one GPU (issue 13): the population arm and the compute-matched single agent side by side.
+"""The learning run: population arms and compute-matched AZR single agents side by side, one GPU per arm or all on one.
 
-``python -m populora_verl.bench.learning_run --model DIR --out ROOT [--stop-after-min M]`` (usually started in the
-background by ``scripts/gpu/learning_run.sh``) runs, on one GPU:
+``python -m populora_verl.bench.learning_run --model DIR --out ROOT [--arms 2t2s@1,single@1,2t2s@2,single@2]
+[--gpus 0,1,2,3] [--stop-after-min M]`` (on a GPU node without network, ``scripts/gpu/learning_run.sh`` starts it in
+the background):
 
-1. every arm at once: the first (default ``2t2s``: recipe ``qwen1.5b_1gpu_2t2s``) runs the seeding phase; every
-   other arm (default ``single``) waits at its first step for that seed set (``<ROOT>/2t2s/seed_tasks.jsonl``, via
-   ``populora.buffer.seed_file`` and ``seed_file_wait_s``): one seed set and one base for every arm. Each arm is its own
-   ``python -m verl.trainer.main_ppo`` with its own Ray instance; population metrics go to
+1. Arms are recipe names (``2t2s``: recipe ``qwen1.5b_1gpu_2t2s``; ``single``: ``qwen1.5b_1gpu_single``), each with an
+   optional ``@SEED`` (``populora.population.seed`` and the rollout's sampling seed; the arm's folder is then
+   ``<name>-seed<SEED>``). Each arm is its own ``python -m verl.trainer.main_ppo`` with its own Ray instance; with
+   ``--gpus`` arm *i* sees only GPU ``gpus[i % len(gpus)]`` (``CUDA_VISIBLE_DEVICES``). Without ``--seed-file`` the
+   first arm runs the seeding phase and every other arm waits at its first step for that seed set
+   (``<ROOT>/<first>/seed_tasks.jsonl``): one seed set and one base for every arm. Population metrics go to
    ``<ROOT>/<arm>/metrics.jsonl``, verl's own (timings, actor) to ``verl_metrics.jsonl``, the log to ``train.log``.
 2. With ``--stop-at-step N`` each arm ends at step N (the first safe step from N on). ``M`` minutes after the start
    (whichever comes first) it writes each running arm's stop file (:mod:`populora_verl.trainer.stop`): an arm
    ends at its first step where no member is younger than the final quiet window, with a checkpoint.
 3. Meanwhile ``populora-eval --warm-cache`` computes the benchmarks' expected outputs on spare CPUs. When every arm
-   has ended: ``populora-eval`` (vLLM, greedy, HumanEval+ and MBPP+) on the base model, the single
-   agent and every population member, all at the last step every arm has a checkpoint for (the same number of
-   steps), into ``<ROOT>/eval``; then ``populora-report --compare`` of the arms into ``<ROOT>/compare``.
+   has ended: ``populora-eval`` (vLLM, greedy, HumanEval+ and MBPP+) on the base model and every arm's living
+   members, all at the last step every arm has a checkpoint for (the same number of steps), into ``<ROOT>/eval``
+   (with ``--gpus``, one evaluation per benchmark, side by side); then ``populora-report --compare`` of the arms into
+   ``<ROOT>/compare``.
 
 ``--status`` prints where the run is (``<ROOT>/progress.json``, the last metrics of each arm).
 """
@@ -48,27 +52,51 @@ SEED_WAIT_S = 1800.0  # how long an arm waits at its first step for the seeding 
 EVAL_BENCHMARKS = "humaneval_plus,mbpp_plus"
 
 
+def parse_arm(spec: str) -> tuple[str, int | None]:
+    """``NAME`` or ``NAME@SEED`` -> (recipe name, seed or None); ValueError naming the spec if malformed."""
+    name, sep, seed = spec.strip().partition("@")
+    if name not in ARMS:
+        raise ValueError(f"unknown arm {name!r}; known: {sorted(ARMS)}")
+    if not sep:
+        return name, None
+    if not seed.isdigit():
+        raise ValueError(f"arm {spec!r}: the seed after '@' must be a non-negative integer")
+    return name, int(seed)
+
+
+def arm_dir(spec: str) -> str:
+    """The arm's folder under the run root: its recipe name, plus ``-seed<N>`` when it has a seed."""
+    name, seed = parse_arm(spec)
+    return name if seed is None else f"{name}-seed{seed}"
+
+
 def arm_command(arm: str, model: str, root: Path, seed_file: str | None, extra: Sequence[str],
                 seed_wait_s: float = SEED_WAIT_S) -> list[str]:
-    """The arm's trainer command: its recipe, the model, its run directory (and the shared seed set, waited for
-    at its first step while the seeding arm is still writing it)."""
-    if arm not in ARMS:
-        raise ValueError(f"unknown arm {arm!r}; known: {sorted(ARMS)}")
-    cmd = [sys.executable, "-m", "verl.trainer.main_ppo", "--config-path", str(RECIPES), "--config-name", ARMS[arm],
-           f"actor_rollout_ref.model.path={model}", f"trainer.default_local_dir={root / arm}"]
+    """The arm's trainer command: its recipe, the model, its run directory, its seed (and the shared seed set,
+    waited for at its first step while the seeding arm is still writing it)."""
+    name, seed = parse_arm(arm)
+    cmd = [sys.executable, "-m", "verl.trainer.main_ppo", "--config-path", str(RECIPES), "--config-name", ARMS[name],
+           f"actor_rollout_ref.model.path={model}", f"trainer.default_local_dir={root / arm_dir(arm)}"]
+    if seed is not None:  # matchmaking, task draws and buffers (population seed) and vLLM's sampling
+        cmd += [f"populora.population.seed={seed}", f"actor_rollout_ref.rollout.seed={seed}"]
     if seed_file:
         # ++: the recipes leave both keys out (null defaults), and hydra refuses a plain override of a new key
         cmd += [f"++populora.buffer.seed_file={seed_file}", f"++populora.buffer.seed_file_wait_s={seed_wait_s:g}"]
     return [*cmd, *extra]
 
 
-def arm_env(arm: str, root: Path) -> dict[str, str]:
-    """Each arm gets its own Ray instance (``RAY_ADDRESS=local``, its own temp dir): two trainers share one GPU."""
-    return dict(os.environ, VLLM_WORKER_MULTIPROC_METHOD="spawn", VLLM_USE_FLASHINFER_SAMPLER="0",
-                RAY_AUTH_MODE="disabled", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1",
-                RAY_ADDRESS="local", RAY_TMPDIR=f"/tmp/ray_{arm}",
-                # the trainer itself writes the population metrics to <run>/metrics.jsonl (what populora-report reads)
-                VERL_FILE_LOGGER_PATH=str(root / arm / "verl_metrics.jsonl"))
+def arm_env(arm: str, root: Path, gpu: str | None = None) -> dict[str, str]:
+    """Each arm (a spec, or a folder name such as ``eval``) gets its own Ray instance (``RAY_ADDRESS=local``, its
+    own temp dir, so trainers on one host never share Ray's sockets) and, with ``gpu``, only that GPU."""
+    folder = arm_dir(arm) if arm.partition("@")[0] in ARMS else arm
+    env = dict(os.environ, VLLM_WORKER_MULTIPROC_METHOD="spawn", VLLM_USE_FLASHINFER_SAMPLER="0",
+               RAY_AUTH_MODE="disabled", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1",
+               RAY_ADDRESS="local", RAY_TMPDIR=f"/tmp/ray_{folder}",
+               # the trainer itself writes the population metrics to <run>/metrics.jsonl (what populora-report reads)
+               VERL_FILE_LOGGER_PATH=str(root / folder / "verl_metrics.jsonl"))
+    if gpu is not None:
+        env["CUDA_VISIBLE_DEVICES"] = str(gpu)
+    return env
 
 
 def population_rows(run: Path) -> list[dict[str, Any]]:
@@ -110,24 +138,38 @@ def population_dir(run: Path, step: int) -> Path:
 
 
 def eval_command(model: str, runs: Mapping[str, Path], step: int, out: Path, data_dir: str | None,
-                 max_new_tokens: int, gpu_memory_utilization: float) -> list[str]:
-    """populora-eval on the base, the single agent (as the baseline) and the population's alive members."""
+                 max_new_tokens: int, gpu_memory_utilization: float, benchmarks: str = "humaneval_plus,mbpp_plus"
+                 ) -> list[str]:
+    """populora-eval on the base and every arm's living members at ``step``.
+
+    One single agent and one population (the one-GPU run): the single agent is the baseline and the population the
+    run dir, so the evaluation's paired differences are population - single agent. Several arms (seeds): every
+    member is named ``<arm>.<member>``; :mod:`populora_verl.eval.arms` pairs them per seed afterwards."""
     from populora_verl.eval.report import read_population
 
     cmd = [sys.executable, "-m", "populora_verl.eval.cli", "--model", model, "--backend", "vllm",
-           "--benchmarks", EVAL_BENCHMARKS, "--max-new-tokens", str(max_new_tokens),
+           "--benchmarks", benchmarks, "--max-new-tokens", str(max_new_tokens),
            "--gpu-memory-utilization", str(gpu_memory_utilization), "--out", str(out)]
     if data_dir:
         cmd += ["--data-dir", data_dir]
-    for arm, run in runs.items():
-        pop = population_dir(run, step)
-        living = [r["id"] for r in read_population(pop).get("lineage", []) if r.get("death_step") is None]
-        if arm == "single":
-            cmd += ["--baseline", str(pop / "adapters" / living[0]), "--baseline-name", "single"]
-        else:
-            cmd += ["--run-dir", str(pop)]
-    return cmd
 
+    def living(pop: Path) -> list[str]:
+        return [r["id"] for r in read_population(pop).get("lineage", []) if r.get("death_step") is None]
+
+    kinds = {folder: folder.split("-seed")[0] for folder in runs}
+    if sorted(kinds.values()) == ["2t2s", "single"]:
+        for folder, run in runs.items():
+            pop = population_dir(run, step)
+            if kinds[folder] == "single":
+                cmd += ["--baseline", str(pop / "adapters" / living(pop)[0]), "--baseline-name", "single"]
+            else:
+                cmd += ["--run-dir", str(pop)]
+        return cmd
+    adapters = []
+    for run in runs.values():
+        pop = population_dir(run, step)
+        adapters += [f"{run.name}.{m}={pop / 'adapters' / m}" for m in living(pop)]
+    return [*cmd, "--adapters", *adapters]
 
 
 def warm_cache_command(data_dir: str | None, workers: int = 4) -> list[str]:
@@ -139,18 +181,21 @@ def warm_cache_command(data_dir: str | None, workers: int = 4) -> list[str]:
 
 
 def _launch(arm: str, model: str, root: Path, seed_file: str | None, extra: Sequence[str],
-            stop_at_step: int | None = None) -> subprocess.Popen:
-    (root / arm).mkdir(parents=True, exist_ok=True)
-    (root / arm / "STOP").unlink(missing_ok=True)  # a stale stop file would end the new run at once
+            stop_at_step: int | None = None, gpu: str | None = None, arm_extra: Sequence[str] = ()
+            ) -> subprocess.Popen:
+    run = root / arm_dir(arm)
+    run.mkdir(parents=True, exist_ok=True)
+    (run / "STOP").unlink(missing_ok=True)  # a stale stop file would end the new run at once
     if stop_at_step:  # the run ends at this step (or the first safe one after it)
-        (root / arm / "STOP").write_text(f"{stop_at_step}\n")
-    log = open(root / arm / "train.log", "w")
-    cmd = arm_command(arm, model, root, seed_file, extra)
-    (root / arm / "command.txt").write_text(" ".join(cmd) + "\n")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=arm_env(arm, root), start_new_session=True)
-    _CHILDREN[arm] = proc
-    print(f"learning_run: {arm} started (pid {proc.pid}) {'with ' + seed_file if seed_file else 'with seeding'}",
-          flush=True)
+        (run / "STOP").write_text(f"{stop_at_step}\n")
+    log = open(run / "train.log", "w")
+    cmd = arm_command(arm, model, root, seed_file, [*extra, *arm_extra])
+    (run / "command.txt").write_text(" ".join(cmd) + "\n")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=arm_env(arm, root, gpu),
+                            start_new_session=True)
+    _CHILDREN[run.name] = proc
+    print(f"learning_run: {run.name} started (pid {proc.pid}{', GPU ' + gpu if gpu is not None else ''}) "
+          f"{'with ' + seed_file if seed_file else 'with seeding'}", flush=True)
     return proc
 
 
@@ -173,23 +218,59 @@ def _on_sigterm(signum: int, frame: Any) -> None:
     sys.exit(143)
 
 
+def arm_overrides(specs: Sequence[str]) -> dict[str, list[str]]:
+    """``NAME:KEY=VALUE`` items -> {arm name: [hydra overrides]}, for settings that differ between arm kinds (the
+    per-type proposals that keep the arms compute-matched at another batch size)."""
+    out: dict[str, list[str]] = {}
+    for spec in specs:
+        name, sep, override = spec.partition(":")
+        if name not in ARMS or not sep or "=" not in override:
+            raise ValueError(f"{spec!r}: expected NAME:KEY=VALUE with NAME one of {sorted(ARMS)}")
+        out.setdefault(name, []).append(override)
+    return out
+
+
+def parse_arms(spec: str) -> list[str]:
+    """The ``--arms`` list: specs (:func:`parse_arm`), each folder once."""
+    arms = [a.strip() for a in spec.split(",") if a.strip()]
+    for a in arms:
+        parse_arm(a)
+    folders = [arm_dir(a) for a in arms]
+    dup = sorted({f for f in folders if folders.count(f) > 1})
+    if dup:
+        raise ValueError(f"arms {dup} appear twice (give each its own @SEED)")
+    if not arms:
+        raise ValueError("no arm given")
+    return arms
+
+
 def run(args: argparse.Namespace) -> int:
     root = Path(args.out).resolve()
     root.mkdir(parents=True, exist_ok=True)
-    arms = [a.strip() for a in args.arms.split(",") if a.strip()]
-    for a in arms:
-        if a not in ARMS:
-            raise SystemExit(f"learning_run: --arms: unknown arm {a!r}; known: {sorted(ARMS)}")
+    try:
+        arms = parse_arms(args.arms)
+    except ValueError as e:
+        raise SystemExit(f"learning_run: --arms: {e}") from None
+    gpus = [g.strip() for g in args.gpus.split(",") if g.strip()] if args.gpus else []
+    gpu_of = {a: (gpus[i % len(gpus)] if gpus else None) for i, a in enumerate(arms)}
     signal.signal(signal.SIGTERM, _on_sigterm)
     t0 = time.time()
     deadline = t0 + args.stop_after_min * 60
-    write_progress(root, pid=os.getpid(), started=t0, state="starting", arms=arms, deadline=deadline, model=args.model)
+    folders = [arm_dir(a) for a in arms]
+    write_progress(root, pid=os.getpid(), started=t0, state="starting", arms=folders, deadline=deadline,
+                   model=args.model, gpus={arm_dir(a): g for a, g in gpu_of.items()})
+    try:
+        own = arm_overrides(args.arm_override or [])
+    except ValueError as e:
+        raise SystemExit(f"learning_run: --arm-override: {e}") from None
     first, rest = arms[0], arms[1:]
-    procs = {first: _launch(first, args.model, root, args.seed_file, args.overrides, args.stop_at_step)}
-    seed_file = args.seed_file or str(root / first / "seed_tasks.jsonl")
+    procs = {arm_dir(first): _launch(first, args.model, root, args.seed_file, args.overrides, args.stop_at_step,
+                                     gpu_of[first], own.get(parse_arm(first)[0], []))}
+    seed_file = args.seed_file or str(root / arm_dir(first) / "seed_tasks.jsonl")
     # The other arms start now (start-up overlaps) and wait at their first step for the first arm's seed set.
     for arm in rest:
-        procs[arm] = _launch(arm, args.model, root, seed_file, args.overrides, args.stop_at_step)
+        procs[arm_dir(arm)] = _launch(arm, args.model, root, seed_file, args.overrides, args.stop_at_step,
+                                      gpu_of[arm], own.get(parse_arm(arm)[0], []))
     write_progress(root, state="training", seed_file=seed_file, launched={a: time.time() for a in procs})
     warm = None
     if not args.no_eval:  # low priority: the arms' executors come first
@@ -198,6 +279,7 @@ def run(args: argparse.Namespace) -> int:
                                     start_new_session=True, preexec_fn=lambda: os.nice(10))
         _CHILDREN["warm_cache"] = warm
     stopped: set[str] = set()
+    seeding = arm_dir(first)
 
     def early_failure() -> str | None:
         """Why the run cannot give a comparison any more, or None. An arm that fails before its first step (a config
@@ -206,8 +288,8 @@ def run(args: argparse.Namespace) -> int:
         for arm, p in procs.items():
             if p.poll() not in (None, 0) and not population_rows(root / arm):
                 return f"{arm} ended (rc {p.returncode}) before its first step; see {root / arm / 'train.log'}"
-        if rest and procs[first].poll() is not None and not Path(seed_file).exists():
-            return f"{first} ended (rc {procs[first].returncode}) before writing its seed set {seed_file}"
+        if rest and procs[seeding].poll() is not None and not Path(seed_file).exists():
+            return f"{seeding} ended (rc {procs[seeding].returncode}) before writing its seed set {seed_file}"
         return None
 
     while any(p.poll() is None for p in procs.values()) and not early_failure():
@@ -233,7 +315,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"learning_run: {reason}; the other arms were stopped", flush=True)
         return 1
     rcs = {a: p.returncode for a, p in procs.items()}
-    runs = {a: root / a for a in arms}
+    runs = {a: root / a for a in folders}
     step = common_step(runs)
     write_progress(root, state="trained", rcs=rcs, trained_s=time.time() - t0, common_step=step,
                    checkpoints={a: checkpoint_steps(p) for a, p in runs.items()})
@@ -247,15 +329,29 @@ def run(args: argparse.Namespace) -> int:
             warm.wait(timeout=300)
         except subprocess.TimeoutExpired:
             _kill(warm)
-    cmd = eval_command(args.model, runs, step, root / "eval", args.data_dir, args.eval_max_new_tokens,
-                       args.eval_gpu_memory_utilization)
-    (root / "eval_command.txt").write_text(" ".join(cmd) + "\n")
     write_progress(root, state="evaluating", eval_started=time.time())
-    with open(root / "eval.log", "w") as f:
-        rc = subprocess.call(cmd, stdout=f, stderr=subprocess.STDOUT, env=arm_env("eval", root))
+    rc = _evaluate(args, runs, step, root, gpus)
     write_progress(root, state="finished", eval_rc=rc, wall_s=time.time() - t0)
     print(f"learning_run: eval exit {rc}; finished after {time.time() - t0:.0f} s", flush=True)
     return rc
+
+
+def _evaluate(args: argparse.Namespace, runs: Mapping[str, Path], step: int, root: Path, gpus: Sequence[str]) -> int:
+    """One populora-eval over every benchmark, or with several GPUs one per benchmark side by side (each into
+    ``eval/<benchmark>``); the worst exit status."""
+    benches = EVAL_BENCHMARKS.split(",")
+    jobs = [(",".join(benches), root / "eval", None)] if len(gpus) < 2 else [
+        (b, root / "eval" / b, gpus[i % len(gpus)]) for i, b in enumerate(benches)]
+    procs = []
+    for bench, out, gpu in jobs:
+        cmd = eval_command(args.model, runs, step, out, args.data_dir, args.eval_max_new_tokens,
+                           args.eval_gpu_memory_utilization, benchmarks=bench)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "eval_command.txt").write_text(" ".join(cmd) + "\n")
+        log = open(out / "eval.log" if gpu is not None else root / "eval.log", "w")
+        procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                      env=arm_env(f"eval_{bench.split(',')[0]}", root, gpu)))
+    return max(p.wait() for p in procs)
 
 
 def _compare(runs: Mapping[str, Path], root: Path) -> None:
@@ -298,7 +394,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--out", required=True, help="run root: one folder per arm, eval/, compare/, progress.json")
     ap.add_argument("--status", action="store_true", help="print the progress of the run under --out and exit")
     ap.add_argument("--model", help="the base model folder (HF format)")
-    ap.add_argument("--arms", default="2t2s,single", help="comma list, the first seeds: " + ", ".join(ARMS))
+    ap.add_argument("--arms", default="2t2s,single", help="comma list of NAME or NAME@SEED (" + ", ".join(ARMS)
+                    + "); the first runs the seeding phase unless --seed-file is given")
+    ap.add_argument("--gpus", help="comma list of GPU ids: arm i runs alone on GPU i (cycled when fewer GPUs than "
+                    "arms); default: every arm sees every GPU")
+    ap.add_argument("--arm-override", action="append", metavar="NAME:KEY=VALUE",
+                    help="a hydra override for the arms of one kind only (repeatable), e.g. "
+                    "single:populora.rollout.proposals_per_type=5")
     ap.add_argument("--seed-file", help="start every arm from this seed set instead of the first arm's seeding")
     ap.add_argument("--stop-after-min", type=float, default=17.0, help="minutes after start to write the stop files")
     ap.add_argument("--stop-at-step", type=int, help="every arm ends at this step (the first safe one from it on), "

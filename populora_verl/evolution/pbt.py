@@ -22,9 +22,12 @@ Deterministic under ``seed``; ``state_dict()`` / ``load_state_dict()`` carry the
 from __future__ import annotations
 
 import inspect
+import json
 import logging
 import math
+import os
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
 
 import numpy as np
@@ -69,6 +72,9 @@ class Replacement:
     params: dict[str, Any]
     seed: int
     reset_optimizer: bool = True
+    # The victim's fitness equals a survivor's: the random tie order, not the fitness, chose it (e.g. every rating
+    # still the prior). Reported with the event so a cull is never read as a judgement it was not.
+    tie_break: bool = False
 
 
 @dataclass
@@ -89,6 +95,20 @@ class EvolutionPlan:
         for r in d["replacements"]:
             r["parent_ids"] = list(r["parent_ids"])
         return d
+
+
+def append_event(run_dir: str | os.PathLike, plan: EvolutionPlan) -> None:
+    """Append one event to ``<run_dir>/evolution.jsonl`` (the plots' and the report's record of evolution)."""
+    path = Path(run_dir) / "evolution.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(json.dumps(plan.to_dict()) + "\n")
+
+
+def describe(r: Replacement) -> str:
+    """One log line's worth of a replacement."""
+    return (f"{r.victim_id} (slot {r.victim_slot}) <- {r.child_id} = {r.operator}({', '.join(r.parent_ids)})"
+            + (" [tie-break: the victim's fitness equals a survivor's]" if r.tie_break else ""))
 
 
 class PBTController:
@@ -248,6 +268,7 @@ class PBTController:
                 continue
             dead = {m.id for m in victims}
             survivors = [m for m in ranked if m.id not in dead]
+            survivor_fitness = {fitness[m.id] for m in survivors}
             rank_of = {m.id: i for i, m in enumerate(ranked)}
             for victim in victims:
                 p_cross, p_mut = self._kind_odds(len(survivors))
@@ -265,7 +286,8 @@ class PBTController:
                 plan.replacements.append(Replacement(
                     victim_id=victim.id, victim_slot=victim.slot, child_id=population.next_id(role, off),
                     role=role, operator=name, kind=kind, parent_ids=parents, params=params,
-                    seed=int(self._rng.integers(0, _MAX_SEED)), reset_optimizer=bool(self.cfg.reset_optimizer_on_replace)))
+                    seed=int(self._rng.integers(0, _MAX_SEED)), reset_optimizer=bool(self.cfg.reset_optimizer_on_replace),
+                    tie_break=fitness[victim.id] in survivor_fitness))
         return plan
 
     # --- applying -----------------------------------------------------------------------------------------

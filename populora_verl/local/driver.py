@@ -6,7 +6,6 @@ come from the shared components; this file only generates, trains, checkpoints a
 
 from __future__ import annotations
 
-import json
 import logging
 import random
 import time
@@ -19,6 +18,7 @@ import torch
 from populora_verl.checkpoint import (CheckpointError, Checkpoint, capture_rng_state, latest_checkpoint,
                                       load_latest_checkpoint, restore_rng_state, save_checkpoint)
 from populora_verl.config import PopuLoRAConfig, to_dict
+from populora_verl.evolution.pbt import append_event
 from populora_verl.local.config import LocalConfig
 from populora_verl.local.hf_engine import HFEngine, seed_for, slot_name
 from populora_verl.local.progress import step_line
@@ -230,8 +230,7 @@ class LocalDriver:
                 eng.reset_optimizer(slot)
             else:  # a child that keeps its fitter parent's moments (pbt.reset_optimizer_on_replace=false)
                 eng.load_optimizer_state(slot, parent_optim[r.child_id])
-        with open(self.run_dir / "evolution.jsonl", "a") as f:
-            f.write(json.dumps(plan.to_dict()) + "\n")
+        append_event(self.run_dir, plan)
 
     def run(self, steps: int | None = None) -> list[dict[str, float]]:
         """Run up to step ``steps`` (total, counting resumed ones); checkpoint, log, plot at the end."""

@@ -160,10 +160,11 @@ class PopuLoRACodeRewardManager(RewardManagerBase):
             res = validate_proposal(text, info["task_type"], self._get_executor(), cfg, program=info.get("task"),
                                     teacher=info["adapter"], step=info["step"],
                                     think_prefilled=info["think_prefilled"])
-            extra.update(populora_status=res.status, populora_reason=res.reason, populora_valid=float(res.valid))
-            if res.valid:
+            extra.update(populora_status=res.status, populora_reason=res.reason, populora_valid=float(res.has_task))
+            if res.has_task:  # AZR: a valid program is a task even under a failed envelope
                 extra.update(populora_task=res.task.to_json(), populora_task_id=res.task.id)
-                score = 0.0  # provisional: the driver assigns learnability once the students have answered
+            if res.valid:
+                score = 0.0  # provisional: the step assigns learnability once the students have answered
             elif res.status == "format_error":
                 score = float(cfg.rewards.format_error)
             else:

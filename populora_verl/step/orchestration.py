@@ -128,6 +128,28 @@ def compute_metrics(updates: Mapping[str, Sequence[Sample]], generated: Mapping[
     return out
 
 
+def proposal_outcome_metrics(records: Sequence[Mapping[str, Any]]) -> dict[str, float]:
+    """Per task type, what became of the proposals: ``format_error_rate`` (the envelope or a block failed; AZR's
+    format penalty), ``unformatted_valid_rate`` (a valid program kept under a failed envelope) and
+    ``fail/<code>`` (no task, by :data:`~populora_verl.tasks.verify.FAILURE_CODES`), each over the type's proposals.
+    Every code is logged every step (0 when absent), so a plot of one code has no gaps."""
+    from populora_verl.tasks.verify import FAILURE_CODES
+
+    out: dict[str, float] = {}
+    by_type: dict[str, list[Mapping[str, Any]]] = {}
+    for rec in records:
+        by_type.setdefault(rec["task_type"], []).append(rec)
+    for tt, recs in by_type.items():
+        n = len(recs)
+        p = f"populora/task_type/{tt}"
+        out[f"{p}/format_error_rate"] = sum(r["status"] == "format_error" for r in recs) / n
+        out[f"{p}/unformatted_valid_rate"] = sum(
+            r["status"] == "format_error" and r["task"] is not None for r in recs) / n
+        for code in FAILURE_CODES:
+            out[f"{p}/fail/{code}"] = sum(r["task"] is None and r.get("code") == code for r in recs) / n
+    return out
+
+
 def planned_trajectories(cfg: PopuLoRAConfig) -> float:
     """Trained trajectories per adapter per step that ``cfg`` plans, averaged over members, when every proposal is
     valid. Under ``student_mix=fallback`` with ``buffer_task_n`` = ``student_n`` (the default) and estimation
@@ -144,6 +166,31 @@ def planned_trajectories(cfg: PopuLoRAConfig) -> float:
     nt, ns = cfg.population.num_teachers, cfg.population.num_students
     spp = cfg.matchmaking.students_per_problem
     return float(nt * proposals + nt * spp * solver) / (nt + ns)
+
+
+#: TRR++ whitens each group's rewards; below this many teacher samples a group is mostly all-invalid at the start of
+#: a run (identical rewards, advantage 0), and the teachers get no gradient.
+MIN_TEACHER_GROUP = 4
+
+
+def teacher_group_size(cfg: PopuLoRAConfig) -> int:
+    """Teacher samples in one TRR++ group (``advantage.group``) per step: a teacher's proposals of one task type
+    (``teacher_n x proposals_per_type``), pooled over the teachers when the group key drops the adapter."""
+    per_teacher = cfg.rollout.teacher_n * cfg.rollout.proposals_per_type
+    if cfg.population.mode == "single_agent" or cfg.advantage.group == "adapter_task_role":
+        return per_teacher
+    return per_teacher * cfg.population.num_teachers
+
+
+def small_group_warning(cfg: PopuLoRAConfig) -> str | None:
+    """A start-up warning when a teacher's TRR++ group would hold fewer than :data:`MIN_TEACHER_GROUP` samples."""
+    n = teacher_group_size(cfg)
+    if n >= MIN_TEACHER_GROUP:
+        return None
+    return (f"populora.rollout.proposals_per_type: a teacher's TRR++ group has {n} sample(s) per task type (fewer than "
+            f"{MIN_TEACHER_GROUP}); while most proposals are invalid such groups have identical rewards and teachers get "
+            "no advantage. Raise proposals_per_type (or teacher_n), or pool teachers with "
+            "populora.advantage.group=subpop_task_role")
 
 
 class PopulationStep:
@@ -238,7 +285,7 @@ class PopulationStep:
         responses = self._align(responses, self._seed_requests, "seed_on_proposals")
         verdicts = self.tasks.validate_many([(r.request.task_type, text, r.request.meta, SEED, 0)
                                              for r in responses for text in r.texts])
-        valid = [task for task, _ in verdicts if task is not None]
+        valid = [v[0] for v in verdicts if v[0] is not None]
         added = self.tasks.add_seeds(valid)
         c = self._seed_counts
         c["rounds"] += 1
@@ -326,11 +373,12 @@ class PopulationStep:
         verdicts = self.tasks.validate_many(
             [(r.request.task_type, r.texts[k], r.request.meta, r.request.adapter, self._current) for r, k in items])
         records = []
-        for (resp, k), (task, status) in zip(items, verdicts):
+        for (resp, k), (task, status, *why) in zip(items, verdicts):
             records.append({
                 "adapter": resp.request.adapter, "task_type": resp.request.task_type, "prompt": resp.request.prompt,
                 "response": resp.texts[k], "length": resp.lengths[k] if resp.lengths else 1,
                 "extra": resp.extra[k] if resp.extra else None, "task": task, "status": status,
+                "code": why[0] if why else "",
                 "solve": {},  # student id -> list of correctness
             })
         self._teacher_records = records
@@ -406,8 +454,10 @@ class PopulationStep:
                         pair_rates.setdefault((rec["adapter"], s), []).append(solve_rate(c))
                 pooled = [c for cs in rec["solve"].values() for c in cs]
                 rate = solve_rate(pooled) if pooled else None
-                # No matched student answered (no students at all): the task taught nobody, reward Z.
-                reward = teacher_reward("valid", rate, rw) if rate is not None else float(rw.zero_learnability_reward)
+                if rec["status"] == "format_error":  # a valid program under a failed envelope (AZR): still -1
+                    reward = teacher_reward("format_error", None, rw)
+                else:  # no matched student answered (no students at all): the task taught nobody, reward Z
+                    reward = teacher_reward("valid", rate, rw) if rate is not None else float(rw.zero_learnability_reward)
                 new_tasks.append((task, rate))  # the buffer applies buffer.valid_program_filter
             teacher_samples.append(Sample(
                 rec["adapter"], TEACHER, rec["task_type"], rec["prompt"], rec["response"], float(reward),
@@ -494,6 +544,7 @@ class PopulationStep:
         out["populora/validity/mean"] = sum(v for v, _ in counts.values()) / total if total else 0.0
         for tt, (v, n) in valid_rates("task_type").items():
             out[f"populora/task_type/{tt}/validity"] = v / n
+        out.update(proposal_outcome_metrics(self._teacher_records))
         out.update(self.diagnostics.observe(list(valid_programs), self._current))
         by_member: dict[str, list[float]] = {}
         by_role: dict[str, list[float]] = {}

@@ -81,16 +81,19 @@ class TaskEnv:
 
     # --- checks ---------------------------------------------------------------------------------------------
 
-    def validate_many(self, items: Sequence[tuple[str, str, Mapping[str, Any], str, int]]) -> list[tuple[Any, str]]:
-        """``(task_type, response, meta, teacher, step)`` -> ``(Task | None, status)``; status ``valid`` |
-        ``format`` (malformed) | ``invalid`` (failed checks or execution). Never raises on model text."""
+    def validate_many(self, items: Sequence[tuple[str, str, Mapping[str, Any], str, int]]
+                      ) -> list[tuple[Any, str, str]]:
+        """``(task_type, response, meta, teacher, step)`` -> ``(Task | None, status, code)``; status ``valid`` |
+        ``format_error`` (envelope or blocks) | ``invalid`` (failed checks or execution); the task is there whenever
+        the program is valid, also under a failed envelope (``tasks.keep_unformatted_tasks``); ``code`` says why
+        there is none (:data:`~populora_verl.tasks.verify.FAILURE_CODES`). Never raises on model text."""
         from populora_verl.tasks import validate_proposal
 
         out = []
         for task_type, text, meta, teacher, step in items:
             res = validate_proposal(text, task_type, self.executor, self.cfg, program=meta.get("program"),
                                     teacher=teacher, step=step, think_prefilled=self.think_prefilled)
-            out.append((res.task if res.valid else None, res.status))
+            out.append((res.task, res.status, res.code))
         return out
 
     def score_many(self, items: Sequence[tuple[Any, str]]) -> list[tuple[float, bool, str]]:

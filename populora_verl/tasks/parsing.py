@@ -24,6 +24,8 @@ __all__ = [
     "normalise_response",
     "check_format",
     "extract_answer",
+    "envelope_problem",
+    "answer_fallback",
     "fenced_blocks",
     "first_block",
     "extract_solver_payload",
@@ -115,6 +117,44 @@ def extract_answer(text: str, think_prefilled: bool = True, *, max_chars: int | 
     if last is None:
         raise ParseError("no complete <answer> block")
     return last.strip()
+
+
+def envelope_problem(text: str, think_prefilled: bool = True) -> str | None:
+    """Why a response fails AZR's envelope check (``no </think>``, ``no <answer> after </think>``, ``<answer> not
+    closed``), or None when it passes. Short fixed phrases: they become metric names and log lines."""
+    text = normalise_response(text, think_prefilled)
+    if check_format(text):
+        return None
+    if "</think>" not in text:
+        return "no </think>"
+    after = text[text.rfind("</think>") + len("</think>"):]
+    if "<answer>" not in after:
+        return "no <answer> after </think>"
+    return "<answer> not closed"
+
+
+def answer_fallback(text: str, think_prefilled: bool = True) -> str:
+    """What AZR reads a proposal from when its envelope fails the format check: the last complete
+    ``<answer>…</answer>`` pair, else the text after the last ``<answer>`` (cut off at the token cap), else the
+    text after the last ``</think>``, else the whole response. The caller still scores the envelope as a format
+    error; this only decides whether the program inside is a usable task."""
+    text = normalise_response(text, think_prefilled)
+    last, pos = None, 0
+    while True:  # the last complete pair, scanning non-overlapping pairs left to right (linear)
+        a = text.find("<answer>", pos)
+        if a < 0:
+            break
+        b = text.find("</answer>", a + len("<answer>"))
+        if b < 0:
+            break
+        last, pos = text[a + len("<answer>"):b], b + len("</answer>")
+    if last is not None:
+        return last.strip()
+    for tag in ("<answer>", "</think>"):
+        k = text.rfind(tag)
+        if k >= 0:
+            return text[k + len(tag):].strip()
+    return text[len("<think>"):].strip() if text.startswith("<think>") else text.strip()
 
 
 def fenced_blocks(text: str) -> list[tuple[str, str]]:

@@ -5,6 +5,11 @@ Model text never runs in this process: programs, inputs and value comparisons al
 
 Statuses: a proposal is ``valid``, ``format_error`` (envelope or required blocks missing) or ``invalid``
 (static checks or execution failed); an answer is ``correct``, ``wrong`` or ``format_error``.
+
+As in AZR, the envelope and the program are judged apart (``tasks.keep_unformatted_tasks``, on by default): a
+proposal whose ``<think>/<answer>`` envelope fails still yields its task when the program inside is valid. Its status
+is ``format_error`` (the teacher gets ``rewards.format_error``), but the task goes to students and buffers, and it
+counts as valid in the validity metrics, which count programs, as AZR does.
 """
 
 from __future__ import annotations
@@ -27,7 +32,12 @@ __all__ = [
     "score_answer",
     "values_equal",
     "banned_names",
+    "FAILURE_CODES",
 ]
+
+#: Why a proposal yields no task, as short codes for per-type metrics (``ProposalResult.code``).
+FAILURE_CODES = ("too_long", "envelope", "blocks", "input_count", "program", "input", "text", "execution", "output",
+                 "min_inputs", "unparsable")
 
 
 class ExecutorLike(Protocol):
@@ -95,47 +105,77 @@ class Proposal:
 
 @dataclass
 class ProposalResult:
-    status: str  # valid | format_error | invalid
+    """``status``: valid | format_error | invalid. ``task`` is set whenever the program is valid, also under a
+    failed envelope (``status == "format_error"``, ``envelope`` says why). ``code`` (one of :data:`FAILURE_CODES`)
+    says why there is no task; empty when there is one."""
+
+    status: str
     task: Task | None = None
     reason: str = ""
+    code: str = ""
+    envelope: str | None = None
 
     @property
     def valid(self) -> bool:
+        """Well formatted and a usable task: the teacher is rewarded by learnability."""
         return self.status == "valid"
+
+    @property
+    def has_task(self) -> bool:
+        """The program is a usable task (AZR's validity), whatever the envelope."""
+        return self.task is not None
+
+
+class _BlockError(P.ParseError):
+    """A required block is missing or short (the envelope itself was fine or was read through)."""
+
+    def __init__(self, reason: str, code: str = "blocks") -> None:
+        super().__init__(reason)
+        self.code = code
 
 
 def parse_proposal(response: str, task_type: str, *, num_inputs: int = 10, think_prefilled: bool = True,
-                   code_f_rule: str = "azr", max_chars: int | None = None) -> Proposal:
+                   code_f_rule: str = "azr", max_chars: int | None = None, envelope_fallback: bool = False) -> Proposal:
     """Extract the blocks a proposal must contain; :class:`~populora_verl.tasks.parsing.ParseError` if missing.
 
     code_i / code_o: the first python block and the first input block. code_f: the first message block and the
     input blocks: ``code_f_rule="azr"`` needs at least ``num_inputs`` of them and keeps the last ``num_inputs``
-    (AZR); ``"lenient"`` keeps the first ``num_inputs``.
+    (AZR); ``"lenient"`` keeps the first ``num_inputs``. ``envelope_fallback``: read the blocks through a failed
+    envelope (:func:`~populora_verl.tasks.parsing.answer_fallback`) instead of raising.
     """
-    answer = P.extract_answer(response, think_prefilled, max_chars=max_chars)
+    try:
+        answer = P.extract_answer(response, think_prefilled, max_chars=max_chars)
+    except P.ParseError:
+        if not envelope_fallback or not isinstance(response, str) or len(response) > (max_chars or P.MAX_RESPONSE_CHARS):
+            raise
+        answer = P.answer_fallback(response, think_prefilled)
+    return _proposal_blocks(answer, task_type, num_inputs=num_inputs, code_f_rule=code_f_rule)
+
+
+def _proposal_blocks(answer: str, task_type: str, *, num_inputs: int, code_f_rule: str) -> Proposal:
     if task_type in ("code_i", "code_o"):
         program = P.first_block(answer, ("python", "py"))
         inp = P.first_block(answer, ("input",))
         if program is None or not program.strip():
-            raise P.ParseError("no python block")
+            raise _BlockError("no python block")
         if inp is None or not inp.strip():
-            raise P.ParseError("no input block")
+            raise _BlockError("no input block")
         return Proposal(task_type=task_type, program=program, input=inp.strip())
     if task_type == "code_f":
         inputs = [b.strip() for tag, b in P.fenced_blocks(answer) if tag == "input" and b.strip()]
         if code_f_rule == "azr":
             if len(inputs) < num_inputs:
-                raise P.ParseError(f"{len(inputs)} input blocks, need {num_inputs}")
+                raise _BlockError(f"{len(inputs)} input blocks, need {num_inputs}", "input_count")
             inputs = inputs[-num_inputs:]
         else:
             inputs = inputs[:num_inputs]
         message = P.first_block(answer, ("message",))
         if not inputs:
-            raise P.ParseError("no input block")
+            raise _BlockError("no input block")
         if message is None or not message.strip():
-            raise P.ParseError("no message block")
+            raise _BlockError("no message block")
         return Proposal(task_type=task_type, inputs=inputs, message=message.strip())
-    raise P.ParseError(f"unknown task type {task_type!r}")
+    raise _BlockError(f"unknown task type {task_type!r}")
 
 
 def _args_key(text: str) -> str:
@@ -154,12 +194,35 @@ def validate_proposal(response: str, task_type: str, executor: ExecutorLike, cfg
         return _validate_proposal(response, task_type, executor, cfg, program=program, teacher=teacher, step=step,
                                   think_prefilled=think_prefilled)
     except (RecursionError, MemoryError, UnicodeError) as e:
-        return ProposalResult("invalid", reason=f"unparsable: {type(e).__name__}")
+        return ProposalResult("invalid", reason=f"unparsable: {type(e).__name__}", code="unparsable")
 
 
 def _validate_proposal(response: str, task_type: str, executor: ExecutorLike, cfg: PopuLoRAConfig, *,
                        program: Task | None = None, teacher: str = "", step: int = -1,
                        think_prefilled: bool = True) -> ProposalResult:
+    """The envelope and the program, judged apart (AZR): a failed envelope makes the status ``format_error``; under
+    ``tasks.keep_unformatted_tasks`` the program is still read (:func:`parse_proposal`'s fallback) and checked, and a
+    valid one keeps its task. Without it, a failed envelope ends the check there (no task)."""
+    tcfg = cfg.tasks
+    limit = tcfg.max_response_chars
+    if not isinstance(response, str) or len(response) > limit:
+        return ProposalResult("format_error", reason=f"response longer than {limit} characters"
+                              if isinstance(response, str) else "response is not text", code="too_long")
+    envelope = P.envelope_problem(response, think_prefilled)
+    if envelope is not None and not tcfg.keep_unformatted_tasks:
+        return ProposalResult("format_error", reason=f"envelope: {envelope}", code="envelope", envelope=envelope)
+    res = _check_program(response, task_type, executor, cfg, program=program, teacher=teacher, step=step,
+                         think_prefilled=think_prefilled)
+    if envelope is None:
+        return res
+    # A failed envelope is a format error whatever the program: the teacher gets rewards.format_error.
+    why = f"envelope: {envelope}" + (f"; {res.reason}" if res.reason else "; program valid")
+    return ProposalResult("format_error", task=res.task, reason=why, code=res.code, envelope=envelope)
+
+
+def _check_program(response: str, task_type: str, executor: ExecutorLike, cfg: PopuLoRAConfig, *,
+                   program: Task | None = None, teacher: str = "", step: int = -1,
+                   think_prefilled: bool = True) -> ProposalResult:
     """Parse, statically check and execute a proposal; a valid one becomes a :class:`Task` with gold answers.
 
     code_i / code_o: the program must pass :func:`~populora_verl.tasks.parsing.check_program` (one top-level
@@ -174,26 +237,28 @@ def _validate_proposal(response: str, task_type: str, executor: ExecutorLike, cf
     tcfg = cfg.tasks
     try:
         prop = parse_proposal(response, task_type, num_inputs=tcfg.num_inputs, think_prefilled=think_prefilled,
-                              code_f_rule=tcfg.code_f_rule, max_chars=tcfg.max_response_chars)
+                              code_f_rule=tcfg.code_f_rule, max_chars=tcfg.max_response_chars,
+                              envelope_fallback=True)
     except P.ParseError as e:
-        return ProposalResult("format_error", reason=str(e))
+        return ProposalResult("format_error", reason=str(e), code=getattr(e, "code", "blocks"))
 
     if task_type in ("code_i", "code_o"):
+        checked = None
         try:
             checked = P.check_program(prop.program, banned_names(cfg), max_chars=tcfg.max_program_chars)
             inp = P.check_call_args(prop.input)
             P.literal_args(inp)  # plain data in, plain data out: nothing with its own __eq__ / __repr__
         except P.ParseError as e:
-            return ProposalResult("invalid", reason=str(e))
+            return ProposalResult("invalid", reason=str(e), code="program" if checked is None else "input")
         why = _task_text_problem(checked.code, inp)
         if why:
-            return ProposalResult("invalid", reason=why)
+            return ProposalResult("invalid", reason=why, code="text")
         res = executor.run(checked.code, inp, check_determinism=cfg.executor.check_determinism)
         if not res.ok or res.output is None:
-            return ProposalResult("invalid", reason=f"execution failed: {res.error}")
+            return ProposalResult("invalid", reason=f"execution failed: {res.error}", code="execution")
         why = literal_problem(res.output)  # the executor checks it too; a remote or fake one may not
         if why:
-            return ProposalResult("invalid", reason=f"output is not plain data: {why}")
+            return ProposalResult("invalid", reason=f"output is not plain data: {why}", code="output")
         task = Task(type=task_type, program=checked.code, input=inp, output=_maybe_truncate(res.output, cfg),
                     teacher=teacher, step=step)
         return ProposalResult("valid", task=task)
@@ -203,7 +268,7 @@ def _validate_proposal(response: str, task_type: str, executor: ExecutorLike, cf
         raise ValueError("code_f validation needs the buffered program the proposer was shown")
     strict = tcfg.code_f_rule == "azr"
     if _task_text_problem(prop.message):
-        return ProposalResult("invalid", reason=f"message: {_task_text_problem(prop.message)}")
+        return ProposalResult("invalid", reason=f"message: {_task_text_problem(prop.message)}", code="text")
     kept: list[str] = []
     seen: set[str] = set()
     for raw in prop.inputs:
@@ -212,11 +277,12 @@ def _validate_proposal(response: str, task_type: str, executor: ExecutorLike, cf
             P.literal_args(inp)
         except P.ParseError as e:
             if strict:
-                return ProposalResult("invalid", reason=f"input {raw[:40]!r}: {e}")
+                return ProposalResult("invalid", reason=f"input {raw[:40]!r}: {e}", code="input")
             continue
         if _task_text_problem(inp):
             if strict:
-                return ProposalResult("invalid", reason=f"input {inp[:40]!r}: {_task_text_problem(inp)}")
+                return ProposalResult("invalid", reason=f"input {inp[:40]!r}: {_task_text_problem(inp)}",
+                                      code="text")
             continue
         key = _args_key(inp)
         if strict or key not in seen:  # AZR keeps repeated inputs; the lenient rule counts each once
@@ -227,13 +293,15 @@ def _validate_proposal(response: str, task_type: str, executor: ExecutorLike, cf
     if strict:
         for inp, r in zip(kept, results):
             if not r.ok or r.output is None:
-                return ProposalResult("invalid", reason=f"input {inp[:40]!r} failed: {r.error}")
+                return ProposalResult("invalid", reason=f"input {inp[:40]!r} failed: {r.error}", code="execution")
             if literal_problem(r.output) is not None:
-                return ProposalResult("invalid", reason=f"input {inp[:40]!r}: output {literal_problem(r.output)}")
+                return ProposalResult("invalid", reason=f"input {inp[:40]!r}: output {literal_problem(r.output)}",
+                                      code="output")
     pairs = [(inp, _maybe_truncate(r.output, cfg)) for inp, r in zip(kept, results)
              if r.ok and r.output is not None and literal_problem(r.output) is None]
     if not strict and len(pairs) < tcfg.min_valid_inputs:
-        return ProposalResult("invalid", reason=f"{len(pairs)} valid distinct inputs, need {tcfg.min_valid_inputs}")
+        return ProposalResult("invalid", reason=f"{len(pairs)} valid distinct inputs, need {tcfg.min_valid_inputs}",
+                              code="min_inputs")
     task = Task(type="code_f", program=program.program, inputs=[a for a, _ in pairs], outputs=[b for _, b in pairs],
                 message=prop.message, num_visible=len(pairs) // 2, teacher=teacher, step=step)
     return ProposalResult("valid", task=task)

@@ -38,6 +38,7 @@ from verl.utils.metric import reduce_metrics
 from verl.utils.py_functional import rename_dict
 
 from populora_verl.config import PopuLoRAConfig, load_config
+from populora_verl.evolution.pbt import append_event, describe
 from populora_verl.trainer import convert, fused, probes, schedule, stop
 from populora_verl.workers import ADAPTER_KEY
 
@@ -580,9 +581,11 @@ class PopuLoRATrainer(PPOTrainerSync):
             self._rpc("populora_set_adapter", int(r.victim_slot), children[r.child_id],
                       reset_optimizer=bool(r.reset_optimizer),
                       optimizer_from=None if r.reset_optimizer else slot_of[r.parent_ids[0]])
-            print(f"[populora] step {step} evolution: {r.victim_id} (slot {r.victim_slot}) <- {r.child_id} = "
-                  f"{r.operator}({', '.join(r.parent_ids)})", flush=True)
-        return {"populora/evolution/events": float(events)}
+            print(f"[populora] step {step} evolution: {describe(r)}", flush=True)
+        if plan is not None and plan.replacements:
+            append_event(self.config.trainer.default_local_dir, plan)
+        ties = sum(r.tie_break for r in plan.replacements) if plan is not None else 0
+        return {"populora/evolution/events": float(events), "populora/evolution/tie_breaks": float(ties)}
 
     def _save_checkpoint(self) -> None:
         # fit() saves before on_step_end; the real save runs there after evolution so the bank is post-evolution.
