@@ -359,11 +359,18 @@ class DiagnosticsConfig:
     cvt_samples: int = 10_000
     coverage_window: int = 10  # windowed coverage counts the valid tasks of the last W steps
     plots: bool = True
+    # Under bypass_mode the old log-probs are vLLM's, so comparing them with "the trainer's" compares vLLM with
+    # itself. Every N steps the trainer computes its own log-probs on logprob_check_rows rows per adapter and
+    # compares them with vLLM's (0: never).
+    logprob_check_every: int = 5
+    logprob_check_rows: int = 8
     _prefix: str = field(default=f"{ROOT}.diagnostics", repr=False, compare=False)
 
     def __post_init__(self) -> None:
         p = self._prefix
         _check(self.cvt_cells >= 2, f"{p}.cvt_cells", "must be >= 2")
+        _check(self.logprob_check_every >= 0, f"{p}.logprob_check_every", "must be >= 0 (0: never)")
+        _check(self.logprob_check_rows >= 1, f"{p}.logprob_check_rows", "must be >= 1")
         _check(len(self.descriptors) >= 1, f"{p}.descriptors", "must list at least one descriptor")
         known = ("ast_depth", "cyclomatic", "loc", "ast_nodes")  # populora_verl.diagnostics.complexity.DESCRIPTORS
         for d in self.descriptors:

@@ -418,3 +418,36 @@ def test_seeding_phase_runs_through_tq_on_a_fresh_lora_id_and_trains_nothing(tq_
     saved = [json.loads(x) for x in (tmp_path / "ckpt" / "seed_tasks.jsonl").read_text().splitlines()]
     assert [d["program"] for d in saved] == [s.program for s in t.pop_step.seed_set]
     assert t.pop_step.begin(1)  # training may start
+
+
+@pytest.mark.timeout(120)
+def test_bypass_mode_checks_the_trainers_own_log_probs_against_vllms(tq_cluster, tmp_path):
+    """Under bypass_mode the old log-probs are vLLM's, so verl's rollout-vs-trainer metrics compare vLLM with itself
+    (0.0 / Pearson 1.0 on every line). Every diagnostics.logprob_check_every steps the trainer runs its own log-prob
+    pass on a few rows per adapter (before the update) and compares: here the worker's -0.25 against vLLM's -0.5."""
+    import math
+
+    t = _trainer(tmp_path)
+    with open_dict(t.config):
+        t.config.algorithm.rollout_correction.bypass_mode = True
+        t.config.actor_rollout_ref.rollout.calculate_log_probs = True
+    t.pcfg.diagnostics.logprob_check_every, t.pcfg.diagnostics.logprob_check_rows = 5, 2
+    t.fused_rpc = True
+    for step, expect_check in ((4, False), (5, True)):
+        t.global_steps = step
+        t.actor_rollout_wg.calls["compute_log_prob"] = 0
+        metrics: dict = {}
+        out = t.step(metrics, {})
+        checks = {k: v for k, v in metrics.items() if "/trainer_check/" in k}
+        if not expect_check:
+            # bypass: no old-log-prob call and no self-comparison reported
+            assert t.actor_rollout_wg.calls["compute_log_prob"] == 0 and not checks
+            assert not any("rollout_probs_diff" in k for k in metrics)
+        else:
+            assert t.actor_rollout_wg.calls["compute_log_prob"] == len(SLOTS)  # one small pass per adapter
+            for member in SLOTS:
+                assert metrics[f"populora/{member}/trainer_check/rows"] == 2.0
+                diff = metrics[f"populora/{member}/trainer_check/rollout_probs_diff_mean"]
+                assert diff == pytest.approx(math.exp(-0.25) - math.exp(-0.5), rel=1e-4)
+        tq.kv_clear(keys=list(out.keys), partition_id=PARTITION)
+    assert _listed() == {}

@@ -353,13 +353,60 @@ class PopuLoRATrainer(PPOTrainerSync):
         member_of = {v: k for k, v in slot_of.items()}
         parts = convert.partition_keys(result.samples, slot_of)
         before = self._debug_checksums() if self.debug_probes else None
+        with marked_timer("populora_logprob_check", timing_raw, color="cyan"):
+            checked = self._logprob_check(parts, all_meta, member_of, gs)
 
         if getattr(self, "fused_rpc", True):
             per_adapter, out = self._train_fused(parts, all_meta, signals, member_of, metrics, timing_raw)
         else:
             per_adapter, out = self._train_per_adapter(parts, all_meta, signals, member_of, metrics, timing_raw)
+        for member, m in checked.items():
+            per_adapter.setdefault(member, {}).update(m)
+            metrics.update(convert.prefix_metrics(m, f"populora/{member}"))
         metrics.update({k: v for k, v in convert.mean_over_prefixes(per_adapter).items() if k not in metrics})
         self._log_adapter_report(gs, per_adapter, parts, member_of, before)
+        return out
+
+    def _bypass_mode(self) -> bool:
+        corr = self.config.algorithm.get("rollout_correction", None)
+        return bool(corr and corr.get("bypass_mode", False))
+
+    def _logprob_check(self, parts: Mapping[int, list[str]], all_meta: KVBatchMeta, member_of: Mapping[int, str],
+                       step: int) -> dict[str, dict[str, float]]:
+        """Under bypass_mode, every ``diagnostics.logprob_check_every`` steps: the trainer's own log-probs on a few
+        of each adapter's rows (before its update, so both sides are the same policy) against vLLM's. This is the
+        check that each adapter was served by its own LoRA id and that the two engines agree; without it, bypass
+        mode has nothing to compare (its old log-probs are vLLM's). Diagnostics: a failure only logs."""
+        dcfg = self.pcfg.diagnostics
+        every = int(dcfg.logprob_check_every)
+        if not self._bypass_mode() or every <= 0 or step % every != 0 \
+                or not self.config.actor_rollout_ref.rollout.calculate_log_probs:
+            return {}
+        out: dict[str, dict[str, float]] = {}
+        try:
+            from verl.protocol import DataProto
+            from verl.utils.debug.metrics import calculate_debug_metrics
+            from verl.workers.utils.padding import response_from_nested
+
+            dp = self._dp_size()
+            for slot, keys in parts.items():
+                n = min(len(keys), int(dcfg.logprob_check_rows)) // dp * dp  # verl splits the rows over dp ranks
+                if n == 0:
+                    continue
+                sample = all_meta.select_keys(list(keys[:n]))
+                sample.extra_info.update({ADAPTER_KEY: slot, "calculate_entropy": False, "compute_loss": False,
+                                          "temperature": self.config.actor_rollout_ref.rollout.temperature})
+                self.actor_rollout_wg.compute_log_prob(sample)
+                data = tq.kv_batch_get(keys=list(sample.keys), partition_id=PARTITION,
+                                       select_fields=["log_probs", "rollout_log_probs", "response_mask", "responses"])
+                # the worker writes log-probs over the whole sequence; verl's own pass keeps the response part
+                data["old_log_probs"] = response_from_nested(data.pop("log_probs"), data["response_mask"])
+                m = calculate_debug_metrics(DataProto(batch=data.to_padded_tensor()))
+                out[member_of[slot]] = {f"trainer_check/{k.split('/')[-1]}": float(v) for k, v in m.items()}
+                out[member_of[slot]]["trainer_check/rows"] = float(n)
+        except Exception as e:  # never fail a step over a diagnostic
+            logger.warning("populora: trainer-vs-rollout log-prob check not computed: %s", e)
+            return {}
         return out
 
     def _balanced_sub(self, all_meta: KVBatchMeta, slot: int, keys: list[str], m: dict, timing_raw: dict) -> KVBatchMeta:
@@ -425,8 +472,8 @@ class PopuLoRATrainer(PPOTrainerSync):
                                   per_adapter: dict[str, dict[str, Any]]) -> None:
         """Rollout-vs-trainer log-prob agreement per adapter (the check that each adapter was served by its own
         LoRA id) from the old log-probs the fused call wrote; diagnostics, so a failure only logs."""
-        if not self.config.actor_rollout_ref.rollout.calculate_log_probs:
-            return
+        if not self.config.actor_rollout_ref.rollout.calculate_log_probs or self._bypass_mode():
+            return  # bypass_mode: the old log-probs are vLLM's own; _logprob_check does the real comparison
         try:
             from verl.protocol import DataProto
             from verl.utils.debug.metrics import calculate_debug_metrics
@@ -668,8 +715,10 @@ class PopuLoRATrainer(PPOTrainerSync):
                             before: Mapping[int, str] | None) -> None:
         for member, m in per_adapter.items():
             diff = {k.split("/")[-1]: v for k, v in m.items() if "rollout_probs_diff" in k or "probs_pearson" in k}
+            # Under bypass_mode only the periodic check compares two engines; other steps have nothing to show.
+            shown = json.dumps(diff, default=float) if diff else "n/a"
             print(f"[populora] step {step} {member}: samples={m.get('populora/samples')} "
-                  f"pg_loss={m.get('actor/pg_loss')} rollout_vs_trainer={json.dumps(diff, default=float)}", flush=True)
+                  f"pg_loss={m.get('actor/pg_loss')} rollout_vs_trainer={shown}", flush=True)
         if before is None:
             return
         rank_before = self._rank_sums
