@@ -177,3 +177,64 @@ def test_seed_file_written_later_is_awaited_at_the_first_step(tmp_path):
         late.await_seed_file(poll_s=0.02)
     with pytest.raises(FileNotFoundError):  # no wait configured: a missing seed file fails at once, as before
         TaskBuffers(BufferConfig(seed_file=str(tmp_path / "never.jsonl")))
+
+
+def test_seeded_arms_run_each_on_its_own_gpu_with_per_kind_overrides(tmp_path, monkeypatch):
+    """Two seeds of each arm on a 4-GPU node: each arm has its folder, its seed (population and vLLM sampling), its
+    GPU and Ray temp dir, and only its kind's overrides; the evaluation names every arm's members."""
+    assert lr.parse_arm("single@2") == ("single", 2) and lr.arm_dir("single@2") == "single-seed2"
+    assert lr.arm_dir("2t2s") == "2t2s"
+    for bad in ("single@x", "nope@1", "single@-1"):
+        with pytest.raises(ValueError):
+            lr.parse_arm(bad)
+    with pytest.raises(ValueError, match="appear twice"):
+        lr.parse_arms("single@1,single@1")
+    with pytest.raises(ValueError, match="NAME:KEY=VALUE"):
+        lr.arm_overrides(["single=populora.x"])
+    cmd = lr.arm_command("2t2s@3", "/m", tmp_path, None, ["a=1"])
+    assert f"trainer.default_local_dir={tmp_path / '2t2s-seed3'}" in cmd
+    assert "populora.population.seed=3" in cmd and "actor_rollout_ref.rollout.seed=3" in cmd
+    env = lr.arm_env("2t2s@3", tmp_path, "2")
+    assert env["CUDA_VISIBLE_DEVICES"] == "2" and env["RAY_TMPDIR"] == "/tmp/ray_2t2s-seed3"
+    assert env["VERL_FILE_LOGGER_PATH"] == str(tmp_path / "2t2s-seed3" / "verl_metrics.jsonl")
+
+    script = tmp_path / "fake_trainer.py"
+    script.write_text(FAKE_TRAINER)
+    seen = {}
+
+    def fake_command(arm, model, root, seed_file, extra):
+        seen[arm] = list(extra)
+        return [sys.executable, str(script), str(root / lr.arm_dir(arm)), seed_file or "seed"]
+
+    envs = {}
+    real_popen = lr.subprocess.Popen
+
+    def popen(cmd, *a, env=None, **kw):
+        if env and "RAY_TMPDIR" in env:
+            envs[env["RAY_TMPDIR"]] = env.get("CUDA_VISIBLE_DEVICES")
+        return real_popen(cmd, *a, env=env, **kw)
+
+    monkeypatch.setattr(lr, "arm_command", fake_command)
+    monkeypatch.setattr(lr.subprocess, "Popen", popen)
+    monkeypatch.setattr(lr, "POLL_S", 0.05)
+    seeds = tmp_path / "seeds.jsonl"
+    seeds.write_text("")
+    root = tmp_path / "learn"
+    assert lr.main(["--out", str(root), "--model", "/m", "--seed-file", str(seeds), "--stop-at-step", "4",
+                    "--arms", "2t2s@1,2t2s@2,single@1,single@2", "--gpus", "0,1,2,3", "--no-eval",
+                    "--arm-override", "2t2s:populora.rollout.proposals_per_type=4",
+                    "--arm-override", "single:populora.rollout.proposals_per_type=5",
+                    "populora.rollout.student_n=4"]) == 0
+    assert seen["2t2s@1"] == seen["2t2s@2"] == ["populora.rollout.student_n=4",
+                                                 "populora.rollout.proposals_per_type=4"]
+    assert seen["single@2"] == ["populora.rollout.student_n=4", "populora.rollout.proposals_per_type=5"]
+    assert envs == {"/tmp/ray_2t2s-seed1": "0", "/tmp/ray_2t2s-seed2": "1", "/tmp/ray_single-seed1": "2",
+                    "/tmp/ray_single-seed2": "3"}
+    runs = {a: root / a for a in ("2t2s-seed1", "2t2s-seed2", "single-seed1", "single-seed2")}
+    assert all(lr.checkpoint_steps(p)[-1] == 4 for p in runs.values())
+    cmd = lr.eval_command("/m", runs, 4, root / "eval", None, 768, 0.6, benchmarks="mbpp_plus")
+    named = cmd[cmd.index("--adapters") + 1:]
+    assert "--baseline" not in cmd and "--run-dir" not in cmd
+    assert sorted(a.split("=")[0] for a in named) == sorted(
+        [f"2t2s-seed{s}.{m}" for s in (1, 2) for m in ("t0", "t1", "s0", "s1")] + ["single-seed1.a0", "single-seed2.a0"])
+    assert cmd[cmd.index("--benchmarks") + 1] == "mbpp_plus"

@@ -493,6 +493,8 @@ class PopulationStep:
         for resp, _ in items:
             generated[resp.request.adapter] = generated.get(resp.request.adapter, 0) + 1
         metrics.update(compute_metrics(updates, generated, self.updates_per_step))
+        # The plan next to what happened: matchmaking can give one student every task for a step.
+        metrics["populora/compute/planned_trajectories"] = planned_trajectories(self.cfg)
         metrics.update(self._pending_metrics)
         self._pending_metrics = {}
         self.recent_rewards = {m: float(np.mean([x.reward for x in xs])) for m, xs in updates.items() if xs}

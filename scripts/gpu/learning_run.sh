@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The issue-13 learning run in the background on one staged GPU machine (populora_verl.bench.learning_run): both
-# arms side by side, stop files after --stop-after-min, then the evaluation. Poll it with short device calls.
+# The learning run in the background on one staged GPU machine (populora_verl.bench.learning_run): the arms side by
+# side, stop files after --stop-after-min, then the evaluation. Poll it with short device calls.
 #   bash scripts/gpu/learning_run.sh start --model /tmp/models/qwen-coder-1.5b --stop-after-min 15 [args...]
 #   bash scripts/gpu/learning_run.sh wait 420     # block until done or 420 s passed, then status (+ files to $OUT)
 #   bash scripts/gpu/learning_run.sh status
@@ -37,7 +37,7 @@ case "$cmd" in
        [ -f "$f" ] && cp "$f" "$tmp/learn/"; done
      for d in */; do d=${d%/}; case "$d" in eval|compare) cp -r "$d" "$tmp/learn/" ;; *)
        mkdir -p "$tmp/learn/$d"
-       for f in metrics.jsonl verl_metrics.jsonl seed_tasks.jsonl command.txt events.jsonl; do
+       for f in metrics.jsonl verl_metrics.jsonl seed_tasks.jsonl command.txt events.jsonl evolution.jsonl; do
          [ -f "$d/$f" ] && cp "$d/$f" "$tmp/learn/$d/"; done
        [ -f "$d/train.log" ] && tail -c 3000000 "$d/train.log" > "$tmp/learn/$d/train.log"
        ls "$d" > "$tmp/learn/$d/ls.txt" 2>/dev/null ;; esac; done) 2>/dev/null

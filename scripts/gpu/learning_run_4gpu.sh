@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# The two-seed learning run on one 4-GPU node: 2T2S and the AZR single agent, seeds 1 and 2, each arm alone on its
+# own GPU, one seed set for all (run A's, in the repo), then HumanEval+/MBPP+ of every arm at the last common
+# checkpoint. Run from the repo root after staging the bundle and the 1.5B model (scripts/gpu/README.md):
+#   bash scripts/gpu/learning_run_4gpu.sh [minutes of training before the stop files, default 19]
+#   bash scripts/gpu/learning_run.sh wait 540        # repeat until "state finished"; $OUT/learn.tgz has it all
+#
+# The batch is cut from the recipes' 90 to 30 trained trajectories per adapter and step, so that 40 population steps
+# fit one 30-minute lease: 2T2S at 4 proposals per type and 4 answers per task, the single agent at 5 proposals per
+# type (tests/test_recipes_on_cpu.py keeps the two compute-matched).
+set -euo pipefail
+minutes=${1:-19}
+MODEL=${MODEL:-/tmp/models/qwen-coder-1.5b}
+SEEDS=${SEEDS:-docs/results/2026-11-26-qwen1.5b/run-a-1024/seed_tasks.jsonl}
+ROOT=${LEARN_OUT:-/tmp/learn}
+mkdir -p "$ROOT" && cp "$SEEDS" "$ROOT/seed_tasks.jsonl"  # the checkout under a running driver is replaced per call
+exec bash scripts/gpu/learning_run.sh start --model "$MODEL" --seed-file "$ROOT/seed_tasks.jsonl" \
+  --arms 2t2s@1,2t2s@2,single@1,single@2 --gpus 0,1,2,3 \
+  --stop-after-min "$minutes" --grace-min 4 \
+  --arm-override 2t2s:populora.rollout.proposals_per_type=4 \
+  --arm-override single:populora.rollout.proposals_per_type=5 \
+  populora.rollout.student_n=4
