@@ -76,6 +76,8 @@ def test_verl_main_stops_in_one_line_before_ray(tmp_path):
     assert r.stderr.strip().splitlines()[-1] == "populora: actor_rollout_ref.model.path: no such directory " \
                                                 "'/nonexistent/model'"
     assert "Traceback" not in r.stderr and "ray" not in r.stdout.lower()
+    # a failed start leaves no Hydra outputs/DATE/TIME/ folder behind, and no run directory
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
 
 
 @pytest.mark.parametrize("tie,fails", [(False, True), (True, False), (None, False)])

@@ -201,7 +201,8 @@ def _save(fig: Any, out_path: Path) -> Path:
 
 
 def _skip(name: str, what: str) -> None:
-    logger.info("plot %s skipped: the metrics log has no %s", name, what)
+    # debug, not info: a tiny-model run has no valid program, so its complexity plot is always skipped
+    logger.debug("plot %s skipped: the metrics log has no %s", name, what)
 
 
 def _legend(ax: Any, n: int) -> None:

@@ -17,7 +17,8 @@ import numpy as np
 import torch
 
 from populora_verl.checkpoint import (CheckpointError, Checkpoint, capture_rng_state, latest_checkpoint,
-                                      load_latest_checkpoint, restore_rng_state, save_checkpoint)
+                                      load_latest_checkpoint, prune_checkpoints, restore_rng_state,
+                                      save_checkpoint)
 from populora_verl.config import PopuLoRAConfig, to_dict
 from populora_verl.local.config import LocalConfig
 from populora_verl.local.hf_engine import HFEngine, seed_for, slot_name
@@ -71,6 +72,18 @@ class LocalDriver:
                  resume: bool = False, executor: Any = None) -> None:
         self.cfg, self.local = cfg, local
         self.run_dir = Path(run_dir)
+        from populora_verl.runlock import claim_run_dir
+
+        # One writer per run directory: a second run here would interleave metrics and race on checkpoints.
+        self._lock = claim_run_dir(self.run_dir, what="--run-dir")
+        try:
+            self._start(cfg, local, model, tokenizer, model_path, gguf, resume, executor)
+        except BaseException:
+            self._lock.abandon()  # a failed start leaves no debris: a folder this run created goes with its lock
+            raise
+
+    def _start(self, cfg: PopuLoRAConfig, local: LocalConfig, model: Any, tokenizer: Any, model_path: str | None,
+               gguf: str | None, resume: bool, executor: Any) -> None:
         ckpt = latest_checkpoint(self.run_dir)
         if resume and ckpt is None:
             # Starting fresh here would silently throw away what the user meant to continue.
@@ -80,7 +93,6 @@ class LocalDriver:
             # A fresh run here would interleave its metrics and checkpoints with the old run's.
             raise FileExistsError(f"run dir {self.run_dir} already holds a run (checkpoint {ckpt.name}): pass "
                                   "--resume to continue it, or choose another --run-dir")
-        self.run_dir.mkdir(parents=True, exist_ok=True)
         # On --resume, find a checkpoint that loads before spending time on the model.
         resumed = load_latest_checkpoint(self.run_dir) if resume else None
         self.seed = int(cfg.population.seed)
@@ -134,8 +146,14 @@ class LocalDriver:
         out = self.run_dir / "base_model"
         if not (out / "config.json").exists():
             tmp = self.run_dir / "base_model.tmp"
-            model.save_pretrained(tmp)
-            tokenizer.save_pretrained(tmp)
+            from transformers.utils import logging as hf_logging
+
+            hf_logging.disable_progress_bar()  # a 1-shard progress bar for a few MB only clutters the first screen
+            try:
+                model.save_pretrained(tmp)
+                tokenizer.save_pretrained(tmp)
+            finally:
+                hf_logging.enable_progress_bar()
             tmp.rename(out)
         return str(out.resolve())
 
@@ -148,9 +166,12 @@ class LocalDriver:
     def save(self, step: int) -> Path:
         optim = {m.id: self.engine.optimizer_state(slot_name(m.slot)) for m in self.population.members}
         lora_config = dict(self.engine.lora_config_dict(), base_model_name_or_path=self.base_model_path)
-        return save_checkpoint(self.run_dir, step, population=self.population, adapters=self.adapters(),
+        path = save_checkpoint(self.run_dir, step, population=self.population, adapters=self.adapters(),
                                lora_config=lora_config, optimizers=optim,
                                step_state=self.step_obj.state_dict(), rng=capture_rng_state())
+        if self.local.keep_checkpoints:
+            prune_checkpoints(self.run_dir, self.local.keep_checkpoints)
+        return path
 
     def _restore(self, ck: Checkpoint) -> None:
         path = ck.path
@@ -248,9 +269,9 @@ class LocalDriver:
             for step in range(self.start_step + 1, total + 1):
                 result, metrics = self.run_step(step)
                 self.history.append(self.logger.log(metrics, step))
-                if self.local.progress:  # one line per step a user can follow (populora_verl.local.progress)
-                    line = step_line(step, total, result, metrics, self.population, self.last_plan)
-                    bar.write(line) if bar is not None else print(line, flush=True)
+                # One line per step a user can follow (populora_verl.local.progress); -q drops only the bar.
+                line = step_line(step, total, result, metrics, self.population, self.last_plan)
+                bar.write(line) if bar is not None else print(line, flush=True)
                 every = self.local.save_every
                 if (every and step % every == 0) or step == total:
                     self.save(step)
@@ -270,8 +291,12 @@ class LocalDriver:
         return self.history
 
     def close(self) -> None:
-        self.logger.close()
-        self.step_obj.tasks.close()
+        """Close the logs and the executor, then free the run directory for the next run."""
+        try:
+            self.logger.close()
+            self.step_obj.tasks.close()
+        finally:
+            self._lock.release()
 
 
 def _has_tensorboard() -> bool:
@@ -281,3 +306,4 @@ def _has_tensorboard() -> bool:
         log.warning("tensorboard is not installed: metrics go to metrics.jsonl only")
         return False
     return True
+
