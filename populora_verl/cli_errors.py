@@ -112,7 +112,7 @@ def check_run_dir(path: str | os.PathLike, flag: str = "--run-dir", *, must_exis
         if not p.exists():
             raise UsageError(f"{flag} {path}: no such directory")
         if not p.is_dir():
-            raise UsageError(f"{flag} {path}: is a file, not a run directory")
+            raise UsageError(f"{flag} {path}: is a file, not a folder")
         return p
     return check_output_dir(p, flag)
 

