@@ -374,7 +374,7 @@ def test_plots_cli(tmp_path):
     assert (tmp_path / "plots" / "ratings.png").read_bytes()[:8] == PNG_MAGIC
 
 
-# --- plots a person reads at a glance (issue 16 item 8) and runs compared (issue 13 item 4) --------------------
+# --- plots a person reads at a glance, and runs compared -------------------------------------------------------
 
 
 def _events_log(run_dir, plans):

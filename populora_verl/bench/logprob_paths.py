@@ -1,4 +1,4 @@
-"""Per-token log-probabilities in the actor: verl's fallback against vectorised paths (issue 12).
+"""Per-token log-probabilities in the actor: verl's fallback against vectorised paths.
 
 verl 0.9.1 computes the actor's log-probs with ``verl.utils.torch_functional.logprobs_from_logits``. Without the
 ``flash_attn`` package (no wheel for our GPU image: the bundle carries only vLLM's own FlashAttention) it falls back

@@ -10,7 +10,7 @@
 3. For every registered operator at its default strength (plus a strength sweep of the mutations unless
    ``--no-sweep``) makes ``--children`` children and scores them right away.
 
-**Score** (stated, as the issue asks): the per-token likelihood ``exp(mean log p)`` of a parent's own training
+**Score** (stated here so results can be compared): the per-token likelihood ``exp(mean log p)`` of a parent's own training
 answers (the tasks it was fine-tuned on) given their prompts; for a crossover, of the fitter parent ``parents[0]``.
 ``retention = child score / parent score``. The table also gives **gain kept**
 ``(log p_child - log p_base) / (log p_parent - log p_base)``: how much of what the fine-tune taught survives

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Multi-GPU proof of PopuLoRA on N GPUs of one host (issue 14), run from the repo root on the GPU machine after
-# staging (scripts/gpu/README.md). Results go to $OUT (the device tool's return folder) or ./gpu-out.
+# Multi-GPU proof of PopuLoRA on N GPUs of one host, run from the repo root on the GPU node after staging
+# (scripts/gpu/README.md). Results go to $OUT (a folder you copy back from the node) or ./gpu-out.
 #
 #   bash scripts/gpu/multi_gpu_proof.sh shard_check N
 #       the adapter bank under verl's FSDP2 on N NCCL ranks (no vLLM, ~1 min): per-slot training vs one process,
