@@ -287,7 +287,15 @@ class LocalDriver:
         if self.cfg.diagnostics.plots and (self.run_dir / "metrics.jsonl").exists():
             from populora_verl.diagnostics.plots import plot_all
 
-            plot_all(self.run_dir / "metrics.jsonl", self.run_dir / "plots")
+            # The summary lists the plots drawn; a note per plot without data yet (complexity, on the tiny model
+            # always) would read as a fault on a first run.
+            notes = logging.getLogger("populora_verl.diagnostics.plots")
+            level = notes.level
+            notes.setLevel(logging.WARNING)
+            try:
+                plot_all(self.run_dir / "metrics.jsonl", self.run_dir / "plots")
+            finally:
+                notes.setLevel(level)
         return self.history
 
     def close(self) -> None:
