@@ -21,6 +21,8 @@ from populora_verl.config import ConfigError
 __all__ = ["preflight", "PreflightCallback"]
 
 MODEL_KEY = "actor_rollout_ref.model.path"
+#: verl's ppo_trainer default for MODEL_KEY, which no PopuLoRA recipe means to run
+VERL_DEFAULT_MODEL = "~/models/deepseek-llm-7b-chat"
 
 
 def _select(config: Any, key: str, default: Any = None) -> Any:
@@ -32,9 +34,12 @@ def _select(config: Any, key: str, default: Any = None) -> Any:
 def _check_model_path(config: Any) -> None:
     from omegaconf import OmegaConf
 
-    if OmegaConf.is_missing(config, "actor_rollout_ref") or _select(config, MODEL_KEY) is None:
-        raise ConfigError(f"{MODEL_KEY}: is required (a local HF model folder or a hub id)")
-    path = str(_select(config, MODEL_KEY))
+    path = None if OmegaConf.is_missing(config, "actor_rollout_ref") else _select(config, MODEL_KEY)
+    # A recipe's "???" does not override a value below it, so a recipe without a model ends up with verl's own
+    # placeholder default: say that the model is missing rather than that verl's placeholder folder is.
+    if path is None or str(path) == VERL_DEFAULT_MODEL:
+        raise ConfigError(f"{MODEL_KEY}: is required (a local HF model folder or a hub id; docs/models.md)")
+    path = str(path)
     local = os.path.expanduser(path)
     # An absolute or ./-relative path is a folder on this machine; "org/name" may be a hub id unless the hub is off.
     looks_local = os.path.isabs(local) or path.startswith((".", "~")) or os.path.exists(local)
