@@ -538,3 +538,15 @@ def test_solve_rate_title_says_what_is_drawn(tmp_path, monkeypatch):
     plot_solve_rates([{"step": 1, "populora/student/accuracy": 0.5, "populora/pair/t0/s0/solve_rate": 0.5}],
                      tmp_path / "b.png")
     assert figs[-1].axes[0].get_title() == "Student solve rate per (teacher, student) pair"
+
+
+def test_plots_cli_errors_are_one_line(tmp_path, capsys):
+    from populora_verl.diagnostics.plots import main
+
+    assert main([str(tmp_path / "nope")]) == 2
+    assert capsys.readouterr().err.strip() == (f"populora_verl.diagnostics.plots: error: run {tmp_path / 'nope'}: no "
+                                               "such run directory or metrics file")
+    synthetic_log(tmp_path, steps=2)
+    (tmp_path / "f").write_text("x")
+    assert main([str(tmp_path), "--out", str(tmp_path / "f")]) == 2
+    assert capsys.readouterr().err.strip().endswith(f"--out {tmp_path / 'f'}: is a file, not a folder")

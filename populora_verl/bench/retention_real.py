@@ -280,6 +280,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     if not args.model or not Path(args.model).is_dir():
         p.error(f"--model: no model folder {args.model!r} (set $MODEL_DIR or pass --model)")
+    if args.out and (Path(args.out).is_dir() or not Path(args.out).absolute().parent.is_dir()):
+        p.error(f"--out {args.out}: not a file in an existing folder")  # before minutes of fine-tuning
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     rows, info = run(args.model, device=args.device, dtype=args.dtype, rank=args.rank, alpha=args.alpha,

@@ -601,16 +601,25 @@ def compare_runs(run_dirs: Sequence[str | os.PathLike], out_dir: str | os.PathLi
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Plot a PopuLoRA run's metrics log.")
+    parser = argparse.ArgumentParser(prog="populora_verl.diagnostics.plots",
+                                     description="Plot a PopuLoRA run's metrics log.")
     parser.add_argument("run", help="run directory (with metrics.jsonl) or a metrics .jsonl file")
     parser.add_argument("--out", help="output folder (default: <run_dir>/plots)")
+    parser.add_argument("--debug", action="store_true", help="show the full traceback of an error")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    run = Path(args.run)
-    out = Path(args.out) if args.out else (run if run.is_dir() else run.parent) / "plots"
-    for path in plot_all(run, out):
-        print(path)
-    return 0
+    from populora_verl.cli_errors import UsageError, check_output_dir, run_cli
+
+    def plot() -> int:
+        logging.basicConfig(level=logging.INFO, format="%(message)s")
+        run = Path(args.run)
+        if not run.exists():
+            raise UsageError(f"run {args.run}: no such run directory or metrics file")
+        out = check_output_dir(args.out or (run if run.is_dir() else run.parent) / "plots", "--out")
+        for path in plot_all(run, out):
+            print(path)
+        return 0
+
+    return run_cli("populora_verl.diagnostics.plots", plot, debug=args.debug)
 
 
 if __name__ == "__main__":
