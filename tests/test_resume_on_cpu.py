@@ -177,3 +177,18 @@ def test_keep_checkpoints_prunes_old_steps_but_never_latest(tmp_path):
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step_2", "step_4", "step_5"]
     assert latest_checkpoint(tmp_path).name == "step_2" and (root / "step_6.tmp").is_dir()
     assert not [p for p in root.iterdir() if p.name.startswith(".")]  # the renamed-aside folders are gone too
+
+
+def test_events_after_the_checkpoint_are_not_logged_twice(tmp_path):
+    """A run killed after an evolution event but before the checkpoint of that step redoes the step on resume; the
+    event log keeps the events up to the checkpoint only, as the metrics log does."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "evolution.jsonl").write_text('{"step": 2, "replacements": []}\n{"step": 4, "replacements": []}\n{"st')
+    args = parse_args(["--run-dir", str(run), "-q", "local.tensorboard=false"])
+    cfg, local = build_configs(args)
+    d = LocalDriver(cfg, local, run)  # no checkpoint: a fresh start over a run killed before its first save
+    try:
+        assert (run / "evolution.jsonl").read_text() == ""
+    finally:
+        d.close()

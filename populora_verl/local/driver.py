@@ -114,6 +114,7 @@ class LocalDriver:
             self._restore(resumed)
         else:
             self._write_config()
+        self._trim_evolution_log(self.start_step)
         from populora_verl.diagnostics.metrics import MetricsLogger
 
         self.logger = MetricsLogger(self.run_dir, tensorboard=local.tensorboard and _has_tensorboard(),
@@ -156,6 +157,24 @@ class LocalDriver:
                 hf_logging.enable_progress_bar()
             tmp.rename(out)
         return str(out.resolve())
+
+    def _trim_evolution_log(self, step: int) -> None:
+        """Drop evolution events after ``step``, like the metrics log: steps redone after resuming from checkpoint
+        ``step`` (or a fresh start over a run killed before its first checkpoint) must not log their events twice."""
+        path = self.run_dir / "evolution.jsonl"
+        if not path.is_file():
+            return
+        kept = []
+        for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                event_step = int(json.loads(line).get("step", 0))
+            except (ValueError, AttributeError, TypeError):
+                continue  # a half-written last line of a killed run
+            if event_step <= step:
+                kept.append(line + "\n")
+        from populora_verl.fsutil import write_text_atomic
+
+        write_text_atomic(path, "".join(kept))
 
     def _write_config(self) -> None:
         import yaml
