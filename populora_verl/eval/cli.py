@@ -147,9 +147,8 @@ def eval_main(argv: Sequence[str] | None = None) -> int:
 
 
 def _warm(args: argparse.Namespace) -> int:
-    from populora_verl.eval.evaluate import default_cache_dir, warm_expected_cache
-
     from populora_verl.cli_errors import check_output_dir
+    from populora_verl.eval.evaluate import default_cache_dir, warm_expected_cache
 
     cache = check_output_dir(args.cache_dir or default_cache_dir(), "--cache-dir")
     benches = resolve_benchmarks(args.benchmarks, args.data_dir, args.lcb_path)
@@ -160,26 +159,25 @@ def _warm(args: argparse.Namespace) -> int:
 
 
 def _eval(args: argparse.Namespace) -> int:
+    from populora_verl.cli_errors import check_model_path, check_output_dir, check_run_dir
     from populora_verl.eval.backends import build_backend
     from populora_verl.eval.evaluate import default_cache_dir, evaluate
     from populora_verl.eval.report import markdown_table, population_table, write_table
     from populora_verl.eval.sandbox import SandboxLimits
-
-    from populora_verl.cli_errors import check_model_path, check_output_dir, check_run_dir
 
     # Every path before the benchmarks are read and the model loads: a mistake found after generating and grading
     # would throw the whole evaluation away.
     if args.run_dir:
         check_run_dir(args.run_dir, "--run-dir", must_exist=True)
     out = check_output_dir(args.out or (Path(args.run_dir) / "eval" if args.run_dir else "populora_eval"),
-                           "--out" if args.out else "the output folder (--out)")
+                           "--out")
     if args.model:
         check_model_path(args.model, "--model")
     benches = resolve_benchmarks(args.benchmarks, args.data_dir, args.lcb_path)
     members = members_from_args(args)
     model = _base_model(args, members)
     if not args.model:  # the adapters' own base model: a folder that has moved is found here, not after loading
-        check_model_path(model, "the adapters' base_model_name_or_path (pass --model)")
+        check_model_path(model, "--model (from the adapters' base_model_name_or_path)")
     _log(f"model {model}; members {[m.name for m in members]}; benchmarks {benches}; backend {args.backend}")
     if args.backend == "vllm":
         kw = dict(max_new_tokens=args.max_new_tokens, tensor_parallel_size=args.tensor_parallel_size,
