@@ -196,18 +196,21 @@ def _run(args: argparse.Namespace) -> int:
     # Our own notes at INFO; other libraries only when they warn (matplotlib's first-run font cache note is noise).
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     logging.getLogger("populora_verl").setLevel(logging.INFO)
-    if _default_population(args):
-        logging.getLogger("populora_verl.evolution.pbt").addFilter(_DefaultPopulationNote())
     from populora_verl.checkpoint import CheckpointError
     from populora_verl.local.driver import LocalDriver
     from populora_verl.runlock import RunDirInUse
 
+    pbt_log, note = logging.getLogger("populora_verl.evolution.pbt"), _DefaultPopulationNote()
+    if _default_population(args):
+        pbt_log.addFilter(note)  # only while the driver starts: the warning is a start-up check
     try:
         driver = LocalDriver(cfg, local, args.run_dir, model_path=args.model, gguf=args.gguf, resume=args.resume)
     except (FileNotFoundError, FileExistsError, CheckpointError, RunDirInUse) as e:
         if args.debug:
             raise
         raise UsageError(one_line(e)) from None  # the run never started: bad input, exit status 2
+    finally:
+        pbt_log.removeFilter(note)
     try:
         pop = driver.population
         what = "single agent (AZR baseline)" if cfg.population.mode == "single_agent" else \
