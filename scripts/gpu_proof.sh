@@ -4,7 +4,7 @@
 # Run 1: steps 1-2 (evolution + checkpoint at step 2). Run 2: resume from step 2 to step 4 (evolution again at 4).
 # With +trainer.populora_debug_probes=true the trainer prints, per step: a greedy probe under every LoRA id,
 # per-adapter rollout-vs-trainer log-prob diffs, and per-slot bank checksums (only trained slots may change).
-# Run from the repository root with the gpu-bundle environment active. Exit status != 0 if a proof line is missing.
+# Run from the repository root with verl and vLLM importable (scripts/gpu/env.sh). Exit status != 0 if a proof line is missing.
 set -euo pipefail
 MODEL_DIR=${1:?usage: scripts/gpu_proof.sh MODEL_DIR OUT_DIR [overrides...]}
 OUT_DIR=${2:?usage: scripts/gpu_proof.sh MODEL_DIR OUT_DIR [overrides...]}
@@ -47,7 +47,7 @@ run() {  # run <name> <total_steps>
 # GPU_PROOF_PHASE=run1 | run2 | all: the two runs can go in separate calls (each under a call's time limit) when
 # OUT_DIR persists between them (e.g. under /tmp on a warm machine); the checks run after run2.
 # GPU_PROOF_PHASE=one: a single run to step 3 (evolution and checkpoint at 2, the evolved members served at 3), no
-# resume: half the device time of `all`, for when resume is already proven on that layout.
+# resume: half the GPU time of `all`, for when resume is already proven on that layout.
 PHASE=${GPU_PROOF_PHASE:-all}
 case "$PHASE" in all | run1 | run2 | one) ;; *) echo "gpu_proof: GPU_PROOF_PHASE must be all, run1, run2 or one, got '$PHASE'" >&2; exit 2 ;; esac
 if [ "$PHASE" = one ]; then

@@ -74,7 +74,7 @@ def test_run_setting_counts_and_solve_rates(ex, tmp_path):
                  io_answer("import random\ndef f(x):\n    return x", "3")]
     answer6 = "trace</think>\n<answer>\n```output\n6\n```\n</answer>"
     eng = ScriptedEngine(build_tiny_tokenizer(), [proposals, lambda n: [answer6] * n])
-    res = V.run_setting(eng, V.Setting("m", "azr-raw", 64, 1.0), types=["code_o"], proposals=4, student_n=3,
+    res = V.run_setting(eng, V.Setting("m", "azr", 64, 1.0), types=["code_o"], proposals=4, student_n=3,
                         seed_file=str(seed), executor=ex, workers=2)
     r = res["types"]["code_o"]
     assert (r["proposals"], r["valid"], r["format_error"], r["invalid"], r["hit_cap"]) == (4, 2, 1, 1, 1)
@@ -83,7 +83,7 @@ def test_run_setting_counts_and_solve_rates(ex, tmp_path):
     assert (r["solved_valid"], r["answers_valid"]) == (3, 6)  # "6" solves only the x * 2 task
     assert (r["solved_seed"], r["answers_seed"]) == (0, 3)
     table = V.render_table([res])
-    assert "| m | azr-raw | 64 | 1 | code_o | 2/4 (50%) | 1 | 1 |" in table
+    assert "| m | azr | 64 | 1 | code_o | 2/4 (50%) | 1 | 1 |" in table
 
 
 def test_encode_prompt_templates():
@@ -91,11 +91,38 @@ def test_encode_prompt_templates():
 
     tok = build_tiny_tokenizer()
     tok.chat_template = "{% for m in messages %}[U]{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}[A]{% endif %}"
-    raw = V.encode_prompt(tok, "User: hi\nAssistant: <think>", "azr-raw", 4096)
-    wrapped = V.encode_prompt(tok, "User: hi\nAssistant: <think>", "azr", 4096)
+    raw = V.encode_prompt(tok, "User: hi\nAssistant: <think>", "azr", 4096)
+    wrapped = V.encode_prompt(tok, "User: hi\nAssistant: <think>", "azr-in-chat", 4096)
     assert tok.decode(raw) == "User: hi\nAssistant: <think>"
-    assert tok.decode(wrapped) == "[U]User: hi\nAssistant: <think>[A]"  # as verl's agent loop feeds a text prompt
-    assert len(V.encode_prompt(tok, "x " * 200, "azr-raw", 16)) == 16
+    assert tok.decode(wrapped) == "[U]User: hi\nAssistant: <think>[A]"  # the comparison form: text in a chat turn
+    assert len(V.encode_prompt(tok, "x " * 200, "azr", 16)) == 16
+
+
+@pytest.mark.parametrize("template", ["azr", "chat"])
+def test_a_template_name_means_what_training_sends(template):
+    """The probe's ``azr`` / ``chat`` are the token ids training sends for ``tasks.prompt_template=azr`` / ``chat``
+    (the proposer prompt of the population step, through training's own encoder), and the default is training's."""
+    from populora_verl.config import load_config
+    from populora_verl.local.tiny import build_tiny_tokenizer
+    from populora_verl.step.task_env import TaskEnv
+    from populora_verl.tasks.prompts import encode_prompt as training_encode
+
+    assert V.build_parser().parse_args(["--model", "m"]).templates == [PopuLoRAConfig().tasks.prompt_template]
+    assert set(V.TRAINING_TEMPLATES) == {"azr", "chat"} and "azr-raw" not in V.TEMPLATES
+    tok = build_tiny_tokenizer()
+    tok.chat_template = "{% for m in messages %}<|u|>{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}<|a|>{% endif %}"
+    cfg = load_config({"tasks": {"prompt_template": template}})
+    assert V.build_config(template, None, {}).tasks.prompt_template == template
+    import random
+
+    env = TaskEnv(cfg)
+    try:
+        prompt, _meta = env.proposer_request("code_o", random.Random(0))
+    finally:
+        env.close()
+    assert V.encode_prompt(tok, prompt, template, 10**6) == list(training_encode(tok, prompt))
+    if template == "azr":  # the plain text, not wrapped in the chat template
+        assert "<|u|>" not in tok.decode(V.encode_prompt(tok, prompt, template, 10**6))
 
 
 def test_stop_token_ids_merge_generation_config():
@@ -121,14 +148,14 @@ def test_command_on_hf_engine_with_tiny_model(tmp_path, capsys):
     seed.write_text(json.dumps({"program": "def f(a):\n    return a * 2\n", "input": "3", "output": "6"}) + "\n"
                     + json.dumps({"program": "def f(a):\n    return -a\n", "inputs": ["1", "2"], "outputs": ["-1", "-2"],
                                   "message": "negate"}) + "\n")
-    rc = V.main(["--model", str(tmp_path / "tiny"), "--engine", "hf", "--templates", "chat", "azr-raw",
+    rc = V.main(["--model", str(tmp_path / "tiny"), "--engine", "hf", "--templates", "chat", "azr",
                  "--seed-file", str(seed),
                  "--lengths", "8", "--temperatures", "1.0", "--proposals", "2", "--student-n", "1",
                  "--types", "code_o", "code_f", "--workers", "2", "--set", "populora.tasks.num_references=1",
                  "--out", str(out)])
     assert rc == 0
     data = json.loads((out / "results.json").read_text())
-    assert [r["setting"]["template"] for r in data["results"]] == ["chat", "azr-raw"]
+    assert [r["setting"]["template"] for r in data["results"]] == ["chat", "azr"]
     for res in data["results"]:
         for tt in ("code_o", "code_f"):
             r = res["types"][tt]
@@ -161,9 +188,12 @@ def test_model_without_chat_template_is_one_line(tmp_path, capsys):
                  "--out", str(tmp_path / "out")])
     assert rc == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert err.startswith("error:") and "no chat template" in err and "azr-raw" in err
-    assert V.main(["--model", str(tmp_path / "nowhere"), "--engine", "hf", "--out", str(tmp_path / "o")]) == 2
-    assert capsys.readouterr().err.strip().splitlines()[-1] == f"error: --model {tmp_path / 'nowhere'}: not a folder"
+    assert err.startswith("populora_verl.bench.validity: error:") and "no chat template" in err and "(use azr)" in err
+    assert not (tmp_path / "out").exists()  # nothing written for a setting that could not run
+    assert V.main(["--model", str(tmp_path / "tiny"), str(tmp_path / "nowhere"), "--engine", "hf",
+                   "--out", str(tmp_path / "o")]) == 2  # the second model is checked before the first one loads
+    assert capsys.readouterr().err.strip().splitlines()[-1] == \
+        f"populora_verl.bench.validity: error: --model {tmp_path / 'nowhere'}: no such directory"
 
 
 def test_prompt_files_are_a_setting_dimension(tmp_path):
@@ -175,10 +205,10 @@ def test_prompt_files_are_a_setting_dimension(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("solve_code_o: 'uses {nonsense}'\n", encoding="utf-8")
     assert V.main(["--model", str(tmp_path / "nowhere"), "--prompt-files", str(bad), "--out", str(tmp_path / "o")]) == 2
-    settings = [V.Setting("m", "azr-raw", 8, 1.0, f) for f in (None, str(good))]
+    settings = [V.Setting("m", "azr", 8, 1.0, f) for f in (None, str(good))]
     assert settings[1].label.endswith("w 8 T=1") and " w " in settings[1].label
-    cfg = V.build_config("azr-raw", None, {"tasks.prompt_file": str(good)})
+    cfg = V.build_config("azr", None, {"tasks.prompt_file": str(good)})
     assert cfg.tasks.templates["solve_code_o"].startswith("Output of f")
-    row = {"setting": {"model": "m", "template": "azr-raw", "max_tokens": 8, "temperature": 1.0,
+    row = {"setting": {"model": "m", "template": "azr", "max_tokens": 8, "temperature": 1.0,
                        "prompt_file": str(good)}, "types": {}}
     assert _json.dumps(row) and V.render_table([row]).count("\n") == 2

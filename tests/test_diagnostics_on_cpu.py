@@ -374,7 +374,7 @@ def test_plots_cli(tmp_path):
     assert (tmp_path / "plots" / "ratings.png").read_bytes()[:8] == PNG_MAGIC
 
 
-# --- plots a person reads at a glance (issue 16 item 8) and runs compared (issue 13 item 4) --------------------
+# --- plots a person reads at a glance, and runs compared -------------------------------------------------------
 
 
 def _events_log(run_dir, plans):
@@ -428,7 +428,8 @@ def test_ratings_plot_integer_steps_markers_one_step_child_and_events(tmp_path, 
     ticks = [t for t in ax.get_xticks() if ax.get_xlim()[0] <= t <= ax.get_xlim()[1]]
     assert ticks and all(float(t).is_integer() for t in ticks)
     member_lines = {ln.get_label(): ln for ln in ax.get_lines() if ln.get_label() in ("t0", "t1", "t2")}
-    assert list(member_lines["t2"].get_xdata()) == [4.0] and member_lines["t2"].get_marker() not in (None, "None", "")
+    # t2 ties t0 at step 4, so the two are drawn a fraction of a step apart
+    assert [round(x) for x in member_lines["t2"].get_xdata()] == [4] and member_lines["t2"].get_marker() not in (None, "None", "")
     vlines = [ln for ln in ax.get_lines() if list(ln.get_xdata()) == [3.5, 3.5]]
     assert len(vlines) == 1
     assert any("t2 = neftune(t0)" in t.get_text() for t in ax.texts)
@@ -494,6 +495,58 @@ def test_report_compare_cli_writes_figures_and_summary(tmp_path):
 def test_report_compare_missing_run_is_one_line(tmp_path, capsys):
     from populora_verl.eval.cli import report_main
 
-    assert report_main(["--compare", str(tmp_path / "nope"), "--out", str(tmp_path / "cmp")]) == 1
+    assert report_main(["--compare", str(tmp_path / "nope"), "--out", str(tmp_path / "cmp")]) == 2
     err = capsys.readouterr().err.strip()
-    assert err == f"populora-report: error: {tmp_path / 'nope'}: no metrics.jsonl (--debug shows the traceback)"
+    assert err == f"populora-report: error: --compare {tmp_path / 'nope'}: no such directory"
+    (tmp_path / "empty").mkdir()
+    assert report_main(["--compare", str(tmp_path / "empty"), "--out", str(tmp_path / "cmp")]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err == f"populora-report: error: {tmp_path / 'empty'}: no metrics.jsonl (--debug shows the traceback)"
+
+
+def _captured_figure(monkeypatch):
+    import populora_verl.diagnostics.plots as P
+
+    figs = []
+    monkeypatch.setattr(P, "_save", lambda fig, out: figs.append(fig) or out)
+    return figs
+
+
+def test_tied_members_stay_visible_in_ratings(tmp_path, monkeypatch):
+    """Founders share a rating until their first game: each tied member is drawn beside the other, not under it."""
+    from populora_verl.diagnostics.plots import plot_ratings
+
+    rows = [{"step": s, "populora/rating/t0/mu": 20.0, "populora/rating/t0/sigma": 6.0,
+             "populora/rating/t1/mu": 20.0 if s == 1 else 21.0, "populora/rating/t1/sigma": 6.0,
+             "populora/rating/t2/mu": 25.0, "populora/rating/t2/sigma": 6.0} for s in (1, 2)]
+    figs = _captured_figure(monkeypatch)
+    plot_ratings(rows, tmp_path / "r.png")
+    lines = {ln.get_label(): ln for ln in figs[0].axes[0].get_lines()}
+    x0, x1, x2 = (list(lines[m].get_xdata()) for m in ("t0", "t1", "t2"))
+    assert x0[0] != x1[0] and abs(x0[0] - x1[0]) < 0.5  # side by side, within the step
+    assert lines["t0"].get_linestyle() != lines["t1"].get_linestyle()
+    assert x2 == [1.0, 2.0]  # a member tied with nobody stays on its step
+
+
+def test_solve_rate_title_says_what_is_drawn(tmp_path, monkeypatch):
+    from populora_verl.diagnostics.plots import plot_solve_rates
+
+    figs = _captured_figure(monkeypatch)
+    plot_solve_rates([{"step": 1, "populora/student/accuracy": 0.0}], tmp_path / "a.png")
+    assert "per (teacher, student) pair" not in figs[-1].axes[0].get_title()
+    assert "all answers" in figs[-1].axes[0].get_title()
+    plot_solve_rates([{"step": 1, "populora/student/accuracy": 0.5, "populora/pair/t0/s0/solve_rate": 0.5}],
+                     tmp_path / "b.png")
+    assert figs[-1].axes[0].get_title() == "Student solve rate per (teacher, student) pair"
+
+
+def test_plots_cli_errors_are_one_line(tmp_path, capsys):
+    from populora_verl.diagnostics.plots import main
+
+    assert main([str(tmp_path / "nope")]) == 2
+    assert capsys.readouterr().err.strip() == (f"populora_verl.diagnostics.plots: error: run {tmp_path / 'nope'}: no "
+                                               "such run directory or metrics file")
+    synthetic_log(tmp_path, steps=2)
+    (tmp_path / "f").write_text("x")
+    assert main([str(tmp_path), "--out", str(tmp_path / "f")]) == 2
+    assert capsys.readouterr().err.strip().endswith(f"--out {tmp_path / 'f'}: is a file, not a folder")

@@ -1,4 +1,4 @@
-"""The red-team findings of issue 11, one test (or more) per defect. Each failed on the executor before the fix."""
+"""The red-team findings against the executor, one test (or more) per defect. Each failed on the executor before the fix."""
 
 from __future__ import annotations
 

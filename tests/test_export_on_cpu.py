@@ -70,10 +70,13 @@ def test_export_errors(run, tmp_path, capsys):
     export_member(run_dir, "t0", tmp_path / "o", overwrite=True, base_model="Qwen/Qwen2.5-Coder-0.5B-Instruct")
     assert json.loads((tmp_path / "o" / "adapter_config.json").read_text())["base_model_name_or_path"] == \
         "Qwen/Qwen2.5-Coder-0.5B-Instruct"
-    assert main([str(tmp_path / "nothing"), "t0", str(tmp_path / "p")]) == 1
+    assert main([str(tmp_path / "nothing"), "t0", str(tmp_path / "p")]) == 2
     err = capsys.readouterr().err.strip()
-    assert err == f"populora-export: error: run directory {tmp_path / 'nothing'} does not exist " \
-                  "(--debug shows the traceback)"
+    assert err == f"populora-export: error: run_dir {tmp_path / 'nothing'}: no such directory"
+    (tmp_path / "file").write_text("x")
+    assert main([str(run_dir), "t0", str(tmp_path / "file" / "p")]) == 2  # checked before anything is copied
+    assert capsys.readouterr().err.strip() == (f"populora-export: error: out's parent folder {tmp_path / 'file'}: "
+                                               "is a file, not a folder")
 
 
 def test_verl_layout_is_found(run, tmp_path):

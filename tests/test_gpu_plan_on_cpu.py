@@ -1,4 +1,4 @@
-"""populora_verl.bench.gpu_plan: phases of GPU jobs side by side on one host (issue 14), run here with shell jobs."""
+"""populora_verl.bench.gpu_plan: phases of GPU jobs side by side on one host, run here with shell jobs."""
 
 from __future__ import annotations
 
@@ -134,7 +134,7 @@ def test_shipped_plans_parse_for_the_host_they_name():
     plans = sorted((Path(__file__).resolve().parents[1] / "scripts" / "gpu" / "plans").glob("*.plan"))
     assert plans
     for p in plans:
-        gpus = 4 if "x4" in p.name else 2 if "x2" in p.name else 1
+        gpus = int(p.name.split("gpu_", 1)[0]) if "gpu_" in p.name else 1  # 2gpu_..., 4gpu_...: the host's GPUs
         assert gpu_plan.parse_plan(p.read_text(), gpu_count=gpus)
 
 

@@ -46,6 +46,9 @@ def test_population_run_end_to_end(tmp_path):
     evo = [json.loads(x) for x in (tmp_path / "evolution.jsonl").read_text().splitlines()]
     assert len(evo) == 1 and len(evo[0]["replacements"]) == 2
     ck = tmp_path / "checkpoints" / "step_3"
+    # local.keep_checkpoints (default 2): a checkpoint every step, the two newest kept
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["latest", "step_2", "step_3"]
+    assert not (tmp_path / "run.lock").exists()  # close() freed the run directory
     for m in pop.members:
         assert (ck / "population" / "adapters" / m.id / "adapter_model.safetensors").is_file()
         assert (ck / "optimizer" / f"{m.id}.pt").is_file()
@@ -112,3 +115,13 @@ def test_cli_rejects_bad_config_with_one_line(tmp_path, capsys, override, key):
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and key in err
     assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_quiet_drops_the_bar_but_keeps_the_step_lines(tmp_path, capsys):
+    assert main(["--run-dir", str(tmp_path / "r"), "-q", "--steps", "1", "populora.rollout.max_new_tokens=8",
+                 "local.tensorboard=false", "populora.diagnostics.plots=false"]) == 0
+    out, err = capsys.readouterr()
+    assert "step 1/1 | teachers: " in out
+    assert "step/s" not in out + err  # no progress bar
+    # no start-up warning about the driver's own default population (2T+2S: one lineage per role is the demo)
+    assert "sub-population has 2 members" not in out + err

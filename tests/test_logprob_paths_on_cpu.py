@@ -1,4 +1,4 @@
-"""populora_verl.bench.logprob_paths: verl's per-token log-prob fallback against vectorised paths (issue 12)."""
+"""populora_verl.bench.logprob_paths: verl's per-token log-prob fallback against vectorised paths."""
 
 from __future__ import annotations
 

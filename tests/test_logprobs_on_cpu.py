@@ -1,4 +1,4 @@
-"""populora_verl.workers.logprobs: verl's log-prob fallback without its per-token loop (issue 12)."""
+"""populora_verl.workers.logprobs: verl's log-prob fallback without its per-token loop."""
 
 from __future__ import annotations
 

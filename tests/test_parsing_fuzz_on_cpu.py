@@ -1,4 +1,4 @@
-"""Host-side parsers of model text never raise and stay linear (issue 11): proposals, answers, inputs.
+"""Host-side parsers of model text never raise and stay linear: proposals, answers, inputs.
 
 Hypothesis drives every parser with random and adversarial text; the executor is a fake (no processes), so
 this file is fast. Pathological shapes the red team used are tested by name as well.

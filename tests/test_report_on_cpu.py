@@ -131,7 +131,7 @@ def test_run_report_without_eval_or_population(tmp_path):
         build_run_report(tmp_path / "missing")
 
 
-# --- 95% intervals (issue 13 item 3) ---------------------------------------------------------------------------
+# --- 95% intervals ----------------------------------------------------------------------------------------------
 
 
 def _paired_results() -> dict:

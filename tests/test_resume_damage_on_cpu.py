@@ -103,12 +103,18 @@ def test_cli_resume_errors_are_one_line(damaged, capsys):
     rc = main(["--run-dir", str(damaged), "--resume", "-q"])
     err = capsys.readouterr().err
     assert rc == 2 and err.count("\n") == 1 and "Traceback" not in err
-    assert err.startswith("error: no checkpoint in") and "can be loaded" in err
+    assert err.startswith("populora-local: error: no checkpoint in") and "can be loaded" in err
     rc = main(["--run-dir", str(damaged / "missing"), "--resume", "-q"])
     err = capsys.readouterr().err
-    assert rc == 2 and err.strip() == (f"error: --resume: no complete checkpoint in {damaged / 'missing' / 'checkpoints'}; "
+    assert rc == 2 and err.strip() == (f"populora-local: error: --resume: no run directory {damaged / 'missing'}; "
                                        "drop --resume to start a new run there")
     assert not (damaged / "missing").exists()
+    (damaged / "empty").mkdir()
+    rc = main(["--run-dir", str(damaged / "empty"), "--resume", "-q"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.strip() == (f"populora-local: error: --resume: no complete checkpoint in "
+                                       f"{damaged / 'empty' / 'checkpoints'}; drop --resume to start a new run there")
+    assert sorted((damaged / "empty").iterdir()) == []  # the refused resume wrote nothing there
 
 
 # --- the verl trainer: global_step_N folders -----------------------------------------------------------------

@@ -153,3 +153,42 @@ def test_kill_during_save_never_loads_half_checkpoint(uninterrupted, tmp_path, m
     assert d.start_step == 1
     assert not (ckdir / "step_2.tmp").exists()
     _assert_same(uninterrupted, tmp_path)
+
+
+def test_keep_checkpoints_prunes_old_steps_but_never_latest(tmp_path):
+    """``local.keep_checkpoints`` (default 2): the newest N complete checkpoints stay, what ``latest`` names is
+    never deleted, incomplete folders are left for the next save, and 0 keeps all."""
+    from populora_verl.checkpoint import latest_checkpoint, list_checkpoints, prune_checkpoints
+    from populora_verl.local.config import LocalConfig, load_local_config
+
+    assert LocalConfig().keep_checkpoints == 2
+    from populora_verl.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^local\.keep_checkpoints: must be an integer >= 0"):
+        load_local_config({"keep_checkpoints": -1})
+    root = tmp_path / "checkpoints"
+    for step in range(1, 6):
+        (root / f"step_{step}").mkdir(parents=True)
+        (root / f"step_{step}" / "COMPLETE").write_text("")
+    (root / "step_6.tmp").mkdir()
+    (root / "latest").write_text("step_2\n")  # e.g. a resume re-pointed latest at an older step
+    gone = prune_checkpoints(tmp_path, 2)
+    assert [p.name for p in gone] == ["step_1", "step_3"]
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_2", "step_4", "step_5"]
+    assert latest_checkpoint(tmp_path).name == "step_2" and (root / "step_6.tmp").is_dir()
+    assert not [p for p in root.iterdir() if p.name.startswith(".")]  # the renamed-aside folders are gone too
+
+
+def test_events_after_the_checkpoint_are_not_logged_twice(tmp_path):
+    """A run killed after an evolution event but before the checkpoint of that step redoes the step on resume; the
+    event log keeps the events up to the checkpoint only, as the metrics log does."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "evolution.jsonl").write_text('{"step": 2, "replacements": []}\n{"step": 4, "replacements": []}\n{"st')
+    args = parse_args(["--run-dir", str(run), "-q", "local.tensorboard=false"])
+    cfg, local = build_configs(args)
+    d = LocalDriver(cfg, local, run)  # no checkpoint: a fresh start over a run killed before its first save
+    try:
+        assert (run / "evolution.jsonl").read_text() == ""
+    finally:
+        d.close()

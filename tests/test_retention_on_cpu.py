@@ -116,7 +116,7 @@ def test_retention_real_end_to_end_on_a_tiny_model(tmp_path):
     assert all(p > b + 0.05 for p, b in zip(info["parent_logp"], info["base_logp"]))
     mutations = {r.operator: r for r in rows if r.kind == "mutation" and r.params == dict(OPERATORS[r.operator].defaults)}
     assert len(mutations) == sum(op.kind == "mutation" for op in OPERATORS.values())
-    for r in mutations.values():  # the target: every mutation keeps >= 0.9 at default strength
+    for r in mutations.values():  # the target: every mutation keeps >= 0.9 at default strength
         assert r.retention >= 0.9, r
     old_neftune = next(r for r in rows if r.operator == "neftune" and r.params["alpha"] == 10.0)
     assert old_neftune.gain_kept < mutations["neftune"].gain_kept

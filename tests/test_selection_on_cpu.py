@@ -1,4 +1,4 @@
-"""Selection faithful to PopuLoRA (issue 10: items 1, 8, 9, 12): the final quiet window and member ages, the
+"""Selection faithful to PopuLoRA: the final quiet window and member ages, the
 ``learnable`` match outcome, newborn protection, one founder lora_A, and the verl path keeping the parent's Adam
 moments like the CPU driver."""
 

@@ -48,6 +48,17 @@ def test_model_path_is_checked(tmp_path, model_dir, monkeypatch):
         preflight(_compose("2t2s", ["actor_rollout_ref.model.path=Qwen/Qwen2.5-Coder-7B"]), check_gpus=False)
 
 
+@pytest.mark.parametrize("recipe", ["smoke_0.5b", "qwen1.5b_1gpu_2t2s", "qwen1.5b_1gpu_single"])
+def test_a_one_gpu_recipe_without_a_model_stops_instead_of_taking_the_7b(recipe):
+    """The one-GPU recipes name no model; the base's paper model must not fill the gap (a 1.5B run silently
+    downloading and training the 7B), nor may verl's own placeholder path pass for a folder that is missing."""
+    cfg = _compose(recipe)
+    assert "7B" not in str(cfg.actor_rollout_ref.model.path)
+    with pytest.raises(ConfigError, match=r"^actor_rollout_ref\.model\.path: is required"):
+        preflight(cfg, check_gpus=False)
+    assert _compose("4t4s").actor_rollout_ref.model.path == "Qwen/Qwen2.5-Coder-7B"  # the paper recipes keep theirs
+
+
 def test_gpus_and_keys_are_checked(model_dir, monkeypatch):
     import torch
 
@@ -76,6 +87,8 @@ def test_verl_main_stops_in_one_line_before_ray(tmp_path):
     assert r.stderr.strip().splitlines()[-1] == "populora: actor_rollout_ref.model.path: no such directory " \
                                                 "'/nonexistent/model'"
     assert "Traceback" not in r.stderr and "ray" not in r.stdout.lower()
+    # a failed start leaves no Hydra outputs/DATE/TIME/ folder behind, and no run directory
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
 
 
 @pytest.mark.parametrize("tie,fails", [(False, True), (True, False), (None, False)])

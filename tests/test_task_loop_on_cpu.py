@@ -1,4 +1,4 @@
-"""The AZR task loop as AZR runs it (issue 10): one prompt tokenization for both engines, prompts and the
+"""The AZR task loop as AZR runs it: one prompt tokenization for both engines, prompts and the
 ``tasks.prompt_file``, solver batches, the seeding phase, per-adapter compute counts and teacher-only diagnostics."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""populora_verl.bench.trace_summary: the markdown summary of a torch profiler chrome trace (issue 12's next
-measurement is a profile of one update_actor call on the GPU; its trace is too large to bring back whole)."""
+"""populora_verl.bench.trace_summary: the markdown summary of a torch profiler chrome trace (a profile of one
+update_actor call on the GPU is too large to bring back whole)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Run phases of GPU jobs on one host: the jobs of a phase at once, each on its own GPUs, phase after phase.
 
-A 4-GPU machine can then run two 2-GPU proofs side by side instead of one after the other (issue 14), and the
-device budget pays for one staging. The plan is a text file, one job per line, ``---`` between phases::
+A 4-GPU machine can then run two 2-GPU proofs side by side instead of one after the other, and the machine is
+staged once for all of them. The plan is a text file, one job per line, ``---`` between phases::
 
     # GPUs   name             command (bash; runs in the repo root)
     0,1,2,3  shard_check4     bash scripts/gpu/multi_gpu_proof.sh shard_check 4

@@ -1,7 +1,7 @@
-"""Per-token log-probabilities in the actor: verl's fallback against vectorised paths (issue 12).
+"""Per-token log-probabilities in the actor: verl's fallback against vectorised paths.
 
 verl 0.9.1 computes the actor's log-probs with ``verl.utils.torch_functional.logprobs_from_logits``. Without the
-``flash_attn`` package (no wheel for our GPU image: the bundle carries only vLLM's own FlashAttention) it falls back
+``flash_attn`` package (no wheel for the tested GPU stack, which has only vLLM's own FlashAttention) it falls back
 to ``logprobs_from_logits_v2``, which loops in Python over the first dimension of the logits. verl's engine hands it
 packed logits of shape ``(tokens, vocab)``, so the loop runs once per token, forward and backward: a cost per token
 that does not depend on the model's size. This bench times that path against two that do not loop per token, on the

@@ -10,7 +10,7 @@
 3. For every registered operator at its default strength (plus a strength sweep of the mutations unless
    ``--no-sweep``) makes ``--children`` children and scores them right away.
 
-**Score** (stated, as the issue asks): the per-token likelihood ``exp(mean log p)`` of a parent's own training
+**Score** (stated here so results can be compared): the per-token likelihood ``exp(mean log p)`` of a parent's own training
 answers (the tasks it was fine-tuned on) given their prompts; for a crossover, of the fitter parent ``parents[0]``.
 ``retention = child score / parent score``. The table also gives **gain kept**
 ``(log p_child - log p_base) / (log p_parent - log p_base)``: how much of what the fine-tune taught survives
@@ -280,6 +280,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     if not args.model or not Path(args.model).is_dir():
         p.error(f"--model: no model folder {args.model!r} (set $MODEL_DIR or pass --model)")
+    if args.out and (Path(args.out).is_dir() or not Path(args.out).absolute().parent.is_dir()):
+        p.error(f"--out {args.out}: not a file in an existing folder")  # before minutes of fine-tuning
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     rows, info = run(args.model, device=args.device, dtype=args.dtype, rank=args.rank, alpha=args.alpha,

@@ -26,7 +26,7 @@ Per configuration, from verl's ``file`` logger (one JSON line per step) and a cl
 After a model's configurations, :mod:`populora_verl.bench.ceiling` runs plain vLLM offline ``generate`` with the same
 model, LoRA count, request counts and prompt/answer lengths as each measured configuration, and the report gives our
 generation tokens/s as a fraction of it. Everything is written as it lands (``results.json``/``results.md`` per model,
-``progress.json``), so a run started with ``setsid`` survives between device calls and ``--status`` can be polled.
+``progress.json``), so a run started with ``setsid`` survives the shell that started it and ``--status`` can be polled.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ markdown table, small enough to bring back from the GPU machine where the trace 
 
     python -m populora_verl.bench.trace_summary TRACE.json.gz [--top 25] [--out summary.md]
 
-What it answers for issue 12 ("where does one update_actor call spend its time?"):
+What it answers ("where does one update_actor call spend its time?"):
 
 * the span of each verl stage marker (``user_annotation`` events such as ``update_actor``, ``compute_log_prob``) and
   how much of that span the GPU was busy (union of kernel intervals, so overlapping streams count once);

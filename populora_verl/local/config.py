@@ -45,6 +45,9 @@ class LocalConfig:
     lora_alpha: int = 16
     lora_target_modules: list[str] = field(default_factory=lambda: ["q_proj", "v_proj"])
     save_every: int = 1  # checkpoint every N steps (and at the end); 0: only at the end
+    # Complete checkpoints kept on disk; older ones are deleted after each save. 2 keeps what resume and evaluation
+    # read (the newest) plus the one resume falls back to when the newest is damaged. 0 keeps all.
+    keep_checkpoints: int = 2
     dtype: str = "float32"
     tensorboard: bool = True
     progress: bool = True
@@ -63,6 +66,9 @@ class LocalConfig:
         _check(0 < self.top_p <= 1, f"{p}.top_p", f"must be in (0, 1], got {self.top_p!r}")
         _check(len(self.lora_target_modules) >= 1, f"{p}.lora_target_modules", "must name at least one module")
         _check(isinstance(self.save_every, int) and self.save_every >= 0, f"{p}.save_every", "must be an integer >= 0")
+        _check(isinstance(self.keep_checkpoints, int) and not isinstance(self.keep_checkpoints, bool)
+               and self.keep_checkpoints >= 0, f"{p}.keep_checkpoints",
+               f"must be an integer >= 0 (0 keeps every checkpoint), got {self.keep_checkpoints!r}")
         _choice(self.dtype, ("float32", "bfloat16", "float16"), f"{p}.dtype")
 
 

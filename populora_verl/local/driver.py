@@ -16,7 +16,8 @@ import numpy as np
 import torch
 
 from populora_verl.checkpoint import (CheckpointError, Checkpoint, capture_rng_state, latest_checkpoint,
-                                      load_latest_checkpoint, restore_rng_state, save_checkpoint)
+                                      load_latest_checkpoint, prune_checkpoints, restore_rng_state,
+                                      save_checkpoint)
 from populora_verl.config import PopuLoRAConfig, to_dict
 from populora_verl.evolution.pbt import append_event
 from populora_verl.local.config import LocalConfig
@@ -71,6 +72,18 @@ class LocalDriver:
                  resume: bool = False, executor: Any = None) -> None:
         self.cfg, self.local = cfg, local
         self.run_dir = Path(run_dir)
+        from populora_verl.runlock import claim_run_dir
+
+        # One writer per run directory: a second run here would interleave metrics and race on checkpoints.
+        self._lock = claim_run_dir(self.run_dir, what="--run-dir")
+        try:
+            self._start(cfg, local, model, tokenizer, model_path, gguf, resume, executor)
+        except BaseException:
+            self._lock.abandon()  # a failed start leaves no debris: a folder this run created goes with its lock
+            raise
+
+    def _start(self, cfg: PopuLoRAConfig, local: LocalConfig, model: Any, tokenizer: Any, model_path: str | None,
+               gguf: str | None, resume: bool, executor: Any) -> None:
         ckpt = latest_checkpoint(self.run_dir)
         if resume and ckpt is None:
             # Starting fresh here would silently throw away what the user meant to continue.
@@ -80,7 +93,6 @@ class LocalDriver:
             # A fresh run here would interleave its metrics and checkpoints with the old run's.
             raise FileExistsError(f"run dir {self.run_dir} already holds a run (checkpoint {ckpt.name}): pass "
                                   "--resume to continue it, or choose another --run-dir")
-        self.run_dir.mkdir(parents=True, exist_ok=True)
         # On --resume, find a checkpoint that loads before spending time on the model.
         resumed = load_latest_checkpoint(self.run_dir) if resume else None
         self.seed = int(cfg.population.seed)
@@ -102,6 +114,7 @@ class LocalDriver:
             self._restore(resumed)
         else:
             self._write_config()
+        self._trim_evolution_log(self.start_step)
         from populora_verl.diagnostics.metrics import MetricsLogger
 
         self.logger = MetricsLogger(self.run_dir, tensorboard=local.tensorboard and _has_tensorboard(),
@@ -134,10 +147,34 @@ class LocalDriver:
         out = self.run_dir / "base_model"
         if not (out / "config.json").exists():
             tmp = self.run_dir / "base_model.tmp"
-            model.save_pretrained(tmp)
-            tokenizer.save_pretrained(tmp)
+            from transformers.utils import logging as hf_logging
+
+            hf_logging.disable_progress_bar()  # a 1-shard progress bar for a few MB only clutters the first screen
+            try:
+                model.save_pretrained(tmp)
+                tokenizer.save_pretrained(tmp)
+            finally:
+                hf_logging.enable_progress_bar()
             tmp.rename(out)
         return str(out.resolve())
+
+    def _trim_evolution_log(self, step: int) -> None:
+        """Drop evolution events after ``step``, like the metrics log: steps redone after resuming from checkpoint
+        ``step`` (or a fresh start over a run killed before its first checkpoint) must not log their events twice."""
+        path = self.run_dir / "evolution.jsonl"
+        if not path.is_file():
+            return
+        kept = []
+        for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                event_step = int(json.loads(line).get("step", 0))
+            except (ValueError, AttributeError, TypeError):
+                continue  # a half-written last line of a killed run
+            if event_step <= step:
+                kept.append(line + "\n")
+        from populora_verl.fsutil import write_text_atomic
+
+        write_text_atomic(path, "".join(kept))
 
     def _write_config(self) -> None:
         import yaml
@@ -148,9 +185,12 @@ class LocalDriver:
     def save(self, step: int) -> Path:
         optim = {m.id: self.engine.optimizer_state(slot_name(m.slot)) for m in self.population.members}
         lora_config = dict(self.engine.lora_config_dict(), base_model_name_or_path=self.base_model_path)
-        return save_checkpoint(self.run_dir, step, population=self.population, adapters=self.adapters(),
+        path = save_checkpoint(self.run_dir, step, population=self.population, adapters=self.adapters(),
                                lora_config=lora_config, optimizers=optim,
                                step_state=self.step_obj.state_dict(), rng=capture_rng_state())
+        if self.local.keep_checkpoints:
+            prune_checkpoints(self.run_dir, self.local.keep_checkpoints)
+        return path
 
     def _restore(self, ck: Checkpoint) -> None:
         path = ck.path
@@ -247,9 +287,9 @@ class LocalDriver:
             for step in range(self.start_step + 1, total + 1):
                 result, metrics = self.run_step(step)
                 self.history.append(self.logger.log(metrics, step))
-                if self.local.progress:  # one line per step a user can follow (populora_verl.local.progress)
-                    line = step_line(step, total, result, metrics, self.population, self.last_plan)
-                    bar.write(line) if bar is not None else print(line, flush=True)
+                # One line per step a user can follow (populora_verl.local.progress); -q drops only the bar.
+                line = step_line(step, total, result, metrics, self.population, self.last_plan)
+                bar.write(line) if bar is not None else print(line, flush=True)
                 every = self.local.save_every
                 if (every and step % every == 0) or step == total:
                     self.save(step)
@@ -265,12 +305,24 @@ class LocalDriver:
         if self.cfg.diagnostics.plots and (self.run_dir / "metrics.jsonl").exists():
             from populora_verl.diagnostics.plots import plot_all
 
-            plot_all(self.run_dir / "metrics.jsonl", self.run_dir / "plots")
+            # The summary lists the plots drawn; a note per plot without data yet (complexity, on the tiny model
+            # always) would read as a fault on a first run.
+            notes = logging.getLogger("populora_verl.diagnostics.plots")
+            level = notes.level
+            notes.setLevel(logging.WARNING)
+            try:
+                plot_all(self.run_dir / "metrics.jsonl", self.run_dir / "plots")
+            finally:
+                notes.setLevel(level)
         return self.history
 
     def close(self) -> None:
-        self.logger.close()
-        self.step_obj.tasks.close()
+        """Close the logs and the executor, then free the run directory for the next run."""
+        try:
+            self.logger.close()
+            self.step_obj.tasks.close()
+        finally:
+            self._lock.release()
 
 
 def _has_tensorboard() -> bool:
@@ -280,3 +332,4 @@ def _has_tensorboard() -> bool:
         log.warning("tensorboard is not installed: metrics go to metrics.jsonl only")
         return False
     return True
+

@@ -11,8 +11,8 @@ TINY_MODEL_NOTE = (
     "note: this ran the embedded tiny random model. It writes garbage, so validity, solve counts and coverage stay 0 "
     "on every run; that is expected. What it shows is the loop itself: every member generates under its own "
     "adapter, invalid proposals get the format penalty, students fall back to buffer tasks, ratings move and "
-    "evolution replaces the weakest member of each role. Learning needs a real model (--model DIR, see the README, "
-    "'Offline models') or a GPU recipe."
+    "evolution replaces the weakest member of each role. Learning needs a real model (--model DIR here, or a GPU "
+    "recipe, which is far faster): docs/models.md says which size learns, docs/recipes.md which recipe fits your GPUs."
 )
 
 
@@ -42,7 +42,7 @@ def files_written(run_dir: Path) -> list[str]:
     items: Sequence[tuple[str, str]] = [
         ("config.yaml", "the resolved config"),
         ("metrics.jsonl", "one JSON line per step"),
-        ("tb", "TensorBoard scalars (tensorboard --logdir)"),
+        ("tb", "TensorBoard scalars: tensorboard --logdir"),
         ("evolution.jsonl", "evolution events"),
         ("base_model", "the tiny base model the adapters refer to"),
     ]

@@ -1,6 +1,6 @@
 """Ending a run early at a safe step: ``touch <trainer.default_local_dir>/STOP``.
 
-A run that must end before ``trainer.total_training_steps`` (a GPU lease running out, a budget spent) should still
+A run that must end before ``trainer.total_training_steps`` (a GPU reservation running out, a budget spent) should still
 end with a checkpoint whose members are all past the final quiet window (``populora.pbt.final_quiet_steps``): a
 member evaluated right after its operator has not recovered from it. The trainer reads the stop file after every
 step; once it exists, the run ends at the first step where no living member is younger than the window (any step

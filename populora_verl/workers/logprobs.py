@@ -1,7 +1,7 @@
 """Label log-probabilities from logits without verl's per-token Python loop.
 
 verl's actor computes ``log softmax(z)[y]`` with ``verl.utils.torch_functional.logprobs_from_logits``. With the
-``flash_attn`` package it uses flash-attn's fused cross-entropy; without it (no wheel exists for our GPU image) it
+``flash_attn`` package it uses flash-attn's fused cross-entropy; without it (no wheel exists for the tested GPU stack) it
 falls back to ``logprobs_from_logits_v2``, which loops in Python over the first dimension of the packed logits, i.e.
 once per token: on an H100 that is 0.9-1.2 s forward+backward for one 8,192-token micro-batch of Qwen2.5-1.5B, and
 0.043 s for this module's path (``python -m populora_verl.bench.logprob_paths``, BENCHMARKS.md §5). verl's own

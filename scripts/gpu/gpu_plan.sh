@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # A plan of GPU jobs (populora_verl.bench.gpu_plan) in the background on one staged GPU machine: the jobs of a
-# phase side by side on their own GPUs, phase after phase, while the caller polls with short device calls.
-#   bash scripts/gpu/gpu_plan.sh start scripts/gpu/plans/issue14_x4.plan   # returns at once
+# phase side by side on their own GPUs, phase after phase, while the caller polls with short commands.
+#   bash scripts/gpu/gpu_plan.sh start scripts/gpu/plans/4gpu_proofs_and_scaling.plan   # returns at once
 #   bash scripts/gpu/gpu_plan.sh wait 420     # block until done or 420 s passed, then status (+ plan.tgz to $OUT)
 #   bash scripts/gpu/gpu_plan.sh status
 #   bash scripts/gpu/gpu_plan.sh stop         # start no further phase (running jobs finish)
 #   bash scripts/gpu/gpu_plan.sh kill         # end everything now
-# The code runs from a private copy (/tmp/populora-src): each device call replaces the checkout under the run.
+# The code runs from a private copy (/tmp/populora-src): a new copy of the checkout may arrive while it runs.
 set -uo pipefail
 ROOT=${GPU_PLAN_OUT:-/tmp/gpu_plan}
 OUT=${OUT:-$PWD/gpu-out}; mkdir -p "$OUT" "$ROOT"

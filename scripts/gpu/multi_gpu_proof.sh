@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Multi-GPU proof of PopuLoRA on N GPUs of one host (issue 14), run from the repo root on the GPU machine after
-# staging (scripts/gpu/README.md). Results go to $OUT (the device tool's return folder) or ./gpu-out.
+# Multi-GPU proof of PopuLoRA on N GPUs of one host, run from the repo root on the GPU node after staging
+# (scripts/gpu/README.md). Results go to $OUT (a folder you copy back from the node) or ./gpu-out.
 #
 #   bash scripts/gpu/multi_gpu_proof.sh shard_check N
 #       the adapter bank under verl's FSDP2 on N NCCL ranks (no vLLM, ~1 min): per-slot training vs one process,
@@ -9,7 +9,7 @@
 #       4T4S through verl + Ray on N GPUs: `replicas` = N vLLM replicas with TP 1, `tp` = N/2 replicas with TP 2.
 #       Run 1: steps 1-2 (evolution + checkpoint at 2); run 2: resume to step 4. MGPU_PHASE=run1|run2 splits the two
 #       runs over two calls on a warm machine (logs kept in /tmp/mgpu_<N>_<layout>); MGPU_PHASE=one is one run to
-#       step 3 (evolution and checkpoint at 2, no resume), half the device time.
+#       step 3 (evolution and checkpoint at 2, no resume), half the GPU time.
 #   bash scripts/gpu/multi_gpu_proof.sh scaling G [TP] [hydra overrides...]
 #       the same 4T4S config on the first G GPUs (populora_verl.bench.gpu_scaling); one G per call, rows merge in
 #       /tmp/gpu_scaling (MGPU_SCALING_STEPS steps per row, default 5, step 1 left out; the varlen profile, 1,024-token

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# GPU jobs, run from the repo root on the GPU machine after staging (scripts/gpu/README.md). Results go to $OUT
-# (the device tool's return folder) or ./gpu-out.
+# GPU jobs, run from the repo root on the GPU node after staging (scripts/gpu/README.md). Results go to $OUT
+# (a folder you copy back from the node) or ./gpu-out.
 set -uo pipefail
 source scripts/gpu/env.sh
 OUT=${OUT:-$PWD/gpu-out}; mkdir -p "$OUT"
@@ -19,14 +19,14 @@ case "$job" in
   proof)
     bash scripts/gpu_proof.sh "$MODEL_DIR" "$OUT" "$@" ;;
   step_scaling)
-    # Foreground, one call (fits only a few configurations in a device call's 10 minutes); for the full table run
+    # Foreground (fits only a few configurations in ten minutes); for the full table run
     # scripts/gpu/step_scaling_bg.sh start ... and poll it. /tmp keeps earlier rows while the machine is warm.
     python3 -m populora_verl.bench.step_scaling --model "${STEP_SCALING_MODEL:-0.5b=$MODEL_DIR}" \
       --out /tmp/step_scaling "$@" 2>&1 | grep -v "Warning\|warn(" | tee "$OUT/step_scaling.log"
     cp -r /tmp/step_scaling/*/results.md /tmp/step_scaling/*/results.json "$OUT/" 2>/dev/null ;;
   validity)
-    # Valid-proposal rate per task type with failure reasons, and student solve rates (issue 13). Later arguments
-    # override these (argparse keeps the last), e.g. `bash scripts/gpu/run.sh validity --lengths 1024 2048`.
+    # Valid-proposal rate per task type with failure reasons, and student solve rates, for both training templates.
+    # Later arguments override these (argparse keeps the last), e.g. `bash scripts/gpu/run.sh validity --lengths 1024 2048`.
     start=$(date +%s)
     python3 -m populora_verl.bench.validity --model "$MODEL_DIR" --engine vllm --templates azr chat \
       --lengths 1024 --temperatures 1.0 --proposals 64 --student-n 4 --gpu-memory-utilization 0.85 \

@@ -5,7 +5,7 @@
 #   bash scripts/gpu/step_scaling_bg.sh status                         # progress + tables so far (copied to $OUT)
 #   bash scripts/gpu/step_scaling_bg.sh wait 420                       # block until done or 420 s passed, then status
 #   bash scripts/gpu/step_scaling_bg.sh stop                           # ends the run's process group
-# The code runs from a private copy (/tmp/populora-src): each device call replaces the checkout under the run.
+# The code runs from a private copy (/tmp/populora-src): a new copy of the checkout may arrive while it runs.
 set -uo pipefail
 ROOT=${STEP_SCALING_OUT:-/tmp/step_scaling}
 OUT=${OUT:-$PWD/gpu-out}; mkdir -p "$OUT" "$ROOT"
