@@ -112,7 +112,8 @@ def test_every_populora_key_is_in_the_base_recipe_with_its_default():
 
 
 def test_the_short_learning_run_overrides_stay_compute_matched():
-    """The two-seed, 4-GPU learning run cut the batch to fit 40 steps into one lease (scripts/gpu/learning_run_x4.sh):
+    """The two-seed, 4-GPU learning run cut the batch so that 40 population steps fit
+    30 minutes of one 4-GPU node (scripts/gpu/learning_run_4gpu.sh):
     2T2S at 4 proposals per type and 4 answers per task, the single agent at 5 per type: 30 trajectories per adapter
     in both, and teacher groups of 4 and 5."""
     from populora_verl.step import planned_trajectories

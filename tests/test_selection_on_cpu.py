@@ -8,6 +8,7 @@ import json
 import logging
 
 import pytest
+from omegaconf import OmegaConf
 import torch
 
 from populora_verl.config import ConfigError, load_config
@@ -372,7 +373,7 @@ def test_bank_child_keeps_parent_moments_not_victims():
     assert all(torch.equal(_moments(bank, 0)[n], parent[n]) for n in parent)
 
 
-def test_verl_evolve_sends_parent_slot_for_its_optimizer():
+def test_verl_evolve_sends_parent_slot_for_its_optimizer(tmp_path):
     pytest.importorskip("verl")
     from populora_verl.step import PopulationStep
     from populora_verl.trainer.trainer import PopuLoRATrainer
@@ -382,6 +383,7 @@ def test_verl_evolve_sends_parent_slot_for_its_optimizer():
                                "final_quiet_steps": 0}})
     t = object.__new__(PopuLoRATrainer)
     t.global_steps = 1
+    t.config = OmegaConf.create({"trainer": {"default_local_dir": str(tmp_path)}})
     t.pop_step = PopulationStep(cfg, seed=0, tasks_env=_StubTasks(), total_steps=10)
     slot_of = {m.id: m.slot for m in t.pop_step.population.members}
     adapters = _fake_adapters(list(slot_of))
@@ -390,6 +392,9 @@ def test_verl_evolve_sends_parent_slot_for_its_optimizer():
     t._rpc = lambda name, *a, **kw: calls.append((name, a, kw))
     out = t._evolve()
     assert out["populora/evolution/events"] == 2.0 and len(calls) == 2
+    # the verl path logs the event like the CPU driver: one line of evolution.jsonl with both replacements
+    event = json.loads((tmp_path / "evolution.jsonl").read_text())
+    assert event["step"] == 1 and len(event["replacements"]) == 2
     lineage = {m.id: m for m in t.pop_step.population.lineage}
     for name, (slot, _), kw in calls:
         child = next(m for m in t.pop_step.population.members if m.slot == slot)

@@ -283,7 +283,7 @@ def run(args: argparse.Namespace) -> int:
 
     def early_failure() -> str | None:
         """Why the run cannot give a comparison any more, or None. An arm that fails before its first step (a config
-        mistake, an OOM at start-up) leaves nothing to compare, so the others stop too instead of burning the lease;
+        mistake, an OOM at start-up) leaves nothing to compare, so the others stop too instead of burning GPU time;
         the seeding arm ending without its seed set leaves the others waiting for nothing."""
         for arm, p in procs.items():
             if p.poll() not in (None, 0) and not population_rows(root / arm):

@@ -9,7 +9,7 @@ bg_refuse_if_running() {
 }
 
 # bg_launch MODULE ARGS...: run `python3 -m MODULE ARGS` from a private copy of the code ($BG_SRC, default
-# /tmp/populora-src: each device call replaces the checkout under a running driver) in its own session, plus a
+# /tmp/populora-src: a new copy of the checkout may replace the one under a running driver) in its own session, plus a
 # GPU-memory log every 10 s. Runs in the caller's shell: it leaves the current directory at the copy.
 bg_launch() {
   local module=$1 src=${BG_SRC:-/tmp/populora-src}; shift

@@ -1,4 +1,4 @@
-# Source on the GPU machine: the gpu-bundle environment (vLLM, verl, ray), our package, offline-safe settings.
+# Source on a GPU node without network: the carried vLLM/verl/Ray bundle, our package, offline-safe settings.
 eval "$(bash .gpub/tool/gpu-bundle-install.sh env 2>/dev/null || bash .gpub/02/gpu-bundle-install.sh env)"
 export PYTHONPATH="$PWD:${PYTHONPATH:-}" PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
 export VLLM_WORKER_MULTIPROC_METHOD=spawn VLLM_USE_FLASHINFER_SAMPLER=0 RAY_AUTH_MODE=disabled

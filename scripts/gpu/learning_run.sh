@@ -6,7 +6,7 @@
 #   bash scripts/gpu/learning_run.sh status
 #   bash scripts/gpu/learning_run.sh stop         # stop files now (arms end at their next safe step)
 #   bash scripts/gpu/learning_run.sh kill         # end everything at once
-# The code runs from a private copy (/tmp/populora-src): each device call replaces the checkout under the run.
+# The code runs from a private copy (/tmp/populora-src): a new copy of the checkout may replace the one under the run.
 set -uo pipefail
 ROOT=${LEARN_OUT:-/tmp/learn}
 OUT=${OUT:-$PWD/gpu-out}; mkdir -p "$OUT" "$ROOT"

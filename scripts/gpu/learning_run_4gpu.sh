@@ -6,7 +6,7 @@
 #   bash scripts/gpu/learning_run.sh wait 540        # repeat until "state finished"; $OUT/learn.tgz has it all
 #
 # The batch is cut from the recipes' 90 to 30 trained trajectories per adapter and step, so that 40 population steps
-# fit one 30-minute lease: 2T2S at 4 proposals per type and 4 answers per task, the single agent at 5 proposals per
+# fit 30 minutes of one node: 2T2S at 4 proposals per type and 4 answers per task, the single agent at 5 proposals per
 # type (tests/test_recipes_on_cpu.py keeps the two compute-matched).
 set -euo pipefail
 minutes=${1:-19}
