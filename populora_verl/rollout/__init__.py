@@ -4,7 +4,7 @@ Registration functions (called by ``populora_verl.plugin``; idempotent; none imp
 
 * :func:`register_rollout` — ``RolloutReplicaRegistry["populora_vllm"]`` (lazy loader) and
   ``_ROLLOUT_REGISTRY[("populora_vllm", "async")]`` (verl's vLLM ``ServerAdapter``, which forwards our extra
-  weight-sync kwargs unchanged);
+  weight-sync kwargs unchanged, with a weight-sync socket unique per host: :mod:`.weight_sync`);
 * :func:`register_agent_loop` — ``populora_agent`` in verl's agent-loop registry (imports verl's agent-loop module,
   about 1 s after ``import verl``);
 * :func:`register` — both.
@@ -28,7 +28,8 @@ from populora_verl.rollout.lora_registry import (  # noqa: F401  (pure Python, r
 
 BACKEND_NAME = "populora_vllm"
 AGENT_NAME = "populora_agent"
-SERVER_ADAPTER_FQN = "verl.workers.rollout.vllm_rollout.ServerAdapter"
+# verl's ServerAdapter with a weight-sync socket that is unique per host (populora_verl.rollout.weight_sync)
+SERVER_ADAPTER_FQN = "populora_verl.rollout.server_adapter.PopuLoRAServerAdapter"
 
 __all__ = [
     "BACKEND_NAME",
