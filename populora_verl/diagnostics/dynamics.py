@@ -1,0 +1,257 @@
+"""The paper's dynamics claims, measured from a run's ``metrics.jsonl`` (and verl's ``verl_metrics.jsonl``).
+
+``python -m populora_verl.diagnostics.dynamics RUN [RUN ...] [--out FILE.md]`` prints one markdown section per run:
+
+* learning: AZR validity (valid programs), well-formatted valid proposals, teacher format errors, student accuracy
+  and response lengths, first steps against last steps;
+* per task type: validity, format errors and why proposals yielded no task (``fail/<code>``);
+* complexity of valid teacher programs: least-squares slope per step with a 95 % bootstrap interval (steps
+  resampled), the quantity behind "the single agent drifts to easy problems, a population's teachers do not";
+* coverage of the CVT archive, pair solve rates with their sign changes (do they oscillate?), ratings;
+* realised compute per adapter next to the plan, and the executor's share of the step (validate + score seconds
+  over step seconds, from verl's timings).
+Everything is computed from logged numbers; nothing here is fitted to an expectation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+__all__ = ["load_run", "slope_interval", "sign_changes", "summarise", "markdown", "main"]
+
+P = "populora/"
+_PAIR = re.compile(r"^populora/pair/([^/]+)/([^/]+)/solve_rate$")
+_RATING = re.compile(r"^populora/rating/([^/]+)/mu$")
+
+
+def _jsonl(path: Path) -> list[dict[str, Any]]:
+    rows = []
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        line = line.strip()
+        if line:
+            try:
+                rows.append(json.loads(line))
+            except ValueError:
+                continue  # a line cut by a killed run
+    return rows
+
+
+def load_run(run: str | Path) -> dict[str, Any]:
+    """``{"name", "rows": population metrics by step, "verl": verl metrics by step, "events": evolution events}``."""
+    run = Path(run)
+    if not (run / "metrics.jsonl").is_file():
+        raise FileNotFoundError(f"{run}: no metrics.jsonl")
+    rows = {int(r["step"]): r for r in _jsonl(run / "metrics.jsonl") if "step" in r}
+    verl: dict[int, dict[str, Any]] = {}
+    if (run / "verl_metrics.jsonl").is_file():
+        for r in _jsonl(run / "verl_metrics.jsonl"):
+            if "step" in r:
+                verl[int(r["step"])] = r.get("data", r)
+    events = _jsonl(run / "evolution.jsonl") if (run / "evolution.jsonl").is_file() else []
+    return {"name": run.name, "rows": dict(sorted(rows.items())), "verl": verl, "events": events}
+
+
+def series(rows: Mapping[int, Mapping[str, Any]], key: str) -> tuple[np.ndarray, np.ndarray]:
+    """(steps, values) where ``key`` was logged as a finite number."""
+    pts = [(s, float(r[key])) for s, r in rows.items() if isinstance(r.get(key), (int, float))
+           and math.isfinite(float(r[key]))]
+    if not pts:
+        return np.zeros(0), np.zeros(0)
+    s, v = zip(*pts)
+    return np.asarray(s, dtype=float), np.asarray(v, dtype=float)
+
+
+def slope_interval(steps: np.ndarray, values: np.ndarray, *, draws: int = 2000, seed: int = 0
+                   ) -> tuple[float, float, float] | None:
+    """Least-squares slope per step and its 95 % percentile interval over bootstrap resamples of the points
+    (None with fewer than 4 points or one distinct step)."""
+    if len(steps) < 4 or np.ptp(steps) == 0:
+        return None
+    slope = float(np.polyfit(steps, values, 1)[0])
+    rng = np.random.default_rng(seed)
+    boot = []
+    for _ in range(draws):
+        i = rng.integers(0, len(steps), len(steps))
+        if np.ptp(steps[i]) > 0:
+            boot.append(np.polyfit(steps[i], values[i], 1)[0])
+    lo, hi = np.percentile(boot, [2.5, 97.5])
+    return slope, float(lo), float(hi)
+
+
+def sign_changes(values: Sequence[float]) -> tuple[int, int]:
+    """(sign changes of the step-to-step differences, number of non-zero differences): an oscillating series
+    changes direction at most steps, a drifting one rarely."""
+    d = [b - a for a, b in zip(values, values[1:]) if b != a]
+    return sum(1 for a, b in zip(d, d[1:]) if (a > 0) != (b > 0)), len(d)
+
+
+def _window(rows: Mapping[int, Mapping[str, Any]], key: str, first: bool, n: int) -> float | None:
+    _, v = series(rows, key)
+    if len(v) == 0:
+        return None
+    part = v[:n] if first else v[-n:]
+    return float(np.mean(part))
+
+
+def summarise(run: Mapping[str, Any], window: int = 5) -> dict[str, Any]:
+    """The numbers :func:`markdown` prints, as a dict (also what a test or a notebook reads)."""
+    rows, verl = run["rows"], run["verl"]
+    steps = list(rows)
+    out: dict[str, Any] = {"name": run["name"], "steps": len(steps), "last_step": steps[-1] if steps else 0}
+    keys = {"validity (programs, AZR)": f"{P}validity/mean",
+            "teacher format errors": f"{P}role/teacher/format_error_rate",
+            "student format errors": f"{P}role/student/format_error_rate",
+            "student accuracy": f"{P}student/accuracy",
+            "teacher response tokens": f"{P}role/teacher/response_length_mean",
+            "student response tokens": f"{P}role/student/response_length_mean",
+            "teacher reward": f"{P}role/teacher/reward_mean"}
+    out["learning"] = {label: (_window(rows, k, True, window), _window(rows, k, False, window))
+                       for label, k in keys.items()}
+    types = sorted({m.group(1) for r in rows.values() for k in r
+                    for m in [re.match(r"^populora/task_type/([^/]+)/validity$", k)] if m})
+    per_type = {}
+    for tt in types:
+        base = f"{P}task_type/{tt}"
+        fails = {}
+        for k in sorted({k for r in rows.values() for k in r if k.startswith(f"{base}/fail/")}):
+            _, v = series(rows, k)
+            if v.size and v.sum() > 0:
+                fails[k.rsplit("/", 1)[1]] = float(np.mean(v))
+        per_type[tt] = {"validity": (_window(rows, f"{base}/validity", True, window),
+                                     _window(rows, f"{base}/validity", False, window)),
+                        "format errors": (_window(rows, f"{base}/format_error_rate", True, window),
+                                          _window(rows, f"{base}/format_error_rate", False, window)),
+                        "unformatted valid": _window(rows, f"{base}/unformatted_valid_rate", False, len(steps)),
+                        "no task, by reason (run mean)": fails}
+    out["per_type"] = per_type
+    s, v = series(rows, f"{P}complexity/cyclomatic/mean")
+    out["complexity"] = {"points": int(len(v)), "first": float(v[:window].mean()) if len(v) else None,
+                         "last": float(v[-window:].mean()) if len(v) else None, "slope": slope_interval(s, v)}
+    _, cells = series(rows, f"{P}coverage/cells_filled")
+    _, wfrac = series(rows, f"{P}coverage/window_fraction")
+    out["coverage"] = {"cells_filled_last": float(cells[-1]) if len(cells) else None,
+                       "window_fraction": (float(wfrac[:window].mean()) if len(wfrac) else None,
+                                           float(wfrac[-window:].mean()) if len(wfrac) else None)}
+    pairs = {}
+    for k in sorted({k for r in rows.values() for k in r if _PAIR.match(k)}):
+        t, st = _PAIR.match(k).groups()
+        ps, pv = series(rows, k)
+        if len(pv):
+            pairs[f"{t}->{st}"] = {"steps": [int(x) for x in ps], "mean": float(pv.mean()),
+                                   "sign_changes": sign_changes(list(pv))}
+    out["pairs"] = pairs
+    last = rows[steps[-1]] if steps else {}
+    out["ratings"] = {m.group(1): (float(last[k]), float(last.get(f"{P}rating/{m.group(1)}/sigma", float("nan"))))
+                      for k in last for m in [_RATING.match(k)] if m}
+    out["events"] = [{"step": e.get("step"), "replacements": [
+        f"{r['victim_id']} <- {r['child_id']} = {r['operator']}({', '.join(r['parent_ids'])})"
+        + (" [tie-break]" if r.get("tie_break") else "") for r in e.get("replacements", [])]} for e in run["events"]]
+    _, real = series(rows, f"{P}compute/member_mean/trajectories")
+    _, plan = series(rows, f"{P}compute/planned_trajectories")
+    members = sorted({k.split("/")[2] for r in rows.values() for k in r
+                      if k.startswith(f"{P}compute/") and k.endswith("/trajectories") and "/member_mean/" not in k})
+    totals = {m: float(series(rows, f"{P}compute/{m}/trajectories")[1].sum()) for m in members}
+    out["compute"] = {"planned_per_step": float(plan[0]) if len(plan) else None,
+                      "realised_mean_per_step": float(real.mean()) if len(real) else None,
+                      "per_member_total": totals}
+    step_s = [d.get("timing_s/step") for d in verl.values()]
+    execs = [(d.get("timing_s/populora_validate", 0.0) + d.get("timing_s/populora_score", 0.0)) / d["timing_s/step"]
+             for d in verl.values() if d.get("timing_s/step")]
+    out["speed"] = {"median_step_s": float(np.median([x for x in step_s[1:] if x])) if len(step_s) > 1 else None,
+                    "executor_share_median": float(np.median(execs[1:])) if len(execs) > 1 else None,
+                    "executor_share_max": float(np.max(execs[1:])) if len(execs) > 1 else None}
+    checks = {}
+    for s_, d in verl.items():
+        for k, val in d.items():
+            if k.endswith("trainer_check/rollout_probs_diff_mean") and k.count("/") == 3:
+                member = k.split("/")[1]
+                pear = d.get(k.replace("rollout_probs_diff_mean", "rollout_actor_probs_pearson_corr"))
+                checks.setdefault(member, []).append((s_, float(val), float(pear) if pear is not None else None))
+    out["trainer_check"] = checks
+    return out
+
+
+def _f(x: Any, digits: int = 2) -> str:
+    if x is None:
+        return "–"
+    if isinstance(x, float):
+        return f"{x:.{digits}f}"
+    return str(x)
+
+
+def markdown(summary: Mapping[str, Any], window: int = 5) -> str:
+    """One run's section."""
+    s = summary
+    lines = [f"### {s['name']} ({s['steps']} logged steps, last step {s['last_step']})", "",
+             f"| quantity | first {window} steps | last {window} steps |", "|---|---|---|"]
+    for label, (a, b) in s["learning"].items():
+        d = 0 if "tokens" in label else 2
+        lines.append(f"| {label} | {_f(a, d)} | {_f(b, d)} |")
+    lines += ["", f"| task type | validity first → last {window} | format errors first → last {window} | "
+              "valid under a failed envelope (run mean) | no task, by reason (run mean) |", "|---|---|---|---|---|"]
+    for tt, d in s["per_type"].items():
+        reasons = ", ".join(f"{k} {v:.2f}" for k, v in sorted(d["no task, by reason (run mean)"].items(),
+                                                             key=lambda kv: -kv[1])) or "–"
+        lines.append(f"| {tt} | {_f(d['validity'][0])} → {_f(d['validity'][1])} | {_f(d['format errors'][0])} → "
+                     f"{_f(d['format errors'][1])} | {_f(d['unformatted valid'])} | {reasons} |")
+    c = s["complexity"]
+    slope = c["slope"]
+    lines += ["", f"- complexity (mean cyclomatic of valid teacher programs, {c['points']} steps with one): "
+              f"{_f(c['first'])} → {_f(c['last'])}; slope "
+              + (f"{slope[0]:+.4f} per step [95% {slope[1]:+.4f}, {slope[2]:+.4f}]" if slope else "– (too few points)")]
+    cov = s["coverage"]
+    lines.append(f"- coverage: {_f(cov['cells_filled_last'], 0)} CVT cells filled at the end; windowed fraction "
+                 f"{_f(cov['window_fraction'][0])} → {_f(cov['window_fraction'][1])}")
+    for p, d in s["pairs"].items():
+        ch, n = d["sign_changes"]
+        lines.append(f"- pair {p}: solve rate logged at {len(d['steps'])} steps, mean {d['mean']:.2f}, direction "
+                     f"changed {ch} times in {max(n - 1, 0)} chances")
+    if s["ratings"]:
+        lines.append("- ratings at the end (mu, sigma): " + ", ".join(
+            f"{m} {mu:.1f}/{sg:.1f}" for m, (mu, sg) in sorted(s["ratings"].items())))
+    for e in s["events"]:
+        lines.append(f"- evolution at step {e['step']}: " + "; ".join(e["replacements"]))
+    comp = s["compute"]
+    lines.append(f"- compute: planned {_f(comp['planned_per_step'], 1)} trained trajectories per adapter and step, "
+                 f"realised {_f(comp['realised_mean_per_step'], 1)} (member mean); totals per member: "
+                 + ", ".join(f"{m} {v:.0f}" for m, v in comp["per_member_total"].items()))
+    sp = s["speed"]
+    lines.append(f"- speed: median step {_f(sp['median_step_s'], 1)} s; executor (validate + score) "
+                 f"{_f(100 * sp['executor_share_median'] if sp['executor_share_median'] is not None else None, 1)} % "
+                 f"of the step (max {_f(100 * sp['executor_share_max'] if sp['executor_share_max'] is not None else None, 1)} %)")
+    for m, pts in sorted(s["trainer_check"].items()):
+        lines.append(f"- trainer vs vLLM log-probs, {m}: " + "; ".join(
+            f"step {st}: mean |Δp| {d:.4f}, Pearson {_f(p, 4)}" for st, d, p in pts))
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m populora_verl.diagnostics.dynamics", description=__doc__.split("\n\n")[0])
+    ap.add_argument("runs", nargs="+", help="run directories (each with metrics.jsonl)")
+    ap.add_argument("--window", type=int, default=5, help="steps averaged at the start and at the end")
+    ap.add_argument("--out", help="also write the markdown here")
+    args = ap.parse_args(argv)
+    if args.window < 1:
+        ap.error("--window must be >= 1")
+    try:
+        text = "\n".join(markdown(summarise(load_run(r), args.window), args.window) for r in args.runs)
+    except FileNotFoundError as e:
+        print(f"dynamics: error: {e}", file=sys.stderr)
+        return 2
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text, encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
