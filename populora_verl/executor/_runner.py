@@ -31,7 +31,13 @@ INPUT_FILE = "<input>"
 # statement. Rejected statically in addition to the configured banned modules.
 TRICK_NAMES = frozenset({"__import__", "__builtins__", "__loader__", "__spec__", "importlib", "builtins",
                          "__subclasses__", "__globals__"})
+# Code objects and frames: rewriting a function's code (``code.replace(co_filename=...)``) or walking frames
+# reaches the runner's own state. No honest ``f`` needs them.
+INTERNALS_NAMES = frozenset({"__code__", "f_globals", "f_builtins", "f_locals", "f_back", "f_code", "tb_frame",
+                             "gi_frame", "gi_code", "cr_frame", "cr_code", "ag_frame", "ag_code", "_getframe"})
 DYNAMIC_CODE = frozenset({"exec", "eval", "compile"})
+_ATTR_FUNCS = frozenset({"getattr", "setattr", "delattr", "hasattr"})
+_FOLD_MAX = 4096  # longest string the static check builds while folding constants
 
 
 # ----------------------------------------------------------------------------- static policy
@@ -55,19 +61,135 @@ def _attr_chain(node: ast.AST) -> str | None:
     return None
 
 
+def _int_const(node: ast.AST | None) -> int | None:
+    if isinstance(node, ast.Constant) and type(node.value) is int:
+        return node.value
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+        inner = _int_const(node.operand)
+        return None if inner is None else -inner
+    return None
+
+
+def _fold_node(node: ast.AST, folded: dict[int, str]) -> str | None:
+    """The string ``node`` builds from constants, given its children's (in ``folded``); never runs code.
+
+    Covers concatenation, small repeats, slices, f-strings, ``''.join([...])``, ``%`` and ``.format`` of
+    constants, and case changes: the ways to spell ``'__builtins__'`` without writing it."""
+    get = lambda n: folded.get(id(n))  # noqa: E731
+    if isinstance(node, ast.Constant):
+        return node.value if isinstance(node.value, str) else None
+    if isinstance(node, ast.FormattedValue):
+        return get(node.value) if node.format_spec is None and node.conversion in (-1, 115) else None
+    if isinstance(node, ast.JoinedStr):
+        parts = [get(v) for v in node.values]
+        return None if None in parts else "".join(parts)
+    if isinstance(node, ast.BinOp):
+        left, right = get(node.left), get(node.right)
+        if isinstance(node.op, ast.Add):
+            return None if left is None or right is None else left + right
+        if isinstance(node.op, ast.Mult):
+            text, count = (left, _int_const(node.right)) if left is not None else (right, _int_const(node.left))
+            if text is not None and count is not None and 0 <= count and len(text) * count <= _FOLD_MAX:
+                return text * count
+            return None
+        if isinstance(node.op, ast.Mod) and left is not None:
+            args = node.right.elts if isinstance(node.right, ast.Tuple) else [node.right]
+            parts = [get(a) for a in args]
+            # No width or precision: the result is never longer than its pieces.
+            if None in parts or any(c in left for c in "0123456789*"):
+                return None
+            try:
+                return left % tuple(parts)
+            except (TypeError, ValueError):
+                return None
+        return None
+    if isinstance(node, ast.Subscript):
+        text, sl = get(node.value), node.slice
+        if text is None:
+            return None
+        if isinstance(sl, ast.Slice):
+            bounds = [None if b is None else _int_const(b) for b in (sl.lower, sl.upper, sl.step)]
+            if any(b is None and raw is not None for b, raw in zip(bounds, (sl.lower, sl.upper, sl.step))):
+                return None
+            try:
+                return text[slice(*bounds)]
+            except ValueError:
+                return None
+        index = _int_const(sl)
+        return text[index] if index is not None and -len(text) <= index < len(text) else None
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and not node.keywords:
+        base, method = get(node.func.value), node.func.attr
+        if base is None:
+            return None
+        if method == "join" and len(node.args) == 1 and isinstance(node.args[0], (ast.List, ast.Tuple)):
+            parts = [get(e) for e in node.args[0].elts]
+            if None in parts or len(base) * len(parts) + sum(map(len, parts)) > _FOLD_MAX:
+                return None
+            return base.join(parts)
+        if method == "format":
+            parts = [get(a) for a in node.args]
+            if None in parts or ":" in base or len(base) + base.count("{") * max(map(len, parts), default=0) > _FOLD_MAX:
+                return None
+            try:
+                return base.format(*parts)
+            except (IndexError, KeyError, ValueError, AttributeError):
+                return None
+        if method in ("lower", "upper", "strip", "swapcase", "casefold") and not node.args:
+            return getattr(base, method)()
+    return None
+
+
+def _fold_strings(nodes: list[ast.AST]) -> dict[int, str]:
+    """Fold every constant string expression of a tree, ``nodes`` in ``ast.walk`` order (parents first):
+    children are folded before their parents, without recursion, so depth does not matter."""
+    folded: dict[int, str] = {}
+    for node in reversed(nodes):
+        text = _fold_node(node, folded)
+        if text is not None and len(text) <= _FOLD_MAX:
+            folded[id(node)] = text
+    return folded
+
+
+def _chain_problem(chain: str, banned: list[str], modules: set[str]) -> str | None:
+    """Why the dotted use ``chain`` (``sys.modules``, ``os.environ``, ``statistics.random``) is banned, or None."""
+    if chain == "sys.modules" or chain.startswith("sys.modules."):
+        return "banned import: use of sys.modules"
+    for entry in banned:
+        if "." in entry and (chain == entry or chain.startswith(entry + ".")):
+            return f"banned import: use of {entry}"
+    parts = chain.split(".")
+    # A banned module reached as an attribute of a module the program imported (statistics.random).
+    if len(parts) > 1 and parts[0] in modules and _banned_match(parts[1], banned):
+        return f"banned import: use of {parts[0]}.{parts[1]}"
+    return None
+
+
+def _name_problem(name: str) -> str | None:
+    if name in TRICK_NAMES:
+        return f"use of {name}"
+    if name in INTERNALS_NAMES:
+        return f"use of {name} (code object or frame internals)"
+    return None
+
+
 def find_banned(program: str, banned: list[str], _depth: int = 0) -> str | None:
     """A short reason if ``program`` uses a banned module or an import trick, else None.
 
     Walks Import/ImportFrom (banned entry ``a`` covers ``a`` and ``a.*``; dotted entry ``a.b`` also covers
     ``from a import b`` and the attribute chain ``a.b``), and rejects routes around import statements:
-    ``__import__``, ``importlib``, ``builtins``/``__builtins__``, ``sys.modules`` and exec/eval/compile of
-    anything but a string literal (a literal is checked recursively).
+    ``__import__``, ``importlib``, ``builtins``/``__builtins__``, ``sys.modules``, a banned module reached as
+    an attribute of an imported one (``statistics.random``), code-object and frame internals (``__code__``,
+    ``co_*=`` rewrites, ``f_globals``...), and exec/eval/compile of anything but a string literal (a literal
+    is checked recursively). Strings built from constants (``'__bui' + 'ltins__'``) are folded first.
     """
     try:
         tree = ast.parse(program, PROGRAM_FILE)
     except (SyntaxError, ValueError, RecursionError, MemoryError):
         return None  # not our job: running it reports the syntax error
-    for node in ast.walk(tree):
+    nodes = list(ast.walk(tree))
+    folded = _fold_strings(nodes)
+    modules = {(a.asname or a.name).split(".")[0] for n in nodes if isinstance(n, ast.Import) for a in n.names}
+    for node in nodes:
         if isinstance(node, ast.Import):
             for alias in node.names:
                 hit = _banned_match(alias.name, banned)
@@ -85,18 +207,17 @@ def find_banned(program: str, banned: list[str], _depth: int = 0) -> str | None:
                 full = f"{mod}.{alias.name}" if mod else alias.name
                 if _banned_match(full, banned):
                     return f"banned import: {full}"
-        elif isinstance(node, ast.Name) and node.id in TRICK_NAMES:
-            return f"banned import: use of {node.id}"
+        elif isinstance(node, ast.Name) and _name_problem(node.id):
+            return f"banned import: {_name_problem(node.id)}"
         elif isinstance(node, ast.Attribute):
-            if node.attr in TRICK_NAMES:
-                return f"banned import: use of .{node.attr}"
+            if _name_problem(node.attr):
+                return f"banned import: {_name_problem(node.attr)}"
             chain = _attr_chain(node)
-            if chain:
-                if chain == "sys.modules" or chain.startswith("sys.modules."):
-                    return "banned import: use of sys.modules"
-                for entry in banned:
-                    if "." in entry and (chain == entry or chain.startswith(entry + ".")):
-                        return f"banned import: use of {entry}"
+            problem = _chain_problem(chain, banned, modules) if chain else None
+            if problem:
+                return problem
+        elif isinstance(node, ast.keyword) and node.arg and node.arg.startswith("co_"):
+            return f"banned import: code object rewrite ({node.arg}=)"
         elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in DYNAMIC_CODE:
             arg = node.args[0] if node.args else None
             if not (isinstance(arg, ast.Constant) and isinstance(arg.value, str)):
@@ -105,8 +226,15 @@ def find_banned(program: str, banned: list[str], _depth: int = 0) -> str | None:
                 inner = find_banned(arg.value, banned, _depth + 1)
                 if inner:
                     return inner
-        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in TRICK_NAMES:
-            return f"banned import: string {node.value!r}"  # getattr(x, "__import__") and friends
+        text = folded.get(id(node))
+        if text is not None and _name_problem(text):
+            return f"banned import: string {text!r}"  # getattr(x, "__import__"), '__bui' + 'ltins__'
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in _ATTR_FUNCS
+                and len(node.args) >= 2):
+            base, name = _attr_chain(node.args[0]), folded.get(id(node.args[1]))
+            problem = _chain_problem(f"{base}.{name}", banned, modules) if base and name else None
+            if problem:
+                return problem  # getattr(os, 'environ'), getattr(statistics, 'random')
     return None
 
 
@@ -300,54 +428,90 @@ def _load_libc() -> None:
 
 # ----------------------------------------------------------------------------- the child
 _BANNED: list[str] = []
-_ORIG_IMPORT = None
+_BANNED_PATHS: list[str] = []
 
 
-def _from_program() -> bool:
-    """True if the code asking for an import is the program (or code it exec'd), not the stdlib."""
-    frame = sys._getframe(2)
-    while frame is not None:
-        fn = frame.f_code.co_filename
-        if fn.startswith("<frozen importlib") or fn.endswith(os.sep + "importlib" + os.sep + "__init__.py"):
-            frame = frame.f_back
+def banned_module_paths(banned: list[str]) -> tuple[str, ...]:
+    """Source files (and package directories, ending in a separator) of the banned top-level modules, found
+    without importing them. Dotted entries (``os.path``) name attributes, not modules of their own."""
+    import importlib.machinery
+
+    out: list[str] = []
+    for entry in banned:
+        if "." in entry:
             continue
-        return not os.path.isabs(fn)  # "<program>", "<input>", "<string>": code the program compiled
-    return True
+        try:
+            spec = importlib.machinery.PathFinder.find_spec(entry)
+        except (ImportError, ValueError, OSError):
+            continue
+        if spec is None:
+            continue
+        if spec.submodule_search_locations:
+            out.extend(os.path.join(p, "") for p in spec.submodule_search_locations)
+        elif spec.origin and os.path.isabs(spec.origin):
+            out.append(spec.origin)
+    return tuple(out)
 
 
-def _guarded_import(name, globals=None, locals=None, fromlist=(), level=0):  # noqa: A002
-    if level == 0 and _from_program():
-        hit = _banned_match(name, _BANNED)
-        for sub in fromlist or ():
-            hit = hit or _banned_match(f"{name}.{sub}", _BANNED)
-        if hit:
-            raise ImportError(f"banned import: {hit}")
-    return _ORIG_IMPORT(name, globals, locals, fromlist, level)
-
-
-class _ImportGuard:
-    """meta_path finder: catches importlib.import_module and other routes that skip __import__."""
-
-    def find_spec(self, name, path=None, target=None):
-        if _banned_match(name, _BANNED) and _from_program():
-            raise ImportError(f"banned import: {name}")
-        return None
-
-
-def _purge_banned_modules() -> None:
+def purge_banned_modules(banned: list[str]) -> None:
     """Drop banned modules from ``sys.modules`` (cached modules bypass finders; their stdlib users keep their
     own references). Done once in the runner, so that no child pays for the scan."""
-    for mod in [m for m in sys.modules if _banned_match(m, _BANNED) and m not in ("os.path",)]:
+    for mod in [m for m in sys.modules if _banned_match(m, banned) and m != "os.path"]:
         del sys.modules[mod]
 
 
-def _install_import_guard() -> None:
-    global _ORIG_IMPORT
-    import builtins
+def install_import_guard(banned: list[str], banned_paths: tuple[str, ...]) -> None:
+    """The run-time half of the banned-module policy, for the process that is about to run a program.
 
-    _ORIG_IMPORT = builtins.__import__
-    builtins.__import__ = _guarded_import
-    sys.meta_path.insert(0, _ImportGuard())
+    An audit hook (``sys.addaudithook``: it cannot be removed or replaced from Python) refuses, whoever asks
+    (the program, code it compiled under any file name, or a module importing on its behalf):
+    - every import of a banned module through ``import``/``__import__`` (the ``import`` event);
+    - executing a banned module's code, the route of ``importlib`` loaders (the ``exec`` event);
+    - building or swapping code objects (``code.replace(co_filename=...)``, ``f.__code__ = ...``).
+    A ``sys.meta_path`` finder (and, for modules built into the interpreter, a ``None`` entry in
+    ``sys.modules``) also stops the ``importlib`` route.
+    The hook keeps its state in default arguments of immutable builtin types (rewriting a function's
+    ``__defaults__`` or ``__code__`` is itself refused), looks up no global and calls nothing the program
+    defined. Self-contained: the SandboxFusion script embeds
+    this function's source.
+    """
+    import sys
+
+    def hook(event, args, _names=tuple(banned), _paths=tuple(banned_paths), _str=str, _type=type,
+             _getattr=getattr, _err=ImportError, _code_attrs=frozenset({"__code__", "__defaults__", "__kwdefaults__"}),
+             _watched=frozenset({"import", "exec", "code.__new__", "object.__setattr__"})):
+        if event not in _watched:
+            return
+        if event == "import":
+            name = args[0]
+            if _type(name) is not _str:
+                raise _err("banned import: module name is not a str")
+            for entry in _names:
+                if name == entry or name.startswith(entry + "."):
+                    raise _err("banned import: " + name)
+        elif event == "exec":
+            filename = _getattr(args[0], "co_filename", None)
+            if _type(filename) is _str:
+                for path in _paths:
+                    if filename == path or (path.endswith("/") and filename.startswith(path)):
+                        raise _err("banned import: code of " + filename)
+        elif event == "code.__new__":
+            raise _err("banned import: code object rewrite")
+        elif _type(args[1]) is _str and args[1] in _code_attrs:  # object.__setattr__ of a function's code
+            raise _err("banned import: code object rewrite (" + args[1] + ")")
+
+    class BannedFinder:
+        def find_spec(self, name, path=None, target=None, _names=tuple(banned)):
+            for entry in _names:
+                if name == entry or name.startswith(entry + "."):
+                    raise ImportError("banned import: " + name)
+            return None
+
+    sys.addaudithook(hook)
+    sys.meta_path.insert(0, BannedFinder())
+    for entry in banned:
+        if entry in sys.builtin_module_names:  # no file to refuse on the importlib route: mark it missing
+            sys.modules[entry] = None  # type: ignore[assignment]
 
 
 def _short(exc: BaseException) -> str:
@@ -427,7 +591,7 @@ def _evaluate(req: dict, first_run: bool, code: object) -> dict:
         call = compile(f"f(\n{inputs}\n)", INPUT_FILE, "eval")
     except (SyntaxError, ValueError, RecursionError, MemoryError) as e:
         return {"ok": False, "output": None, "error": _short(e)}
-    _install_import_guard()
+    install_import_guard(_BANNED, tuple(_BANNED_PATHS))
     env: dict = {"__name__": "__main__"}
     cap = int(req["max_output_chars"])
     try:
@@ -626,13 +790,14 @@ class Runner:
         for mod in ("collections", "collections.abc", "itertools", "functools", "math", "cmath", "re",
                     "string", "heapq", "bisect", "copy", "operator", "typing", "dataclasses", "fractions",
                     "decimal", "statistics", "json", "pickle", "enum", "abc", "numbers", "textwrap",
-                    "unicodedata", "array", "struct", "base64", "binascii", "pprint", "contextlib"):
+                    "unicodedata", "array", "struct", "base64", "binascii", "pprint", "contextlib", "queue"):
             try:
                 __import__(mod)  # warm the fork parent: children import from memory, not from disk
             except ImportError:
                 pass
         _BANNED[:] = cfg.get("banned", [])
-        _purge_banned_modules()
+        _BANNED_PATHS[:] = banned_module_paths(_BANNED)
+        purge_banned_modules(_BANNED)
         import gc
 
         gc.collect()
