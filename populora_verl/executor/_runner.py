@@ -652,6 +652,14 @@ def install_namespace_filter() -> str | None:
 # ----------------------------------------------------------------------------- the child
 _BANNED: list[str] = []
 _BANNED_PATHS: list[str] = []
+WARM_MODULES = ("collections", "collections.abc", "itertools", "functools", "math", "cmath", "re", "string",
+                "heapq", "bisect", "copy", "operator", "typing", "dataclasses", "fractions", "decimal", "json",
+                "pickle", "enum", "abc", "numbers", "textwrap", "unicodedata", "array", "struct", "base64",
+                "binascii", "pprint", "contextlib")
+# Stdlib modules that import a banned module themselves (statistics: random, queue: threading). Once the
+# guard is in place nobody can import a banned module, so they are imported before it: honest programs
+# keep them, and the static check refuses reaching the banned module through them.
+IMPORT_BEFORE_GUARD = ("statistics", "queue")
 
 
 def banned_module_paths(banned: list[str]) -> tuple[str, ...]:
@@ -1012,6 +1020,8 @@ class Runner:
         except OSError:
             pass
         own_world = bool(cfg.get("setup_mounts"))
+        self.protections.update(dict.fromkeys(("private_proc", "private_tmp", "readonly_fs", "private_dev", "no_sys",
+                                               "masked_proc"), False))
         if own_world:
             self.protections.update(_setup_mounts(cfg, self.notes))
         # After joining the slot's cgroup: /proc/self/cgroup then reads "/" in every slot.
@@ -1055,10 +1065,7 @@ class Runner:
             "fork_limit": cfg.get("uid") is not None,
         })
         self._setup_per_call_confinement()
-        for mod in ("collections", "collections.abc", "itertools", "functools", "math", "cmath", "re",
-                    "string", "heapq", "bisect", "copy", "operator", "typing", "dataclasses", "fractions",
-                    "decimal", "statistics", "json", "pickle", "enum", "abc", "numbers", "textwrap",
-                    "unicodedata", "array", "struct", "base64", "binascii", "pprint", "contextlib", "queue"):
+        for mod in WARM_MODULES + IMPORT_BEFORE_GUARD:
             try:
                 __import__(mod)  # warm the fork parent: children import from memory, not from disk
             except ImportError:
@@ -1067,7 +1074,7 @@ class Runner:
         _BANNED_PATHS[:] = banned_module_paths(_BANNED)
         purge_banned_modules(_BANNED)
         # Last: every namespace this runner makes for itself exists by now.
-        why = install_namespace_filter()
+        why = install_namespace_filter() if cfg.get("namespace_filter", True) else "namespace filter disabled"
         self.protections["namespace_filter"] = why is None
         if why:
             self.notes.append(why)

@@ -87,6 +87,11 @@ def _main():
         except (ValueError, OSError):
             pass
     banned = list(req["banned"])
+    for name in $import_before_guard:
+        try:
+            __import__(name)
+        except ImportError:
+            pass
     paths = banned_module_paths(banned)
     for m in [m for m in sys.modules if any(m == b or m.startswith(b + ".") for b in banned) and m != "os.path"]:
         del sys.modules[m]
@@ -235,7 +240,8 @@ def build_script(program: str, inputs: str, *, check_determinism: bool, max_outp
                  timeout_s: float = 10.0, memory_mb: int = 512, banned: list[str] | tuple[str, ...] = ()) -> str:
     """The Python source sent to SandboxFusion for one evaluation; it reads the marker's nonce from stdin."""
     child = string.Template(_CHILD).substitute(banned_module_paths=_source(_runner.banned_module_paths),
-                                               install_import_guard=_source(_runner.install_import_guard))
+                                               install_import_guard=_source(_runner.install_import_guard),
+                                               import_before_guard=repr(_runner.IMPORT_BEFORE_GUARD))
     return string.Template(_SUPERVISOR).substitute(
         program=repr(program), inputs=repr(inputs), cap=int(max_output_chars), det=bool(check_determinism),
         timeout=float(timeout_s), memory_mb=int(memory_mb), banned=repr([str(b) for b in banned]),
