@@ -6,7 +6,8 @@ few MB and a fork takes about a millisecond. The host side (``local.py``) import
 functions below (``find_banned``) so the static check is the same code on both sides.
 
 Protocol (both directions): 4-byte big-endian length + UTF-8 JSON.
-  host -> worker, once:  {"uid", "gid", "setup_mounts", "expose", "banned", "nproc", "fsize_mb", "tmp_mb"}
+  host -> worker, once:  {"uid", "gid", "setup_mounts", "expose", "banned", "nproc", "fsize_mb", "tmp_mb",
+                          "memory_mb", "cgroup", "user_namespace", "namespace_filter" (optional, default true)}
   worker -> host, once:  {"ready": true, "protections": {...}, "notes": [...]}
   host -> worker:        {"program", "inputs", "timeout_s", "memory_mb", "check_determinism", "max_output_chars"}
   worker -> host:        {"ok", "output", "error", "duration_s"}
