@@ -391,8 +391,9 @@ def _setup_mounts(cfg: dict, notes: list[str]) -> dict[str, bool]:
     for point, flags in _mountinfo():
         if point == "/proc" or point.startswith("/proc/") or point == "/tmp":
             continue
-        if prot["no_sys"] and point.startswith("/sys/"):
-            continue  # under the empty /sys: out of reach
+        if (prot["no_sys"] and point.startswith("/sys/")) or (prot["private_dev"] and point.startswith("/dev/")
+                                                               and point[5:] not in _DEV_NODES):
+            continue  # covered by the empty /sys or the private /dev: out of reach
         try:
             _mount(None, point, None, _MS_REMOUNT | _MS_BIND | _MS_RDONLY | flags)
             root_ok = root_ok or point == "/"
@@ -419,10 +420,8 @@ def _private_dev() -> None:
     for name in nodes:
         os.close(os.open(f"{stage}/{name}", os.O_CREAT | os.O_WRONLY, 0o600))
         _mount(f"/dev/{name}", f"{stage}/{name}", None, _MS_BIND)
-    try:
-        _umount("/dev")  # the host's /dev and what is mounted under it (pts, shm, mqueue)
-    except OSError:
-        pass  # locked in an unprivileged user namespace: covered below instead
+    # Covers the host's /dev and what is mounted under it (pts, shm, mqueue): out of reach, and if this
+    # fails the host's /dev is still there for the runner and its children.
     _mount("tmpfs", "/dev", "tmpfs", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, "size=64k,nr_inodes=64,mode=755")
     for name in nodes:
         os.close(os.open(f"/dev/{name}", os.O_CREAT | os.O_WRONLY, 0o666))
@@ -641,7 +640,10 @@ def install_namespace_filter() -> str | None:
 
     insns = (SockFilter * len(prog))(*[SockFilter(*i) for i in prog])
     fprog = SockFprog(len(prog), insns)
-    libc = ctypes.CDLL(None, use_errno=True)
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+    except OSError as e:
+        return f"seccomp filter: no libc: {e}"
     ulong = ctypes.c_ulong
     if libc.prctl(38, ulong(1), ulong(0), ulong(0), ulong(0)) != 0:  # PR_SET_NO_NEW_PRIVS
         return f"no_new_privs: {os.strerror(ctypes.get_errno())}"
