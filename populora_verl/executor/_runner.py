@@ -75,7 +75,8 @@ def _fold_node(node: ast.AST, folded: dict[int, str]) -> str | None:
     """The string ``node`` builds from constants, given its children's (in ``folded``); never runs code.
 
     Covers concatenation, small repeats, slices, f-strings, ``''.join([...])``, ``%`` and ``.format`` of
-    constants, and case changes: the ways to spell ``'__builtins__'`` without writing it."""
+    constants, and case changes: the ways to spell ``'__builtins__'`` without writing it. Results stay
+    short (:data:`_FOLD_MAX`): a program cannot make the check build a huge string."""
     get = lambda n: folded.get(id(n))  # noqa: E731
     if isinstance(node, ast.Constant):
         return node.value if isinstance(node.value, str) else None
@@ -129,7 +130,9 @@ def _fold_node(node: ast.AST, folded: dict[int, str]) -> str | None:
             return base.join(parts)
         if method == "format":
             parts = [get(a) for a in node.args]
-            if None in parts or ":" in base or len(base) + base.count("{") * max(map(len, parts), default=0) > _FOLD_MAX:
+            # Plain "{}"/"{0}" fields only: no format spec (width), no attribute or item lookup (code).
+            if (None in parts or any(c in base for c in ":.[!")
+                    or len(base) + base.count("{") * max(map(len, parts), default=0) > _FOLD_MAX):
                 return None
             try:
                 return base.format(*parts)
@@ -706,8 +709,7 @@ def install_import_guard(banned: list[str], banned_paths: tuple[str, ...]) -> No
     ``sys.modules``) also stops the ``importlib`` route.
     The hook keeps its state in default arguments of immutable builtin types (rewriting a function's
     ``__defaults__`` or ``__code__`` is itself refused), looks up no global and calls nothing the program
-    defined. Self-contained: the SandboxFusion script embeds
-    this function's source.
+    defined. Self-contained: the SandboxFusion script embeds this function's source.
     """
     import sys
 
