@@ -1,5 +1,6 @@
 """A second outside red team's findings against both backends, one section per defect class. Each test failed
-on the executor before the fix. The SandboxFusion script runs in a local process, as the service runs it
+on the executor before the fix, except ``test_honest_programs_keep_their_modules`` (honest programs must not
+pay for the stricter import guard). The SandboxFusion script runs in a local process, as the service runs it
 (the code in a file, the request's stdin on stdin, as root when the tests are)."""
 
 from __future__ import annotations
