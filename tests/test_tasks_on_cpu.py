@@ -297,6 +297,21 @@ def test_code_f_azr_rule_needs_num_inputs_takes_the_last_and_rejects_any_failure
     assert cfg.rewards.format_error == cfg.rewards.invalid_program == -1.0  # both are AZR's -1
 
 
+def test_code_f_inputs_run_with_the_determinism_check(ex, cfg, lenient):
+    """Each proposed input runs on the buffered program with the determinism check, under both rules: a
+    program whose result changes between calls yields no gold (one run alone looks fine)."""
+    counter = Task(type="code_o", program="_calls = [0]\ndef f(a):\n    _calls[0] += 1\n    return a + _calls[0]\n",
+                   input="1", output="2")
+    inputs = [str(i) for i in range(10)]
+    strict = validate_proposal(code_f_proposal(inputs), "code_f", ex, cfg, program=counter)
+    assert strict.status == "invalid" and "nondeterministic" in strict.reason, strict.reason
+    loose = validate_proposal(code_f_proposal(inputs), "code_f", ex, lenient, program=counter)
+    assert loose.status == "invalid" and "0 valid distinct inputs" in loose.reason, loose.reason
+    # The check is what refuses it: with executor.check_determinism off the same proposal is valid.
+    unchecked = load_config({"executor": {"check_determinism": False}})
+    assert validate_proposal(code_f_proposal(inputs), "code_f", ex, unchecked, program=counter).valid
+
+
 def test_code_f_identity_seed_is_solvable(ex, cfg):
     t = identity_code_f_task()
     assert t.num_visible == 3 and len(t.hidden_pairs) == 3

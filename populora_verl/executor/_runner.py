@@ -6,7 +6,8 @@ few MB and a fork takes about a millisecond. The host side (``local.py``) import
 functions below (``find_banned``) so the static check is the same code on both sides.
 
 Protocol (both directions): 4-byte big-endian length + UTF-8 JSON.
-  host -> worker, once:  {"uid", "gid", "setup_mounts", "expose", "banned", "nproc", "fsize_mb", "tmp_mb"}
+  host -> worker, once:  {"uid", "gid", "setup_mounts", "expose", "banned", "nproc", "fsize_mb", "tmp_mb",
+                          "memory_mb", "cgroup", "user_namespace", "namespace_filter" (optional, default true)}
   worker -> host, once:  {"ready": true, "protections": {...}, "notes": [...]}
   host -> worker:        {"program", "inputs", "timeout_s", "memory_mb", "check_determinism", "max_output_chars"}
   worker -> host:        {"ok", "output", "error", "duration_s"}
@@ -31,7 +32,13 @@ INPUT_FILE = "<input>"
 # statement. Rejected statically in addition to the configured banned modules.
 TRICK_NAMES = frozenset({"__import__", "__builtins__", "__loader__", "__spec__", "importlib", "builtins",
                          "__subclasses__", "__globals__"})
+# Code objects and frames: rewriting a function's code (``code.replace(co_filename=...)``) or walking frames
+# reaches the runner's own state. No honest ``f`` needs them.
+INTERNALS_NAMES = frozenset({"__code__", "f_globals", "f_builtins", "f_locals", "f_back", "f_code", "tb_frame",
+                             "gi_frame", "gi_code", "cr_frame", "cr_code", "ag_frame", "ag_code", "_getframe"})
 DYNAMIC_CODE = frozenset({"exec", "eval", "compile"})
+_ATTR_FUNCS = frozenset({"getattr", "setattr", "delattr", "hasattr"})
+_FOLD_MAX = 4096  # longest string the static check builds while folding constants
 
 
 # ----------------------------------------------------------------------------- static policy
@@ -55,19 +62,138 @@ def _attr_chain(node: ast.AST) -> str | None:
     return None
 
 
+def _int_const(node: ast.AST | None) -> int | None:
+    if isinstance(node, ast.Constant) and type(node.value) is int:
+        return node.value
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+        inner = _int_const(node.operand)
+        return None if inner is None else -inner
+    return None
+
+
+def _fold_node(node: ast.AST, folded: dict[int, str]) -> str | None:
+    """The string ``node`` builds from constants, given its children's (in ``folded``); never runs code.
+
+    Covers concatenation, small repeats, slices, f-strings, ``''.join([...])``, ``%`` and ``.format`` of
+    constants, and case changes: the ways to spell ``'__builtins__'`` without writing it. Results stay
+    short (:data:`_FOLD_MAX`): a program cannot make the check build a huge string."""
+    get = lambda n: folded.get(id(n))  # noqa: E731
+    if isinstance(node, ast.Constant):
+        return node.value if isinstance(node.value, str) else None
+    if isinstance(node, ast.FormattedValue):
+        return get(node.value) if node.format_spec is None and node.conversion in (-1, 115) else None
+    if isinstance(node, ast.JoinedStr):
+        parts = [get(v) for v in node.values]
+        return None if None in parts else "".join(parts)
+    if isinstance(node, ast.BinOp):
+        left, right = get(node.left), get(node.right)
+        if isinstance(node.op, ast.Add):
+            return None if left is None or right is None else left + right
+        if isinstance(node.op, ast.Mult):
+            text, count = (left, _int_const(node.right)) if left is not None else (right, _int_const(node.left))
+            if text is not None and count is not None and 0 <= count and len(text) * count <= _FOLD_MAX:
+                return text * count
+            return None
+        if isinstance(node.op, ast.Mod) and left is not None:
+            args = node.right.elts if isinstance(node.right, ast.Tuple) else [node.right]
+            parts = [get(a) for a in args]
+            # No width or precision: the result is never longer than its pieces.
+            if None in parts or any(c in left for c in "0123456789*"):
+                return None
+            try:
+                return left % tuple(parts)
+            except (TypeError, ValueError):
+                return None
+        return None
+    if isinstance(node, ast.Subscript):
+        text, sl = get(node.value), node.slice
+        if text is None:
+            return None
+        if isinstance(sl, ast.Slice):
+            bounds = [None if b is None else _int_const(b) for b in (sl.lower, sl.upper, sl.step)]
+            if any(b is None and raw is not None for b, raw in zip(bounds, (sl.lower, sl.upper, sl.step))):
+                return None
+            try:
+                return text[slice(*bounds)]
+            except ValueError:
+                return None
+        index = _int_const(sl)
+        return text[index] if index is not None and -len(text) <= index < len(text) else None
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and not node.keywords:
+        base, method = get(node.func.value), node.func.attr
+        if base is None:
+            return None
+        if method == "join" and len(node.args) == 1 and isinstance(node.args[0], (ast.List, ast.Tuple)):
+            parts = [get(e) for e in node.args[0].elts]
+            if None in parts or len(base) * len(parts) + sum(map(len, parts)) > _FOLD_MAX:
+                return None
+            return base.join(parts)
+        if method == "format":
+            parts = [get(a) for a in node.args]
+            # Plain "{}"/"{0}" fields only: no format spec (width), no attribute or item lookup (code).
+            if (None in parts or any(c in base for c in ":.[!")
+                    or len(base) + base.count("{") * max(map(len, parts), default=0) > _FOLD_MAX):
+                return None
+            try:
+                return base.format(*parts)
+            except (IndexError, KeyError, ValueError, AttributeError):
+                return None
+        if method in ("lower", "upper", "strip", "swapcase", "casefold") and not node.args:
+            return getattr(base, method)()
+    return None
+
+
+def _fold_strings(nodes: list[ast.AST]) -> dict[int, str]:
+    """Fold every constant string expression of a tree, ``nodes`` in ``ast.walk`` order (parents first):
+    children are folded before their parents, without recursion, so depth does not matter."""
+    folded: dict[int, str] = {}
+    for node in reversed(nodes):
+        text = _fold_node(node, folded)
+        if text is not None and len(text) <= _FOLD_MAX:
+            folded[id(node)] = text
+    return folded
+
+
+def _chain_problem(chain: str, banned: list[str], modules: set[str]) -> str | None:
+    """Why the dotted use ``chain`` (``sys.modules``, ``os.environ``, ``statistics.random``) is banned, or None."""
+    if chain == "sys.modules" or chain.startswith("sys.modules."):
+        return "banned import: use of sys.modules"
+    for entry in banned:
+        if "." in entry and (chain == entry or chain.startswith(entry + ".")):
+            return f"banned import: use of {entry}"
+    parts = chain.split(".")
+    # A banned module reached as an attribute of a module the program imported (statistics.random).
+    if len(parts) > 1 and parts[0] in modules and _banned_match(parts[1], banned):
+        return f"banned import: use of {parts[0]}.{parts[1]}"
+    return None
+
+
+def _name_problem(name: str) -> str | None:
+    if name in TRICK_NAMES:
+        return f"use of {name}"
+    if name in INTERNALS_NAMES:
+        return f"use of {name} (code object or frame internals)"
+    return None
+
+
 def find_banned(program: str, banned: list[str], _depth: int = 0) -> str | None:
     """A short reason if ``program`` uses a banned module or an import trick, else None.
 
     Walks Import/ImportFrom (banned entry ``a`` covers ``a`` and ``a.*``; dotted entry ``a.b`` also covers
     ``from a import b`` and the attribute chain ``a.b``), and rejects routes around import statements:
-    ``__import__``, ``importlib``, ``builtins``/``__builtins__``, ``sys.modules`` and exec/eval/compile of
-    anything but a string literal (a literal is checked recursively).
+    ``__import__``, ``importlib``, ``builtins``/``__builtins__``, ``sys.modules``, a banned module reached as
+    an attribute of an imported one (``statistics.random``), code-object and frame internals (``__code__``,
+    ``co_*=`` rewrites, ``f_globals``...), and exec/eval/compile of anything but a string literal (a literal
+    is checked recursively). Strings built from constants (``'__bui' + 'ltins__'``) are folded first.
     """
     try:
         tree = ast.parse(program, PROGRAM_FILE)
     except (SyntaxError, ValueError, RecursionError, MemoryError):
         return None  # not our job: running it reports the syntax error
-    for node in ast.walk(tree):
+    nodes = list(ast.walk(tree))
+    folded = _fold_strings(nodes)
+    modules = {(a.asname or a.name).split(".")[0] for n in nodes if isinstance(n, ast.Import) for a in n.names}
+    for node in nodes:
         if isinstance(node, ast.Import):
             for alias in node.names:
                 hit = _banned_match(alias.name, banned)
@@ -85,18 +211,17 @@ def find_banned(program: str, banned: list[str], _depth: int = 0) -> str | None:
                 full = f"{mod}.{alias.name}" if mod else alias.name
                 if _banned_match(full, banned):
                     return f"banned import: {full}"
-        elif isinstance(node, ast.Name) and node.id in TRICK_NAMES:
-            return f"banned import: use of {node.id}"
+        elif isinstance(node, ast.Name) and _name_problem(node.id):
+            return f"banned import: {_name_problem(node.id)}"
         elif isinstance(node, ast.Attribute):
-            if node.attr in TRICK_NAMES:
-                return f"banned import: use of .{node.attr}"
+            if _name_problem(node.attr):
+                return f"banned import: {_name_problem(node.attr)}"
             chain = _attr_chain(node)
-            if chain:
-                if chain == "sys.modules" or chain.startswith("sys.modules."):
-                    return "banned import: use of sys.modules"
-                for entry in banned:
-                    if "." in entry and (chain == entry or chain.startswith(entry + ".")):
-                        return f"banned import: use of {entry}"
+            problem = _chain_problem(chain, banned, modules) if chain else None
+            if problem:
+                return problem
+        elif isinstance(node, ast.keyword) and node.arg and node.arg.startswith("co_"):
+            return f"banned import: code object rewrite ({node.arg}=)"
         elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in DYNAMIC_CODE:
             arg = node.args[0] if node.args else None
             if not (isinstance(arg, ast.Constant) and isinstance(arg.value, str)):
@@ -105,8 +230,15 @@ def find_banned(program: str, banned: list[str], _depth: int = 0) -> str | None:
                 inner = find_banned(arg.value, banned, _depth + 1)
                 if inner:
                     return inner
-        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in TRICK_NAMES:
-            return f"banned import: string {node.value!r}"  # getattr(x, "__import__") and friends
+        text = folded.get(id(node))
+        if text is not None and _name_problem(text):
+            return f"banned import: string {text!r}"  # getattr(x, "__import__"), '__bui' + 'ltins__'
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in _ATTR_FUNCS
+                and len(node.args) >= 2):
+            base, name = _attr_chain(node.args[0]), folded.get(id(node.args[1]))
+            problem = _chain_problem(f"{base}.{name}", banned, modules) if base and name else None
+            if problem:
+                return problem  # getattr(os, 'environ'), getattr(statistics, 'random')
     return None
 
 
@@ -225,12 +357,14 @@ def _expose(paths: list[str], notes: list[str]) -> None:
 
 
 def _setup_mounts(cfg: dict, notes: list[str]) -> dict[str, bool]:
-    """Private /proc and /tmp, interpreter readable, every other mount read-only.
+    """Private /proc and /tmp, interpreter readable, every other mount read-only; the same minimal world in
+    every slot: a /dev of harmless nodes, no /sys, fixed views of host-wide /proc files.
 
-    /tmp is a root-owned (0755) tmpfs: the only place a program can write is the per-slot work directory
-    inside it (its cwd, $TMPDIR, $HOME), which is emptied after every call.
+    /tmp is a root-owned (0755) tmpfs: the only place a program can write is the slot's work directory
+    inside it (its cwd, $TMPDIR, $HOME, the same path in every slot), which is emptied after every call.
     """
-    prot = {"private_proc": False, "private_tmp": False, "readonly_fs": False}
+    prot = {"private_proc": False, "private_tmp": False, "readonly_fs": False, "private_dev": False,
+            "no_sys": False, "masked_proc": False}
     try:
         _mount(None, "/", None, _MS_REC | _MS_PRIVATE)
         _mount("proc", "/proc", "proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC)
@@ -246,10 +380,23 @@ def _setup_mounts(cfg: dict, notes: list[str]) -> dict[str, bool]:
         _expose(cfg.get("expose", []), notes)
     except OSError as e:
         notes.append(f"expose: {e}")
+    for key, setup, needs in (("private_dev", _private_dev, "private_tmp"), ("no_sys", _hide_sys, None),
+                              ("masked_proc", lambda: _mask_proc(int(cfg["memory_mb"])), "private_proc")):
+        if needs and not prot[needs]:
+            notes.append(f"{key}: needs {needs}")
+            continue
+        try:
+            setup()
+            prot[key] = True
+        except OSError as e:
+            notes.append(f"{key}: {e}")
     root_ok, failed = False, 0
     for point, flags in _mountinfo():
         if point == "/proc" or point.startswith("/proc/") or point == "/tmp":
             continue
+        if (prot["no_sys"] and point.startswith("/sys/")) or (prot["private_dev"] and point.startswith("/dev/")
+                                                               and point[5:] not in _DEV_NODES):
+            continue  # covered by the empty /sys or the private /dev: out of reach
         try:
             _mount(None, point, None, _MS_REMOUNT | _MS_BIND | _MS_RDONLY | flags)
             root_ok = root_ok or point == "/"
@@ -258,8 +405,104 @@ def _setup_mounts(cfg: dict, notes: list[str]) -> dict[str, bool]:
     prot["readonly_fs"] = root_ok
     if failed:
         notes.append(f"{failed} mounts could not be made read-only")
-    # Fresh tmpfs on /tmp again: the read-only pass must not have touched it, and stage dirs are gone.
     return prot
+
+
+# A program sees only these devices (host nodes bound into a private /dev): no terminal, no GPU, no
+# /dev/shm to leave files in. The links are what programs and libc expect.
+_DEV_NODES = ("null", "zero", "full", "random", "urandom")
+_DEV_LINKS = {"fd": "/proc/self/fd", "stdin": "/proc/self/fd/0", "stdout": "/proc/self/fd/1",
+              "stderr": "/proc/self/fd/2"}
+
+
+def _private_dev() -> None:
+    """A fresh tmpfs on /dev holding only :data:`_DEV_NODES`, bound from the host's /dev."""
+    stage = "/tmp/.populora_dev"
+    os.mkdir(stage, 0o700)
+    nodes = [n for n in _DEV_NODES if os.path.exists(f"/dev/{n}")]
+    for name in nodes:
+        os.close(os.open(f"{stage}/{name}", os.O_CREAT | os.O_WRONLY, 0o600))
+        _mount(f"/dev/{name}", f"{stage}/{name}", None, _MS_BIND)
+    # Covers the host's /dev and what is mounted under it (pts, shm, mqueue): out of reach, and if this
+    # fails the host's /dev is still there for the runner and its children.
+    _mount("tmpfs", "/dev", "tmpfs", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, "size=64k,nr_inodes=64,mode=755")
+    for name in nodes:
+        os.close(os.open(f"/dev/{name}", os.O_CREAT | os.O_WRONLY, 0o666))
+        _mount(f"{stage}/{name}", f"/dev/{name}", None, _MS_BIND)
+        _umount(f"{stage}/{name}")
+        os.unlink(f"{stage}/{name}")
+    for name, target in _DEV_LINKS.items():
+        os.symlink(target, f"/dev/{name}")
+    os.rmdir(stage)
+
+
+def _hide_sys() -> None:
+    """No /sys: an empty, read-only tmpfs in its place (cgroup counters, network interfaces, PCI devices,
+    GPU details all live there)."""
+    try:
+        _umount("/sys")
+    except OSError:
+        pass
+    _mount("tmpfs", "/sys", "tmpfs", _MS_RDONLY | _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, "size=4k,nr_inodes=1,mode=555")
+
+
+def proc_views(memory_mb: int) -> dict[str, str]:
+    """Fixed contents for host-wide /proc files (load, memory, CPU, boot and lock tables, counters): the same
+    in every slot and every run, and nothing about the host. Memory reads as the call's own limit."""
+    kb = int(memory_mb) * 1024
+    meminfo = "".join(f"{k + ':':<16}{v:>8} kB\n" for k, v in (
+        ("MemTotal", kb), ("MemFree", kb), ("MemAvailable", kb), ("Buffers", 0), ("Cached", 0),
+        ("SwapCached", 0), ("Active", 0), ("Inactive", 0), ("SwapTotal", 0), ("SwapFree", 0), ("Dirty", 0),
+        ("Shmem", 0)))
+    views = {
+        "loadavg": "0.00 0.00 0.00 1/1 1\n",
+        "meminfo": meminfo,
+        "stat": ("cpu  0 0 0 0 0 0 0 0 0 0\ncpu0 0 0 0 0 0 0 0 0 0 0\nintr 0\nctxt 0\nbtime 0\nprocesses 0\n"
+                 "procs_running 1\nprocs_blocked 0\nsoftirq 0 0 0 0 0 0 0 0 0 0 0\n"),
+        "cpuinfo": "processor\t: 0\n\n",
+        "swaps": "Filename\t\t\t\tType\t\tSize\t\tUsed\t\tPriority\n",
+        "sys/kernel/random/boot_id": "00000000-0000-0000-0000-000000000000\n",
+        "sys/kernel/random/entropy_avail": "256\n",
+        "sys/fs/file-nr": "0\t0\t0\n",
+        "sys/fs/inode-nr": "0\t0\n",
+        "sys/fs/inode-state": "0\t0\t0\t0\t0\t0\t0\n",
+        "sys/fs/dentry-state": "0\t0\t0\t0\t0\t0\n",
+    }
+    for name in ("vmstat", "zoneinfo", "buddyinfo", "pagetypeinfo", "diskstats", "interrupts", "softirqs",
+                 "schedstat", "locks", "key-users", "cgroups", "slabinfo", "vmallocinfo", "timer_list",
+                 "sched_debug", "partitions", "iomem", "ioports", "kallsyms", "modules"):
+        views[name] = ""
+    return views
+
+
+_PROC_HIDDEN_DIRS = ("pressure", "driver", "irq", "bus")
+
+
+def _mask_proc(memory_mb: int) -> None:
+    """Bind :func:`proc_views` over the host-wide /proc files and empty read-only tmpfs over whole host-wide
+    directories (pressure stall counters, driver details such as GPU UUIDs, IRQ and bus tables)."""
+    stage = "/tmp/.populora_proc"
+    os.mkdir(stage, 0o755)
+    _mount("tmpfs", stage, "tmpfs", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, "size=1m,nr_inodes=128,mode=755")
+    ro = _MS_REMOUNT | _MS_BIND | _MS_RDONLY | _MS_NOSUID | _MS_NODEV | _MS_NOEXEC
+    try:
+        for rel, text in proc_views(memory_mb).items():
+            target = f"/proc/{rel}"
+            if not os.path.isfile(target):
+                continue
+            src = f"{stage}/{rel.replace('/', '_')}"
+            with open(src, "w") as fh:
+                fh.write(text)
+            os.chmod(src, 0o444)
+            _mount(src, target, None, _MS_BIND)
+            _mount(None, target, None, ro)
+        for rel in _PROC_HIDDEN_DIRS:
+            if os.path.isdir(f"/proc/{rel}"):
+                _mount("tmpfs", f"/proc/{rel}", "tmpfs", _MS_RDONLY | _MS_NOSUID | _MS_NODEV | _MS_NOEXEC,
+                       "size=4k,nr_inodes=1,mode=555")
+    finally:
+        _umount(stage)  # the bound files stay reachable through their mounts only
+        os.rmdir(stage)
 
 
 # ----------------------------------------------------------------------------- kernel helpers
@@ -298,56 +541,213 @@ def _load_libc() -> None:
         _libc = ctypes.CDLL(None, use_errno=True)
 
 
+_CLONE_NEWCGROUP, _CLONE_NEWUSER = 0x02000000, 0x10000000
+SANDBOX_HOSTNAME = "sandbox"
+SANDBOX_UID = 1000  # uid and gid of a program in every slot (the slot's own uid outside its user namespace)
+SANDBOX_WORKDIR = "/tmp/work"
+
+
+def _fixed_names() -> None:
+    """The same host and domain name in every slot (the UTS namespace starts with the host's)."""
+    for fn, name in (("sethostname", SANDBOX_HOSTNAME), ("setdomainname", "(none)")):
+        _libc_call(fn, name.encode(), len(name))
+
+
+def _make_user_namespace(uid: int, gid: int) -> int:
+    """An fd of a new user namespace for the slot's programs, in which no namespace can be created.
+
+    Inside, :data:`SANDBOX_UID` is the slot's uid (so every slot and executor shows the same uid) and root
+    is root: a child that enters it as root and drops to :data:`SANDBOX_UID` loses every capability (with
+    root unmapped the kernel would not see that drop). Its namespace limits (``user.max_*_namespaces``,
+    kept per user namespace) are set to 0 from inside by a helper, so that a program cannot create a user
+    namespace (and with it the capabilities behind most unprivileged kernel exploits) even where the
+    seccomp filter is unavailable.
+    """
+    r_up, w_up = os.pipe()
+    r_down, w_down = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            os.close(r_up)
+            os.close(w_down)
+            _libc_call("unshare", _CLONE_NEWUSER)
+            os.write(w_up, b"u")
+            if os.read(r_down, 1) == b"m":
+                for name in os.listdir("/proc/sys/user"):
+                    if name.startswith("max_") and name.endswith("_namespaces"):
+                        with open(f"/proc/sys/user/{name}", "w") as fh:
+                            fh.write("0")
+                os.write(w_up, b"l")
+                os.read(r_down, 1)  # EOF: the runner holds the namespace now
+                code = 0
+        finally:
+            os._exit(code)
+    os.close(w_up)
+    os.close(r_down)
+    try:
+        if os.read(r_up, 1) != b"u":
+            raise OSError("user namespace helper failed")
+        for name, outside in (("uid_map", uid), ("gid_map", gid)):
+            with open(f"/proc/{pid}/{name}", "w") as fh:
+                fh.write(f"0 0 1\n{SANDBOX_UID} {outside} 1\n")
+        os.write(w_down, b"m")
+        if os.read(r_up, 1) != b"l":
+            raise OSError("cannot set the namespace limits of the sandbox's user namespace")
+        return os.open(f"/proc/{pid}/ns/user", os.O_RDONLY | os.O_CLOEXEC)
+    finally:
+        os.close(w_down)
+        os.close(r_up)
+        os.waitpid(pid, 0)
+
+
+def install_namespace_filter() -> str | None:
+    """Refuse, for this process and everything it starts, the creation of namespaces: a seccomp filter
+    that fails ``unshare``/``clone`` with any ``CLONE_NEW*`` flag (EPERM), ``clone3`` (ENOSYS: its flags are
+    out of the filter's reach; libc falls back to ``clone``) and any syscall of a foreign ABI (x32, i386).
+    None when installed, else why not. Needs ``no_new_privs`` (set here) or root; self-contained, the
+    SandboxFusion script embeds this function's source.
+    """
+    import ctypes
+    import os
+
+    table = {"x86_64": (0xC000003E, 272, 56, 435), "aarch64": (0xC00000B7, 97, 220, 435)}
+    machine = os.uname().machine
+    if machine not in table:
+        return f"seccomp filter: no syscall table for {machine}"
+    arch, nr_unshare, nr_clone, nr_clone3 = table[machine]
+    new_ns = 0x00020000 | 0x02000000 | 0x04000000 | 0x08000000 | 0x10000000 | 0x20000000 | 0x40000000
+    ld, jeq, jge, jset, ret = 0x20, 0x15, 0x35, 0x45, 0x06
+    allow, eperm, enosys = 0x7FFF0000, 0x00050000 | 1, 0x00050000 | 38
+    # seccomp_data: nr at 0, arch at 4, args[0] at 16 (its low 32 bits on these little-endian ABIs).
+    prog = [
+        (ld, 0, 0, 4), (jeq, 0, 12, arch),              # 0-1: foreign ABI -> 14
+        (ld, 0, 0, 0), (jge, 10, 0, 0x40000000),        # 2-3: x32 syscall numbers -> 14
+        (jeq, 10, 0, nr_clone3),                        # 4: -> 15
+        (jeq, 2, 0, nr_unshare), (jeq, 4, 0, nr_clone),  # 5-6: -> 8, -> 11
+        (ret, 0, 0, allow),                             # 7
+        (ld, 0, 0, 16), (jset, 4, 0, new_ns | 0x80),    # 8-9: unshare, CLONE_NEWTIME too -> 14
+        (ret, 0, 0, allow),                             # 10
+        (ld, 0, 0, 16), (jset, 1, 0, new_ns),           # 11-12: clone (its low byte is the exit signal) -> 14
+        (ret, 0, 0, allow),                             # 13
+        (ret, 0, 0, eperm),                             # 14
+        (ret, 0, 0, enosys),                            # 15
+    ]
+
+    class SockFilter(ctypes.Structure):
+        _fields_ = [("code", ctypes.c_ushort), ("jt", ctypes.c_ubyte), ("jf", ctypes.c_ubyte),
+                    ("k", ctypes.c_uint32)]
+
+    class SockFprog(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(SockFilter))]
+
+    insns = (SockFilter * len(prog))(*[SockFilter(*i) for i in prog])
+    fprog = SockFprog(len(prog), insns)
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+    except OSError as e:
+        return f"seccomp filter: no libc: {e}"
+    ulong = ctypes.c_ulong
+    if libc.prctl(38, ulong(1), ulong(0), ulong(0), ulong(0)) != 0:  # PR_SET_NO_NEW_PRIVS
+        return f"no_new_privs: {os.strerror(ctypes.get_errno())}"
+    if libc.prctl(22, ulong(2), ctypes.byref(fprog), ulong(0), ulong(0)) != 0:  # PR_SET_SECCOMP, FILTER
+        return f"seccomp filter: {os.strerror(ctypes.get_errno())}"
+    return None
+
+
 # ----------------------------------------------------------------------------- the child
 _BANNED: list[str] = []
-_ORIG_IMPORT = None
+_BANNED_PATHS: list[str] = []
+WARM_MODULES = ("collections", "collections.abc", "itertools", "functools", "math", "cmath", "re", "string",
+                "heapq", "bisect", "copy", "operator", "typing", "dataclasses", "fractions", "decimal", "json",
+                "pickle", "enum", "abc", "numbers", "textwrap", "unicodedata", "array", "struct", "base64",
+                "binascii", "pprint", "contextlib")
+# Stdlib modules that import a banned module themselves (statistics: random, queue: threading). Once the
+# guard is in place nobody can import a banned module, so they are imported before it: honest programs
+# keep them, and the static check refuses reaching the banned module through them.
+IMPORT_BEFORE_GUARD = ("statistics", "queue")
 
 
-def _from_program() -> bool:
-    """True if the code asking for an import is the program (or code it exec'd), not the stdlib."""
-    frame = sys._getframe(2)
-    while frame is not None:
-        fn = frame.f_code.co_filename
-        if fn.startswith("<frozen importlib") or fn.endswith(os.sep + "importlib" + os.sep + "__init__.py"):
-            frame = frame.f_back
+def banned_module_paths(banned: list[str]) -> tuple[str, ...]:
+    """Source files (and package directories, ending in a separator) of the banned top-level modules, found
+    without importing them. Dotted entries (``os.path``) name attributes, not modules of their own."""
+    import importlib.machinery
+
+    out: list[str] = []
+    for entry in banned:
+        if "." in entry:
             continue
-        return not os.path.isabs(fn)  # "<program>", "<input>", "<string>": code the program compiled
-    return True
+        try:
+            spec = importlib.machinery.PathFinder.find_spec(entry)
+        except (ImportError, ValueError, OSError):
+            continue
+        if spec is None:
+            continue
+        if spec.submodule_search_locations:
+            out.extend(os.path.join(p, "") for p in spec.submodule_search_locations)
+        elif spec.origin and os.path.isabs(spec.origin):
+            out.append(spec.origin)
+    return tuple(out)
 
 
-def _guarded_import(name, globals=None, locals=None, fromlist=(), level=0):  # noqa: A002
-    if level == 0 and _from_program():
-        hit = _banned_match(name, _BANNED)
-        for sub in fromlist or ():
-            hit = hit or _banned_match(f"{name}.{sub}", _BANNED)
-        if hit:
-            raise ImportError(f"banned import: {hit}")
-    return _ORIG_IMPORT(name, globals, locals, fromlist, level)
-
-
-class _ImportGuard:
-    """meta_path finder: catches importlib.import_module and other routes that skip __import__."""
-
-    def find_spec(self, name, path=None, target=None):
-        if _banned_match(name, _BANNED) and _from_program():
-            raise ImportError(f"banned import: {name}")
-        return None
-
-
-def _purge_banned_modules() -> None:
+def purge_banned_modules(banned: list[str]) -> None:
     """Drop banned modules from ``sys.modules`` (cached modules bypass finders; their stdlib users keep their
     own references). Done once in the runner, so that no child pays for the scan."""
-    for mod in [m for m in sys.modules if _banned_match(m, _BANNED) and m not in ("os.path",)]:
+    for mod in [m for m in sys.modules if _banned_match(m, banned) and m != "os.path"]:
         del sys.modules[mod]
 
 
-def _install_import_guard() -> None:
-    global _ORIG_IMPORT
-    import builtins
+def install_import_guard(banned: list[str], banned_paths: tuple[str, ...]) -> None:
+    """The run-time half of the banned-module policy, for the process that is about to run a program.
 
-    _ORIG_IMPORT = builtins.__import__
-    builtins.__import__ = _guarded_import
-    sys.meta_path.insert(0, _ImportGuard())
+    An audit hook (``sys.addaudithook``: it cannot be removed or replaced from Python) refuses, whoever asks
+    (the program, code it compiled under any file name, or a module importing on its behalf):
+    - every import of a banned module through ``import``/``__import__`` (the ``import`` event);
+    - executing a banned module's code, the route of ``importlib`` loaders (the ``exec`` event);
+    - building or swapping code objects (``code.replace(co_filename=...)``, ``f.__code__ = ...``).
+    A ``sys.meta_path`` finder (and, for modules built into the interpreter, a ``None`` entry in
+    ``sys.modules``) also stops the ``importlib`` route.
+    The hook keeps its state in default arguments of immutable builtin types (rewriting a function's
+    ``__defaults__`` or ``__code__`` is itself refused), looks up no global and calls nothing the program
+    defined. Self-contained: the SandboxFusion script embeds this function's source.
+    """
+    import sys
+
+    def hook(event, args, _names=tuple(banned), _paths=tuple(banned_paths), _str=str, _type=type,
+             _getattr=getattr, _err=ImportError, _code_attrs=frozenset({"__code__", "__defaults__", "__kwdefaults__"}),
+             _watched=frozenset({"import", "exec", "code.__new__", "object.__setattr__"})):
+        if event not in _watched:
+            return
+        if event == "import":
+            name = args[0]
+            if _type(name) is not _str:
+                raise _err("banned import: module name is not a str")
+            for entry in _names:
+                if name == entry or name.startswith(entry + "."):
+                    raise _err("banned import: " + name)
+        elif event == "exec":
+            filename = _getattr(args[0], "co_filename", None)
+            if _type(filename) is _str:
+                for path in _paths:
+                    if filename == path or (path.endswith("/") and filename.startswith(path)):
+                        raise _err("banned import: code of " + filename)
+        elif event == "code.__new__":
+            raise _err("banned import: code object rewrite")
+        elif _type(args[1]) is _str and args[1] in _code_attrs:  # object.__setattr__ of a function's code
+            raise _err("banned import: code object rewrite (" + args[1] + ")")
+
+    class BannedFinder:
+        def find_spec(self, name, path=None, target=None, _names=tuple(banned)):
+            for entry in _names:
+                if name == entry or name.startswith(entry + "."):
+                    raise ImportError("banned import: " + name)
+            return None
+
+    sys.addaudithook(hook)
+    sys.meta_path.insert(0, BannedFinder())
+    for entry in banned:
+        if entry in sys.builtin_module_names:  # no file to refuse on the importlib route: mark it missing
+            sys.modules[entry] = None  # type: ignore[assignment]
 
 
 def _short(exc: BaseException) -> str:
@@ -427,7 +827,7 @@ def _evaluate(req: dict, first_run: bool, code: object) -> dict:
         call = compile(f"f(\n{inputs}\n)", INPUT_FILE, "eval")
     except (SyntaxError, ValueError, RecursionError, MemoryError) as e:
         return {"ok": False, "output": None, "error": _short(e)}
-    _install_import_guard()
+    install_import_guard(_BANNED, tuple(_BANNED_PATHS))
     env: dict = {"__name__": "__main__"}
     cap = int(req["max_output_chars"])
     try:
@@ -463,15 +863,21 @@ def _evaluate(req: dict, first_run: bool, code: object) -> dict:
 def _child(req: dict, wfd: int, cfg: dict, workdir: str, role: str, code: object) -> None:
     """Runs in the forked process: confine it, then evaluate (``role`` A: first run, B: second run).
 
-    No ctypes call here on purpose: every page a child touches is copied from the runner, and the
-    namespace/keyring/no_new_privs set-up is done once by the runner instead (inherited at fork)."""
+    Set-up that can be inherited (namespaces, keyrings, no_new_privs, the seccomp filter) is done once by
+    the runner: every page a child touches is a copy of the runner's. The only ctypes calls here enter the
+    slot's user namespace and clear its keyrings, which no fork can inherit."""
     try:
         os.setsid()
         null = os.open(os.devnull, os.O_RDWR)
         for fd in (0, 1, 2):
             os.dup2(null, fd)
-        os.closerange(3, wfd)
-        os.closerange(wfd + 1, 1 << 16)
+        userns = cfg.get("userns_fd")
+        keep = sorted({wfd} | ({userns} if userns is not None else set()))
+        start = 3
+        for fd in keep:
+            os.closerange(start, fd)
+            start = fd + 1
+        os.closerange(start, 1 << 16)
         try:  # an out-of-memory kill in the slot's cgroup picks the program, never the runner
             fd = os.open("/proc/self/oom_score_adj", os.O_WRONLY)
             os.write(fd, b"1000")
@@ -495,9 +901,20 @@ def _child(req: dict, wfd: int, cfg: dict, workdir: str, role: str, code: object
         for lim, soft, hard in limits:
             resource.setrlimit(lim, (soft, hard))
         if cfg.get("uid") is not None:
+            uid, gid = cfg["uid"], cfg["gid"]
             os.setgroups([])
-            os.setresgid(cfg["gid"], cfg["gid"], cfg["gid"])
-            os.setresuid(cfg["uid"], cfg["uid"], cfg["uid"])
+            if userns is not None:
+                # Root enters the slot's user namespace, then drops to the uid every slot shows there.
+                _libc_call("setns", userns, _CLONE_NEWUSER)
+                os.close(userns)
+                uid = gid = SANDBOX_UID
+            os.setresgid(gid, gid, gid)
+            os.setresuid(uid, uid, uid)
+            if userns is not None and cfg.get("keyrings"):
+                # The user keyrings belong to (user namespace, uid): ours outlive the call, so empty them
+                # before the program can read what an earlier call left there.
+                for spec in (_KEY_SPEC_USER, _KEY_SPEC_USER_SESSION):
+                    _keyctl(_KEYCTL_CLEAR, spec)
         os.environ.clear()
         os.environ.update({"PATH": "/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8"})
         signal.signal(signal.SIGPIPE, signal.SIG_DFL)
@@ -607,13 +1024,43 @@ class Runner:
                 fh.write("-1000")
         except OSError:
             pass
-        if cfg.get("setup_mounts"):
+        own_world = bool(cfg.get("setup_mounts"))
+        self.protections.update(dict.fromkeys(("private_proc", "private_tmp", "readonly_fs", "private_dev", "no_sys",
+                                               "masked_proc"), False))
+        if own_world:
             self.protections.update(_setup_mounts(cfg, self.notes))
-        base = "/tmp" if self.protections.get("private_tmp") else None
-        import tempfile
+        # After joining the slot's cgroup: /proc/self/cgroup then reads "/" in every slot.
+        for key, setup in (("fixed_hostname", _fixed_names),
+                           ("cgroup_namespace", lambda: _libc_call("unshare", _CLONE_NEWCGROUP))):
+            self.protections[key] = False
+            if own_world:
+                try:
+                    setup()
+                    self.protections[key] = True
+                except OSError as e:
+                    self.notes.append(f"{key}: {e}")
+        if self.protections.get("private_tmp"):
+            os.mkdir(SANDBOX_WORKDIR, 0o700)
+            self.workdirs = {"A": SANDBOX_WORKDIR, "B": SANDBOX_WORKDIR}
+        else:
+            # The host's /tmp: a directory of our own, and another one for the second run, so that a result
+            # that depends on the path fails the determinism check instead of differing between slots.
+            import tempfile
 
-        self.workdir = tempfile.mkdtemp(prefix="populora_exec_", dir=base)
-        self._fresh_workdir(create=False)
+            self.workdirs = {role: tempfile.mkdtemp(prefix="populora_exec_") for role in "AB"}
+        for path in set(self.workdirs.values()):
+            self._fresh_workdir(path, create=False)
+        # The programs' user namespace (root runner with a pid namespace and its own /proc to address the helper).
+        self.userns_fd = None
+        if cfg.get("uid") is not None and self.is_init and self.protections.get("private_proc"):
+            try:
+                self.userns_fd = _make_user_namespace(cfg["uid"], cfg["gid"])
+            except OSError as e:
+                self.notes.append(f"user namespace: {e}")
+        self.cfg["userns_fd"] = self.userns_fd
+        self.protections["user_namespace_limit"] = self.userns_fd is not None
+        self.protections["fixed_identity"] = bool(
+            self.protections.get("private_tmp") and (self.userns_fd is not None or cfg.get("user_namespace")))
         try:
             _libc_call("prctl", 36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER: orphans come back to us
         except OSError:
@@ -623,16 +1070,19 @@ class Runner:
             "fork_limit": cfg.get("uid") is not None,
         })
         self._setup_per_call_confinement()
-        for mod in ("collections", "collections.abc", "itertools", "functools", "math", "cmath", "re",
-                    "string", "heapq", "bisect", "copy", "operator", "typing", "dataclasses", "fractions",
-                    "decimal", "statistics", "json", "pickle", "enum", "abc", "numbers", "textwrap",
-                    "unicodedata", "array", "struct", "base64", "binascii", "pprint", "contextlib"):
+        for mod in WARM_MODULES + IMPORT_BEFORE_GUARD:
             try:
                 __import__(mod)  # warm the fork parent: children import from memory, not from disk
             except ImportError:
                 pass
         _BANNED[:] = cfg.get("banned", [])
-        _purge_banned_modules()
+        _BANNED_PATHS[:] = banned_module_paths(_BANNED)
+        purge_banned_modules(_BANNED)
+        # Last: every namespace this runner makes for itself exists by now.
+        why = install_namespace_filter() if cfg.get("namespace_filter", True) else "namespace filter disabled"
+        self.protections["namespace_filter"] = why is None
+        if why:
+            self.notes.append(why)
         import gc
 
         gc.collect()
@@ -701,15 +1151,15 @@ class Runner:
                 except OSError:
                     pass
 
-    def _fresh_workdir(self, create: bool = True) -> None:
+    def _fresh_workdir(self, path: str, create: bool = True) -> None:
         """A new, empty work directory at the same path: no file, mode or xattr survives a call."""
         if create:
-            wipe_dir(self.workdir)
-            os.rmdir(self.workdir)
-            os.mkdir(self.workdir, 0o700)
+            wipe_dir(path)
+            os.rmdir(path)
+            os.mkdir(path, 0o700)
         if self.cfg.get("uid") is not None:
-            os.chown(self.workdir, self.cfg["uid"], self.cfg["gid"])
-        os.chmod(self.workdir, 0o700)
+            os.chown(path, self.cfg["uid"], self.cfg["gid"])
+        os.chmod(path, 0o700)
 
     def _kill_all(self, child: int, reaped: bool) -> None:
         """Kill every process the call left behind and reap them."""
@@ -747,8 +1197,8 @@ class Runner:
 
     def _clear_keyrings(self) -> None:
         uid = self.cfg.get("uid")
-        if not self.cfg.get("keyrings"):
-            return
+        if not self.cfg.get("keyrings") or self.userns_fd is not None:
+            return  # in the slot's user namespace each child empties its own keyrings first
         if uid is None:  # our own user namespace: its keyrings are ours alone
             for spec in (_KEY_SPEC_USER, _KEY_SPEC_USER_SESSION):
                 try:
@@ -777,7 +1227,7 @@ class Runner:
             _libc_call("setns", self.time_orig_fd, _CLONE_NEWTIME)  # our own clock again (deadlines)
         if child == 0:
             os.close(rfd)
-            _child(req, wfd, self.cfg, self.workdir, role, code)
+            _child(req, wfd, self.cfg, self.workdirs[role], role, code)
         os.close(wfd)
         limit = 8 * int(req["max_output_chars"]) + (1 << 16)
         buf, timed_out, status = bytearray(), False, None
@@ -812,7 +1262,7 @@ class Runner:
         self._kill_all(child, reaped=status is not None)
         self._remove_ipc()
         self._clear_keyrings()
-        self._fresh_workdir()
+        self._fresh_workdir(self.workdirs[role])
         return self._interpret(buf, timed_out, status, deadline, limit, int(req["max_output_chars"]))
 
     def run(self, req: dict) -> dict:

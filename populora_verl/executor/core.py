@@ -6,6 +6,7 @@ import ast
 import logging
 import os
 import time
+import unicodedata
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -24,14 +25,43 @@ MAX_PROGRAM_CHARS = 200_000
 AZR_STORED_CHARS = 400
 
 
+# Kept as they are in reason text: newline and tab. Escaped: the other control characters (NUL, ESC, C1),
+# lone surrogates, format characters (bidi overrides, zero-width) and line/paragraph separators.
+_UNSAFE_CATEGORIES = frozenset({"Cc", "Cs", "Cf", "Zl", "Zp"})
+
+
+def safe_text(text: str) -> str:
+    """``text`` fit for logs, metrics and prompts: characters that could drive a terminal, hide text or fail
+    UTF-8 encoding become ``\\xNN``/``\\uNNNN`` escapes; newlines, tabs and printable text are kept.
+
+    Reason text (an exception message from the program, a parser's complaint about model text) is made of
+    model output: this is applied where it leaves the executor (:class:`ExecResult`) and where proposal and
+    answer reasons are built (``tasks/verify.py``)."""
+    if text.isprintable():
+        return text
+    out = []
+    for ch in text:
+        if ch in "\n\t" or unicodedata.category(ch) not in _UNSAFE_CATEGORIES:
+            out.append(ch)
+        else:
+            code = ord(ch)
+            out.append(f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}")
+    return "".join(out)
+
+
 @dataclass(frozen=True)
 class ExecResult:
-    """Outcome of one evaluation. ``output`` is ``repr(f(inputs))`` when ``ok``; ``error`` a short reason."""
+    """Outcome of one evaluation. ``output`` is ``repr(f(inputs))`` when ``ok``; ``error`` a short reason
+    (escaped with :func:`safe_text`: the program writes its exception messages)."""
 
     ok: bool
     output: str | None
     error: str | None
     duration_s: float
+
+    def __post_init__(self) -> None:
+        if isinstance(self.error, str):
+            object.__setattr__(self, "error", safe_text(self.error))
 
     @property
     def error_kind(self) -> str | None:
@@ -131,7 +161,8 @@ class Executor:
         elif backend == "sandbox_fusion":
             from populora_verl.executor.sandbox_fusion import SandboxFusionBackend
 
-            self._backend = SandboxFusionBackend(sandbox_fusion_url or "", num_workers=workers)
+            self._backend = SandboxFusionBackend(sandbox_fusion_url or "", num_workers=workers,
+                                                 banned=self.banned_modules)
         else:
             raise ValueError(f"backend must be 'local' or 'sandbox_fusion', got {backend!r}")
         self.backend = backend
@@ -155,8 +186,8 @@ class Executor:
     @property
     def protections(self) -> dict[str, bool]:
         """Which isolation measures are active (name -> on)."""
-        base = {"separate_process": True, "rlimits": self.backend == "local", "static_import_check": True,
-                "runtime_import_guard": self.backend == "local", "clean_environment": True}
+        base = {"separate_process": True, "rlimits": True, "static_import_check": True, "runtime_import_guard": True,
+                "clean_environment": True}
         return {**base, **self._backend.protections}
 
     @property
@@ -175,7 +206,7 @@ class Executor:
         if not (_encodable(program) and _encodable(inputs)):
             return ExecResult(False, None, "bad request: program or inputs not UTF-8 encodable", 0.0)
         if self.backend == "sandbox_fusion":
-            reason = check_program(program, self.banned_modules)  # the remote side has no import guard
+            reason = check_program(program, self.banned_modules)  # before anything leaves this machine
             if reason:
                 return ExecResult(False, None, reason, 0.0)
         return {"program": program, "inputs": inputs, "timeout_s": float(timeout_s or self.timeout_s),

@@ -1,26 +1,45 @@
 """Remote backend: SandboxFusion's ``run_code`` HTTP API (the service verl's ``sandbox_fusion`` reward uses).
 
-The program and its input are wrapped into a self-contained script that evaluates ``f(<inputs>)`` (twice for
-the determinism check), and prints one JSON line behind a per-request marker; the response's
-``run_result`` (status, return_code, stdout, stderr) is mapped onto the executor's result. The banned-module
-check runs locally before anything is sent.
+Each evaluation is one self-contained Python script, a supervisor: it runs ``f(<inputs>)`` in a fresh
+interpreter process (which also calls ``f`` twice, as AZR does) and, for the determinism check, once more in
+a second, independent process; both with the hash seed fixed, a clean environment, a work directory of their
+own, the runtime import guard and the namespace filter of the local backend, and no handle on the
+supervisor's output. The supervisor compares the two results and prints one JSON line behind a marker whose
+secret half, a per-call nonce, reaches it on stdin and never appears in the script (which the program can
+read). The response's ``run_result`` is mapped onto the executor's result; the banned-module check runs
+locally before anything is sent, and the host checks every reply again (size, plain data).
 """
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
+import math
+import secrets
+import string
 import time
 import urllib.error
 import urllib.request
-import uuid
+
+from populora_verl.executor import _runner
 
 logger = logging.getLogger(__name__)
 
-_SCRIPT = '''\
-import json as _json, sys as _sys
-_SRC = {program!r}
-_INP = {inputs!r}
+MARKER_PREFIX = "@@populora-"
+NOBODY = 65534
+
+# The process that runs the program: reads its request on stdin, writes one length-prefixed JSON result to
+# the descriptor named in argv, and nothing else (its stdout and stderr go nowhere).
+_CHILD = '''\
+import sys
+sys.path[:] = [p for p in sys.path if p not in ("", ".")]
+import json, os, resource, struct
+
+$banned_module_paths
+
+$install_import_guard
+
 
 def _short(e):
     try:
@@ -30,50 +49,231 @@ def _short(e):
     t = type(e).__name__ + (": " + m if m else "")
     return t if len(t) <= 300 else t[:297] + "..."
 
-def _main():
-    ns = {{"__name__": "__main__"}}
+
+def _evaluate(req):
     try:
-        exec(compile(_SRC, "<program>", "exec"), ns)
+        code = compile(req["program"], "<program>", "exec")
+        call = compile("f(\\n" + req["inputs"] + "\\n)", "<input>", "eval")
+    except (SyntaxError, ValueError, RecursionError, MemoryError, OverflowError) as e:
+        return {"ok": False, "output": None, "error": _short(e)}
+    ns = {"__name__": "__main__"}
+    cap = int(req["cap"])
+    try:
+        exec(code, ns)
         if not callable(ns.get("f")):
-            return {{"ok": False, "output": None, "error": "NameError: program defines no function f"}}
-        call = compile("f(\\n" + _INP + "\\n)", "<input>", "eval")
+            return {"ok": False, "output": None, "error": "NameError: program defines no function f"}
         first = eval(call, ns)
         text = repr(first)
-        if len(text) > {cap}:
-            return {{"ok": False, "output": None, "error": "output too large: %d chars > {cap}" % len(text)}}
-        if {det}:
+        if len(text) > cap:
+            return {"ok": False, "output": None, "error": "output too large: %d chars > %d" % (len(text), cap)}
+        if req["double"]:
             second = eval(call, ns)
-            if bool(first != second) or repr(second) != text:
-                return {{"ok": False, "output": None, "error": "nondeterministic: two calls gave different results"}}
-        return {{"ok": True, "output": text, "error": None}}
+            if type(second) is not type(first) or repr(second) != text:
+                return {"ok": False, "output": None, "error": "nondeterministic: two calls gave different results"}
+        return {"ok": True, "output": text, "error": None}
     except MemoryError:
-        return {{"ok": False, "output": None, "error": "memory: MemoryError (limit exceeded)"}}
+        return {"ok": False, "output": None, "error": "memory: MemoryError (limit exceeded)"}
     except BaseException as e:
-        return {{"ok": False, "output": None, "error": _short(e)}}
+        return {"ok": False, "output": None, "error": _short(e)}
+
+
+def _main():
+    fd = int(sys.argv[1])
+    req = json.loads(sys.stdin.buffer.read())
+    mem = int(req["memory_mb"]) << 20
+    for which, value in ((resource.RLIMIT_AS, mem), (resource.RLIMIT_CORE, 0), (resource.RLIMIT_CPU, int(req["cpu_s"]))):
+        try:
+            resource.setrlimit(which, (value, value))
+        except (ValueError, OSError):
+            pass
+    banned = list(req["banned"])
+    for name in $import_before_guard:
+        try:
+            __import__(name)
+        except ImportError:
+            pass
+    paths = banned_module_paths(banned)
+    for m in [m for m in sys.modules if any(m == b or m.startswith(b + ".") for b in banned) and m != "os.path"]:
+        del sys.modules[m]
+    install_import_guard(banned, paths)
+    data = json.dumps(_evaluate(req)).encode()
+    data = struct.pack(">I", len(data)) + data
+    while data:
+        data = data[os.write(fd, data):]
+    os._exit(0)
+
+
+_main()
+'''
+
+_SUPERVISOR = '''\
+import json, os, select, shutil, signal, struct, subprocess, sys, tempfile, time
+
+_NONCE = sys.stdin.readline().strip()  # the marker's secret half: never in this file
+_PROGRAM = $program
+_INPUTS = $inputs
+_CAP = $cap
+_DET = $det
+_TIMEOUT = $timeout
+_MEMORY_MB = $memory_mb
+_BANNED = $banned
+_CHILD = $child
+_NOBODY = $nobody
+
+$install_namespace_filter
+
+
+def _not_dumpable():
+    # Our /proc files (memory, fds: the nonce and the real stdout) become unreadable to the programs.
+    try:
+        import ctypes
+        ctypes.CDLL(None).prctl(4, ctypes.c_ulong(0), ctypes.c_ulong(0), ctypes.c_ulong(0), ctypes.c_ulong(0))
+    except (OSError, AttributeError):
+        pass
+
+
+_SIGNALS = {signal.SIGKILL: "memory: killed (SIGKILL, likely out of memory)", signal.SIGXCPU: "timeout: CPU time limit"}
+
+
+def _once(double, deadline):
+    workdir = tempfile.mkdtemp(prefix="populora_")
+    os.chmod(workdir, 0o700)
+    env = {"PATH": "/usr/bin:/bin", "PYTHONHASHSEED": "0", "LANG": "C.UTF-8", "HOME": workdir, "TMPDIR": workdir}
+    cmd = [sys.executable, "-s", "-S", "-B", "-c", _CHILD]
+    req = json.dumps({"program": _PROGRAM, "inputs": _INPUTS, "cap": _CAP, "double": double, "banned": _BANNED,
+                      "memory_mb": _MEMORY_MB, "cpu_s": int(_TIMEOUT) + 1}).encode()
+    r, w = os.pipe()
+    proc = None
+    try:
+        drop = os.geteuid() == 0
+        while proc is None:
+            kw = {"user": _NOBODY, "group": _NOBODY, "extra_groups": []} if drop else {}
+            os.chown(workdir, _NOBODY if drop else os.geteuid(), _NOBODY if drop else os.getegid())
+            try:
+                proc = subprocess.Popen(cmd + [str(w)], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                                        stderr=subprocess.DEVNULL, pass_fds=(w,), cwd=workdir, env=env,
+                                        start_new_session=True, **kw)
+            except (PermissionError, OSError):
+                if not drop:
+                    raise
+                drop = False  # the interpreter is out of the unprivileged user's reach: run as we are
+        os.close(w)
+        w = None
+        try:
+            proc.stdin.write(req)
+            proc.stdin.close()
+        except OSError:
+            pass
+        buf, limit, timed_out = b"", 8 * _CAP + 65536, False
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                timed_out = True
+                break
+            ready, _, _ = select.select([r], [], [], left)
+            if not ready:
+                continue
+            chunk = os.read(r, 65536)
+            if not chunk:
+                break
+            buf += chunk
+            if len(buf) > limit or (len(buf) >= 4 and len(buf) >= 4 + struct.unpack(">I", buf[:4])[0]):
+                break
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # the program's own processes too
+        except OSError:
+            pass
+        status = proc.wait()
+    finally:
+        if w is not None:
+            os.close(w)
+        os.close(r)
+        shutil.rmtree(workdir, ignore_errors=True)
+    if len(buf) >= 4 and len(buf) >= 4 + struct.unpack(">I", buf[:4])[0]:
+        try:
+            res = json.loads(buf[4:4 + struct.unpack(">I", buf[:4])[0]])
+            if res["ok"] is True and isinstance(res["output"], str):
+                return {"ok": True, "output": res["output"], "error": None}
+            if res["ok"] is False and isinstance(res["error"], str):
+                return {"ok": False, "output": None, "error": res["error"][:300]}
+        except (ValueError, KeyError, TypeError):
+            pass
+        return {"ok": False, "output": None, "error": "crashed: malformed result"}
+    if len(buf) > limit:
+        return {"ok": False, "output": None, "error": "output too large"}
+    if timed_out:
+        return {"ok": False, "output": None, "error": "timeout: time limit exceeded"}
+    if status < 0:
+        return {"ok": False, "output": None, "error": _SIGNALS.get(-status, "crashed: killed by signal %d" % -status)}
+    return {"ok": False, "output": None, "error": "crashed: exited with code %d before returning" % status}
+
+
+def _main():
+    _not_dumpable()
+    try:
+        install_namespace_filter()
+    except Exception:  # best effort: the service's own sandbox stays the boundary
+        pass
+    deadline = time.monotonic() + _TIMEOUT
+    first = _once(_DET, deadline)
+    if first["ok"] and _DET:
+        second = _once(False, deadline)
+        if not second["ok"]:
+            if second["error"].split(":", 1)[0] in ("timeout", "memory"):
+                first = second
+            else:
+                first = {"ok": False, "output": None,
+                         "error": ("nondeterministic: a second process failed: " + second["error"])[:300]}
+        elif second["output"] != first["output"]:
+            first = {"ok": False, "output": None, "error": "nondeterministic: two processes gave different results"}
+    return first
+
 
 _res = _main()
-_sys.stdout.write("\\n{marker}" + _json.dumps(_res) + "\\n")
-_sys.stdout.flush()
+sys.stdout.write("\\n$marker_prefix" + _NONCE + "@@" + json.dumps(_res) + "\\n")
+sys.stdout.flush()
 '''
 
 
-def build_script(program: str, inputs: str, *, check_determinism: bool, max_output_chars: int, marker: str) -> str:
-    """The Python source sent to SandboxFusion for one evaluation."""
-    return _SCRIPT.format(program=program, inputs=inputs, cap=int(max_output_chars), det=bool(check_determinism),
-                          marker=marker)
+def _source(fn) -> str:
+    return inspect.getsource(fn)
+
+
+def build_script(program: str, inputs: str, *, check_determinism: bool, max_output_chars: int,
+                 timeout_s: float = 10.0, memory_mb: int = 512, banned: list[str] | tuple[str, ...] = ()) -> str:
+    """The Python source sent to SandboxFusion for one evaluation; it reads the marker's nonce from stdin."""
+    child = string.Template(_CHILD).substitute(banned_module_paths=_source(_runner.banned_module_paths),
+                                               install_import_guard=_source(_runner.install_import_guard),
+                                               import_before_guard=repr(_runner.IMPORT_BEFORE_GUARD))
+    return string.Template(_SUPERVISOR).substitute(
+        program=repr(program), inputs=repr(inputs), cap=int(max_output_chars), det=bool(check_determinism),
+        timeout=float(timeout_s), memory_mb=int(memory_mb), banned=repr([str(b) for b in banned]),
+        child=repr(child), nobody=NOBODY, marker_prefix=MARKER_PREFIX,
+        install_namespace_filter=_source(_runner.install_namespace_filter))
+
+
+def new_marker() -> tuple[str, str]:
+    """``(nonce, marker)`` for one call: the nonce goes to the script on stdin, the marker starts its line."""
+    nonce = secrets.token_hex(16)
+    return nonce, f"{MARKER_PREFIX}{nonce}@@"
 
 
 def parse_response(resp: dict, marker: str, timeout_s: float) -> dict:
-    """Map a SandboxFusion ``run_code`` response onto ``{ok, output, error}``."""
+    """Map a SandboxFusion ``run_code`` response onto ``{ok, output, error}``.
+
+    Exactly one line may carry the marker: a second one can only come from a forger (and then neither is
+    believed)."""
     run = resp.get("run_result") or {}
     stdout = run.get("stdout") or ""
-    for line in reversed(stdout.splitlines()):
-        if line.startswith(marker):
-            try:
-                res = json.loads(line[len(marker):])
-                return {"ok": bool(res["ok"]), "output": res.get("output"), "error": res.get("error")}
-            except (ValueError, KeyError, TypeError):
-                return {"ok": False, "output": None, "error": "crashed: malformed result from sandbox_fusion"}
+    lines = [line for line in stdout.splitlines() if line.startswith(marker)]
+    if len(lines) > 1:
+        return {"ok": False, "output": None, "error": "crashed: more than one result line from sandbox_fusion"}
+    if lines:
+        try:
+            res = json.loads(lines[0][len(marker):])
+            return {"ok": bool(res["ok"]), "output": res.get("output"), "error": res.get("error")}
+        except (ValueError, KeyError, TypeError):
+            return {"ok": False, "output": None, "error": "crashed: malformed result from sandbox_fusion"}
     api_status = resp.get("status")
     run_status = run.get("status")
     if run_status == "TimeLimitExceeded":
@@ -94,13 +294,15 @@ class SandboxFusionBackend:
     name = "sandbox_fusion"
 
     def __init__(self, url: str, *, num_workers: int, max_retries: int = 3, retry_delay_s: float = 1.0,
-                 request_timeout_s: float = 30.0) -> None:
+                 request_timeout_s: float = 30.0, banned: list[str] | tuple[str, ...] = ()) -> None:
         if not url:
             raise ValueError("sandbox_fusion backend needs a URL (executor.sandbox_fusion_url)")
         self.url = url
         self.num_workers = num_workers
+        self.banned = [str(b) for b in banned]
         self.max_retries, self.retry_delay_s, self.request_timeout_s = max_retries, retry_delay_s, request_timeout_s
-        self.protections = {"remote_sandbox": True}
+        self.protections = {"remote_sandbox": True, "cross_process_determinism": True, "fixed_hash_seed": True,
+                            "private_result_channel": True}
         self.notes = [f"programs run remotely at {url}"]
 
     def _post(self, payload: dict, timeout: float) -> dict:
@@ -124,15 +326,17 @@ class SandboxFusionBackend:
 
     def run(self, req: dict) -> dict:
         start = time.monotonic()
-        marker = f"@@populora-{uuid.uuid4().hex}@@"
-        code = build_script(req["program"], req["inputs"], check_determinism=req["check_determinism"],
-                            max_output_chars=req["max_output_chars"], marker=marker)
+        nonce, marker = new_marker()
         timeout = float(req["timeout_s"])
-        payload = {"code": code, "stdin": "", "language": "python", "compile_timeout": 10,
-                   "run_timeout": max(1, int(round(timeout))), "memory_limit_MB": int(req["memory_mb"]),
+        code = build_script(req["program"], req["inputs"], check_determinism=req["check_determinism"],
+                            max_output_chars=req["max_output_chars"], timeout_s=timeout,
+                            memory_mb=int(req["memory_mb"]), banned=self.banned)
+        # The supervisor enforces ``timeout`` on the program (both runs); the second on top is its own.
+        payload = {"code": code, "stdin": nonce + "\n", "language": "python", "compile_timeout": 10,
+                   "run_timeout": max(1, math.ceil(timeout)) + 1, "memory_limit_MB": int(req["memory_mb"]),
                    "files": {}, "fetch_files": []}
         try:
-            resp = self._post(payload, timeout + self.request_timeout_s)
+            resp = self._post(payload, timeout + 1 + self.request_timeout_s)
             res = parse_response(resp, marker, timeout)
         except ConnectionError as e:
             res = {"ok": False, "output": None, "error": f"crashed: sandbox_fusion request failed: {e}"[:300]}

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, Sequence
 
 from populora_verl.config import PopuLoRAConfig
-from populora_verl.executor.core import literal_problem
+from populora_verl.executor.core import literal_problem, safe_text
 from populora_verl.tasks import parsing as P
 from populora_verl.tasks.task import Task, truncate_output
 
@@ -114,6 +114,10 @@ class ProposalResult:
     reason: str = ""
     code: str = ""
     envelope: str | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.reason, str):  # built from model text and program messages, bound for logs
+            self.reason = safe_text(self.reason)
 
     @property
     def valid(self) -> bool:
@@ -316,6 +320,10 @@ class AnswerScore:
     reward: float
     reason: str = ""
     payload: str = ""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.reason, str):
+            self.reason = safe_text(self.reason)
 
     @property
     def correct(self) -> bool:
