@@ -1,0 +1,91 @@
+"""The learning run's analysis tools on synthetic runs: the dynamics summary (windows, slope interval, direction
+changes, compute, executor share) and the per-arm paired evaluation differences."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from populora_verl.diagnostics import dynamics as dyn
+from populora_verl.eval import arms
+
+
+def _write_run(tmp_path, slope: float, steps: int = 20):
+    run = tmp_path / "single-seed1"
+    run.mkdir()
+    rng = np.random.default_rng(0)
+    with open(run / "metrics.jsonl", "w") as f:
+        for s in range(1, steps + 1):
+            f.write(json.dumps({
+                "step": s, "populora/validity/mean": s / steps,
+                "populora/role/teacher/format_error_rate": 1 - s / steps,
+                "populora/complexity/cyclomatic/mean": 3.0 + slope * s + 0.01 * rng.standard_normal(),
+                "populora/pair/t0/s0/solve_rate": 0.2 if s % 2 else 0.6,  # flips direction every step
+                "populora/task_type/code_f/validity": 0.0, "populora/task_type/code_f/fail/input_count": 1.0,
+                "populora/task_type/code_f/fail/blocks": 0.0,
+                "populora/compute/t0/trajectories": 20.0, "populora/compute/s0/trajectories": 40.0,
+                "populora/compute/member_mean/trajectories": 30.0, "populora/compute/planned_trajectories": 30.0,
+            }) + "\n")
+        f.write('{"step": 21, "populora/validity')  # a line cut by a killed run is skipped
+    with open(run / "verl_metrics.jsonl", "w") as f:
+        for s in range(1, steps + 1):
+            f.write(json.dumps({"step": s, "data": {"timing_s/step": 20.0, "timing_s/populora_validate": 0.3,
+                                                     "timing_s/populora_score": 0.1}}) + "\n")
+    (run / "evolution.jsonl").write_text(json.dumps({"step": 5, "replacements": [
+        {"victim_id": "t1", "child_id": "t2", "operator": "neftune", "parent_ids": ["t0"], "tie_break": True}]}) + "\n")
+    return run
+
+
+def test_dynamics_summary_reads_what_was_logged(tmp_path):
+    s = dyn.summarise(dyn.load_run(_write_run(tmp_path, slope=-0.05)))
+    assert s["steps"] == 20
+    first, last = s["learning"]["validity (programs, AZR)"]
+    assert first == pytest.approx(np.mean([1, 2, 3, 4, 5]) / 20) and last == pytest.approx(np.mean(range(16, 21)) / 20)
+    slope, lo, hi = s["complexity"]["slope"]
+    assert slope == pytest.approx(-0.05, abs=0.005) and lo < slope < hi < 0  # a clear fall: interval below 0
+    assert s["pairs"]["t0->s0"]["sign_changes"] == (18, 19)  # changes direction at every chance
+    assert s["per_type"]["code_f"]["no task, by reason (run mean)"] == {"input_count": 1.0}  # zero reasons dropped
+    assert s["compute"]["per_member_total"] == {"s0": 800.0, "t0": 400.0}
+    assert s["speed"]["executor_share_median"] == pytest.approx(0.02)
+    text = dyn.markdown(s)
+    assert "[tie-break]" in text and "slope -0.05" in text and "2.0 % of the step" in text
+    (tmp_path / "b").mkdir()
+    flat = dyn.summarise(dyn.load_run(_write_run(tmp_path / "b", slope=0.0)))
+    _, lo, hi = flat["complexity"]["slope"]
+    assert lo < 0 < hi  # no trend: the interval straddles 0
+
+
+def test_dynamics_cli_errors_in_one_line(tmp_path, capsys):
+    assert dyn.main([str(tmp_path / "missing")]) == 2
+    assert "no metrics.jsonl" in capsys.readouterr().err
+    assert dyn.slope_interval(np.array([1.0, 1.0, 1.0, 1.0]), np.array([1.0, 2.0, 3.0, 4.0])) is None
+    assert dyn.sign_changes([1, 2, 3, 4]) == (0, 3)
+
+
+def _results(path, bench, members):
+    path.write_text(json.dumps({"scores": {m: {bench: {"outcomes": list(v)}} for m, v in members.items()}}))
+    return path
+
+
+def test_arm_differences_pair_items_and_average_members(tmp_path):
+    n = 200
+    base = np.zeros(n)
+    better = np.zeros(n)
+    better[:20] = 1  # +10 points, on the same items every draw
+    a = _results(tmp_path / "a.json", "humaneval_plus", {"base": base, "pop@10.t0": better, "pop@10.s0": base,
+                                                          "single@40.a0": base})
+    b = _results(tmp_path / "b.json", "mbpp_plus", {"base": base, "pop@10.t0": base, "pop@10.s0": base,
+                                                     "single@40.a0": base})
+    scores = arms.arm_scores(arms.load_outcomes([a, b]))
+    assert set(scores["humaneval_plus"]) == {"base", "pop", "single"}
+    d = arms.paired_difference(scores, "pop", "base")
+    assert d["humaneval_plus"][0] == pytest.approx(0.05)  # the mean of two members: +10 and 0
+    assert d["mbpp_plus"] == (0.0, 0.0, 0.0)
+    assert d["code avg"][0] == pytest.approx(0.025) and d["code avg"][1] > 0  # paired: no item noise left
+    assert arms.arm_of("single-seed2@46.a0") == "single-seed2" and arms.arm_of("base") == "base"
+    with pytest.raises(ValueError, match="no benchmark has both"):
+        arms.paired_difference(scores, "pop", "nobody")
+    (tmp_path / "old.json").write_text(json.dumps({"scores": {"base": {"mbpp_plus": {"pass@1": 0.5}}}}))
+    assert arms.main([str(tmp_path / "old.json")]) == 2
