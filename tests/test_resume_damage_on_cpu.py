@@ -205,3 +205,20 @@ def test_trainer_load_checkpoint_hands_verl_the_fallback_folder(verl_run):
     bank = next(a for name, a, _ in calls if name == "populora_load_bank")
     assert bank[0] == str(verl_run / "global_step_2" / "populora" / "bank")
     assert loaded["population"] is not None
+
+
+def test_pruning_keeps_the_newest_whole_step_folders_and_the_tracked_one(tmp_path):
+    """trainer.max_actor_ckpt_to_keep removes whole global_step_N folders (verl's own pruning would leave our
+    populora/ part behind), never the one verl's tracker names, and nothing when unset."""
+    from populora_verl.trainer.resume import prune_step_folders
+
+    for s in (5, 10, 15, 20):
+        (tmp_path / f"global_step_{s}" / "populora").mkdir(parents=True)
+    (tmp_path / "global_step_x").mkdir()  # not a step folder: never touched
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("5")  # a resume that fell back to step 5
+    assert prune_step_folders(tmp_path, None) == [] and prune_step_folders(tmp_path, 0) == []
+    gone = prune_step_folders(tmp_path, 2)
+    assert sorted(p.name for p in gone) == ["global_step_10"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "global_step_15", "global_step_20", "global_step_5", "global_step_x", "latest_checkpointed_iteration.txt"]
+    assert prune_step_folders(tmp_path / "missing", 2) == []

@@ -109,3 +109,13 @@ def test_fused_kernels_with_an_untied_head_stop_at_start_up(tmp_path, tie, fails
         preflight(cfg, check_gpus=False)
     # without the fused kernels an untied head is fine
     preflight(_compose("smoke_0.5b", [f"actor_rollout_ref.model.path={m}"]), check_gpus=False)
+
+
+def test_small_teacher_groups_warn_at_start_up_and_learning_recipes_do_not(model_dir, capsys):
+    """A teacher's TRR++ group under 4 samples cannot learn while most proposals are invalid: say so before Ray."""
+    preflight(_compose("smoke_0.5b", [f"actor_rollout_ref.model.path={model_dir}"]), check_gpus=False)
+    err = capsys.readouterr().err
+    assert "populora: warning: populora.rollout.proposals_per_type: a teacher's TRR++ group has 2 sample(s)" in err
+    for recipe in ("qwen1.5b_1gpu_2t2s", "qwen1.5b_1gpu_single"):
+        preflight(_compose(recipe, [f"actor_rollout_ref.model.path={model_dir}"]), check_gpus=False)
+        assert "warning" not in capsys.readouterr().err

@@ -6,6 +6,7 @@ come from the shared components; this file only generates, trains, checkpoints a
 
 from __future__ import annotations
 
+import json
 import logging
 import random
 import time

@@ -104,7 +104,16 @@ def extract_answer(text: str, think_prefilled: bool = True, *, max_chars: int | 
     end = text.find("</answer>", start)
     if end >= 0:
         return text[start + len("<answer>"):end].strip()
-    # The last <answer> is unclosed: fall back to the last complete pair (non-overlapping, left to right).
+    # The last <answer> is unclosed: fall back to the last complete pair.
+    last = _last_complete_answer(text)
+    if last is None:
+        raise ParseError("no complete <answer> block")
+    return last
+
+
+def _last_complete_answer(text: str) -> str | None:
+    """The body of the last complete ``<answer>…</answer>`` pair, scanning non-overlapping pairs left to right
+    (linear), stripped; None if there is none."""
     last, pos = None, 0
     while True:
         a = text.find("<answer>", pos)
@@ -114,9 +123,7 @@ def extract_answer(text: str, think_prefilled: bool = True, *, max_chars: int | 
         if b < 0:
             break
         last, pos = text[a + len("<answer>"):b], b + len("</answer>")
-    if last is None:
-        raise ParseError("no complete <answer> block")
-    return last.strip()
+    return None if last is None else last.strip()
 
 
 def envelope_problem(text: str, think_prefilled: bool = True) -> str | None:
@@ -139,17 +146,9 @@ def answer_fallback(text: str, think_prefilled: bool = True) -> str:
     text after the last ``</think>``, else the whole response. The caller still scores the envelope as a format
     error; this only decides whether the program inside is a usable task."""
     text = normalise_response(text, think_prefilled)
-    last, pos = None, 0
-    while True:  # the last complete pair, scanning non-overlapping pairs left to right (linear)
-        a = text.find("<answer>", pos)
-        if a < 0:
-            break
-        b = text.find("</answer>", a + len("<answer>"))
-        if b < 0:
-            break
-        last, pos = text[a + len("<answer>"):b], b + len("</answer>")
+    last = _last_complete_answer(text)
     if last is not None:
-        return last.strip()
+        return last
     for tag in ("<answer>", "</think>"):
         k = text.rfind(tag)
         if k >= 0:

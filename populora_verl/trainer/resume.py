@@ -18,7 +18,7 @@ from typing import Callable
 from populora_verl.checkpoint import (Checkpoint, CheckpointError, latest_checkpoint, load_checkpoint,
                                       newest_loadable)
 
-__all__ = ["choose_resume_folder", "check_bank_files", "tracked_folder"]
+__all__ = ["choose_resume_folder", "check_bank_files", "tracked_folder", "prune_step_folders"]
 
 TRACKER = "latest_checkpointed_iteration.txt"  # verl's name (verl.utils.checkpoint.checkpoint_manager)
 _GLOBAL_STEP = re.compile(r"^global_step_(\d+)$")
@@ -88,3 +88,26 @@ def choose_resume_folder(default_local_dir: str | os.PathLike,
         return folder, ck
     raise CheckpointError(f"no usable checkpoint in {root} (tried {', '.join(tried) or 'none: no global_step_N folder'}"
                           f"); fix or move the damaged folders, or set trainer.resume_mode=disable to start fresh")
+
+
+def prune_step_folders(default_local_dir: str | os.PathLike, keep: int | None) -> list[Path]:
+    """Delete all but the newest ``keep`` ``global_step_N`` folders (``trainer.max_actor_ckpt_to_keep``; None or
+    < 1 keeps everything) and return what went. verl's own pruning removes only the ``actor`` sub-folder, which
+    would leave our ``populora`` part behind as a checkpoint that can no longer be resumed. The folder verl's
+    tracker names is never deleted, whatever its age."""
+    if keep is None or int(keep) < 1:
+        return []
+    root = Path(default_local_dir)
+    if not root.is_dir():
+        return []
+    steps = sorted((int(m.group(1)), p) for p in root.iterdir() if (m := _GLOBAL_STEP.match(p.name)) and p.is_dir())
+    protected = tracked_folder(root)
+    gone = []
+    for _, folder in steps[:max(0, len(steps) - int(keep))]:
+        if protected is not None and folder.resolve() == protected.resolve():
+            continue
+        import shutil
+
+        shutil.rmtree(folder, ignore_errors=True)
+        gone.append(folder)
+    return gone

@@ -659,6 +659,11 @@ class PopuLoRATrainer(PPOTrainerSync):
         # verl's save writes latest_checkpointed_iteration.txt last, so a crash above never points at a half save.
         super()._save_checkpoint()
         print(f"[populora] step {self.global_steps}: checkpoint {pdir}", flush=True)
+        from populora_verl.trainer.resume import prune_step_folders
+
+        for folder in prune_step_folders(os.path.dirname(self._step_folder()),
+                                         self.config.trainer.get("max_actor_ckpt_to_keep", None)):
+            print(f"[populora] removed old checkpoint {folder} (trainer.max_actor_ckpt_to_keep)", flush=True)
 
     def _load_checkpoint(self) -> None:
         info = self._rpc("populora_init_bank", self.pcfg.population.num_adapters, self.pcfg.population.seed,
