@@ -236,6 +236,57 @@ def test_seeded_arms_run_each_on_its_own_gpu_with_per_kind_overrides(tmp_path, m
     named = cmd[cmd.index("--adapters") + 1:]
     assert "--baseline" not in cmd and "--run-dir" not in cmd
     # the stand-in trainer writes one member (a0) unless it seeds: every arm's living members, named by arm
-    assert sorted(a.split("=")[0] for a in named) == [f"{arm}.a0" for arm in sorted(runs)]
+    assert sorted(a.split("=")[0] for a in named) == [f"{arm}@4.a0" for arm in sorted(runs)]
     assert all(a.split("=", 1)[1].endswith("step_4/population/adapters/a0") for a in named)
     assert cmd[cmd.index("--benchmarks") + 1] == "mbpp_plus"
+
+
+FAKE_EVAL = textwrap.dedent('''
+    import json, sys
+    from pathlib import Path
+    out, with_base, names = Path(sys.argv[1]), sys.argv[2] == "1", sys.argv[3:]
+    members = (["base"] if with_base else []) + names
+    scores = {m: {"humaneval_plus": {"outcomes": [1, 0, 1, 1]}} for m in members}
+    (out / "results.json").write_text(json.dumps({"scores": scores}))
+''')
+
+
+def test_each_arm_is_evaluated_on_its_gpu_as_soon_as_it_reaches_the_stop_step(tmp_path, monkeypatch, capsys):
+    """--stop-at-step with one GPU per arm: a fast arm's evaluation starts while slower arms still train; the first
+    one also evaluates the base model; every arm is evaluated at the stop step and eval/arms.md compares them."""
+    fast, slow = tmp_path / "fast.py", tmp_path / "slow.py"
+    fast.write_text(FAKE_TRAINER)
+    slow.write_text(FAKE_TRAINER.replace("time.sleep(0.05)", "time.sleep(0.4)"))
+    monkeypatch.setattr(lr, "arm_command", lambda arm, model, root, seed_file, extra: [
+        sys.executable, str(slow if arm.startswith("2t2s") else fast), str(root / lr.arm_dir(arm)), seed_file or "seed"])
+    evals = tmp_path / "eval.py"
+    evals.write_text(FAKE_EVAL)
+    calls = []
+
+    def fake_eval(model, run, step, out, data_dir, max_new_tokens, util, with_base):
+        real = lr.arm_eval_command.__wrapped__(model, run, step, out, data_dir, max_new_tokens, util, with_base)
+        calls.append((run.name, step, with_base, real))
+        names = [a.split("=")[0] for a in real[real.index("--adapters") + 1:]]
+        return [sys.executable, str(evals), str(out), "1" if with_base else "0", *names]
+
+    fake_eval.__wrapped__ = lr.arm_eval_command
+    monkeypatch.setattr(lr, "arm_eval_command", fake_eval)
+    monkeypatch.setattr(lr, "warm_cache_command", lambda data_dir: [sys.executable, "-c", "pass"])
+    monkeypatch.setattr(lr, "POLL_S", 0.05)
+    seeds = tmp_path / "seeds.jsonl"
+    seeds.write_text("")
+    root = tmp_path / "learn"
+    assert lr.main(["--out", str(root), "--model", "/m", "--seed-file", str(seeds), "--stop-at-step", "4",
+                    "--arms", "2t2s@1,single@1,2t2s@2,single@2", "--gpus", "0,1,2,3"]) == 0
+    out = capsys.readouterr().out
+    # the single agents (fast) were evaluated before the population arms ended, the first with the base model
+    assert out.index("single-seed1: evaluation started") < out.index("arms ended")
+    assert [c[2] for c in calls].count(True) == 1 and calls[0][0].startswith("single") and calls[0][2]
+    assert {c[0]: c[1] for c in calls} == {"2t2s-seed1": 4, "2t2s-seed2": 4, "single-seed1": 4, "single-seed2": 4}
+    real = calls[0][3]
+    assert real[real.index("--benchmarks") + 1] == "humaneval_plus,mbpp_plus" and "--no-base" not in real
+    assert "--no-base" in calls[-1][3]
+    prog = json.loads((root / "progress.json").read_text())
+    assert prog["state"] == "finished" and prog["eval_rc"] == 0 and set(prog["eval_steps"].values()) == {4}
+    table = (root / "eval" / "arms.md").read_text()
+    assert "| single-seed1 - base |" in table and "| 2t2s-seed2 - base |" in table

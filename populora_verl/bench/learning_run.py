@@ -18,7 +18,8 @@ the background):
    has ended: ``populora-eval`` (vLLM, greedy, HumanEval+ and MBPP+) on the base model and every arm's living
    members, all at the last step every arm has a checkpoint for (the same number of steps), into ``<ROOT>/eval``
    (with ``--gpus``, one evaluation per benchmark, side by side); then ``populora-report --compare`` of the arms into
-   ``<ROOT>/compare``.
+   ``<ROOT>/compare``. With ``--stop-at-step`` and a GPU per arm, each arm is instead evaluated on its own GPU as
+   soon as it reaches that step (:class:`EarlyEval`, into ``<ROOT>/eval/<arm>``, summary ``eval/arms.md``).
 
 ``--status`` prints where the run is (``<ROOT>/progress.json``, the last metrics of each arm).
 """
@@ -165,11 +166,78 @@ def eval_command(model: str, runs: Mapping[str, Path], step: int, out: Path, dat
             else:
                 cmd += ["--run-dir", str(pop)]
         return cmd
-    adapters = []
-    for run in runs.values():
-        pop = population_dir(run, step)
-        adapters += [f"{run.name}.{m}={pop / 'adapters' / m}" for m in living(pop)]
+    adapters = [a for run in runs.values() for a in arm_adapters(run, step)]
     return [*cmd, "--adapters", *adapters]
+
+
+def arm_adapters(run: Path, step: int) -> list[str]:
+    """``<arm>@<step>.<member>=<adapter folder>`` for every living member of the arm at ``step``: the name says
+    which arm and which step it is (``populora_verl.eval.arms`` groups by the arm)."""
+    from populora_verl.eval.report import read_population
+
+    pop = population_dir(run, step)
+    living = [r["id"] for r in read_population(pop).get("lineage", []) if r.get("death_step") is None]
+    return [f"{run.name}@{step}.{m}={pop / 'adapters' / m}" for m in living]
+
+
+def arm_eval_command(model: str, run: Path, step: int, out: Path, data_dir: str | None, max_new_tokens: int,
+                     gpu_memory_utilization: float, with_base: bool) -> list[str]:
+    """populora-eval of one arm's members at ``step`` (and the base model when ``with_base``), every benchmark."""
+    cmd = [sys.executable, "-m", "populora_verl.eval.cli", "--model", model, "--backend", "vllm",
+           "--benchmarks", EVAL_BENCHMARKS, "--max-new-tokens", str(max_new_tokens),
+           "--gpu-memory-utilization", str(gpu_memory_utilization), "--out", str(out)]
+    cmd += ["--data-dir", data_dir] if data_dir else []
+    cmd += [] if with_base else ["--no-base"]
+    return [*cmd, "--adapters", *arm_adapters(run, step)]
+
+
+class EarlyEval:
+    """With ``--stop-at-step`` and one GPU per arm: each arm's evaluation starts on its own GPU as soon as the arm
+    ends, while slower arms still train (a 2T2S step takes about twice a single agent's); the first one also
+    evaluates the base model. Results land in ``eval/<arm>/``; :mod:`populora_verl.eval.arms` reads them all."""
+
+    def __init__(self, args: argparse.Namespace, root: Path, gpu_of: Mapping[str, str | None]) -> None:
+        self.args, self.root, self.gpu_of = args, root, dict(gpu_of)
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.steps: dict[str, int] = {}
+
+    def start(self, folder: str, step: int | None = None) -> None:
+        if folder in self.procs:
+            return
+        run = self.root / folder
+        if step is None:  # --stop-at-step, or the last checkpoint before it (an arm that was stopped earlier)
+            want = self.args.stop_at_step
+            usable = [s for s in checkpoint_steps(run) if want is None or s <= want]
+            step = usable[-1] if usable else None
+        if step is None:
+            print(f"learning_run: {folder}: no checkpoint to evaluate", flush=True)
+            return
+        out = self.root / "eval" / folder
+        out.mkdir(parents=True, exist_ok=True)
+        cmd = arm_eval_command(self.args.model, run, step, out, self.args.data_dir, self.args.eval_max_new_tokens,
+                               self.args.eval_gpu_memory_utilization, with_base=not self.procs)
+        (out / "eval_command.txt").write_text(" ".join(cmd) + "\n")
+        log = open(out / "eval.log", "w")
+        self.procs[folder] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                              env=arm_env(f"eval_{folder}", self.root, self.gpu_of.get(folder)))
+        self.steps[folder] = step
+        _CHILDREN[f"eval_{folder}"] = self.procs[folder]
+        print(f"learning_run: {folder}: evaluation started at step {step}"
+              f"{' (with the base model)' if len(self.procs) == 1 else ''}", flush=True)
+
+    def wait(self) -> int:
+        rc = max((p.wait() for p in self.procs.values()), default=1)
+        results = sorted((self.root / "eval").glob("*/results.json"))
+        if results:
+            try:
+                from populora_verl.eval.arms import arm_scores, load_outcomes, markdown
+
+                scores = arm_scores(load_outcomes(results))
+                arms = sorted({a for s in scores.values() for a in s} - {"base"})
+                (self.root / "eval" / "arms.md").write_text(markdown(scores, [(a, "base") for a in arms]))
+            except (OSError, ValueError) as e:  # the per-arm results stay; only the summary is missing
+                print(f"learning_run: eval/arms.md not written: {e}", flush=True)
+        return rc
 
 
 def warm_cache_command(data_dir: str | None, workers: int = 4) -> list[str]:
@@ -280,6 +348,8 @@ def run(args: argparse.Namespace) -> int:
         _CHILDREN["warm_cache"] = warm
     stopped: set[str] = set()
     seeding = arm_dir(first)
+    early = EarlyEval(args, root, {arm_dir(a): g for a, g in gpu_of.items()}) \
+        if args.stop_at_step and not args.no_eval and len(set(gpus)) >= len(arms) else None
 
     def early_failure() -> str | None:
         """Why the run cannot give a comparison any more, or None. An arm that fails before its first step (a config
@@ -293,6 +363,10 @@ def run(args: argparse.Namespace) -> int:
         return None
 
     while any(p.poll() is None for p in procs.values()) and not early_failure():
+        if early is not None:  # an arm that reached --stop-at-step frees its GPU for its own evaluation
+            for arm, p in procs.items():
+                if p.poll() == 0 and args.stop_at_step in checkpoint_steps(root / arm):
+                    early.start(arm)
         now = time.time()
         if now >= deadline:
             for arm, p in procs.items():
@@ -321,7 +395,7 @@ def run(args: argparse.Namespace) -> int:
                    checkpoints={a: checkpoint_steps(p) for a, p in runs.items()})
     print(f"learning_run: arms ended {rcs}; last common checkpoint step {step}", flush=True)
     _compare(runs, root)
-    if step is None or args.no_eval:
+    if args.no_eval or (step is None and early is None):
         write_progress(root, state="finished", wall_s=time.time() - t0)
         return 0 if step is not None else 1
     if warm is not None and warm.poll() is None:  # normally long done; the eval would redo what is missing
@@ -330,6 +404,13 @@ def run(args: argparse.Namespace) -> int:
         except subprocess.TimeoutExpired:
             _kill(warm)
     write_progress(root, state="evaluating", eval_started=time.time())
+    if early is not None:  # the arms not evaluated yet (the last to end), each at its step (named in the results)
+        for arm in folders:
+            early.start(arm)
+        rc = early.wait()
+        write_progress(root, state="finished", eval_rc=rc, wall_s=time.time() - t0, eval_steps=early.steps)
+        print(f"learning_run: eval exit {rc}; finished after {time.time() - t0:.0f} s", flush=True)
+        return rc
     rc = _evaluate(args, runs, step, root, gpus)
     write_progress(root, state="finished", eval_rc=rc, wall_s=time.time() - t0)
     print(f"learning_run: eval exit {rc}; finished after {time.time() - t0:.0f} s", flush=True)

@@ -12,8 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from populora_verl.bench.learning_run import EVAL_BENCHMARKS, arm_env, checkpoint_steps, population_dir
-from populora_verl.eval.report import read_population
+from populora_verl.bench.learning_run import EVAL_BENCHMARKS, arm_adapters, arm_env, checkpoint_steps
 
 
 def main() -> int:
@@ -31,9 +30,7 @@ def main() -> int:
         steps = [s for s in checkpoint_steps(run) if args.max_step is None or s <= args.max_step]
         if not steps:
             continue
-        pop = population_dir(run, steps[-1])
-        living = [r["id"] for r in read_population(pop).get("lineage", []) if r.get("death_step") is None]
-        adapters += [f"{run.name}@{steps[-1]}.{m}={pop / 'adapters' / m}" for m in living]
+        adapters += arm_adapters(run, steps[-1])
     gpus = args.gpus.split(",")
     procs = []
     for i, bench in enumerate(EVAL_BENCHMARKS.split(",")):

@@ -3,6 +3,8 @@
 # own GPU, one seed set for all (run A's, in the repo), then HumanEval+/MBPP+ of every arm at the last common
 # checkpoint. Run from the repo root after staging the bundle and the 1.5B model (scripts/gpu/README.md):
 #   bash scripts/gpu/learning_run_4gpu.sh [minutes of training before the stop files, default 19]
+# Every arm ends at step STOP_AT (default 40) or at the deadline; an arm that reaches STOP_AT is evaluated at once on
+# its own GPU while the others still train (the single agents take about half a population step).
 #   bash scripts/gpu/learning_run.sh wait 540        # repeat until "state finished"; $OUT/learn.tgz has it all
 #
 # The batch is cut from the recipes' 90 to 30 trained trajectories per adapter and step, so that 40 population steps
@@ -16,7 +18,7 @@ ROOT=${LEARN_OUT:-/tmp/learn}
 mkdir -p "$ROOT" && cp "$SEEDS" "$ROOT/seed_tasks.jsonl"  # the checkout under a running driver is replaced per call
 exec bash scripts/gpu/learning_run.sh start --model "$MODEL" --seed-file "$ROOT/seed_tasks.jsonl" \
   --arms 2t2s@1,2t2s@2,single@1,single@2 --gpus 0,1,2,3 \
-  --stop-after-min "$minutes" --grace-min 4 \
+  --stop-after-min "$minutes" --grace-min 4 --stop-at-step "${STOP_AT:-40}" \
   --arm-override 2t2s:populora.rollout.proposals_per_type=4 \
   --arm-override single:populora.rollout.proposals_per_type=5 \
   populora.rollout.student_n=4
