@@ -14,6 +14,11 @@ from typing import Callable
 
 logger = logging.getLogger(__name__)
 
+# The first process to import the plugin is the command itself, before Ray starts: its start-up timeline begins here.
+from populora_verl.trainer.timeline import record_start  # noqa: E402  (stdlib only)
+
+record_start()
+
 
 def _in_trainer_registry(name: str) -> bool:
     from verl.trainer.ppo.v1.trainer_base import TRAINER_REGISTRY

@@ -385,3 +385,28 @@ def test_stop_file_ends_the_run_at_the_first_step_past_the_quiet_window(trainer_
     (tmp_path / "STOP").write_text("soon please")
     assert stop.read_request(str(tmp_path / "STOP")) == 0
     assert stop.stop_file(cfg) == str(tmp_path / "STOP")
+
+
+def test_start_up_timeline_names_each_phase_and_survives_a_missing_start(monkeypatch):
+    """The trainer's one-line start-up breakdown: time between consecutive marks, total from the command's start
+    (recorded at plugin import, inherited by Ray's processes); without it the line just starts later."""
+    from populora_verl.trainer.timeline import START_ENV, Timeline, record_start
+
+    tl = Timeline(start=100.0)
+    for name, at in (("ray + task runner", 141.0), ("workers + vLLM", 323.0), ("checkpoint + weight sync", 326.0),
+                     ("agent loop", 335.0), ("step 1", 383.0)):
+        tl.mark(name, at=at)
+    assert tl.line() == ("[populora] start-up: ray + task runner 41 s | workers + vLLM 182 s | checkpoint + weight "
+                         "sync 3 s | agent loop 9 s | step 1 48 s | total 283 s")
+    monkeypatch.delenv(START_ENV, raising=False)
+    record_start()
+    import os
+
+    first = os.environ[START_ENV]
+    record_start()
+    assert os.environ[START_ENV] == first  # the first process to import the plugin keeps its time
+    monkeypatch.setenv(START_ENV, "not a number")
+    late = Timeline()
+    late.mark("a", at=1.0)
+    late.mark("b", at=3.0)
+    assert late.line() == "[populora] start-up: b 2 s | total 2 s"

@@ -207,7 +207,8 @@ def markdown(summary: Mapping[str, Any], window: int = 5) -> str:
     slope = c["slope"]
     lines += ["", f"- complexity (mean cyclomatic of valid teacher programs, {c['points']} steps with one): "
               f"{_f(c['first'])} → {_f(c['last'])}; slope "
-              + (f"{slope[0]:+.4f} per step [95% {slope[1]:+.4f}, {slope[2]:+.4f}]" if slope else "– (too few points)")]
+              + (f"{slope[0]:+.4f} per step [95% {slope[1]:+.4f}, {slope[2]:+.4f}]" if slope
+                 else "– (too few points)")]
     cov = s["coverage"]
     lines.append(f"- coverage: {_f(cov['cells_filled_last'], 0)} CVT cells filled at the end; windowed fraction "
                  f"{_f(cov['window_fraction'][0])} → {_f(cov['window_fraction'][1])}")
@@ -225,9 +226,9 @@ def markdown(summary: Mapping[str, Any], window: int = 5) -> str:
                  f"realised {_f(comp['realised_mean_per_step'], 1)} (member mean); totals per member: "
                  + ", ".join(f"{m} {v:.0f}" for m, v in comp["per_member_total"].items()))
     sp = s["speed"]
+    pct = {k: None if sp[k] is None else 100 * sp[k] for k in ("executor_share_median", "executor_share_max")}
     lines.append(f"- speed: median step {_f(sp['median_step_s'], 1)} s; executor (validate + score) "
-                 f"{_f(100 * sp['executor_share_median'] if sp['executor_share_median'] is not None else None, 1)} % "
-                 f"of the step (max {_f(100 * sp['executor_share_max'] if sp['executor_share_max'] is not None else None, 1)} %)")
+                 f"{_f(pct['executor_share_median'], 1)} % of the step (max {_f(pct['executor_share_max'], 1)} %)")
     for m, pts in sorted(s["trainer_check"].items()):
         lines.append(f"- trainer vs vLLM log-probs, {m}: " + "; ".join(
             f"step {st}: mean |Δp| {d:.4f}, Pearson {_f(p, 4)}" for st, d, p in pts))
@@ -235,7 +236,8 @@ def markdown(summary: Mapping[str, Any], window: int = 5) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m populora_verl.diagnostics.dynamics", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m populora_verl.diagnostics.dynamics",
+                                 description=__doc__.split("\n\n")[0])
     ap.add_argument("runs", nargs="+", help="run directories (each with metrics.jsonl)")
     ap.add_argument("--window", type=int, default=5, help="steps averaged at the start and at the end")
     ap.add_argument("--out", help="also write the markdown here")

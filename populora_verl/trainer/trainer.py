@@ -40,6 +40,7 @@ from verl.utils.py_functional import rename_dict
 from populora_verl.config import PopuLoRAConfig, load_config
 from populora_verl.evolution.pbt import append_event, describe
 from populora_verl.trainer import convert, fused, probes, schedule, stop
+from populora_verl.trainer.timeline import Timeline
 from populora_verl.workers import ADAPTER_KEY
 
 logger = logging.getLogger(__name__)
@@ -148,6 +149,8 @@ class PopuLoRATrainer(PPOTrainerSync):
     """verl V1 sync trainer for a population of LoRA adapters (see the module docstring)."""
 
     def __init__(self, config: DictConfig) -> None:
+        self._timeline = Timeline()
+        self._timeline.mark("ray + task runner")
         super().__init__(config)
         # verl treats every trainer_mode other than "sync" as async (ReplayBufferAsync, TQ checkpoints, gen batch 1).
         self.trainer_mode = "sync"
@@ -172,8 +175,15 @@ class PopuLoRATrainer(PPOTrainerSync):
         self.pop_step.updates_per_step = int(OmegaConf.select(config, "actor_rollout_ref.actor.ppo_epochs", default=1))
         self._init_populora_state()
 
+    def init(self) -> None:
+        super().init()  # worker groups (FSDP), vLLM engines, weight-sync manager, then _load_checkpoint
+        self._timeline.mark("checkpoint + weight sync")
+
     def _init_populora_state(self) -> None:
+        if not hasattr(self, "_timeline"):  # built without __init__ (tests): no start-up line
+            self._timeline = Timeline(start=0.0)
         self._save_pending = False
+        self._timeline_done = False
         self._stop_path = stop.stop_file(self.config)
         if stop.read_request(self._stop_path) is not None:
             print(f"[populora] stop file {self._stop_path} exists: the run ends at its first safe step "
@@ -533,6 +543,9 @@ class PopuLoRATrainer(PPOTrainerSync):
     # --- hooks: probes, evolution, checkpoint, weight sync ---------------------------------------------------
 
     def on_step_begin(self) -> None:
+        marks = self._timeline.marks
+        if not self._timeline_done and marks and marks[-1][0] == "checkpoint + weight sync":
+            self._timeline.mark("agent loop")
         idx = schedule.starts(getattr(self, "_schedule", [])).get(self.global_steps)
         if idx:  # a later entry of a population schedule starts with this step (entry 0 is set up by init)
             with marked_timer("populora_switch", self.timing_raw, color="green"):
@@ -584,6 +597,11 @@ class PopuLoRATrainer(PPOTrainerSync):
               f"({info['num_slots']} adapters)", flush=True)
 
     def on_step_end(self) -> None:
+        if not self._timeline_done:
+            self._timeline_done = True
+            if self._timeline.marks and self._timeline.marks[-1][0] == "agent loop":
+                self._timeline.mark(f"step {self.global_steps}")
+                print(self._timeline.line(), flush=True)
         ending = self._stop_due()
         with marked_timer("populora_evolve", self.timing_raw, color="green"):
             evo = {} if ending else self._evolve()
@@ -666,6 +684,7 @@ class PopuLoRATrainer(PPOTrainerSync):
             print(f"[populora] removed old checkpoint {folder} (trainer.max_actor_ckpt_to_keep)", flush=True)
 
     def _load_checkpoint(self) -> None:
+        self._timeline.mark("workers + vLLM")
         info = self._rpc("populora_init_bank", self.pcfg.population.num_adapters, self.pcfg.population.seed,
                          shared_a=self.pcfg.population.founder_init == "shared_a")
         logger.info("populora: adapter bank initialised: %s", info)
