@@ -410,3 +410,21 @@ def test_start_up_timeline_names_each_phase_and_survives_a_missing_start(monkeyp
     late.mark("a", at=1.0)
     late.mark("b", at=3.0)
     assert late.line() == "[populora] start-up: b 2 s | total 2 s"
+
+
+def test_the_trainer_marks_start_up_phases_once_and_in_order():
+    from populora_verl.trainer.timeline import Timeline
+    from populora_verl.trainer.trainer import PopuLoRATrainer
+
+    t = object.__new__(PopuLoRATrainer)
+    assert t._timeline is None and t._timeline_done  # built without __init__: no timeline, nothing printed
+    t._mark("workers + vLLM")  # a no-op, not an error
+    t._timeline, t._timeline_done = Timeline(start=0.0), False
+    t._mark("agent loop", after="checkpoint + weight sync")  # out of order: ignored
+    t._mark("workers + vLLM")
+    t._mark("checkpoint + weight sync")
+    t._mark("agent loop", after="checkpoint + weight sync")
+    assert [n for n, _ in t._timeline.marks] == ["start", "workers + vLLM", "checkpoint + weight sync", "agent loop"]
+    t._timeline_done = True
+    t._mark("workers + vLLM")  # a later _load_checkpoint (a population schedule) adds nothing
+    assert len(t._timeline.marks) == 4

@@ -148,6 +148,10 @@ def _rows(t: Any) -> list[torch.Tensor]:
 class PopuLoRATrainer(PPOTrainerSync):
     """verl V1 sync trainer for a population of LoRA adapters (see the module docstring)."""
 
+    #: Set by __init__; a trainer built without it (tests) keeps None and prints no start-up line.
+    _timeline: Timeline | None = None
+    _timeline_done = True
+
     def __init__(self, config: DictConfig) -> None:
         self._timeline = Timeline()
         self._timeline.mark("ray + task runner")
@@ -177,13 +181,17 @@ class PopuLoRATrainer(PPOTrainerSync):
 
     def init(self) -> None:
         super().init()  # worker groups (FSDP), vLLM engines, weight-sync manager, then _load_checkpoint
-        self._timeline.mark("checkpoint + weight sync")
+        self._mark("checkpoint + weight sync")
+
+    def _mark(self, name: str, after: str | None = None) -> None:
+        """A start-up timeline mark (only before the line is printed; ``after``: only right after that mark)."""
+        tl = self._timeline
+        if tl is not None and not self._timeline_done and (after is None or (tl.marks and tl.marks[-1][0] == after)):
+            tl.mark(name)
 
     def _init_populora_state(self) -> None:
-        if not hasattr(self, "_timeline"):  # built without __init__ (tests): no start-up line
-            self._timeline = Timeline(start=0.0)
         self._save_pending = False
-        self._timeline_done = False
+        self._timeline_done = self._timeline is None
         self._stop_path = stop.stop_file(self.config)
         if stop.read_request(self._stop_path) is not None:
             print(f"[populora] stop file {self._stop_path} exists: the run ends at its first safe step "
@@ -543,9 +551,7 @@ class PopuLoRATrainer(PPOTrainerSync):
     # --- hooks: probes, evolution, checkpoint, weight sync ---------------------------------------------------
 
     def on_step_begin(self) -> None:
-        marks = self._timeline.marks
-        if not self._timeline_done and marks and marks[-1][0] == "checkpoint + weight sync":
-            self._timeline.mark("agent loop")
+        self._mark("agent loop", after="checkpoint + weight sync")
         idx = schedule.starts(getattr(self, "_schedule", [])).get(self.global_steps)
         if idx:  # a later entry of a population schedule starts with this step (entry 0 is set up by init)
             with marked_timer("populora_switch", self.timing_raw, color="green"):
@@ -597,11 +603,10 @@ class PopuLoRATrainer(PPOTrainerSync):
               f"({info['num_slots']} adapters)", flush=True)
 
     def on_step_end(self) -> None:
-        if not self._timeline_done:
-            self._timeline_done = True
-            if self._timeline.marks and self._timeline.marks[-1][0] == "agent loop":
-                self._timeline.mark(f"step {self.global_steps}")
-                print(self._timeline.line(), flush=True)
+        if not self._timeline_done and self._timeline.marks and self._timeline.marks[-1][0] == "agent loop":
+            self._timeline.mark(f"step {self.global_steps}")
+            print(self._timeline.line(), flush=True)
+        self._timeline_done = True
         ending = self._stop_due()
         with marked_timer("populora_evolve", self.timing_raw, color="green"):
             evo = {} if ending else self._evolve()
@@ -684,7 +689,7 @@ class PopuLoRATrainer(PPOTrainerSync):
             print(f"[populora] removed old checkpoint {folder} (trainer.max_actor_ckpt_to_keep)", flush=True)
 
     def _load_checkpoint(self) -> None:
-        self._timeline.mark("workers + vLLM")
+        self._mark("workers + vLLM")
         info = self._rpc("populora_init_bank", self.pcfg.population.num_adapters, self.pcfg.population.seed,
                          shared_a=self.pcfg.population.founder_init == "shared_a")
         logger.info("populora: adapter bank initialised: %s", info)
