@@ -15,6 +15,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import copy
 import hashlib
 import importlib.util
 import os
@@ -129,7 +130,7 @@ def join_offline_model(name: str, out_file: str | os.PathLike) -> Path:
 def gguf_to_hf(gguf_file: str | os.PathLike, out_dir: str | os.PathLike, dtype: str = "bfloat16") -> Path:
     """Dequantise a GGUF model with transformers (needs the ``gguf`` package) and save a plain HF checkpoint."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     gguf_file = Path(gguf_file).resolve()
     out = Path(out_dir)
@@ -137,7 +138,9 @@ def gguf_to_hf(gguf_file: str | os.PathLike, out_dir: str | os.PathLike, dtype: 
     kw = dict(gguf_file=gguf_file.name)
     tok = AutoTokenizer.from_pretrained(gguf_file.parent, **kw)
     loaded = AutoModelForCausalLM.from_pretrained(gguf_file.parent, dtype=torch.float32, **kw)
-    config = AutoConfig.from_pretrained(gguf_file.parent, **kw)
+    # The loaded model's own config: parsing the GGUF a third time (its 150k-token vocabulary in pure Python) costs
+    # seconds and gives the same values.
+    config = copy.deepcopy(loaded.config)
     # The GGUF origin marks the config as quantised, which blocks save_pretrained: drop it and rebuild the model.
     for attr in ("quantization_config",):
         if hasattr(config, attr):
@@ -152,12 +155,18 @@ def gguf_to_hf(gguf_file: str | os.PathLike, out_dir: str | os.PathLike, dtype: 
     missing = [n for n, p in fresh.named_parameters() if p.is_meta]
     if missing:
         raise RuntimeError(f"weights missing after GGUF conversion: {missing[:5]}")
-    with tempfile.TemporaryDirectory(dir=out.parent if out.parent.exists() else None) as tmp:
+    # Written next to the destination and renamed into place: never a half-written model folder, and no second copy
+    # of several GB (the folder used to be copied out of a temporary directory).
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
         fresh.save_pretrained(tmp, safe_serialization=True)
         tok.save_pretrained(tmp)
         if out.exists():
             shutil.rmtree(out)
-        shutil.copytree(tmp, out)
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 
