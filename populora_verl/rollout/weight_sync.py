@@ -4,9 +4,10 @@ verl 0.9.1 sends LoRA weights from the trainer to its colocated vLLM engine over
 ``/tmp/rl-colocate-zmq-<ray job id>-replica-<r>-rank-<k>.sock`` on both sides (``ServerAdapter.zmq_handle`` in the
 trainer's worker, ``_get_zmq_handle`` in the vLLM worker, which reads ``VERL_RAY_JOB_ID``). The Ray job id is not
 unique on a host: every fresh local Ray cluster numbers its first job ``01000000``. Two independent trainers on one
-node (one arm per GPU, each with its own Ray) therefore share the socket path; a weight sync then connects to the
-other trainer's engine and waits forever in ``zmq send`` (seen with four trainers on one 4-GPU node). We add the Ray
-node id, which differs between clusters and is the same for a trainer worker and the engine it is colocated with.
+node (one arm per GPU, each with its own Ray) therefore share the socket path, and a weight sync that overlaps
+another trainer's can reach the wrong engine (four trainers on one 4-GPU node: two hung in ``zmq send`` right after
+syncs that coincided). We add the Ray node id, which differs between clusters and is the same for a trainer worker
+and the engine it is colocated with.
 """
 
 from __future__ import annotations
