@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import pytest
@@ -198,8 +199,12 @@ def test_trainer_load_checkpoint_hands_verl_the_fallback_folder(verl_run):
             loaded["population"] = population
 
     t.actor_rollout_wg, t.pop_step = _WG(), _Step()
+    # events of steps the resumed run will redo leave the evolution log, as on the CPU driver
+    (verl_run / "evolution.jsonl").write_text("".join(json.dumps({"step": s, "replacements": []}) + "\n"
+                                                      for s in (1, 2, 3)))
     t._load_checkpoint()
     assert t.global_steps == 2
+    assert [json.loads(x)["step"] for x in (verl_run / "evolution.jsonl").read_text().splitlines()] == [1, 2]
     actor = next(kw for name, _, kw in calls if name == "load_checkpoint")
     assert actor["local_path"] == str(verl_run / "global_step_2" / "actor")
     bank = next(a for name, a, _ in calls if name == "populora_load_bank")

@@ -105,6 +105,26 @@ def append_event(run_dir: str | os.PathLike, plan: EvolutionPlan) -> None:
         f.write(json.dumps(plan.to_dict()) + "\n")
 
 
+def trim_events(run_dir: str | os.PathLike, step: int) -> None:
+    """Drop events after ``step`` from ``<run_dir>/evolution.jsonl``, like the metrics log: steps redone after
+    resuming from checkpoint ``step`` (or a fresh start over a run killed before its first checkpoint) must not log
+    their events twice. A half-written last line of a killed run goes too."""
+    path = Path(run_dir) / "evolution.jsonl"
+    if not path.is_file():
+        return
+    kept = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            event_step = int(json.loads(line).get("step", 0))
+        except (ValueError, AttributeError, TypeError):
+            continue
+        if event_step <= step:
+            kept.append(line + "\n")
+    from populora_verl.fsutil import write_text_atomic
+
+    write_text_atomic(path, "".join(kept))
+
+
 def describe(r: Replacement) -> str:
     """One log line's worth of a replacement."""
     return (f"{r.victim_id} (slot {r.victim_slot}) <- {r.child_id} = {r.operator}({', '.join(r.parent_ids)})"

@@ -6,7 +6,6 @@ come from the shared components; this file only generates, trains, checkpoints a
 
 from __future__ import annotations
 
-import json
 import logging
 import random
 import time
@@ -20,7 +19,7 @@ from populora_verl.checkpoint import (CheckpointError, Checkpoint, capture_rng_s
                                       load_latest_checkpoint, prune_checkpoints, restore_rng_state,
                                       save_checkpoint)
 from populora_verl.config import PopuLoRAConfig, to_dict
-from populora_verl.evolution.pbt import append_event
+from populora_verl.evolution.pbt import append_event, trim_events
 from populora_verl.local.config import LocalConfig
 from populora_verl.local.hf_engine import HFEngine, seed_for, slot_name
 from populora_verl.local.progress import step_line
@@ -115,7 +114,7 @@ class LocalDriver:
             self._restore(resumed)
         else:
             self._write_config()
-        self._trim_evolution_log(self.start_step)
+        trim_events(self.run_dir, self.start_step)
         from populora_verl.diagnostics.metrics import MetricsLogger
 
         self.logger = MetricsLogger(self.run_dir, tensorboard=local.tensorboard and _has_tensorboard(),
@@ -158,24 +157,6 @@ class LocalDriver:
                 hf_logging.enable_progress_bar()
             tmp.rename(out)
         return str(out.resolve())
-
-    def _trim_evolution_log(self, step: int) -> None:
-        """Drop evolution events after ``step``, like the metrics log: steps redone after resuming from checkpoint
-        ``step`` (or a fresh start over a run killed before its first checkpoint) must not log their events twice."""
-        path = self.run_dir / "evolution.jsonl"
-        if not path.is_file():
-            return
-        kept = []
-        for line in path.read_text(encoding="utf-8").splitlines():
-            try:
-                event_step = int(json.loads(line).get("step", 0))
-            except (ValueError, AttributeError, TypeError):
-                continue  # a half-written last line of a killed run
-            if event_step <= step:
-                kept.append(line + "\n")
-        from populora_verl.fsutil import write_text_atomic
-
-        write_text_atomic(path, "".join(kept))
 
     def _write_config(self) -> None:
         import yaml

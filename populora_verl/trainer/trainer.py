@@ -38,7 +38,7 @@ from verl.utils.metric import reduce_metrics
 from verl.utils.py_functional import rename_dict
 
 from populora_verl.config import PopuLoRAConfig, load_config
-from populora_verl.evolution.pbt import append_event, describe
+from populora_verl.evolution.pbt import append_event, describe, trim_events
 from populora_verl.trainer import convert, fused, probes, schedule, stop
 from populora_verl.trainer.timeline import Timeline
 from populora_verl.workers import ADAPTER_KEY
@@ -706,6 +706,8 @@ class PopuLoRATrainer(PPOTrainerSync):
                     self.config.trainer.resume_mode = "resume_path"
                     self.config.trainer.resume_from_path = str(folder)
         super()._load_checkpoint()
+        # evolution.jsonl keeps what happened up to the step this run starts from (as metrics.jsonl does)
+        trim_events(self.config.trainer.default_local_dir, self.global_steps)
         if self.global_steps == 0:
             return
         from populora_verl.checkpoint import load_checkpoint, restore_rng_state
