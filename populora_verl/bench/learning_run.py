@@ -138,31 +138,38 @@ def population_dir(run: Path, step: int) -> Path:
     return found
 
 
+def eval_cli(model: str, benchmarks: str, out: Path, data_dir: str | None, max_new_tokens: int,
+             gpu_memory_utilization: float) -> list[str]:
+    """The ``populora-eval`` command (vLLM, greedy) without its members."""
+    cmd = [sys.executable, "-m", "populora_verl.eval.cli", "--model", model, "--backend", "vllm",
+           "--benchmarks", benchmarks, "--max-new-tokens", str(max_new_tokens),
+           "--gpu-memory-utilization", str(gpu_memory_utilization), "--out", str(out)]
+    return cmd + (["--data-dir", data_dir] if data_dir else [])
+
+
+def living_members(pop: Path) -> list[str]:
+    """Ids of the members alive in a population checkpoint folder."""
+    from populora_verl.eval.report import read_population
+
+    return [r["id"] for r in read_population(pop).get("lineage", []) if r.get("death_step") is None]
+
+
 def eval_command(model: str, runs: Mapping[str, Path], step: int, out: Path, data_dir: str | None,
-                 max_new_tokens: int, gpu_memory_utilization: float, benchmarks: str = "humaneval_plus,mbpp_plus"
+                 max_new_tokens: int, gpu_memory_utilization: float, benchmarks: str = EVAL_BENCHMARKS
                  ) -> list[str]:
     """populora-eval on the base and every arm's living members at ``step``.
 
     One single agent and one population (the one-GPU run): the single agent is the baseline and the population the
     run dir, so the evaluation's paired differences are population - single agent. Several arms (seeds): every
-    member is named ``<arm>.<member>``; :mod:`populora_verl.eval.arms` pairs them per seed afterwards."""
-    from populora_verl.eval.report import read_population
-
-    cmd = [sys.executable, "-m", "populora_verl.eval.cli", "--model", model, "--backend", "vllm",
-           "--benchmarks", benchmarks, "--max-new-tokens", str(max_new_tokens),
-           "--gpu-memory-utilization", str(gpu_memory_utilization), "--out", str(out)]
-    if data_dir:
-        cmd += ["--data-dir", data_dir]
-
-    def living(pop: Path) -> list[str]:
-        return [r["id"] for r in read_population(pop).get("lineage", []) if r.get("death_step") is None]
-
+    member is named ``<arm>@<step>.<member>`` (:func:`arm_adapters`); :mod:`populora_verl.eval.arms` pairs them per
+    seed afterwards."""
+    cmd = eval_cli(model, benchmarks, out, data_dir, max_new_tokens, gpu_memory_utilization)
     kinds = {folder: folder.split("-seed")[0] for folder in runs}
     if sorted(kinds.values()) == ["2t2s", "single"]:
         for folder, run in runs.items():
             pop = population_dir(run, step)
             if kinds[folder] == "single":
-                cmd += ["--baseline", str(pop / "adapters" / living(pop)[0]), "--baseline-name", "single"]
+                cmd += ["--baseline", str(pop / "adapters" / living_members(pop)[0]), "--baseline-name", "single"]
             else:
                 cmd += ["--run-dir", str(pop)]
         return cmd
@@ -173,22 +180,15 @@ def eval_command(model: str, runs: Mapping[str, Path], step: int, out: Path, dat
 def arm_adapters(run: Path, step: int) -> list[str]:
     """``<arm>@<step>.<member>=<adapter folder>`` for every living member of the arm at ``step``: the name says
     which arm and which step it is (``populora_verl.eval.arms`` groups by the arm)."""
-    from populora_verl.eval.report import read_population
-
     pop = population_dir(run, step)
-    living = [r["id"] for r in read_population(pop).get("lineage", []) if r.get("death_step") is None]
-    return [f"{run.name}@{step}.{m}={pop / 'adapters' / m}" for m in living]
+    return [f"{run.name}@{step}.{m}={pop / 'adapters' / m}" for m in living_members(pop)]
 
 
 def arm_eval_command(model: str, run: Path, step: int, out: Path, data_dir: str | None, max_new_tokens: int,
                      gpu_memory_utilization: float, with_base: bool) -> list[str]:
     """populora-eval of one arm's members at ``step`` (and the base model when ``with_base``), every benchmark."""
-    cmd = [sys.executable, "-m", "populora_verl.eval.cli", "--model", model, "--backend", "vllm",
-           "--benchmarks", EVAL_BENCHMARKS, "--max-new-tokens", str(max_new_tokens),
-           "--gpu-memory-utilization", str(gpu_memory_utilization), "--out", str(out)]
-    cmd += ["--data-dir", data_dir] if data_dir else []
-    cmd += [] if with_base else ["--no-base"]
-    return [*cmd, "--adapters", *arm_adapters(run, step)]
+    cmd = eval_cli(model, EVAL_BENCHMARKS, out, data_dir, max_new_tokens, gpu_memory_utilization)
+    return [*cmd, *([] if with_base else ["--no-base"]), "--adapters", *arm_adapters(run, step)]
 
 
 class EarlyEval:
@@ -325,8 +325,9 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.time()
     deadline = t0 + args.stop_after_min * 60
     folders = [arm_dir(a) for a in arms]
+    gpu_of_folder = {arm_dir(a): g for a, g in gpu_of.items()}
     write_progress(root, pid=os.getpid(), started=t0, state="starting", arms=folders, deadline=deadline,
-                   model=args.model, gpus={arm_dir(a): g for a, g in gpu_of.items()})
+                   model=args.model, gpus=gpu_of_folder)
     try:
         own = arm_overrides(args.arm_override or [])
     except ValueError as e:
@@ -348,7 +349,7 @@ def run(args: argparse.Namespace) -> int:
         _CHILDREN["warm_cache"] = warm
     stopped: set[str] = set()
     seeding = arm_dir(first)
-    early = EarlyEval(args, root, {arm_dir(a): g for a, g in gpu_of.items()}) \
+    early = EarlyEval(args, root, gpu_of_folder) \
         if args.stop_at_step and not args.no_eval and len(set(gpus)) >= len(arms) else None
 
     def early_failure() -> str | None:

@@ -97,7 +97,7 @@ def _routine_complexities(blocks: Iterable) -> Iterable[int]:
     """radon's per-routine complexities, with nested functions and classes included exactly once.
 
     ``cc_visit`` lists top-level functions, classes and their methods; it neither adds a closure's complexity to
-    its parent (radon issue #68) nor lists closures or inner classes' methods as blocks, so we walk them here.
+    its parent (a known radon limitation) nor lists closures or inner classes' methods as blocks, so we walk them here.
     A ``Class`` block's own complexity is the sum of its methods and is skipped to avoid counting them twice.
     """
     from radon.visitors import Class, Function

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import zipfile
 from pathlib import Path
 from typing import Callable
@@ -106,8 +107,6 @@ def prune_step_folders(default_local_dir: str | os.PathLike, keep: int | None) -
     for _, folder in steps[:max(0, len(steps) - int(keep))]:
         if protected is not None and folder.resolve() == protected.resolve():
             continue
-        import shutil
-
         shutil.rmtree(folder, ignore_errors=True)
         gone.append(folder)
     return gone

@@ -12,7 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from populora_verl.bench.learning_run import EVAL_BENCHMARKS, arm_adapters, arm_env, checkpoint_steps
+from populora_verl.bench.learning_run import EVAL_BENCHMARKS, arm_adapters, arm_env, checkpoint_steps, eval_cli
 
 
 def main() -> int:
@@ -36,10 +36,7 @@ def main() -> int:
     for i, bench in enumerate(EVAL_BENCHMARKS.split(",")):
         out = root / "eval" / bench
         out.mkdir(parents=True, exist_ok=True)
-        cmd = [sys.executable, "-m", "populora_verl.eval.cli", "--model", args.model, "--backend", "vllm",
-               "--benchmarks", bench, "--max-new-tokens", str(args.max_new_tokens), "--gpu-memory-utilization",
-               "0.6", "--out", str(out), *(["--data-dir", args.data_dir] if args.data_dir else []),
-               "--adapters", *adapters]
+        cmd = [*eval_cli(args.model, bench, out, args.data_dir, args.max_new_tokens, 0.6), "--adapters", *adapters]
         (out / "eval_command.txt").write_text(" ".join(cmd) + "\n")
         log = open(out / "eval.log", "w")
         procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
