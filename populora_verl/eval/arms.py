@@ -23,9 +23,9 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["arm_of", "load_outcomes", "arm_scores", "paired_difference", "main"]
+from populora_verl.eval.report import BOOTSTRAP_SAMPLES, _percentile_interval
 
-DRAWS = 2000
+__all__ = ["arm_of", "load_outcomes", "arm_scores", "paired_difference", "main"]
 
 
 def arm_of(member: str) -> str:
@@ -59,8 +59,8 @@ def arm_scores(outcomes: Mapping[str, Mapping[str, np.ndarray]]) -> dict[str, di
     return out
 
 
-def paired_difference(scores: Mapping[str, Mapping[str, np.ndarray]], a: str, b: str, *, draws: int = DRAWS,
-                      seed: int = 0) -> dict[str, tuple[float, float, float]]:
+def paired_difference(scores: Mapping[str, Mapping[str, np.ndarray]], a: str, b: str, *,
+                      draws: int = BOOTSTRAP_SAMPLES, seed: int = 0) -> dict[str, tuple[float, float, float]]:
     """{column: (a - b, low, high)} in fractions, per benchmark and ``code avg``; 95 % paired percentile bootstrap."""
     rng = np.random.default_rng(seed)
     out: dict[str, tuple[float, float, float]] = {}
@@ -73,11 +73,9 @@ def paired_difference(scores: Mapping[str, Mapping[str, np.ndarray]], a: str, b:
         idx = rng.integers(0, len(d), (draws, len(d)))
         boot = d[idx].mean(axis=1)
         per_bench_draws.append(boot)
-        lo, hi = np.percentile(boot, [2.5, 97.5])
-        out[bench] = (float(d.mean()), float(lo), float(hi))
-    avg = np.mean(per_bench_draws, axis=0)
-    lo, hi = np.percentile(avg, [2.5, 97.5])
-    out["code avg"] = (float(np.mean([out[b][0] for b in benches])), float(lo), float(hi))
+        out[bench] = (float(d.mean()), *_percentile_interval(boot))
+    out["code avg"] = (float(np.mean([out[b][0] for b in benches])),
+                       *_percentile_interval(np.mean(per_bench_draws, axis=0)))
     return out
 
 
