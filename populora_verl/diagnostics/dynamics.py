@@ -41,7 +41,7 @@ def _jsonl(path: Path) -> list[dict[str, Any]]:
             try:
                 rows.append(json.loads(line))
             except ValueError:
-                continue  # a line cut by a killed run
+                continue  # a line cut by a killed run (verl's log, evolution.jsonl)
     return rows
 
 
@@ -50,7 +50,9 @@ def load_run(run: str | Path) -> dict[str, Any]:
     run = Path(run)
     if not (run / "metrics.jsonl").is_file():
         raise FileNotFoundError(f"{run}: no metrics.jsonl")
-    rows = {int(r["step"]): r for r in _jsonl(run / "metrics.jsonl") if "step" in r}
+    from populora_verl.diagnostics.metrics import read_metrics
+
+    rows = {int(r["step"]): r for r in read_metrics(run / "metrics.jsonl")}
     verl: dict[int, dict[str, Any]] = {}
     if (run / "verl_metrics.jsonl").is_file():
         for r in _jsonl(run / "verl_metrics.jsonl"):
