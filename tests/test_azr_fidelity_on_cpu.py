@@ -78,6 +78,8 @@ def test_fallback_reading_order():
     assert answer_fallback("x</think> y <answer>B") == "B"                # else what follows the cut-off <answer>
     assert answer_fallback("x</think> tail") == "tail"
     assert answer_fallback("all of it") == "all of it"
+    with pytest.raises(ParseError, match="longer than 8 characters"):  # never parsed, like extract_answer
+        answer_fallback("x" * 9, max_chars=8)
 
 
 def test_extract_answer_never_reads_a_trailing_unclosed_answer_after_a_complete_pair():

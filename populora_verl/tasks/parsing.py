@@ -140,11 +140,14 @@ def envelope_problem(text: str, think_prefilled: bool = True) -> str | None:
     return "<answer> not closed"
 
 
-def answer_fallback(text: str, think_prefilled: bool = True) -> str:
+def answer_fallback(text: str, think_prefilled: bool = True, *, max_chars: int | None = None) -> str:
     """What AZR reads a proposal from when its envelope fails the format check: the last complete
     ``<answer>…</answer>`` pair, else the text after the last ``<answer>`` (cut off at the token cap), else the
     text after the last ``</think>``, else the whole response. The caller still scores the envelope as a format
-    error; this only decides whether the program inside is a usable task."""
+    error; this only decides whether the program inside is a usable task. :class:`ParseError` when longer than
+    ``max_chars`` (default :data:`MAX_RESPONSE_CHARS`), as :func:`extract_answer`."""
+    if isinstance(text, str):
+        _check_length(text, max_chars)
     text = normalise_response(text, think_prefilled)
     last = _last_complete_answer(text)
     if last is not None:

@@ -150,9 +150,9 @@ def parse_proposal(response: str, task_type: str, *, num_inputs: int = 10, think
     try:
         answer = P.extract_answer(response, think_prefilled, max_chars=max_chars)
     except P.ParseError:
-        if not envelope_fallback or not isinstance(response, str) or len(response) > (max_chars or P.MAX_RESPONSE_CHARS):
+        if not envelope_fallback:
             raise
-        answer = P.answer_fallback(response, think_prefilled)
+        answer = P.answer_fallback(response, think_prefilled, max_chars=max_chars)
     return _proposal_blocks(answer, task_type, num_inputs=num_inputs, code_f_rule=code_f_rule)
 
 
