@@ -77,9 +77,7 @@ def _alive_here(rec: dict[str, Any]) -> bool:
         return True
     try:
         os.kill(int(rec["pid"]), 0)
-    except (TypeError, ValueError, KeyError):
-        return False
-    except ProcessLookupError:
+    except (TypeError, ValueError, KeyError, ProcessLookupError):  # no usable pid, or no such process
         return False
     except PermissionError:  # exists, owned by someone else
         return True

@@ -366,7 +366,7 @@ def run(args: argparse.Namespace) -> int:
     while any(p.poll() is None for p in procs.values()) and not early_failure():
         if early is not None:  # an arm that reached --stop-at-step frees its GPU for its own evaluation
             for arm, p in procs.items():
-                if p.poll() == 0 and args.stop_at_step in checkpoint_steps(root / arm):
+                if arm not in early.procs and p.poll() == 0 and args.stop_at_step in checkpoint_steps(root / arm):
                     early.start(arm)
         now = time.time()
         if now >= deadline:
