@@ -2,6 +2,7 @@
 ours (seed set, metrics rows, a checkpoint every 2 steps, ends at a safe step once its stop file exists)."""
 
 import json
+import re
 import sys
 import textwrap
 from pathlib import Path
@@ -105,6 +106,7 @@ def test_driver_seeds_once_stops_both_arms_and_evaluates_at_the_common_step(tmp_
     # status names each arm's steps, checkpoints and last metrics
     out = lr.status(root)
     assert "state finished" in out and "2t2s:" in out and "validity/mean=0.1" in out and "step=1.5" in out
+    assert re.search(r"2t2s: \d+ steps; checkpoints \[.*\]; last \d+ s ago:", out)  # a stuck arm shows its age
     assert (root / "compare" / "compare.md").is_file()
 
 

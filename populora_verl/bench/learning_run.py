@@ -463,7 +463,10 @@ def status(root: Path) -> str:
         rows, timings = population_rows(root / arm), verl_rows(root / arm)
         last = {**(timings[-1] if timings else {}), **(rows[-1] if rows else {})}
         watch = " ".join(f"{k.split('/', 1)[-1]}={last[k]:.3g}" for k in WATCH if isinstance(last.get(k), (int, float)))
-        lines.append(f"  {arm}: {len(rows)} steps; checkpoints {checkpoint_steps(root / arm)}; last: {watch}")
+        # A step that is long overdue (a hung weight sync, a dead worker) shows as a growing age here.
+        metrics = root / arm / "metrics.jsonl"
+        age = f" {now - metrics.stat().st_mtime:.0f} s ago" if rows and metrics.is_file() else ""
+        lines.append(f"  {arm}: {len(rows)} steps; checkpoints {checkpoint_steps(root / arm)}; last{age}: {watch}")
     for k in ("rcs", "common_step", "eval_rc", "reason"):
         if k in prog:
             lines.append(f"  {k}: {prog[k]}")

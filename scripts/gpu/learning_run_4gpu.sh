@@ -9,7 +9,8 @@
 #
 # The batch is cut from the recipes' 90 to 30 trained trajectories per adapter and step, so that 40 population steps
 # fit 30 minutes of one node: 2T2S at 4 proposals per type and 4 answers per task, the single agent at 5 proposals per
-# type (tests/test_recipes_on_cpu.py keeps the two compute-matched).
+# type (tests/test_recipes_on_cpu.py keeps the two compute-matched). A checkpoint every 20 steps instead of 5 (each
+# takes 8-14 s): the stop at STOP_AT saves its own, and step 20 is the fallback should an arm die.
 set -euo pipefail
 minutes=${1:-19}
 MODEL=${MODEL:-/tmp/models/qwen-coder-1.5b}
@@ -21,4 +22,4 @@ exec bash scripts/gpu/learning_run.sh start --model "$MODEL" --seed-file "$ROOT/
   --stop-after-min "$minutes" --grace-min 4 --stop-at-step "${STOP_AT:-40}" \
   --arm-override 2t2s:populora.rollout.proposals_per_type=4 \
   --arm-override single:populora.rollout.proposals_per_type=5 \
-  populora.rollout.student_n=4
+  populora.rollout.student_n=4 trainer.save_freq="${SAVE_FREQ:-20}"
