@@ -12,16 +12,18 @@ from populora_verl.diagnostics import dynamics as dyn
 from populora_verl.eval import arms
 
 
-def _write_run(tmp_path, slope: float, steps: int = 20):
-    run = tmp_path / "single-seed1"
+def _write_run(tmp_path, slope: float, steps: int = 20, name: str = "single-seed1", seed: int = 0):
+    run = tmp_path / name
     run.mkdir()
-    rng = np.random.default_rng(0)
+    rng = np.random.default_rng(seed)
     with open(run / "metrics.jsonl", "w") as f:
         for s in range(1, steps + 1):
             f.write(json.dumps({
                 "step": s, "populora/validity/mean": s / steps,
                 "populora/role/teacher/format_error_rate": 1 - s / steps,
                 "populora/complexity/cyclomatic/mean": 3.0 + slope * s + 0.01 * rng.standard_normal(),
+                "populora/complexity/loc/mean": 10.0 + 0.01 * rng.standard_normal(),
+                "populora/complexity/num_programs": 3.0, "populora/coverage/cells_filled": float(min(s, 7)),
                 "populora/pair/t0/s0/solve_rate": 0.2 if s % 2 else 0.6,  # flips direction every step
                 "populora/task_type/code_f/validity": 0.0, "populora/task_type/code_f/fail/input_count": 1.0,
                 "populora/task_type/code_f/fail/blocks": 0.0,
@@ -62,6 +64,36 @@ def test_dynamics_cli_errors_in_one_line(tmp_path, capsys):
     assert "no metrics.jsonl" in capsys.readouterr().err
     assert dyn.slope_interval(np.array([1.0, 1.0, 1.0, 1.0]), np.array([1.0, 2.0, 3.0, 4.0])) is None
     assert dyn.sign_changes([1, 2, 3, 4]) == (0, 3)
+
+
+def test_arms_side_by_side_difference_and_oscillation(tmp_path, capsys):
+    runs = [_write_run(tmp_path, -0.05, name="single-seed1", seed=1), _write_run(tmp_path, -0.03, name="single-seed2",
+            seed=2), _write_run(tmp_path, 0.04, name="2t2s-seed1", seed=3), _write_run(tmp_path, 0.06, name="2t2s-seed2",
+            seed=4)]
+    cmp = dyn.compare_arms([dyn.load_run(r) for r in runs])
+    assert list(cmp["arms"]) == ["single", "2t2s"]  # seeds grouped by folder name, in order
+    single = cmp["arms"]["single"]
+    assert single["seeds"] == ["single-seed1", "single-seed2"]
+    assert single["valid_programs"] == [60.0, 60.0] and single["cells_filled_last"] == [7.0, 7.0]
+    diff, lo, hi = cmp["differences"]["2t2s - single"]["cyclomatic"]
+    assert diff == pytest.approx(0.09, abs=0.005) and 0 < lo < diff < hi  # +0.05 - (-0.04)
+    _, lo, hi = cmp["differences"]["2t2s - single"]["loc"]
+    assert lo < 0 < hi  # length flat in every seed: no difference
+    # every pair series alternates 0.2 / 0.6: two levels change direction at every chance whatever their order, so
+    # shuffling in time gives the same rate and the test does not call it oscillation
+    assert single["direction_changes"] == (36, 36) and single["direction_changes_noise_p"] == 1.0
+    assert dyn.main([*map(str, runs), "--compare"]) == 0
+    assert "### Arms side by side" in capsys.readouterr().out
+
+
+def test_oscillation_test_keeps_each_series_values():
+    up_down = [0.1, 0.5, 0.2, 0.6, 0.3, 0.7, 0.4, 0.8, 0.1, 0.9, 0.2, 0.5]  # many levels, up and down every step
+    ch, _ = dyn.sign_changes(up_down)
+    assert ch == 10 and dyn.noise_p_value([up_down]) < 0.05
+    rising = [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8]
+    assert dyn.noise_p_value([rising]) == 1.0  # no change at all: every shuffle has at least as many
+    assert dyn.noise_p_value([[0.5, 0.5, 0.5]]) is None  # no chance to change direction
+    assert dyn.slope_difference([], [(np.arange(5.0), np.arange(5.0))]) is None
 
 
 def _results(path, bench, members):

@@ -10,6 +10,11 @@
 * coverage of the CVT archive, pair solve rates with their sign changes (do they oscillate?), ratings;
 * realised compute per adapter next to the plan, and the executor's share of the step (validate + score seconds
   over step seconds, from verl's timings).
+
+With ``--compare``, the runs are grouped into arms by their folder names (``2t2s-seed1`` and ``2t2s-seed2`` are the
+arm ``2t2s``, as the learning run names them) and a last section sets the arms side by side: the complexity slope
+averaged over an arm's seeds with the difference between arms and its 95 % interval, program length as the obvious
+confound, coverage next to the number of valid programs behind it, and pair solve rates' direction changes pooled.
 Everything is computed from logged numbers; nothing here is fitted to an expectation.
 """
 
@@ -26,7 +31,8 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["load_run", "slope_interval", "sign_changes", "summarise", "markdown", "main"]
+__all__ = ["load_run", "slope_interval", "sign_changes", "summarise", "markdown", "arm_of", "slope_difference",
+           "noise_p_value", "compare_arms", "compare_markdown", "main"]
 
 P = "populora/"
 _PAIR = re.compile(r"^populora/pair/([^/]+)/([^/]+)/solve_rate$")
@@ -237,17 +243,137 @@ def markdown(summary: Mapping[str, Any], window: int = 5) -> str:
     return "\n".join(lines) + "\n"
 
 
+def arm_of(name: str) -> str:
+    """``2t2s-seed1`` -> ``2t2s``: the learning run's folders are ``<arm>-seed<N>``; any other name is its own arm."""
+    return re.sub(r"-seed\d+$", "", name)
+
+
+def slope_difference(a: Sequence[tuple[np.ndarray, np.ndarray]], b: Sequence[tuple[np.ndarray, np.ndarray]], *,
+                     draws: int = 2000, seed: int = 0) -> tuple[float, float, float] | None:
+    """Mean per-seed slope of arm ``b`` minus that of arm ``a`` (each a list of (steps, values) per seed), with a 95 %
+    percentile interval from resampling every seed's points independently. The interval is over steps only: with two
+    seeds per arm it says how sure the slopes are, not how another pair of seeds would fall."""
+    runs = [*a, *b]
+    if not a or not b or any(len(s) < 4 or np.ptp(s) == 0 for s, _ in runs):
+        return None
+
+    def diff(pts: Sequence[tuple[np.ndarray, np.ndarray]]) -> float:
+        slopes = [float(np.polyfit(s, v, 1)[0]) for s, v in pts]
+        return float(np.mean(slopes[len(a):]) - np.mean(slopes[:len(a)]))
+
+    rng = np.random.default_rng(seed)
+    boot = []
+    for _ in range(draws):
+        pts = []
+        for s, v in runs:
+            i = rng.integers(0, len(s), len(s))
+            pts.append((s[i], v[i]))
+        if all(np.ptp(s) > 0 for s, _ in pts):
+            boot.append(diff(pts))
+    lo, hi = np.percentile(boot, [2.5, 97.5])
+    return diff(runs), float(lo), float(hi)
+
+
+def _change_rate(pair_series: Sequence[Sequence[float]]) -> float:
+    counts = [sign_changes(list(v)) for v in pair_series]
+    chances = sum(max(n - 1, 0) for _, n in counts)
+    return sum(ch for ch, _ in counts) / chances if chances else float("nan")
+
+
+def noise_p_value(pair_series: Sequence[Sequence[float]], *, draws: int = 2000, seed: int = 0) -> float | None:
+    """How often the same pair series, each shuffled in time, change direction at a pooled rate (changes per chance)
+    at least as high as logged: a one-sided permutation test, None without a chance to change. Shuffling keeps each
+    series' own values: solve rates take few distinct values, and a series of few levels changes direction more often
+    than continuous noise would (one of two levels alternates at every chance), so the null must keep them."""
+    pair_series = [np.asarray(v, dtype=float) for v in pair_series if len(v) >= 3]
+    observed = _change_rate(pair_series) if pair_series else float("nan")
+    if math.isnan(observed):
+        return None
+    rng = np.random.default_rng(seed)
+    hits = sum(_change_rate([rng.permutation(v) for v in pair_series]) >= observed - 1e-12 for _ in range(draws))
+    return hits / draws
+
+
+def compare_arms(runs: Sequence[Mapping[str, Any]], window: int = 5) -> dict[str, Any]:
+    """Per arm (runs grouped by :func:`arm_of`, in order of appearance): per-seed complexity and length slopes,
+    coverage, valid programs and pooled direction changes; and for every later arm, its slope minus the first
+    arm's (``differences``)."""
+    arms: dict[str, list[Mapping[str, Any]]] = {}
+    for run in runs:
+        arms.setdefault(arm_of(run["name"]), []).append(run)
+    out: dict[str, Any] = {"arms": {}, "differences": {}}
+    curves: dict[str, dict[str, list[tuple[np.ndarray, np.ndarray]]]] = {}
+    for arm, members in arms.items():
+        c = curves[arm] = {q: [series(r["rows"], f"{P}complexity/{q}/mean") for r in members]
+                           for q in ("cyclomatic", "loc")}
+        changes = chances = 0
+        pair_series = []
+        for r in members:
+            for k in sorted({k for row in r["rows"].values() for k in row if _PAIR.match(k)}):
+                v = series(r["rows"], k)[1]
+                ch, n = sign_changes(list(v))
+                changes, chances = changes + ch, chances + max(n - 1, 0)
+                pair_series.append(v)
+        out["arms"][arm] = {
+            "seeds": [r["name"] for r in members],
+            "cyclomatic_slope": [slope_interval(s, v) for s, v in c["cyclomatic"]],
+            "cyclomatic_last": [float(v[-window:].mean()) if len(v) else None for _, v in c["cyclomatic"]],
+            "loc_slope": [slope_interval(s, v) for s, v in c["loc"]],
+            "cells_filled_last": [float(v[-1]) if len(v) else None
+                                  for v in (series(r["rows"], f"{P}coverage/cells_filled")[1] for r in members)],
+            "valid_programs": [float(series(r["rows"], f"{P}complexity/num_programs")[1].sum()) for r in members],
+            "direction_changes": (changes, chances),
+            "direction_changes_noise_p": noise_p_value(pair_series)}
+    names = list(arms)
+    for other in names[1:]:
+        out["differences"][f"{other} - {names[0]}"] = {
+            q: slope_difference(curves[names[0]][q], curves[other][q]) for q in ("cyclomatic", "loc")}
+    return out
+
+
+def compare_markdown(cmp: Mapping[str, Any], window: int = 5) -> str:
+    def slopes(xs: Sequence[tuple[float, float, float] | None]) -> str:
+        return "; ".join("–" if x is None else f"{x[0]:+.4f} [{x[1]:+.4f}, {x[2]:+.4f}]" for x in xs)
+
+    def nums(xs: Sequence[float | None], d: int = 2) -> str:
+        return ", ".join(_f(x, d) for x in xs)
+
+    lines = ["### Arms side by side", "", "| arm | seeds | cyclomatic slope per step [95%] | cyclomatic, last "
+             f"{window} steps | lines-of-code slope per step [95%] | CVT cells at the end | valid programs | "
+             "pair direction changes (pooled) |", "|---|---|---|---|---|---|---|---|"]
+    for arm, a in cmp["arms"].items():
+        ch, n = a["direction_changes"]
+        lines.append(f"| {arm} | {', '.join(a['seeds'])} | {slopes(a['cyclomatic_slope'])} | "
+                     f"{nums(a['cyclomatic_last'])} | {slopes(a['loc_slope'])} | {nums(a['cells_filled_last'], 0)} | "
+                     f"{nums(a['valid_programs'], 0)} | {ch} / {n}" + (f" ({ch / n:.2f})" if n else "")
+                     + ("" if a["direction_changes_noise_p"] is None else
+                        f", noise p = {a['direction_changes_noise_p']:.3f}") + " |")
+    for label, d in cmp["differences"].items():
+        lines.append("")
+        lines.append(f"- {label}, slope per step averaged over seeds (95% interval, steps resampled): cyclomatic "
+                     + slopes([d["cyclomatic"]]) + "; lines of code " + slopes([d["loc"]]))
+    lines.append("- Direction changes: a series of independent noise changes direction at about 2 in 3 chances; "
+                 "noise p is how often the same series, shuffled in time, change direction at least as often per "
+                 "chance (one-sided; a small p means more regular up-and-down than chance order).")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m populora_verl.diagnostics.dynamics",
                                  description=__doc__.split("\n\n")[0])
     ap.add_argument("runs", nargs="+", help="run directories (each with metrics.jsonl)")
     ap.add_argument("--window", type=int, default=5, help="steps averaged at the start and at the end")
     ap.add_argument("--out", help="also write the markdown here")
+    ap.add_argument("--compare", action="store_true",
+                    help="add the arms side by side (runs grouped by folder name: <arm>-seed<N>)")
     args = ap.parse_args(argv)
     if args.window < 1:
         ap.error("--window must be >= 1")
     try:
-        text = "\n".join(markdown(summarise(load_run(r), args.window), args.window) for r in args.runs)
+        runs = [load_run(r) for r in args.runs]
+        text = "\n".join(markdown(summarise(r, args.window), args.window) for r in runs)
+        if args.compare:
+            text += "\n" + compare_markdown(compare_arms(runs, args.window), args.window)
     except FileNotFoundError as e:
         print(f"dynamics: error: {e}", file=sys.stderr)
         return 2
