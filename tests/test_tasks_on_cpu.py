@@ -275,7 +275,10 @@ def test_code_f_needs_enough_valid_inputs_and_a_message(ex, lenient):
     res = validate_proposal(code_f_proposal(["'a'", "None", "[1]"]), "code_f", ex, lenient, program=program)
     assert res.status == "invalid" and "need 2" in res.reason
     no_msg = wrap(fence("input", "[1]") + fence("input", "[2]"))
-    assert validate_proposal(no_msg, "code_f", ex, lenient, program=program).status == "format_error"
+    res = validate_proposal(no_msg, "code_f", ex, lenient, program=program)
+    assert res.status == "format_error" and res.code == "message"  # told apart from missing input blocks
+    no_inputs = wrap(fence("message", "Find the parity of each number."))
+    assert validate_proposal(no_inputs, "code_f", ex, lenient, program=program).code == "blocks"
 
 
 def test_code_f_azr_rule_needs_num_inputs_takes_the_last_and_rejects_any_failure(ex, cfg):

@@ -36,8 +36,8 @@ __all__ = [
 ]
 
 #: Why a proposal yields no task, as short codes for per-type metrics (``ProposalResult.code``).
-FAILURE_CODES = ("too_long", "envelope", "blocks", "input_count", "program", "input", "text", "execution", "output",
-                 "min_inputs", "unparsable")
+FAILURE_CODES = ("too_long", "envelope", "blocks", "input_count", "message", "program", "input", "text", "execution",
+                 "output", "min_inputs", "unparsable")
 
 
 class ExecutorLike(Protocol):
@@ -177,7 +177,8 @@ def _proposal_blocks(answer: str, task_type: str, *, num_inputs: int, code_f_rul
         if not inputs:
             raise _BlockError("no input block")
         if message is None or not message.strip():
-            raise _BlockError("no message block")
+            # its own code: a code_f proposal with inputs but no message is a different failure from no blocks
+            raise _BlockError("no message block", "message")
         return Proposal(task_type=task_type, inputs=inputs, message=message.strip())
     raise _BlockError(f"unknown task type {task_type!r}")
 
