@@ -332,6 +332,21 @@ def test_vllm_backend_routes_every_member_through_one_engine(tmp_path, monkeypat
     gens = [c[1] for c in calls if c[0] == "generate"]
     assert gens[0] is None and all(r is not None for r in gens[1])  # base alone; every adapter row names its LoRA
 
+    # An engine started before its adapters exist (populora-eval --wait): sized by slots and rank, adapters later.
+    calls.clear()
+    early = VLLMBackend("/model", [Member("base", None, "base")], max_new_tokens=7, lora_slots=2, max_lora_rank=16)
+    assert calls[0][1]["enable_lora"] and calls[0][1]["max_loras"] == 2 and calls[0][1]["max_lora_rank"] == 16
+    out = early.generate(["ab"], members)
+    assert out["s0"] == [f"s0#2@{dirs['s0']}|[2]"]
+    big = tmp_path / "big"
+    big.mkdir()
+    (big / "adapter_config.json").write_text(json.dumps({"r": 32}))
+    with pytest.raises(ValueError, match="LoRA slots"):
+        early.prepare([Member("x", dirs["t0"])])
+    one_slot = VLLMBackend("/model", [], lora_slots=1, max_lora_rank=16)
+    with pytest.raises(ValueError, match="max LoRA rank 16"):
+        one_slot.prepare([Member("big", str(big))])
+
 
 def test_warm_cache_fills_the_expected_outputs_the_evaluation_then_reads(tmp_path, monkeypatch):
     """populora-eval --warm-cache (no model): the canonical outputs are cached, and grading later runs none of them."""
@@ -349,3 +364,53 @@ def test_warm_cache_fills_the_expected_outputs_the_evaluation_then_reads(tmp_pat
     monkeypatch.setattr(code_grader, "run_program", no_run)
     got = expected_outputs(load_items(["humaneval_plus"], limit=2), cache_dir=cache, workers=1)
     assert len(got) == 2 and all(e.error is None and e.values for e in got.values())
+
+
+def test_wait_starts_the_model_first_and_reads_the_adapters_file_when_it_appears(tmp_path, monkeypatch):
+    """--wait: the model loads, then the adapters file is awaited (written here after the load, as the learning
+    run's driver writes it once the stop step's checkpoint exists), and its members are evaluated with the base."""
+    import threading
+
+    from populora_verl.eval import backends, cli
+
+    model = _tiny_model(tmp_path)
+    (a0,) = _random_adapters(model, tmp_path, 1)
+    listing, out = tmp_path / "adapters.txt", tmp_path / "out"
+    order = []
+    real_build = backends.build_backend
+
+    def build(*a, **k):
+        order.append(("model", listing.exists()))
+        backend = real_build(*a, **k)
+        threading.Timer(0.5, lambda: listing.write_text(f"# members at step 4\narm@4.t0={a0}\n")).start()
+        return backend
+
+    monkeypatch.setattr(backends, "build_backend", build)
+    rc = cli.eval_main(["--model", str(model), "--adapters-file", str(listing), "--wait", "30", "--backend", "hf",
+                        "--benchmarks", "humaneval_plus", "--limit", "1", "--max-new-tokens", "4",
+                        "--cache-dir", str(tmp_path / "cache"), "--task-timeout", "10", "--out", str(out)])
+    assert rc == 0 and order == [("model", False)]  # the model was up before the file existed
+    results = json.loads((out / "results.json").read_text())
+    assert [m["name"] for m in results["members"]] == ["base", "arm@4.t0"]
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--wait", "5"], "--wait needs --adapters-file"),
+    (["--wait", "5", "--adapters-file", "x.txt", "--backend", "vllm"], "--max-loras and --max-lora-rank"),
+    (["--wait", "0", "--adapters-file", "x.txt"], "--wait must be > 0"),
+])
+def test_wait_mistakes_fail_before_loading_in_one_line(tmp_path, extra, message, capsys):
+    from populora_verl.eval import cli
+
+    model = _tiny_model(tmp_path)
+    assert cli.eval_main(["--model", str(model), "--benchmarks", "humaneval_plus", "--out", str(tmp_path / "o"),
+                          *extra]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert message in err[-1] and not any("Traceback" in line for line in err)
+
+
+def test_wait_gives_up_after_its_timeout(tmp_path, monkeypatch):
+    from populora_verl.eval import cli
+
+    with pytest.raises(SystemExit, match="did not appear within --wait 0.2 s"):
+        cli._wait_for(tmp_path / "never.txt", 0.2, poll_s=0.05)

@@ -279,7 +279,7 @@ def test_each_arm_is_evaluated_on_its_gpu_as_soon_as_it_reaches_the_stop_step(tm
     seeds.write_text("")
     root = tmp_path / "learn"
     assert lr.main(["--out", str(root), "--model", "/m", "--seed-file", str(seeds), "--stop-at-step", "4",
-                    "--arms", "2t2s@1,single@1,2t2s@2,single@2", "--gpus", "0,1,2,3"]) == 0
+                    "--arms", "2t2s@1,single@1,2t2s@2,single@2", "--gpus", "0,1,2,3", "--eval-prestart-s", "0"]) == 0
     out = capsys.readouterr().out
     # the single agents (fast) were evaluated before the population arms ended, the first with the base model
     assert out.index("single-seed1: evaluation started") < out.index("arms ended")
@@ -292,3 +292,64 @@ def test_each_arm_is_evaluated_on_its_gpu_as_soon_as_it_reaches_the_stop_step(tm
     assert prog["state"] == "finished" and prog["eval_rc"] == 0 and set(prog["eval_steps"].values()) == {4}
     table = (root / "eval" / "arms.md").read_text()
     assert "| single-seed1 - base |" in table and "| 2t2s-seed2 - base |" in table
+
+
+FAKE_WAITING_EVAL = textwrap.dedent('''
+    import json, sys, time
+    from pathlib import Path
+    out, with_base, listing = Path(sys.argv[1]), sys.argv[2] == "1", Path(sys.argv[3])
+    (out / "engine_up").write_text(str(listing.exists()))  # the engine is up before the members are known
+    while not listing.exists():
+        time.sleep(0.02)
+    names = [line.split("=")[0] for line in listing.read_text().splitlines() if line.strip()]
+    members = (["base"] if with_base else []) + names
+    scores = {m: {"humaneval_plus": {"outcomes": [1, 0, 1, 1]}} for m in members}
+    (out / "results.json").write_text(json.dumps({"scores": scores}))
+''')
+
+
+def test_the_evaluation_engine_starts_before_the_stop_step_and_gets_the_members_at_it(tmp_path, monkeypatch, capsys):
+    """--eval-prestart-s: each arm's evaluation engine starts beside its trainer while the arm still trains (sized
+    from the arm's recipe: adapters and LoRA rank), and evaluates the stop step's members once the driver lists
+    them; an arm that never checkpoints has its waiting engine stopped."""
+    trainer = tmp_path / "trainer.py"
+    trainer.write_text(FAKE_TRAINER.replace("time.sleep(0.05)", "time.sleep(0.25)"))
+    lr.arm_lora_slots("single", [])  # hydra and verl imported once: a later composition takes well under a second
+    monkeypatch.setattr(lr, "arm_command", lambda arm, model, root, seed_file, extra: [
+        sys.executable, str(trainer), str(root / lr.arm_dir(arm)), seed_file or "seed"])
+    evals = tmp_path / "eval.py"
+    evals.write_text(FAKE_WAITING_EVAL)
+    waiting = []
+
+    def fake_waiting(model, listing, wait_s, slots, out, data_dir, max_new_tokens, util, with_base):
+        real = lr.waiting_eval_command.__wrapped__(model, listing, wait_s, slots, out, data_dir, max_new_tokens,
+                                                   util, with_base)
+        waiting.append((out.name, slots, real))
+        return [sys.executable, str(evals), str(out), "1" if with_base else "0", str(listing)]
+
+    fake_waiting.__wrapped__ = lr.waiting_eval_command
+    monkeypatch.setattr(lr, "waiting_eval_command", fake_waiting)
+    monkeypatch.setattr(lr, "arm_eval_command", lambda *a, **k: pytest.fail("an engine started after its arm"))
+    monkeypatch.setattr(lr, "warm_cache_command", lambda data_dir: [sys.executable, "-c", "pass"])
+    monkeypatch.setattr(lr, "POLL_S", 0.05)
+    seeds = tmp_path / "seeds.jsonl"
+    seeds.write_text("")
+    root = tmp_path / "learn"
+    # the fake trainer logs 1.5 s steps: the engines start once an arm is 8 steps or fewer from step 16
+    assert lr.main(["--out", str(root), "--model", "/m", "--seed-file", str(seeds), "--stop-at-step", "16",
+                    "--arms", "2t2s@1,single@1", "--gpus", "0,1", "--eval-prestart-s", "12",
+                    "actor_rollout_ref.model.lora_rank=32"]) == 0
+    out = capsys.readouterr().out
+    # the recipes' sizes under the run's overrides: 2T2S serves 4 adapters, the single agent 1, both at rank 32
+    assert {w[0]: w[1] for w in waiting} == {"2t2s-seed1": (4, 32), "single-seed1": (1, 32)}
+    real = waiting[0][2]
+    assert real[real.index("--max-loras") + 1] in ("4", "1") and real[real.index("--max-lora-rank") + 1] == "32"
+    assert float(real[real.index("--wait") + 1]) >= 60
+    for arm in ("2t2s-seed1", "single-seed1"):
+        assert out.index(f"{arm}: evaluation engine started ahead") < out.index(f"{arm}: evaluation of step 16 handed")
+        assert (root / "eval" / arm / "engine_up").read_text() == "False"
+        names = (root / "eval" / arm / "adapters.txt").read_text().split()
+        assert all(n.startswith(f"{arm}@16.") for n in names)
+    prog = json.loads((root / "progress.json").read_text())
+    assert prog["state"] == "finished" and prog["eval_rc"] == 0 and set(prog["eval_steps"].values()) == {16}
+    assert "| single-seed1 - base |" in (root / "eval" / "arms.md").read_text()

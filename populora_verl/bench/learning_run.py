@@ -30,6 +30,7 @@ import argparse
 import os
 import re
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -191,18 +192,90 @@ def arm_eval_command(model: str, run: Path, step: int, out: Path, data_dir: str 
     return [*cmd, *([] if with_base else ["--no-base"]), "--adapters", *arm_adapters(run, step)]
 
 
+def waiting_eval_command(model: str, listing: Path, wait_s: float, slots: tuple[int, int], out: Path,
+                         data_dir: str | None, max_new_tokens: int, gpu_memory_utilization: float, with_base: bool
+                         ) -> list[str]:
+    """populora-eval that starts its engine now and evaluates the adapters named in ``listing`` once the driver
+    writes it (``slots``: the arm's adapter count and LoRA rank, which the engine must hold)."""
+    cmd = eval_cli(model, EVAL_BENCHMARKS, out, data_dir, max_new_tokens, gpu_memory_utilization)
+    return [*cmd, *([] if with_base else ["--no-base"]), "--adapters-file", str(listing), "--wait", f"{wait_s:.0f}",
+            "--max-loras", str(slots[0]), "--max-lora-rank", str(slots[1])]
+
+
+def arm_lora_slots(arm: str, overrides: Sequence[str]) -> tuple[int, int]:
+    """(adapters, LoRA rank) of an arm's recipe under its overrides: what an evaluation engine started before the
+    arm's last checkpoint must hold (evolution replaces members, so the count never grows)."""
+    from hydra import compose, initialize_config_dir
+
+    from populora_verl.config import load_config
+
+    with initialize_config_dir(config_dir=str(RECIPES), version_base=None):
+        cfg = compose(config_name=ARMS[parse_arm(arm)[0]], overrides=list(overrides))
+    return load_config(cfg.populora).population.num_adapters, int(cfg.actor_rollout_ref.model.lora_rank)
+
+
+def median_step_s(run: Path) -> float | None:
+    """The arm's median step time so far (verl's ``timing_s/step``), None before its second step."""
+    times = [r["timing_s/step"] for r in verl_rows(run)[1:] if isinstance(r.get("timing_s/step"), (int, float))]
+    return float(statistics.median(times)) if times else None
+
+
 class EarlyEval:
     """With ``--stop-at-step`` and one GPU per arm: each arm's evaluation starts on its own GPU as soon as the arm
     ends, while slower arms still train (a 2T2S step takes about twice a single agent's); the first one also
-    evaluates the base model. Results land in ``eval/<arm>/``; :mod:`populora_verl.eval.arms` reads them all."""
+    evaluates the base model. Results land in ``eval/<arm>/``; :mod:`populora_verl.eval.arms` reads them all.
 
-    def __init__(self, args: argparse.Namespace, root: Path, gpu_of: Mapping[str, str | None]) -> None:
+    With ``--eval-prestart-s`` the evaluation's engine starts that long before the arm is expected at its stop step,
+    beside the trainer on the same GPU (``--wait``), and evaluates once :meth:`start` writes the members' list: the
+    engine's start (about 1.5 min for the 1.5B model) leaves the critical path."""
+
+    def __init__(self, args: argparse.Namespace, root: Path, gpu_of: Mapping[str, str | None],
+                 arms: Mapping[str, tuple[str, Sequence[str]]] | None = None) -> None:
         self.args, self.root, self.gpu_of = args, root, dict(gpu_of)
+        self.arms = dict(arms or {})  # folder -> (arm spec, its overrides): the arms whose engine may start early
+        self.slots: dict[str, tuple[int, int] | None] = {}  # folder -> (adapters, LoRA rank), composed when needed
         self.procs: dict[str, subprocess.Popen] = {}
         self.steps: dict[str, int] = {}
+        self.waiting: set[str] = set()  # engines started early, their members not written yet
+
+    def _launch(self, folder: str, cmd: list[str]) -> None:
+        out = self.root / "eval" / folder
+        (out / "eval_command.txt").write_text(" ".join(cmd) + "\n")
+        log = open(out / "eval.log", "w")
+        self.procs[folder] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                              env=arm_env(f"eval_{folder}", self.root, self.gpu_of.get(folder)))
+        _CHILDREN[f"eval_{folder}"] = self.procs[folder]
+
+    def prestart_due(self, folder: str) -> bool:
+        """Is the arm expected at its stop step within ``--eval-prestart-s``, and can its engine be sized?"""
+        if folder in self.procs or folder not in self.arms or not self.args.eval_prestart_s:
+            return False
+        run = self.root / folder
+        step_s = median_step_s(run)
+        if step_s is None or (self.args.stop_at_step - len(population_rows(run))) * step_s > self.args.eval_prestart_s:
+            return False
+        if folder not in self.slots:
+            try:
+                self.slots[folder] = arm_lora_slots(*self.arms[folder])
+            except Exception as e:  # noqa: BLE001 - the evaluation then starts its engine after the arm, as before
+                self.slots[folder] = None
+                print(f"learning_run: {folder}: no early evaluation engine ({e!r})", flush=True)
+        return self.slots[folder] is not None
+
+    def prestart(self, folder: str, wait_s: float) -> None:
+        out = self.root / "eval" / folder
+        out.mkdir(parents=True, exist_ok=True)
+        listing = out / "adapters.txt"
+        listing.unlink(missing_ok=True)
+        self._launch(folder, waiting_eval_command(
+            self.args.model, listing, wait_s, self.slots[folder], out, self.args.data_dir,
+            self.args.eval_max_new_tokens, self.args.eval_gpu_memory_utilization, with_base=not self.procs))
+        self.waiting.add(folder)
+        print(f"learning_run: {folder}: evaluation engine started ahead of the stop step"
+              f"{' (with the base model)' if len(self.procs) == 1 else ''}", flush=True)
 
     def start(self, folder: str, step: int | None = None) -> None:
-        if folder in self.procs:
+        if folder in self.procs and folder not in self.waiting:
             return
         run = self.root / folder
         if step is None:  # --stop-at-step, or the last checkpoint before it (an arm that was stopped earlier)
@@ -211,17 +284,24 @@ class EarlyEval:
             step = usable[-1] if usable else None
         if step is None:
             print(f"learning_run: {folder}: no checkpoint to evaluate", flush=True)
+            if folder in self.waiting:  # its engine would wait for a list that never comes
+                self.waiting.discard(folder)
+                _kill(self.procs.pop(folder))
+            return
+        self.steps[folder] = step
+        if folder in self.waiting:
+            listing = self.root / "eval" / folder / "adapters.txt"
+            tmp = listing.with_suffix(".tmp")
+            tmp.write_text("".join(a + "\n" for a in arm_adapters(run, step)))
+            os.replace(tmp, listing)  # whole or absent: the waiting evaluation reads it as soon as it exists
+            self.waiting.discard(folder)
+            print(f"learning_run: {folder}: evaluation of step {step} handed to its running engine", flush=True)
             return
         out = self.root / "eval" / folder
         out.mkdir(parents=True, exist_ok=True)
-        cmd = arm_eval_command(self.args.model, run, step, out, self.args.data_dir, self.args.eval_max_new_tokens,
-                               self.args.eval_gpu_memory_utilization, with_base=not self.procs)
-        (out / "eval_command.txt").write_text(" ".join(cmd) + "\n")
-        log = open(out / "eval.log", "w")
-        self.procs[folder] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                              env=arm_env(f"eval_{folder}", self.root, self.gpu_of.get(folder)))
-        self.steps[folder] = step
-        _CHILDREN[f"eval_{folder}"] = self.procs[folder]
+        self._launch(folder, arm_eval_command(self.args.model, run, step, out, self.args.data_dir,
+                                              self.args.eval_max_new_tokens, self.args.eval_gpu_memory_utilization,
+                                              with_base=not self.procs))
         print(f"learning_run: {folder}: evaluation started at step {step}"
               f"{' (with the base model)' if len(self.procs) == 1 else ''}", flush=True)
 
@@ -349,7 +429,8 @@ def run(args: argparse.Namespace) -> int:
         _CHILDREN["warm_cache"] = warm
     stopped: set[str] = set()
     seeding = arm_dir(first)
-    early = EarlyEval(args, root, gpu_of_folder) \
+    early = EarlyEval(args, root, gpu_of_folder,
+                      {arm_dir(a): (a, [*args.overrides, *own.get(parse_arm(a)[0], [])]) for a in arms}) \
         if args.stop_at_step and not args.no_eval and len(set(gpus)) >= len(arms) else None
 
     def early_failure() -> str | None:
@@ -366,7 +447,10 @@ def run(args: argparse.Namespace) -> int:
     while any(p.poll() is None for p in procs.values()) and not early_failure():
         if early is not None:  # an arm that reached --stop-at-step frees its GPU for its own evaluation
             for arm, p in procs.items():
-                if arm not in early.procs and p.poll() == 0 and args.stop_at_step in checkpoint_steps(root / arm):
+                if p.poll() is None and early.prestart_due(arm):
+                    early.prestart(arm, wait_s=max(60.0, deadline + args.grace_min * 60 - time.time()))
+                if (arm not in early.procs or arm in early.waiting) and p.poll() == 0 \
+                        and args.stop_at_step in checkpoint_steps(root / arm):
                     early.start(arm)
         now = time.time()
         if now >= deadline:
@@ -494,7 +578,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--no-eval", action="store_true")
     ap.add_argument("--data-dir", help="benchmark folder for populora-eval (default: the package's copy)")
     ap.add_argument("--eval-max-new-tokens", type=int, default=768)
-    ap.add_argument("--eval-gpu-memory-utilization", type=float, default=0.6)
+    ap.add_argument("--eval-gpu-memory-utilization", type=float, default=0.3,
+                    help="of the GPU's memory, for each evaluation engine (it may share the GPU with its arm's "
+                         "trainer, see --eval-prestart-s)")
+    ap.add_argument("--eval-prestart-s", type=float, default=120.0,
+                    help="with --stop-at-step and one GPU per arm: start an arm's evaluation engine this many seconds "
+                         "before the arm is expected at its stop step (from its median step time), beside its "
+                         "trainer; 0: start it after the arm ends")
     ap.add_argument("overrides", nargs="*", help="hydra overrides for every arm")
     args = ap.parse_args(argv)
     if args.status:

@@ -41,6 +41,8 @@ class Member:
 class GenerationBackend(Protocol):
     tokenizer: Any
 
+    def prepare(self, members: Sequence[Member]) -> None: ...
+
     def generate(self, prompts: Sequence[str], members: Sequence[Member]) -> dict[str, list[str]]: ...
 
 
@@ -69,20 +71,31 @@ class HFBackend:
             self.tokenizer.pad_token = self.tokenizer.eos_token
         torch_dtype = getattr(torch, dtype) if dtype != "auto" else "auto"
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype).to(self.device)
-        adapters = [m for m in members if m.adapter is not None]
-        if adapters:
-            from peft import PeftModel
-
-            model = PeftModel.from_pretrained(model, adapters[0].adapter, adapter_name=adapters[0].name)
-            for m in adapters[1:]:
-                model.load_adapter(m.adapter, adapter_name=m.name)
-        self.model = model.eval()
-        self._has_adapters = bool(adapters)
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype).to(self.device).eval()
+        self._loaded: dict[str, str] = {}  # member name -> PEFT adapter name (PEFT refuses '.', our names have it)
         self._bar: Any = None
         from populora_verl.stop_tokens import stop_token_ids
 
-        self.stop_ids = stop_token_ids(self.tokenizer, getattr(model, "generation_config", None))
+        self.stop_ids = stop_token_ids(self.tokenizer, getattr(self.model, "generation_config", None))
+        self.prepare(members)
+
+    @property
+    def _has_adapters(self) -> bool:
+        return bool(self._loaded)
+
+    def prepare(self, members: Sequence[Member]) -> None:
+        """Load the adapters not loaded yet (members may come after the model, see ``populora-eval --wait``)."""
+        for m in members:
+            if m.adapter is None or m.name in self._loaded:
+                continue
+            name = f"member{len(self._loaded)}"
+            if not self._loaded:
+                from peft import PeftModel
+
+                self.model = PeftModel.from_pretrained(self.model, m.adapter, adapter_name=name).eval()
+            else:
+                self.model.load_adapter(m.adapter, adapter_name=name)
+            self._loaded[m.name] = name
 
     def _batch(self, prompts: Sequence[str]) -> list[str]:
         import torch
@@ -101,7 +114,7 @@ class HFBackend:
         if member.adapter is None:
             ctx = self.model.disable_adapter() if self._has_adapters else contextlib.nullcontext()
         else:
-            self.model.set_adapter(member.name)
+            self.model.set_adapter(self._loaded[member.name])
             ctx = contextlib.nullcontext()
         outs: list[str] = []
         with ctx:
@@ -114,6 +127,7 @@ class HFBackend:
     def generate(self, prompts: Sequence[str], members: Sequence[Member]) -> dict[str, list[str]]:
         from tqdm.auto import tqdm
 
+        self.prepare(members)
         # disable=None: a bar on a terminal, nothing in a log file
         with tqdm(total=len(prompts) * len(members), desc="generate", unit="prompt", disable=None) as self._bar:
             try:
@@ -123,23 +137,29 @@ class HFBackend:
 
 
 class VLLMBackend:
-    """vLLM with every adapter in one engine (multi-LoRA), greedy ``SamplingParams(temperature=0)``."""
+    """vLLM with every adapter in one engine (multi-LoRA), greedy ``SamplingParams(temperature=0)``.
+
+    ``lora_slots`` / ``max_lora_rank`` size the engine's LoRA support for adapters that come after it started
+    (:meth:`prepare`); otherwise ``members`` size it."""
 
     def __init__(self, model_path: str, members: Sequence[Member], *, max_new_tokens: int = 1024,
                  tensor_parallel_size: int = 1, gpu_memory_utilization: float = 0.85,
                  max_model_len: int | None = None, dtype: str = "auto", enforce_eager: bool = False,
+                 lora_slots: int | None = None, max_lora_rank: int | None = None,
                  extra: dict[str, Any] | None = None) -> None:
         from vllm import LLM, SamplingParams
 
         adapters = [m for m in members if m.adapter is not None]
+        self.lora_slots = max(len(adapters), lora_slots or 0)
+        self.max_lora_rank = max(_lora_rank(adapters) if adapters else 0, max_lora_rank or 0)
         kwargs: dict[str, Any] = dict(model=model_path, tensor_parallel_size=tensor_parallel_size,
                                       gpu_memory_utilization=gpu_memory_utilization, dtype=dtype,
                                       enforce_eager=enforce_eager, seed=0)
         if max_model_len is not None:
             kwargs["max_model_len"] = max_model_len
-        if adapters:
-            kwargs.update(enable_lora=True, max_loras=len(adapters), max_lora_rank=_lora_rank(adapters),
-                          max_cpu_loras=len(adapters))
+        if self.lora_slots:
+            kwargs.update(enable_lora=True, max_loras=self.lora_slots, max_lora_rank=self.max_lora_rank,
+                          max_cpu_loras=self.lora_slots)
         kwargs.update(extra or {})
         self.llm = LLM(**kwargs)
         self.tokenizer = self.llm.get_tokenizer()
@@ -148,7 +168,23 @@ class VLLMBackend:
         # Explicit, so the answer ends at the chat end token even where vLLM's generation-config handling differs.
         self.stop_ids = stop_token_ids(self.tokenizer, load_generation_config(model_path))
         self.params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, n=1, stop_token_ids=self.stop_ids)
-        self._ids = {m.name: i + 1 for i, m in enumerate(adapters)}  # LoRA int ids start at 1
+        self._ids: dict[str, int] = {}
+        self.prepare(members)
+
+    def prepare(self, members: Sequence[Member]) -> None:
+        """Give new adapters a LoRA id; an adapter the engine was not sized for fails here, before generating."""
+        new = [m for m in members if m.adapter is not None and m.name not in self._ids]
+        if not new:
+            return
+        if len(self._ids) + len(new) > self.lora_slots:
+            raise ValueError(f"{len(self._ids) + len(new)} adapters for an engine started with {self.lora_slots} LoRA "
+                             "slots (--max-loras)")
+        rank = _lora_rank(new)
+        if rank > self.max_lora_rank:
+            raise ValueError(f"an adapter of rank {rank} for an engine started with max LoRA rank "
+                             f"{self.max_lora_rank} (--max-lora-rank)")
+        for m in new:
+            self._ids[m.name] = len(self._ids) + 1  # LoRA int ids start at 1
 
     def _run(self, prompts: list[str], requests: list[Any] | None) -> list[str]:
         token_prompts = [{"prompt_token_ids": self.tokenizer(p, add_special_tokens=False)["input_ids"]}
@@ -162,6 +198,7 @@ class VLLMBackend:
     def generate(self, prompts: Sequence[str], members: Sequence[Member]) -> dict[str, list[str]]:
         from vllm.lora.request import LoRARequest
 
+        self.prepare(members)
         prompts = list(prompts)
         result: dict[str, list[str]] = {}
         base = [m for m in members if m.adapter is None]

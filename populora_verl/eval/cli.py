@@ -10,6 +10,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Sequence
 
@@ -56,9 +57,9 @@ def resolve_benchmarks(spec: str, data_dir: str | None, lcb_path: str | None) ->
     return names
 
 
-def members_from_args(args: argparse.Namespace):
-    """Members to evaluate: base (unless --no-base), the baseline adapter, then --adapters and the run's
-    population (alive members with an adapter folder)."""
+def members_from_args(args: argparse.Namespace, *, with_adapters_file: bool = True, allow_empty: bool = False):
+    """Members to evaluate: base (unless --no-base), the baseline adapter, then --adapters, --adapters-file and the
+    run's population (alive members with an adapter folder)."""
     from populora_verl.eval.backends import Member
     from populora_verl.eval.report import find_population_dir, read_population, young_members
 
@@ -67,7 +68,11 @@ def members_from_args(args: argparse.Namespace):
         members.append(Member("base", None, "base"))
     if args.baseline:
         members.append(Member(args.baseline_name, args.baseline, "baseline"))
-    for spec in args.adapters or []:
+    specs = list(args.adapters or [])
+    if args.adapters_file and with_adapters_file:
+        specs += [line.strip() for line in Path(args.adapters_file).read_text(encoding="utf-8").splitlines()
+                  if line.strip() and not line.lstrip().startswith("#")]
+    for spec in specs:
         name, sep, path = spec.partition("=")
         if not sep:
             name, path = Path(spec).name, spec
@@ -89,9 +94,32 @@ def members_from_args(args: argparse.Namespace):
                 members.append(Member(r["id"], str(folder), r.get("role", "member")))
             else:
                 _log(f"member {r['id']} has no adapter folder in {pop_dir}; skipped")
-    if not members:
-        raise SystemExit("nothing to evaluate: give --run-dir, --adapters or --baseline (or drop --no-base)")
+    if not members and not allow_empty:
+        raise SystemExit("nothing to evaluate: give --run-dir, --adapters, --adapters-file or --baseline "
+                         "(or drop --no-base)")
     return members
+
+
+def _check_wait_args(args: argparse.Namespace) -> None:
+    """--wait's needs, each a one-line error naming the flag, before anything loads."""
+    if not args.adapters_file:
+        raise SystemExit("--wait needs --adapters-file (the file awaited)")
+    if args.wait <= 0:
+        raise SystemExit(f"--wait must be > 0 seconds, got {args.wait:g}")
+    if not args.model:
+        raise SystemExit("--wait needs --model (the adapters that would name it are not there yet)")
+    if args.backend == "vllm" and (not args.max_loras or not args.max_lora_rank):
+        raise SystemExit("--wait with --backend vllm needs --max-loras and --max-lora-rank (the engine's LoRA slots "
+                         "are fixed when it starts)")
+
+
+def _wait_for(path: Path, timeout_s: float, poll_s: float = 1.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    _log(f"model ready; waiting up to {timeout_s:.0f} s for {path}")
+    while not path.is_file():
+        if time.monotonic() >= deadline:
+            raise SystemExit(f"--adapters-file {path} did not appear within --wait {timeout_s:g} s")
+        time.sleep(poll_s)
 
 
 def _base_model(args: argparse.Namespace, members) -> str:
@@ -111,6 +139,13 @@ def eval_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", help="base model folder (default: base_model_name_or_path of the adapters)")
     p.add_argument("--run-dir", help="a PopuLoRA run directory: evaluates the latest checkpoint's alive members")
     p.add_argument("--adapters", nargs="*", help="more adapters as NAME=PATH (or PATH: name = folder name)")
+    p.add_argument("--adapters-file", help="more adapters, one NAME=PATH (or PATH) per line")
+    p.add_argument("--wait", type=float, metavar="SECONDS",
+                   help="start the model first, then wait up to SECONDS for --adapters-file to appear (the engine's "
+                        "start overlaps the last training steps); needs --model, and with vllm --max-loras and "
+                        "--max-lora-rank")
+    p.add_argument("--max-loras", type=int, help="vllm: LoRA slots of an engine started before its adapters (--wait)")
+    p.add_argument("--max-lora-rank", type=int, help="vllm: largest LoRA rank such an engine accepts (--wait)")
     p.add_argument("--baseline", help="baseline adapter folder (e.g. the AZR single agent)")
     p.add_argument("--baseline-name", default="baseline")
     p.add_argument("--no-base", action="store_true", help="skip the base model row")
@@ -174,18 +209,30 @@ def _eval(args: argparse.Namespace) -> int:
     if args.model:
         check_model_path(args.model, "--model")
     benches = resolve_benchmarks(args.benchmarks, args.data_dir, args.lcb_path)
-    members = members_from_args(args)
-    model = _base_model(args, members)
+    if args.wait is not None:
+        _check_wait_args(args)
+        # the members known now (base, baseline); the adapters file's come after the model is up
+        members = members_from_args(args, with_adapters_file=False, allow_empty=True)
+        model = args.model
+    else:
+        members = members_from_args(args)
+        model = _base_model(args, members)
     if not args.model:  # the adapters' own base model: a folder that has moved is found here, not after loading
         check_model_path(model, "--model (from the adapters' base_model_name_or_path)")
     _log(f"model {model}; members {[m.name for m in members]}; benchmarks {benches}; backend {args.backend}")
     if args.backend == "vllm":
         kw = dict(max_new_tokens=args.max_new_tokens, tensor_parallel_size=args.tensor_parallel_size,
                   gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len,
-                  dtype=args.dtype, enforce_eager=args.enforce_eager)
+                  dtype=args.dtype, enforce_eager=args.enforce_eager, lora_slots=args.max_loras,
+                  max_lora_rank=args.max_lora_rank)
     else:
         kw = dict(max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, dtype=args.dtype)
     backend = build_backend(args.backend, model, members, **kw)
+    if args.wait is not None:
+        _wait_for(Path(args.adapters_file), args.wait)
+        members = members_from_args(args)
+        _log(f"members {[m.name for m in members]}")
+        backend.prepare(members)
     paths = {"livecodebench": args.lcb_path} if args.lcb_path else None
     limits = SandboxLimits(memory_mb=args.memory_mb, task_timeout_s=args.task_timeout)
     results = evaluate(backend, members, benches, data_dir=args.data_dir, limit=args.limit, paths=paths,

@@ -4,7 +4,8 @@
 # checkpoint. Run from the repo root after staging the bundle and the 1.5B model (scripts/gpu/README.md):
 #   bash scripts/gpu/learning_run_4gpu.sh [minutes of training before the stop files, default 19]
 # Every arm ends at step STOP_AT (default 40) or at the deadline; an arm that reaches STOP_AT is evaluated at once on
-# its own GPU while the others still train (the single agents take about half a population step).
+# its own GPU while the others still train (the single agents take about half a population step). Each evaluation
+# engine starts about 2 min before its arm's stop step, beside the trainer, so only generation and grading follow it.
 #   bash scripts/gpu/learning_run.sh wait 540        # repeat until "state finished"; $OUT/learn.tgz has it all
 #
 # The batch is cut from the recipes' 90 to 30 trained trajectories per adapter and step, so that 40 population steps
