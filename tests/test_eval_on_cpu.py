@@ -398,6 +398,7 @@ def test_wait_starts_the_model_first_and_reads_the_adapters_file_when_it_appears
     (["--wait", "5"], "--wait needs --adapters-file"),
     (["--wait", "5", "--adapters-file", "x.txt", "--backend", "vllm"], "--max-loras and --max-lora-rank"),
     (["--wait", "0", "--adapters-file", "x.txt"], "--wait must be > 0"),
+    (["--wait", "5", "--adapters-file", "x.txt", "--kv-cache-gib", "0"], "--kv-cache-gib must be > 0"),
 ])
 def test_wait_mistakes_fail_before_loading_in_one_line(tmp_path, extra, message, capsys):
     from populora_verl.eval import cli
@@ -414,3 +415,25 @@ def test_wait_gives_up_after_its_timeout(tmp_path, monkeypatch):
 
     with pytest.raises(SystemExit, match="did not appear within --wait 0.2 s"):
         cli._wait_for(tmp_path / "never.txt", 0.2, poll_s=0.05)
+
+
+def test_vllm_engine_options_reach_the_engine(tmp_path, monkeypatch):
+    """--kv-cache-gib, --max-loras and --max-lora-rank go to the vLLM engine as its fixed KV cache and LoRA slots."""
+    from populora_verl.eval import backends, cli
+
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def build(name, model, members, **kw):
+        seen.update(kw, name=name)
+        raise Stop
+
+    monkeypatch.setattr(backends, "build_backend", build)
+    model = _tiny_model(tmp_path)
+    assert cli.eval_main(["--model", str(model), "--backend", "vllm", "--benchmarks", "humaneval_plus",
+                          "--out", str(tmp_path / "o"), "--adapters-file", str(tmp_path / "a.txt"), "--wait", "5",
+                          "--max-loras", "4", "--max-lora-rank", "16", "--kv-cache-gib", "8"]) == 1
+    assert seen["name"] == "vllm" and seen["lora_slots"] == 4 and seen["max_lora_rank"] == 16
+    assert seen["extra"] == {"kv_cache_memory_bytes": 8 * 2**30}

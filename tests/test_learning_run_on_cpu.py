@@ -345,6 +345,7 @@ def test_the_evaluation_engine_starts_before_the_stop_step_and_gets_the_members_
     real = waiting[0][2]
     assert real[real.index("--max-loras") + 1] in ("4", "1") and real[real.index("--max-lora-rank") + 1] == "32"
     assert float(real[real.index("--wait") + 1]) >= 60
+    assert real[real.index("--kv-cache-gib") + 1] == "8"  # not sized by profiling a card the trainer shares
     for arm in ("2t2s-seed1", "single-seed1"):
         assert out.index(f"{arm}: evaluation engine started ahead") < out.index(f"{arm}: evaluation of step 16 handed")
         assert (root / "eval" / arm / "engine_up").read_text() == "False"

@@ -52,6 +52,7 @@ _CHILDREN: dict[str, subprocess.Popen] = {}
 POLL_S = 5.0
 SEED_WAIT_S = 1800.0  # how long an arm waits at its first step for the seeding arm's seed set
 EVAL_BENCHMARKS = "humaneval_plus,mbpp_plus"
+EVAL_KV_CACHE_GIB = 8  # an engine started beside a trainer: ~290k tokens of the 1.5B model, 256 sequences at once
 
 
 def parse_arm(spec: str) -> tuple[str, int | None]:
@@ -198,8 +199,9 @@ def waiting_eval_command(model: str, listing: Path, wait_s: float, slots: tuple[
     """populora-eval that starts its engine now and evaluates the adapters named in ``listing`` once the driver
     writes it (``slots``: the arm's adapter count and LoRA rank, which the engine must hold)."""
     cmd = eval_cli(model, EVAL_BENCHMARKS, out, data_dir, max_new_tokens, gpu_memory_utilization)
+    # A fixed KV cache: vLLM's profiling reads the card's free memory, which the trainer beside it keeps changing.
     return [*cmd, *([] if with_base else ["--no-base"]), "--adapters-file", str(listing), "--wait", f"{wait_s:.0f}",
-            "--max-loras", str(slots[0]), "--max-lora-rank", str(slots[1])]
+            "--max-loras", str(slots[0]), "--max-lora-rank", str(slots[1]), "--kv-cache-gib", str(EVAL_KV_CACHE_GIB)]
 
 
 def arm_lora_slots(arm: str, overrides: Sequence[str]) -> tuple[int, int]:

@@ -104,6 +104,8 @@ def _check_wait_args(args: argparse.Namespace) -> None:
     """--wait's needs, each a one-line error naming the flag, before anything loads."""
     if not args.adapters_file:
         raise SystemExit("--wait needs --adapters-file (the file awaited)")
+    if args.kv_cache_gib is not None and args.kv_cache_gib <= 0:
+        raise SystemExit(f"--kv-cache-gib must be > 0, got {args.kv_cache_gib:g}")
     if args.wait <= 0:
         raise SystemExit(f"--wait must be > 0 seconds, got {args.wait:g}")
     if not args.model:
@@ -162,6 +164,9 @@ def eval_parser() -> argparse.ArgumentParser:
     p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     p.add_argument("--max-model-len", type=int)
+    p.add_argument("--kv-cache-gib", type=float,
+                   help="vllm: a KV cache of this size instead of one sized by profiling the card's free memory, "
+                        "which another process on the same GPU (a trainer) throws off")
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--workers", type=int, help="parallel sandboxed test runs (default: CPU count)")
     p.add_argument("--task-timeout", type=float, default=60.0, help="seconds per code task (EvalPlus default 60)")
@@ -224,7 +229,8 @@ def _eval(args: argparse.Namespace) -> int:
         kw = dict(max_new_tokens=args.max_new_tokens, tensor_parallel_size=args.tensor_parallel_size,
                   gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len,
                   dtype=args.dtype, enforce_eager=args.enforce_eager, lora_slots=args.max_loras,
-                  max_lora_rank=args.max_lora_rank)
+                  max_lora_rank=args.max_lora_rank,
+                  extra={"kv_cache_memory_bytes": int(args.kv_cache_gib * 2**30)} if args.kv_cache_gib else None)
     else:
         kw = dict(max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, dtype=args.dtype)
     backend = build_backend(args.backend, model, members, **kw)

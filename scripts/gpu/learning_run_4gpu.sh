@@ -2,7 +2,10 @@
 # The two-seed learning run on one 4-GPU node: 2T2S and the AZR single agent, seeds 1 and 2, each arm alone on its
 # own GPU, one seed set for all (run A's, in the repo), then HumanEval+/MBPP+ of every arm at the last common
 # checkpoint. Run from the repo root after staging the bundle and the 1.5B model (scripts/gpu/README.md):
-#   bash scripts/gpu/learning_run_4gpu.sh [minutes of training before the stop files, default 19]
+#   bash scripts/gpu/learning_run_4gpu.sh [minutes before the stop files, default 24]
+#   ARMS=2t2s@1,2t2s@2,2t2s@3,2t2s@4 bash scripts/gpu/learning_run_4gpu.sh   # other arms, one per GPU
+# The minutes are a safety net: an arm stopped by them ends at its next safe step, short of STOP_AT. With 6.3 min of
+# start-up and 14.7-16 min for 40 population steps on an H200, 24 leaves the stop step to STOP_AT.
 # Every arm ends at step STOP_AT (default 40) or at the deadline; an arm that reaches STOP_AT is evaluated at once on
 # its own GPU while the others still train (the single agents take about half a population step). Each evaluation
 # engine starts about 2 min before its arm's stop step, beside the trainer, so only generation and grading follow it.
@@ -13,13 +16,13 @@
 # type (tests/test_recipes_on_cpu.py keeps the two compute-matched). A checkpoint every 20 steps instead of 5 (each
 # takes 8-14 s): the stop at STOP_AT saves its own, and step 20 is the fallback should an arm die.
 set -euo pipefail
-minutes=${1:-19}
+minutes=${1:-24}
 MODEL=${MODEL:-/tmp/models/qwen-coder-1.5b}
 SEEDS=${SEEDS:-docs/results/2026-11-26-qwen1.5b/run-a-1024/seed_tasks.jsonl}
 ROOT=${LEARN_OUT:-/tmp/learn}
 mkdir -p "$ROOT" && cp "$SEEDS" "$ROOT/seed_tasks.jsonl"  # the checkout under a running driver is replaced per call
 exec bash scripts/gpu/learning_run.sh start --model "$MODEL" --seed-file "$ROOT/seed_tasks.jsonl" \
-  --arms 2t2s@1,2t2s@2,single@1,single@2 --gpus 0,1,2,3 \
+  --arms "${ARMS:-2t2s@1,2t2s@2,single@1,single@2}" --gpus 0,1,2,3 \
   --stop-after-min "$minutes" --grace-min 4 --stop-at-step "${STOP_AT:-40}" \
   --arm-override 2t2s:populora.rollout.proposals_per_type=4 \
   --arm-override single:populora.rollout.proposals_per_type=5 \
