@@ -243,6 +243,15 @@ def test_seeded_arms_run_each_on_its_own_gpu_with_per_kind_overrides(tmp_path, m
     assert cmd[cmd.index("--benchmarks") + 1] == "mbpp_plus"
 
 
+def _quick_driver(monkeypatch, tmp_path):
+    """No expected-output warm-up, fast polling, an empty given seed set: (seed file, run root)."""
+    monkeypatch.setattr(lr, "warm_cache_command", lambda data_dir: [sys.executable, "-c", "pass"])
+    monkeypatch.setattr(lr, "POLL_S", 0.05)
+    seeds = tmp_path / "seeds.jsonl"
+    seeds.write_text("")
+    return seeds, tmp_path / "learn"
+
+
 FAKE_EVAL = textwrap.dedent('''
     import json, sys
     from pathlib import Path
@@ -273,11 +282,7 @@ def test_each_arm_is_evaluated_on_its_gpu_as_soon_as_it_reaches_the_stop_step(tm
 
     fake_eval.__wrapped__ = lr.arm_eval_command
     monkeypatch.setattr(lr, "arm_eval_command", fake_eval)
-    monkeypatch.setattr(lr, "warm_cache_command", lambda data_dir: [sys.executable, "-c", "pass"])
-    monkeypatch.setattr(lr, "POLL_S", 0.05)
-    seeds = tmp_path / "seeds.jsonl"
-    seeds.write_text("")
-    root = tmp_path / "learn"
+    seeds, root = _quick_driver(monkeypatch, tmp_path)
     assert lr.main(["--out", str(root), "--model", "/m", "--seed-file", str(seeds), "--stop-at-step", "4",
                     "--arms", "2t2s@1,single@1,2t2s@2,single@2", "--gpus", "0,1,2,3", "--eval-prestart-s", "0"]) == 0
     out = capsys.readouterr().out
@@ -330,11 +335,7 @@ def test_the_evaluation_engine_starts_before_the_stop_step_and_gets_the_members_
     fake_waiting.__wrapped__ = lr.waiting_eval_command
     monkeypatch.setattr(lr, "waiting_eval_command", fake_waiting)
     monkeypatch.setattr(lr, "arm_eval_command", lambda *a, **k: pytest.fail("an engine started after its arm"))
-    monkeypatch.setattr(lr, "warm_cache_command", lambda data_dir: [sys.executable, "-c", "pass"])
-    monkeypatch.setattr(lr, "POLL_S", 0.05)
-    seeds = tmp_path / "seeds.jsonl"
-    seeds.write_text("")
-    root = tmp_path / "learn"
+    seeds, root = _quick_driver(monkeypatch, tmp_path)
     # the fake trainer logs 1.5 s steps: the engines start once an arm is 8 steps or fewer from step 16
     assert lr.main(["--out", str(root), "--model", "/m", "--seed-file", str(seeds), "--stop-at-step", "16",
                     "--arms", "2t2s@1,single@1", "--gpus", "0,1", "--eval-prestart-s", "12",

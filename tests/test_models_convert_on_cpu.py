@@ -58,3 +58,42 @@ def test_conversion_writes_a_whole_folder_in_the_dtype_and_replaces_an_old_one(t
     for name, p in loaded.state_dict().items():
         assert weights[name].dtype == torch.bfloat16 and torch.equal(weights[name], p.to(torch.bfloat16))
     assert [p.name for p in out.parent.iterdir()] == ["qwen"]  # no temporary folder left next to it
+
+
+def test_a_gguf_is_parsed_once_and_its_tensors_read_as_plain_arrays(tmp_path, monkeypatch):
+    """transformers opens one GGUF four times per conversion (tokenizer, config, weights): within the conversion the
+    file is parsed once, its tensors are plain arrays over the same bytes (no memmap slicing cost), the values are
+    the file's, and the reader is the library's own again afterwards."""
+    import gguf
+    import numpy as np
+
+    path = tmp_path / "t.gguf"
+    w = gguf.GGUFWriter(str(path), "qwen2")
+    w.add_block_count(1)
+    values = np.arange(64, dtype=np.float32).reshape(2, 32) / 7
+    w.add_tensor("blk.0.attn_q.weight", gguf.quantize(values, gguf.GGMLQuantizationType.Q8_0),
+                 raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    parses = []
+    original = gguf.GGUFReader
+
+    class Counting(original):
+        def __init__(self, *a, **k):
+            parses.append(a)
+            super().__init__(*a, **k)
+
+    monkeypatch.setattr(gguf, "GGUFReader", Counting)
+    with models._gguf_parsed_once():
+        first, again = gguf.GGUFReader(str(path)), gguf.GGUFReader(path)
+        assert first is again and len(parses) == 1
+        (t,) = first.tensors
+        assert type(t.data) is np.ndarray  # not np.memmap
+        got = gguf.dequantize(t.data, t.tensor_type)
+    assert gguf.GGUFReader is Counting
+    (ref,) = original(str(path)).tensors
+    assert isinstance(ref.data, np.memmap)
+    assert np.array_equal(got, gguf.dequantize(ref.data, ref.tensor_type))
+    assert np.allclose(got, values, atol=0.04)  # Q8_0: half a step of max|x| / 127
