@@ -405,11 +405,39 @@ def test_start_up_timeline_names_each_phase_and_survives_a_missing_start(monkeyp
     first = os.environ[START_ENV]
     record_start()
     assert os.environ[START_ENV] == first  # the first process to import the plugin keeps its time
+    from populora_verl.trainer import timeline
+
+    assert timeline.imported_at() is not None  # this process imported the plugin: the task runner's own mark
     monkeypatch.setenv(START_ENV, "not a number")
     late = Timeline()
     late.mark("a", at=1.0)
     late.mark("b", at=3.0)
     assert late.line() == "[populora] start-up: b 2 s | total 2 s"
+
+
+def test_the_trainer_splits_ray_from_the_task_runners_own_setup(monkeypatch):
+    """In the task runner's process the plugin's import time divides the first phase: Ray and imports, then the
+    task runner's setup up to the trainer; an import time before the command's start (not the task runner's
+    process) keeps one phase."""
+    from populora_verl.trainer import timeline, trainer as tr
+
+    class Stop(Exception):
+        pass
+
+    def base_init(self, config):
+        raise Stop  # the marks are set before verl's constructor runs
+
+    monkeypatch.setattr(tr.PPOTrainerSync, "__init__", base_init)
+    for imported, names in ((150.0, ["start", "ray + task runner", "task runner setup"]),
+                            (50.0, ["start", "ray + task runner"])):
+        monkeypatch.setenv(timeline.START_ENV, "100.0")
+        monkeypatch.setattr(timeline, "_IMPORTED_AT", imported)
+        t = object.__new__(tr.PopuLoRATrainer)
+        with pytest.raises(Stop):
+            tr.PopuLoRATrainer.__init__(t, None)
+        assert [n for n, _ in t._timeline.marks] == names
+        if len(names) == 3:
+            assert t._timeline.marks[1][1] == imported
 
 
 def test_the_trainer_marks_start_up_phases_once_and_in_order():

@@ -5,8 +5,11 @@ with the FSDP model, the vLLM engines, the checkpoint, the agent loop). The plug
 own process, before Ray starts, and records the time in ``POPULORA_START_TIME``; Ray's processes inherit it. The
 trainer marks its phases and prints, at the end of step 1:
 
-    [populora] start-up: ray + task runner 41 s | workers + vLLM 182 s | checkpoint + weight sync 3 s | agent loop 9 s
-        | step 1 48 s | total 283 s
+    [populora] start-up: ray + task runner 41 s | task runner setup 12 s | workers + vLLM 182 s | checkpoint + weight
+        sync 3 s | agent loop 9 s | step 1 48 s | total 295 s
+
+("ray + task runner": from the command to the task runner's process importing verl and the plugin; "task runner
+setup": from there to the trainer's construction: config, tokenizer, datasets.)
 
 Diagnostics only: a missing mark or an unset variable shortens the line, never fails a run.
 """
@@ -16,14 +19,26 @@ from __future__ import annotations
 import os
 import time
 
-__all__ = ["START_ENV", "record_start", "Timeline"]
+__all__ = ["START_ENV", "record_start", "imported_at", "Timeline"]
 
 START_ENV = "POPULORA_START_TIME"
 
 
+_IMPORTED_AT: float | None = None
+
+
 def record_start() -> None:
-    """Called at plugin import: the first process to import it (the command itself) sets the start time."""
+    """Called at plugin import: the first process to import it (the command itself) sets the start time; every
+    process notes when it imported the plugin (in the task runner: when Ray had it up and it imported verl)."""
+    global _IMPORTED_AT
     os.environ.setdefault(START_ENV, repr(time.time()))
+    if _IMPORTED_AT is None:
+        _IMPORTED_AT = time.time()
+
+
+def imported_at() -> float | None:
+    """When this process imported the plugin (None before)."""
+    return _IMPORTED_AT
 
 
 class Timeline:

@@ -39,7 +39,7 @@ from verl.utils.py_functional import rename_dict
 
 from populora_verl.config import PopuLoRAConfig, load_config
 from populora_verl.evolution.pbt import append_event, describe, trim_events
-from populora_verl.trainer import convert, fused, probes, schedule, stop
+from populora_verl.trainer import convert, fused, probes, schedule, stop, timeline
 from populora_verl.trainer.timeline import Timeline
 from populora_verl.workers import ADAPTER_KEY
 
@@ -154,7 +154,12 @@ class PopuLoRATrainer(PPOTrainerSync):
 
     def __init__(self, config: DictConfig) -> None:
         self._timeline = Timeline()
-        self._timeline.mark("ray + task runner")
+        here = timeline.imported_at()  # when this (the task runner's) process imported the plugin
+        if here is not None and self._timeline.marks and here >= self._timeline.marks[0][1]:
+            self._timeline.mark("ray + task runner", at=here)
+            self._timeline.mark("task runner setup")
+        else:
+            self._timeline.mark("ray + task runner")
         super().__init__(config)
         # verl treats every trainer_mode other than "sync" as async (ReplayBufferAsync, TQ checkpoints, gen batch 1).
         self.trainer_mode = "sync"
