@@ -139,7 +139,11 @@ def _gguf_parsed_once() -> Iterator[None]:
     Its tensors are ``np.memmap`` slices, and the dequantiser slices them row group by row group: every slice of a
     memmap pays for ``memmap.__array_finalize__``, most of the dequantisation time. A plain ``ndarray`` view of the
     same mapped bytes has neither cost and the same values."""
-    import gguf
+    try:
+        import gguf
+    except ImportError:  # transformers then stops with its own "install gguf" message
+        yield
+        return
     import numpy as np
 
     original = gguf.GGUFReader
