@@ -101,7 +101,8 @@ def test_recipe_composes_with_every_config_and_profile():
     with initialize_config_dir(config_dir=str(ss.RECIPES), version_base=None):
         for name, profile in [(n, "fast") for n in ss.CONFIGS] + [("4t4s", "baseline"), ("2t2s", "varlen"),
                                                                    ("4t4s", "fused"), ("4t4s", "varlen_wide"),
-                                                                   ("single", "verl_logprobs")]:
+                                                                   ("single", "verl_logprobs"),
+                                                                   ("single", "varlen_wide_keep")]:
             cmd = ss.command("/m", name, 6, Path("/tmp/o"), ss.plan_overrides(profile, 1024, True))
             overrides = cmd[cmd.index("smoke_0.5b") + 1:]
             cfg = compose(config_name="smoke_0.5b", overrides=overrides)
@@ -118,10 +119,11 @@ def test_recipe_composes_with_every_config_and_profile():
             if profile == "fused":
                 assert cfg.actor_rollout_ref.model.use_fused_kernels is True
                 assert cfg.actor_rollout_ref.model.fused_kernel_options.impl_backend == "torch"
-            if profile in ("varlen", "fused", "varlen_wide", "verl_logprobs"):  # later overrides win over sdpa
+            assert cfg.actor_rollout_ref.actor.fsdp_config.reshard_after_forward is (profile != "varlen_wide_keep")
+            if profile in ("varlen", "fused", "varlen_wide", "verl_logprobs", "varlen_wide_keep"):  # over sdpa
                 assert cfg.actor_rollout_ref.model.override_config.attn_implementation == "populora_varlen"
                 assert cfg.actor_rollout_ref.model.use_remove_padding is True
-            if profile == "varlen_wide":  # the recipe's 8,192 is overridden for training and log-probs
+            if profile.startswith("varlen_wide"):  # the recipe's 8,192 is overridden for training and log-probs
                 assert cfg.actor_rollout_ref.actor.ppo_max_token_len_per_gpu == 16384
                 assert cfg.actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu == 32768
             else:

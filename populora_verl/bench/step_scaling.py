@@ -88,10 +88,15 @@ _FUSED = [*_VARLEN, "actor_rollout_ref.model.use_fused_kernels=true",
 # 1.5B at 1,024-token answers): for a GPU of its own, not for two runs sharing one.
 _VARLEN_WIDE = [*_VARLEN, "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=16384",
                 "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=32768"]
+# varlen_wide with the parameters kept unsharded after the forward: on one GPU FSDP's all-gather is a copy, and
+# resharding after every micro-batch's forward repeats that copy (and its cast to bf16) in the backward; keeping them
+# costs one bf16 copy of the model (3 GB at 1.5B). Useful where each trainer has its GPU to itself.
+_VARLEN_WIDE_KEEP = [*_VARLEN_WIDE, "actor_rollout_ref.actor.fsdp_config.reshard_after_forward=false"]
 PROFILES: dict[str, list[str]] = {
     "fast": _FAST,
     "varlen": _VARLEN,
     "varlen_wide": _VARLEN_WIDE,
+    "varlen_wide_keep": _VARLEN_WIDE_KEEP,
     "verl_logprobs": _VARLEN,
     "fused": _FUSED,
     "baseline": ["actor_rollout_ref.rollout.enforce_eager=true",
