@@ -4,6 +4,7 @@
 # checkpoint. Run from the repo root after staging the bundle and the 1.5B model (scripts/gpu/README.md):
 #   bash scripts/gpu/learning_run_4gpu.sh [minutes before the stop files, default 24]
 #   ARMS=2t2s@1,2t2s@2,2t2s@3,2t2s@4 bash scripts/gpu/learning_run_4gpu.sh   # other arms, one per GPU
+#   ARMS=2t2s@3,2t2s@4 GPUS=0,1 bash scripts/gpu/learning_run_4gpu.sh         # two GPUs, the others left free
 # The minutes are a safety net: an arm stopped by them ends at its next safe step, short of STOP_AT. With 6.3 min of
 # start-up and 14.7-16 min for 40 population steps on an H200, 24 leaves the stop step to STOP_AT.
 # Every arm ends at step STOP_AT (default 40) or at the deadline; an arm that reaches STOP_AT is evaluated at once on
@@ -22,7 +23,7 @@ SEEDS=${SEEDS:-docs/results/2026-11-26-qwen1.5b/run-a-1024/seed_tasks.jsonl}
 ROOT=${LEARN_OUT:-/tmp/learn}
 mkdir -p "$ROOT" && cp "$SEEDS" "$ROOT/seed_tasks.jsonl"  # the checkout under a running driver is replaced per call
 exec bash scripts/gpu/learning_run.sh start --model "$MODEL" --seed-file "$ROOT/seed_tasks.jsonl" \
-  --arms "${ARMS:-2t2s@1,2t2s@2,single@1,single@2}" --gpus 0,1,2,3 \
+  --arms "${ARMS:-2t2s@1,2t2s@2,single@1,single@2}" --gpus "${GPUS:-0,1,2,3}" \
   --stop-after-min "$minutes" --grace-min 4 --stop-at-step "${STOP_AT:-40}" \
   --arm-override 2t2s:populora.rollout.proposals_per_type=4 \
   --arm-override single:populora.rollout.proposals_per_type=5 \
