@@ -355,3 +355,12 @@ def test_the_evaluation_engine_starts_before_the_stop_step_and_gets_the_members_
     prog = json.loads((root / "progress.json").read_text())
     assert prog["state"] == "finished" and prog["eval_rc"] == 0 and set(prog["eval_steps"].values()) == {16}
     assert "| single-seed1 - base |" in (root / "eval" / "arms.md").read_text()
+
+
+@pytest.mark.parametrize("flag, value, message", [("--eval-prestart-s", "-1", "--eval-prestart-s must be >= 0"),
+                                                  ("--eval-gpu-memory-utilization", "1.5", "must be in (0, 1]")])
+def test_evaluation_flags_are_checked_before_anything_starts(tmp_path, capsys, flag, value, message):
+    with pytest.raises(SystemExit) as e:
+        lr.main(["--out", str(tmp_path / "learn"), "--model", "/m", flag, value])
+    assert e.value.code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "learn").exists()

@@ -596,6 +596,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         ap.error("--model is required to start a run")
     if args.stop_after_min <= 0:
         ap.error("--stop-after-min must be > 0")
+    if args.eval_prestart_s < 0:
+        ap.error("--eval-prestart-s must be >= 0 (0: the engine starts after the arm)")
+    if not 0 < args.eval_gpu_memory_utilization <= 1:
+        ap.error("--eval-gpu-memory-utilization must be in (0, 1]")
     return run(args)
 
 
