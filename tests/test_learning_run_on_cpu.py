@@ -2,9 +2,12 @@
 ours (seed set, metrics rows, a checkpoint every 2 steps, ends at a safe step once its stop file exists)."""
 
 import json
+import os
 import re
+import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -364,3 +367,52 @@ def test_evaluation_flags_are_checked_before_anything_starts(tmp_path, capsys, f
         lr.main(["--out", str(tmp_path / "learn"), "--model", "/m", flag, value])
     assert e.value.code == 2 and message in capsys.readouterr().err
     assert not (tmp_path / "learn").exists()
+
+
+def test_a_hung_arm_is_killed_with_its_stacks_and_the_others_go_on(tmp_path, monkeypatch, capsys):
+    """An arm whose steps stop (v2's stuck weight sync) is killed once it is overdue, after its processes' stacks
+    are dumped; the run records it and the other arm goes on to its stop step instead of waiting for the deadline."""
+    healthy, stuck = tmp_path / "healthy.py", tmp_path / "stuck.py"
+    healthy.write_text(FAKE_TRAINER)
+    stuck.write_text(FAKE_TRAINER.replace('"timing_s/step": 1.5', '"timing_s/step": 0.05').replace(
+        "    step += 1\n", "    step += 1\n    if step == 4:  # steps 1-3 logged, then stuck\n        time.sleep(600)\n"))
+    monkeypatch.setattr(lr, "arm_command", lambda arm, model, root, seed_file, extra: [
+        sys.executable, str(stuck if arm.startswith("2t2s") else healthy), str(root / lr.arm_dir(arm)),
+        seed_file or "seed"])
+    spy = tmp_path / "bin" / "py-spy"  # a stand-in py-spy that names the process it was asked about
+    spy.parent.mkdir()
+    spy.write_text("#!/bin/sh\necho \"Thread 1: waiting in zmq send (pid $3)\"\n")
+    spy.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{spy.parent}:{os.environ['PATH']}")
+    seeds, root = _quick_driver(monkeypatch, tmp_path)
+    started = time.time()
+    assert lr.main(["--out", str(root), "--model", "/m", "--seed-file", str(seeds), "--stop-at-step", "30",
+                    "--arms", "2t2s@1,single@1", "--no-eval", "--hang-after-s", "1"]) == 0
+    assert time.time() - started < 60  # not the 600 s the stuck arm would sleep
+    out = capsys.readouterr().out
+    assert "2t2s-seed1: no step for" in out and "after step 3" in out and "killed" in out
+    prog = json.loads((root / "progress.json").read_text())
+    assert prog["hung"] == {"2t2s-seed1": 3} and prog["rcs"]["single-seed1"] == 0
+    assert prog["rcs"]["2t2s-seed1"] != 0 and lr.checkpoint_steps(root / "single-seed1")[-1] == 30
+    stacks = (root / "2t2s-seed1" / "hang_stacks.txt").read_text()
+    assert "=== pid" in stacks and "waiting in zmq send" in stacks
+    assert "hung: {'2t2s-seed1': 3}" in lr.status(root)
+
+
+def test_overdue_waits_for_the_first_step_and_scales_with_the_step_time(tmp_path):
+    run = tmp_path / "arm"
+    run.mkdir()
+    assert lr.overdue(run, time.time(), 1) is None  # start-up: no step logged yet
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "populora/validity/mean": 0.1}) + "\n")
+    (run / "verl_metrics.jsonl").write_text("".join(json.dumps({"step": s, "data": {"timing_s/step": 20.0}}) + "\n"
+                                                    for s in (1, 2, 3)))
+    now = (run / "metrics.jsonl").stat().st_mtime
+    assert lr.overdue(run, now + 150, 60) is None  # 10 median steps (200 s) is the longer limit here
+    assert lr.overdue(run, now + 250, 60) == pytest.approx(250)
+    assert lr.overdue(run, now + 250, 0) is None  # 0: never
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"], start_new_session=True)
+    try:
+        assert lr.group_pids(child.pid) == [child.pid]
+    finally:
+        child.kill()
+        child.wait()

@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shutil
 import signal
 import statistics
 import subprocess
@@ -349,6 +350,48 @@ def _launch(arm: str, model: str, root: Path, seed_file: str | None, extra: Sequ
     return proc
 
 
+def group_pids(pgid: int) -> list[int]:
+    """Every live process of a process group (an arm: its trainer and all it spawned), from /proc."""
+    pids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # after "(comm)": state, ppid, pgrp, ...
+        except (OSError, IndexError):
+            continue
+        if len(fields) > 2 and fields[2] == str(pgid):
+            pids.append(int(stat.parent.name))
+    return sorted(pids)
+
+
+def dump_stacks(pgid: int, out: Path) -> str:
+    """The Python stacks of every process in the group into ``out`` (py-spy, where installed): where a hung arm
+    waits. Returns what was done, for the driver's log."""
+    spy = shutil.which("py-spy")
+    if spy is None:
+        return "no py-spy on PATH: no stacks"
+    with open(out, "w") as f:
+        for pid in group_pids(pgid):
+            f.write(f"=== pid {pid}\n")
+            f.flush()
+            try:
+                subprocess.run([spy, "dump", "--pid", str(pid)], stdout=f, stderr=subprocess.STDOUT, timeout=30)
+            except subprocess.TimeoutExpired:
+                f.write("(py-spy timed out)\n")
+    return f"stacks in {out}"
+
+
+def overdue(run: Path, now: float, hang_after_s: float) -> float | None:
+    """Seconds since the arm's last logged step when that is past its limit (``hang_after_s``, or 10 median steps
+    if longer: a checkpoint or an evaluation engine beside it may stretch one step), else None. Before the first
+    step there is nothing to compare with: start-up is the deadline's business."""
+    metrics = run / "metrics.jsonl"
+    if not hang_after_s or not metrics.is_file() or not population_rows(run):
+        return None
+    age = now - metrics.stat().st_mtime
+    limit = max(hang_after_s, 10 * (median_step_s(run) or 0.0))
+    return age if age > limit else None
+
+
 def _kill(proc: subprocess.Popen) -> None:
     for sig in (signal.SIGTERM, signal.SIGKILL):
         try:
@@ -430,6 +473,7 @@ def run(args: argparse.Namespace) -> int:
                                     start_new_session=True, preexec_fn=lambda: os.nice(10))
         _CHILDREN["warm_cache"] = warm
     stopped: set[str] = set()
+    hung: dict[str, int] = {}  # arm -> its last logged step, for arms killed for making no progress
     seeding = arm_dir(first)
     early = EarlyEval(args, root, gpu_of_folder,
                       {arm_dir(a): (a, [*args.overrides, *own.get(parse_arm(a)[0], [])]) for a in arms}) \
@@ -455,6 +499,15 @@ def run(args: argparse.Namespace) -> int:
                         and args.stop_at_step in checkpoint_steps(root / arm):
                     early.start(arm)
         now = time.time()
+        for arm, p in procs.items():  # a hung arm (v2's weight sync) would otherwise hold its GPU to the deadline
+            age = overdue(root / arm, now, args.hang_after_s) if p.poll() is None else None
+            if age is not None:
+                last = len(population_rows(root / arm))
+                print(f"learning_run: {arm}: no step for {age:.0f} s after step {last}; "
+                      f"{dump_stacks(p.pid, root / arm / 'hang_stacks.txt')}; killed", flush=True)
+                _kill(p)
+                hung[arm] = last
+                write_progress(root, hung=hung)
         if now >= deadline:
             for arm, p in procs.items():
                 if p.poll() is None and arm not in stopped:
@@ -553,7 +606,7 @@ def status(root: Path) -> str:
         metrics = root / arm / "metrics.jsonl"
         age = f" {now - metrics.stat().st_mtime:.0f} s ago" if rows and metrics.is_file() else ""
         lines.append(f"  {arm}: {len(rows)} steps; checkpoints {checkpoint_steps(root / arm)}; last{age}: {watch}")
-    for k in ("rcs", "common_step", "eval_rc", "reason"):
+    for k in ("hung", "rcs", "common_step", "eval_rc", "reason"):
         if k in prog:
             lines.append(f"  {k}: {prog[k]}")
     return "\n".join(lines)
@@ -577,6 +630,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--stop-at-step", type=int, help="every arm ends at this step (the first safe one from it on), "
                     "or at the deadline, whichever comes first")
     ap.add_argument("--grace-min", type=float, default=6.0, help="minutes after the stop files before a kill")
+    ap.add_argument("--hang-after-s", type=float, default=600.0,
+                    help="an arm with no new step for this long (or 10 median steps, if longer) is hung: its stacks "
+                         "are dumped (py-spy) and it is killed, the others go on, and its last checkpoint is "
+                         "evaluated; 0: never")
     ap.add_argument("--no-eval", action="store_true")
     ap.add_argument("--data-dir", help="benchmark folder for populora-eval (default: the package's copy)")
     ap.add_argument("--eval-max-new-tokens", type=int, default=768)
@@ -596,6 +653,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         ap.error("--model is required to start a run")
     if args.stop_after_min <= 0:
         ap.error("--stop-after-min must be > 0")
+    if args.hang_after_s < 0:
+        ap.error("--hang-after-s must be >= 0 (0: never)")
     if args.eval_prestart_s < 0:
         ap.error("--eval-prestart-s must be >= 0 (0: the engine starts after the arm)")
     if not 0 < args.eval_gpu_memory_utilization <= 1:

@@ -9,3 +9,4 @@ if [ ! -d /tmp/populora-site ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/populora-site .gpuwork/whl/*.whl
 fi
 export PYTHONPATH="$PYTHONPATH:/tmp/populora-site"
+export PATH="$PATH:/tmp/populora-site/bin"  # py-spy, where its wheel came along: stacks of a hung arm

@@ -29,6 +29,9 @@ mkdir -p .gpuwork/whl
 python -m pip wheel -q --no-deps -w .gpuwork/whl trueskill==0.4.5
 python -m pip download -q --no-deps -d .gpuwork/whl radon==6.0.1 mando==0.7.1 ribs==0.12.0 \
   array-api-compat==1.16.0 numpy-groupies==0.16.0
+# py-spy (a static binary in a wheel): the learning-run driver dumps a hung arm's stacks with it.
+python -m pip download -q --no-deps --only-binary=:all: --platform manylinux_2_17_x86_64 --platform manylinux1_x86_64 \
+  -d .gpuwork/whl py-spy==0.4.1
 # The HumanEval+/MBPP+ files for the eval job (../shared does not travel).
 mkdir -p .gpuwork/benchmarks && cp -r ../shared/data/benchmarks/{humanevalplus,mbppplus} .gpuwork/benchmarks/
 # The tiny plumbing model (scripts/gpu/tiny_proof.sh) is built by scripts/gpu/make_tiny_model.py.
