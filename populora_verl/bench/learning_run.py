@@ -499,7 +499,7 @@ def run(args: argparse.Namespace) -> int:
                         and args.stop_at_step in checkpoint_steps(root / arm):
                     early.start(arm)
         now = time.time()
-        for arm, p in procs.items():  # a hung arm (v2's weight sync) would otherwise hold its GPU to the deadline
+        for arm, p in procs.items():  # a hung arm (a stuck weight sync) would otherwise hold its GPU to the deadline
             age = overdue(root / arm, now, args.hang_after_s) if p.poll() is None else None
             if age is not None:
                 last = len(population_rows(root / arm))
