@@ -399,6 +399,7 @@ def test_wait_starts_the_model_first_and_reads_the_adapters_file_when_it_appears
     (["--wait", "5", "--adapters-file", "x.txt", "--backend", "vllm"], "--max-loras and --max-lora-rank"),
     (["--wait", "0", "--adapters-file", "x.txt"], "--wait must be > 0"),
     (["--wait", "5", "--adapters-file", "x.txt", "--kv-cache-gib", "0"], "--kv-cache-gib must be > 0"),
+    (["--adapters", "x", "--kv-cache-gib", "-1"], "--kv-cache-gib must be > 0"),  # also without --wait
 ])
 def test_wait_mistakes_fail_before_loading_in_one_line(tmp_path, extra, message, capsys):
     from populora_verl.eval import cli

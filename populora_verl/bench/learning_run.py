@@ -380,14 +380,19 @@ def dump_stacks(pgid: int, out: Path) -> str:
     return f"stacks in {out}"
 
 
+def step_age(run: Path, now: float) -> float | None:
+    """Seconds since the arm logged its last step (None before its first)."""
+    metrics = run / "metrics.jsonl"
+    return now - metrics.stat().st_mtime if metrics.is_file() and population_rows(run) else None
+
+
 def overdue(run: Path, now: float, hang_after_s: float) -> float | None:
     """Seconds since the arm's last logged step when that is past its limit (``hang_after_s``, or 10 median steps
     if longer: a checkpoint or an evaluation engine beside it may stretch one step), else None. Before the first
     step there is nothing to compare with: start-up is the deadline's business."""
-    metrics = run / "metrics.jsonl"
-    if not hang_after_s or not metrics.is_file() or not population_rows(run):
+    age = step_age(run, now) if hang_after_s else None
+    if age is None:
         return None
-    age = now - metrics.stat().st_mtime
     limit = max(hang_after_s, 10 * (median_step_s(run) or 0.0))
     return age if age > limit else None
 
@@ -603,9 +608,9 @@ def status(root: Path) -> str:
         last = {**(timings[-1] if timings else {}), **(rows[-1] if rows else {})}
         watch = " ".join(f"{k.split('/', 1)[-1]}={last[k]:.3g}" for k in WATCH if isinstance(last.get(k), (int, float)))
         # A step that is long overdue (a hung weight sync, a dead worker) shows as a growing age here.
-        metrics = root / arm / "metrics.jsonl"
-        age = f" {now - metrics.stat().st_mtime:.0f} s ago" if rows and metrics.is_file() else ""
-        lines.append(f"  {arm}: {len(rows)} steps; checkpoints {checkpoint_steps(root / arm)}; last{age}: {watch}")
+        age = step_age(root / arm, now)
+        lines.append(f"  {arm}: {len(rows)} steps; checkpoints {checkpoint_steps(root / arm)}; "
+                     f"last{'' if age is None else f' {age:.0f} s ago'}: {watch}")
     for k in ("hung", "rcs", "common_step", "eval_rc", "reason"):
         if k in prog:
             lines.append(f"  {k}: {prog[k]}")

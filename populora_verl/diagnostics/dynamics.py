@@ -31,8 +31,8 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["load_run", "slope_interval", "sign_changes", "summarise", "markdown", "arm_of", "slope_difference",
-           "noise_p_value", "compare_arms", "compare_markdown", "main"]
+__all__ = ["load_run", "slope_interval", "sign_changes", "summarise", "markdown", "pair_series", "arm_of",
+           "slope_difference", "direction_changes", "noise_p_value", "compare_arms", "compare_markdown", "main"]
 
 P = "populora/"
 _PAIR = re.compile(r"^populora/pair/([^/]+)/([^/]+)/solve_rate$")
@@ -102,6 +102,17 @@ def sign_changes(values: Sequence[float]) -> tuple[int, int]:
     return sum(1 for a, b in zip(d, d[1:]) if (a > 0) != (b > 0)), len(d)
 
 
+def pair_series(rows: Mapping[int, Mapping[str, Any]]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """``"t0->s1"`` -> (steps, solve rates) for every (teacher, student) pair logged at least once."""
+    out = {}
+    for k in sorted({k for r in rows.values() for k in r if _PAIR.match(k)}):
+        t, st = _PAIR.match(k).groups()
+        ps, pv = series(rows, k)
+        if len(pv):
+            out[f"{t}->{st}"] = (ps, pv)
+    return out
+
+
 def _window(rows: Mapping[int, Mapping[str, Any]], key: str, first: bool, n: int) -> float | None:
     _, v = series(rows, key)
     if len(v) == 0:
@@ -149,14 +160,8 @@ def summarise(run: Mapping[str, Any], window: int = 5) -> dict[str, Any]:
     out["coverage"] = {"cells_filled_last": float(cells[-1]) if len(cells) else None,
                        "window_fraction": (float(wfrac[:window].mean()) if len(wfrac) else None,
                                            float(wfrac[-window:].mean()) if len(wfrac) else None)}
-    pairs = {}
-    for k in sorted({k for r in rows.values() for k in r if _PAIR.match(k)}):
-        t, st = _PAIR.match(k).groups()
-        ps, pv = series(rows, k)
-        if len(pv):
-            pairs[f"{t}->{st}"] = {"steps": [int(x) for x in ps], "mean": float(pv.mean()),
-                                   "sign_changes": sign_changes(list(pv))}
-    out["pairs"] = pairs
+    out["pairs"] = {pair: {"steps": [int(x) for x in ps], "mean": float(pv.mean()),
+                           "sign_changes": sign_changes(list(pv))} for pair, (ps, pv) in pair_series(rows).items()}
     last = rows[steps[-1]] if steps else {}
     out["ratings"] = {m.group(1): (float(last[k]), float(last.get(f"{P}rating/{m.group(1)}/sigma", float("nan"))))
                       for k in last for m in [_RATING.match(k)] if m}
@@ -274,23 +279,28 @@ def slope_difference(a: Sequence[tuple[np.ndarray, np.ndarray]], b: Sequence[tup
     return diff(runs), float(lo), float(hi)
 
 
-def _change_rate(pair_series: Sequence[Sequence[float]]) -> float:
-    counts = [sign_changes(list(v)) for v in pair_series]
-    chances = sum(max(n - 1, 0) for _, n in counts)
-    return sum(ch for ch, _ in counts) / chances if chances else float("nan")
+def direction_changes(values: Sequence[Sequence[float]]) -> tuple[int, int]:
+    """(direction changes, chances to change) pooled over several series."""
+    counts = [sign_changes(list(v)) for v in values]
+    return sum(ch for ch, _ in counts), sum(max(n - 1, 0) for _, n in counts)
 
 
-def noise_p_value(pair_series: Sequence[Sequence[float]], *, draws: int = 2000, seed: int = 0) -> float | None:
+def _change_rate(values: Sequence[Sequence[float]]) -> float:
+    changes, chances = direction_changes(values)
+    return changes / chances if chances else float("nan")
+
+
+def noise_p_value(values: Sequence[Sequence[float]], *, draws: int = 2000, seed: int = 0) -> float | None:
     """How often the same pair series, each shuffled in time, change direction at a pooled rate (changes per chance)
     at least as high as logged: a one-sided permutation test, None without a chance to change. Shuffling keeps each
     series' own values: solve rates take few distinct values, and a series of few levels changes direction more often
     than continuous noise would (one of two levels alternates at every chance), so the null must keep them."""
-    pair_series = [np.asarray(v, dtype=float) for v in pair_series if len(v) >= 3]
-    observed = _change_rate(pair_series) if pair_series else float("nan")
+    values = [np.asarray(v, dtype=float) for v in values if len(v) >= 3]
+    observed = _change_rate(values) if values else float("nan")
     if math.isnan(observed):
         return None
     rng = np.random.default_rng(seed)
-    hits = sum(_change_rate([rng.permutation(v) for v in pair_series]) >= observed - 1e-12 for _ in range(draws))
+    hits = sum(_change_rate([rng.permutation(v) for v in values]) >= observed - 1e-12 for _ in range(draws))
     return hits / draws
 
 
@@ -306,14 +316,7 @@ def compare_arms(runs: Sequence[Mapping[str, Any]], window: int = 5) -> dict[str
     for arm, members in arms.items():
         c = curves[arm] = {q: [series(r["rows"], f"{P}complexity/{q}/mean") for r in members]
                            for q in ("cyclomatic", "loc")}
-        changes = chances = 0
-        pair_series = []
-        for r in members:
-            for k in sorted({k for row in r["rows"].values() for k in row if _PAIR.match(k)}):
-                v = series(r["rows"], k)[1]
-                ch, n = sign_changes(list(v))
-                changes, chances = changes + ch, chances + max(n - 1, 0)
-                pair_series.append(v)
+        rates = [v for r in members for _, v in pair_series(r["rows"]).values()]
         out["arms"][arm] = {
             "seeds": [r["name"] for r in members],
             "cyclomatic_slope": [slope_interval(s, v) for s, v in c["cyclomatic"]],
@@ -322,8 +325,8 @@ def compare_arms(runs: Sequence[Mapping[str, Any]], window: int = 5) -> dict[str
             "cells_filled_last": [float(v[-1]) if len(v) else None
                                   for v in (series(r["rows"], f"{P}coverage/cells_filled")[1] for r in members)],
             "valid_programs": [float(series(r["rows"], f"{P}complexity/num_programs")[1].sum()) for r in members],
-            "direction_changes": (changes, chances),
-            "direction_changes_noise_p": noise_p_value(pair_series)}
+            "direction_changes": direction_changes(rates),
+            "direction_changes_noise_p": noise_p_value(rates)}
     names = list(arms)
     for other in names[1:]:
         out["differences"][f"{other} - {names[0]}"] = {

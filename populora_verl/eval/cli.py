@@ -104,8 +104,6 @@ def _check_wait_args(args: argparse.Namespace) -> None:
     """--wait's needs, each a one-line error naming the flag, before anything loads."""
     if not args.adapters_file:
         raise SystemExit("--wait needs --adapters-file (the file awaited)")
-    if args.kv_cache_gib is not None and args.kv_cache_gib <= 0:
-        raise SystemExit(f"--kv-cache-gib must be > 0, got {args.kv_cache_gib:g}")
     if args.wait <= 0:
         raise SystemExit(f"--wait must be > 0 seconds, got {args.wait:g}")
     if not args.model:
@@ -213,6 +211,8 @@ def _eval(args: argparse.Namespace) -> int:
                            "--out")
     if args.model:
         check_model_path(args.model, "--model")
+    if args.kv_cache_gib is not None and args.kv_cache_gib <= 0:
+        raise SystemExit(f"--kv-cache-gib must be > 0, got {args.kv_cache_gib:g}")
     benches = resolve_benchmarks(args.benchmarks, args.data_dir, args.lcb_path)
     if args.wait is not None:
         _check_wait_args(args)
@@ -230,7 +230,8 @@ def _eval(args: argparse.Namespace) -> int:
                   gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len,
                   dtype=args.dtype, enforce_eager=args.enforce_eager, lora_slots=args.max_loras,
                   max_lora_rank=args.max_lora_rank,
-                  extra={"kv_cache_memory_bytes": int(args.kv_cache_gib * 2**30)} if args.kv_cache_gib else None)
+                  extra=None if args.kv_cache_gib is None else
+                  {"kv_cache_memory_bytes": int(args.kv_cache_gib * 2**30)})
     else:
         kw = dict(max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, dtype=args.dtype)
     backend = build_backend(args.backend, model, members, **kw)
