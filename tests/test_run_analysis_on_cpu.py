@@ -82,8 +82,20 @@ def test_arms_side_by_side_difference_and_oscillation(tmp_path, capsys):
     # every pair series alternates 0.2 / 0.6: two levels change direction at every chance whatever their order, so
     # shuffling in time gives the same rate and the test does not call it oscillation
     assert single["direction_changes"] == (36, 36) and single["direction_changes_noise_p"] == 1.0
+    # two seeds an arm: 6 relabellings, and the observed split is one of the 2 extreme ones
+    assert cmp["differences"]["2t2s - single"]["seed_p"]["cyclomatic_slope"] == pytest.approx(2 / 6)
+    assert cmp["differences"]["2t2s - single"]["seed_p"]["cells_filled_last"] == 1.0  # equal cells in every seed
     assert dyn.main([*map(str, runs), "--compare"]) == 0
-    assert "### Arms side by side" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "### Arms side by side" in out and "cyclomatic slope p = 0.33" in out
+
+
+def test_seed_permutation_p_is_exact_over_relabellings():
+    # 4 + 4 seeds, fully separated: only the observed split and its mirror are as extreme, 2 of C(8, 4) = 70
+    assert dyn.seed_permutation_p([1, 2, 3, 4], [5, 6, 7, 8]) == pytest.approx(2 / 70)
+    assert dyn.seed_permutation_p([1, 5, 3, 7], [2, 6, 4, 8]) > 0.5  # interleaved: most relabellings differ more
+    assert dyn.seed_permutation_p([1, None, 2], [3, 4]) == pytest.approx(2 / 6)  # a seed without a value is left out
+    assert dyn.seed_permutation_p([1], [2, 3]) is None  # one seed: nothing to permute
 
 
 def test_oscillation_test_keeps_each_series_values():
@@ -121,3 +133,30 @@ def test_arm_differences_pair_items_and_average_members(tmp_path):
         arms.paired_difference(scores, "pop", "nobody")
     (tmp_path / "old.json").write_text(json.dumps({"scores": {"base": {"mbpp_plus": {"pass@1": 0.5}}}}))
     assert arms.main([str(tmp_path / "old.json")]) == 2
+
+
+def test_pooled_arms_average_seeds_and_runs_must_agree_on_shared_members(tmp_path, capsys):
+    n = 100
+    zero, ten, thirty = np.zeros(n), np.zeros(n), np.zeros(n)
+    ten[:10] = 1
+    thirty[:30] = 1
+    # two runs' files: the base model appears in both, and a seed with four members counts once, like one with one
+    run1 = _results(tmp_path / "r1.json", "humaneval_plus", {"base": zero, "pop-seed1@40.t0": ten,
+                                                              "pop-seed1@40.s0": ten, "single-seed1@40.a0": zero})
+    run2 = _results(tmp_path / "r2.json", "humaneval_plus", {"base": zero, "pop-seed2@40.t0": thirty})
+    scores = arms.arm_scores(arms.load_outcomes([run1, run2]))
+    pooled = arms.pool_arms(scores, "pop", ["pop-seed1", "pop-seed2"])
+    assert arms.paired_difference(pooled, "pop", "base")["humaneval_plus"][0] == pytest.approx(0.20)  # (10 + 30) / 2
+    assert "pop" not in scores["humaneval_plus"]  # the input is left as it was
+    with pytest.raises(ValueError, match="no results for pop-seed9"):
+        arms.pool_arms(scores, "pop", ["pop-seed1", "pop-seed9"])
+    with pytest.raises(ValueError, match="exists already"):
+        arms.pool_arms(scores, "base", ["pop-seed1"])
+    assert arms.main([str(run1), str(run2), "--pool", "pop=pop-seed1,pop-seed2", "--pair", "pop", "base"]) == 0
+    assert "| pop - base | +20.0" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        arms.main([str(run1), "--pool", "pop"])  # no '=': a usage error naming the flag
+    assert "--pool 'pop'" in capsys.readouterr().err
+    clash = _results(tmp_path / "r3.json", "humaneval_plus", {"base": ten})  # another "base" with other outcomes
+    with pytest.raises(ValueError, match="base/humaneval_plus differs"):
+        arms.load_outcomes([run1, clash])

@@ -13,14 +13,15 @@
 
 With ``--compare``, the runs are grouped into arms by their folder names (``2t2s-seed1`` and ``2t2s-seed2`` are the
 arm ``2t2s``, as the learning run names them) and a last section sets the arms side by side: the complexity slope
-averaged over an arm's seeds with the difference between arms and its 95 % interval, program length as the obvious
-confound, coverage next to the number of valid programs behind it, and pair solve rates' direction changes pooled.
-Everything is computed from logged numbers; nothing here is fitted to an expectation.
+averaged over an arm's seeds with the difference between arms, its 95 % interval over steps and an exact
+permutation p over seeds, program length as the obvious confound, coverage next to the number of valid programs
+behind it, and pair solve rates' direction changes pooled. Everything is computed from logged numbers; nothing here is fitted to an expectation.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import re
@@ -32,7 +33,7 @@ from typing import Any
 import numpy as np
 
 __all__ = ["load_run", "slope_interval", "sign_changes", "summarise", "markdown", "pair_series", "arm_of",
-           "slope_difference", "direction_changes", "noise_p_value", "compare_arms", "compare_markdown", "main"]
+           "slope_difference", "seed_permutation_p", "direction_changes", "noise_p_value", "compare_arms", "compare_markdown", "main"]
 
 P = "populora/"
 _PAIR = re.compile(r"^populora/pair/([^/]+)/([^/]+)/solve_rate$")
@@ -279,6 +280,26 @@ def slope_difference(a: Sequence[tuple[np.ndarray, np.ndarray]], b: Sequence[tup
     return diff(runs), float(lo), float(hi)
 
 
+def seed_permutation_p(a: Sequence[float | None], b: Sequence[float | None]) -> float | None:
+    """Exact two-sided permutation p of mean(b) - mean(a), one value per seed: the share of all ways to relabel the
+    pooled seeds into groups of the same sizes whose |difference| is at least the observed one. It asks what
+    :func:`slope_difference` cannot, whether another draw of seeds would fall the same way. None below 2 seeds per
+    arm; with 2 + 2 seeds the smallest possible p is 1/3, with 4 + 4 it is 1/35."""
+    a = [float(x) for x in a if x is not None]
+    b = [float(x) for x in b if x is not None]
+    if len(a) < 2 or len(b) < 2:
+        return None
+    pooled = np.array(a + b)
+    observed = abs(np.mean(b) - np.mean(a))
+    splits = list(itertools.combinations(range(len(pooled)), len(b)))
+    hits = 0
+    for idx in splits:
+        mask = np.zeros(len(pooled), dtype=bool)
+        mask[list(idx)] = True
+        hits += abs(pooled[mask].mean() - pooled[~mask].mean()) >= observed - 1e-12
+    return hits / len(splits)
+
+
 def direction_changes(values: Sequence[Sequence[float]]) -> tuple[int, int]:
     """(direction changes, chances to change) pooled over several series."""
     counts = [sign_changes(list(v)) for v in values]
@@ -329,9 +350,19 @@ def compare_arms(runs: Sequence[Mapping[str, Any]], window: int = 5) -> dict[str
             "direction_changes_noise_p": noise_p_value(rates)}
     names = list(arms)
     for other in names[1:]:
-        out["differences"][f"{other} - {names[0]}"] = {
-            q: slope_difference(curves[names[0]][q], curves[other][q]) for q in ("cyclomatic", "loc")}
+        diff = {q: slope_difference(curves[names[0]][q], curves[other][q]) for q in ("cyclomatic", "loc")}
+        diff["seed_p"] = {key: seed_permutation_p(_per_seed(out["arms"][names[0]], key),
+                                                  _per_seed(out["arms"][other], key))
+                          for key in ("cyclomatic_slope", "loc_slope", "cells_filled_last", "valid_programs")}
+        out["differences"][f"{other} - {names[0]}"] = diff
     return out
+
+
+def _per_seed(arm: Mapping[str, Any], key: str) -> list[float | None]:
+    """One number per seed: a slope's point estimate (its interval dropped), or the value itself."""
+    if key.endswith("_slope"):
+        return [None if s is None else s[0] for s in arm[key]]
+    return list(arm[key])
 
 
 def compare_markdown(cmp: Mapping[str, Any], window: int = 5) -> str:
@@ -355,6 +386,10 @@ def compare_markdown(cmp: Mapping[str, Any], window: int = 5) -> str:
         lines.append("")
         lines.append(f"- {label}, slope per step averaged over seeds (95% interval, steps resampled): cyclomatic "
                      + slopes([d["cyclomatic"]]) + "; lines of code " + slopes([d["loc"]]))
+        p = {k: "–" if v is None else f"{v:.2f}" for k, v in d["seed_p"].items()}
+        lines.append(f"- {label}, across seeds (exact permutation of the seed labels, two-sided): cyclomatic slope "
+                     f"p = {p['cyclomatic_slope']}, lines-of-code slope p = {p['loc_slope']}, CVT cells p = "
+                     f"{p['cells_filled_last']}, valid programs p = {p['valid_programs']}")
     lines.append("- Direction changes: a series of independent noise changes direction at about 2 in 3 chances; "
                  "noise p is how often the same series, shuffled in time, change direction at least as often per "
                  "chance (one-sided; a small p means more regular up-and-down than chance order).")

@@ -9,7 +9,14 @@ and the code average is the mean over the benchmarks present.
     python -m populora_verl.eval.arms eval/humaneval_plus/results.json eval/mbpp_plus/results.json \
         [--pair single-seed1 base] [--pair 2t2s-seed1 single-seed1]
 
-Without ``--pair`` it compares every arm with ``base``.
+Without ``--pair`` it compares every arm with ``base``. ``--pool NAME=ARM,ARM,...`` adds an arm whose score on an
+item is the mean over the named arms (several seeds of one setting), to compare settings rather than single runs:
+
+    python -m populora_verl.eval.arms */results.json --pool 2t2s=2t2s-seed3,2t2s-seed4 \
+        --pool single=single-seed3,single-seed4 --pair 2t2s single --pair 2t2s base --pair single base
+
+Results files of several runs can be given together; a member named in two files must have the same outcomes there
+(the base model, evaluated greedily in each run, does).
 """
 
 from __future__ import annotations
@@ -25,7 +32,7 @@ import numpy as np
 
 from populora_verl.eval.report import BOOTSTRAP_SAMPLES, _percentile_interval
 
-__all__ = ["arm_of", "load_outcomes", "arm_scores", "paired_difference", "main"]
+__all__ = ["arm_of", "load_outcomes", "arm_scores", "pool_arms", "paired_difference", "main"]
 
 
 def arm_of(member: str) -> str:
@@ -42,7 +49,11 @@ def load_outcomes(paths: Sequence[str | Path]) -> dict[str, dict[str, np.ndarray
             for bench, s in per_bench.items():
                 if "outcomes" not in s:
                     raise ValueError(f"{p}: {member}/{bench} has no per-item outcomes (an older results file)")
-                out.setdefault(bench, {})[member] = np.asarray(s["outcomes"], dtype=float)
+                outcomes = np.asarray(s["outcomes"], dtype=float)
+                seen = out.setdefault(bench, {}).get(member)
+                if seen is not None and not np.array_equal(seen, outcomes):
+                    raise ValueError(f"{p}: {member}/{bench} differs from the same member in an earlier file")
+                out[bench][member] = outcomes
     if not out:
         raise ValueError("no scores in the given results files")
     return out
@@ -56,6 +67,22 @@ def arm_scores(outcomes: Mapping[str, Mapping[str, np.ndarray]]) -> dict[str, di
         for m, v in members.items():
             groups.setdefault(arm_of(m), []).append(v)
         out[bench] = {a: np.mean(vs, axis=0) for a, vs in groups.items()}
+    return out
+
+
+def pool_arms(scores: Mapping[str, Mapping[str, np.ndarray]], name: str, arms: Sequence[str]
+              ) -> dict[str, dict[str, np.ndarray]]:
+    """``scores`` with one more arm, ``name``: per item, the mean over ``arms`` (each seed of a setting counts once,
+    whatever its number of members). Every benchmark that has all of ``arms`` gets it."""
+    if name in {a for s in scores.values() for a in s}:
+        raise ValueError(f"--pool {name}: an arm of that name exists already")
+    missing = [a for a in arms if not any(a in s for s in scores.values())]
+    if missing:
+        raise ValueError(f"--pool {name}: no results for {', '.join(missing)}")
+    out = {bench: dict(s) for bench, s in scores.items()}
+    for bench, s in out.items():
+        if all(a in s for a in arms):
+            s[name] = np.mean([s[a] for a in arms], axis=0)
     return out
 
 
@@ -100,9 +127,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m populora_verl.eval.arms", description=__doc__.split("\n\n")[0])
     ap.add_argument("results", nargs="+", help="populora-eval results.json files")
     ap.add_argument("--pair", nargs=2, action="append", metavar=("A", "B"), help="report A - B (repeatable)")
+    ap.add_argument("--pool", action="append", default=[], metavar="NAME=ARM,ARM",
+                    help="an arm averaging the named arms per item, e.g. several seeds of one setting (repeatable)")
     args = ap.parse_args(argv)
+    pools = []
+    for spec in args.pool:
+        name, sep, members = spec.partition("=")
+        arms = [a for a in members.split(",") if a]
+        if not sep or not name or not arms:
+            ap.error(f"--pool {spec!r}: expected NAME=ARM,ARM,...")
+        pools.append((name, arms))
     try:
         scores = arm_scores(load_outcomes(args.results))
+        for name, members in pools:
+            scores = pool_arms(scores, name, members)
         arms = sorted({a for s in scores.values() for a in s} - {"base"})
         pairs = [tuple(p) for p in args.pair] if args.pair else [(a, "base") for a in arms]
         print(markdown(scores, pairs))
