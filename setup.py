@@ -34,6 +34,10 @@ INSTALL_REQUIRES = [
     "wandb==0.31.0",
 ]
 
+# Every recipe, prompt files included, relative to recipes/ (tests/test_recipes_locator_on_cpu.py checks the cover).
+RECIPES_PACKAGE = "populora_verl._recipes"
+RECIPE_FILES = ["populora/**/*.yaml"]  # ** matches no folder too: populora/2t2s.yaml, populora/prompts/...
+
 setup(
     name="populora_verl",
     version="0.1.0",
@@ -42,11 +46,15 @@ setup(
     long_description_content_type="text/markdown",
     license="Apache-2.0",
     python_requires=">=3.10,<3.13",
-    packages=find_packages(include=["populora_verl", "populora_verl.*"]),
-    package_data={"populora_verl": ["data/*.jsonl", "recipes/*.yaml",
+    # The hydra recipes stay in the top-level recipes/ folder; the wheel carries them as populora_verl/_recipes/
+    # (populora_verl.recipes.recipes_dir() finds either copy).
+    packages=find_packages(include=["populora_verl", "populora_verl.*"]) + [RECIPES_PACKAGE],
+    package_dir={RECIPES_PACKAGE: "recipes"},
+    package_data={"populora_verl": ["data/*.jsonl",
                                      # benchmark files for populora-eval (1.7 MB, licences in MANIFEST.md)
                                      "eval/benchmark_data/*/*.jsonl.gz", "eval/benchmark_data/MANIFEST.md",
-                                     "eval/benchmark_data/SHA256SUMS"]},
+                                     "eval/benchmark_data/SHA256SUMS"],
+                  RECIPES_PACKAGE: RECIPE_FILES},
     include_package_data=True,
     install_requires=INSTALL_REQUIRES,
     extras_require={

@@ -42,8 +42,9 @@ from typing import Any
 from populora_verl.bench.progress import alive, read_progress, write_progress
 from populora_verl.bench.step_scaling import file_log_rows
 from populora_verl.diagnostics.metrics import read_metrics
+from populora_verl.recipes import recipes_dir
 
-RECIPES = Path(__file__).resolve().parents[2] / "recipes" / "populora"
+RECIPES = recipes_dir()  # a checkout's recipes/populora, else the installed copy
 ARMS = {"2t2s": "qwen1.5b_1gpu_2t2s", "single": "qwen1.5b_1gpu_single"}
 # What the status line shows of an arm's last metrics row.
 WATCH = ("populora/validity/mean", "populora/role/teacher/format_error_rate", "populora/role/student/format_error_rate",

@@ -48,8 +48,9 @@ from pathlib import Path
 from typing import Any
 
 from populora_verl.bench.progress import alive, read_progress, write_progress
+from populora_verl.recipes import recipes_dir
 
-RECIPES = Path(__file__).resolve().parents[2] / "recipes" / "populora"
+RECIPES = recipes_dir()  # a checkout's recipes/populora, else the installed copy
 CONFIGS: dict[str, list[str]] = {
     "single": ["populora.population.mode=single_agent", "populora.pbt.enabled=false"],
     "1t1s": ["populora.population.num_teachers=1", "populora.population.num_students=1"],
