@@ -33,6 +33,8 @@ __all__ = [
 
 ROOT = "populora"
 TASK_TYPES = ("code_i", "code_o", "code_f")
+#: The kinds of LoRA weight-space operators (``populora.pbt.operators`` weights, the operator registry).
+OPERATOR_KINDS = ("mutation", "crossover")
 # AZR's banned-module list (AZR code, printed into the proposer prompt and enforced by an AST walk).
 AZR_BANNED_MODULES = (
     "logging", "random", "multiprocessing", "pebble", "subprocess", "threading", "datetime", "time",
@@ -240,6 +242,17 @@ class BufferConfig:
                    f"must be an integer >= 0, got {v!r}")
 
 
+def executor_limit_problems(timeout_s: float, memory_mb: int) -> dict[str, str]:
+    """{argument: what is wrong} with an executor's limits, empty when usable: the config names the key from it,
+    :class:`populora_verl.executor.Executor` raises with it."""
+    out = {}
+    if not timeout_s > 0:
+        out["timeout_s"] = f"must be > 0, got {timeout_s!r}"
+    if not memory_mb >= 32:
+        out["memory_mb"] = f"must be >= 32, got {memory_mb!r}"
+    return out
+
+
 @dataclass
 class ExecutorConfig:
     """The sandboxed executor that validates teacher programs and checks student answers."""
@@ -258,8 +271,8 @@ class ExecutorConfig:
     def __post_init__(self) -> None:
         p = self._prefix
         _choice(self.backend, ("local", "sandbox_fusion"), f"{p}.backend")
-        _check(self.timeout_s > 0, f"{p}.timeout_s", f"must be > 0, got {self.timeout_s!r}")
-        _check(self.memory_mb >= 32, f"{p}.memory_mb", f"must be >= 32, got {self.memory_mb!r}")
+        for key, why in executor_limit_problems(self.timeout_s, self.memory_mb).items():
+            _check(False, f"{p}.{key}", why)
         _check(self.max_workers is None or self.max_workers >= 1, f"{p}.max_workers", "must be null or >= 1")
         _check(self.max_output_chars > 0, f"{p}.max_output_chars", "must be > 0")
         if self.backend == "sandbox_fusion":
@@ -403,10 +416,8 @@ class PopuLoRAConfig:
         if single and self.pbt.enabled:
             # The AZR baseline is one adapter: there is nobody to replace it with.
             self.pbt.enabled = False
-        if not single and self.pbt.enabled and self.pbt.crossover_rate > 0:
-            # Crossovers need two distinct survivors; a sub-population of one or two can only mutate, which the
-            # controller handles per sub-population. Nothing to reject here.
-            pass
+        # Crossovers need two distinct survivors; a sub-population of one or two can only mutate, which the
+        # controller handles per sub-population: nothing to reject here.
         n = self.population.num_adapters
         if self.rollout.max_loras is not None:
             _check(self.rollout.max_loras >= n, f"{ROOT}.rollout.max_loras",

@@ -101,7 +101,7 @@ def preflight(config: Any, *, check_gpus: bool = True) -> None:
 
     pcfg = load_config(_select(config, "populora"))
     validate_verl_config(config, pcfg)
-    from populora_verl.step.orchestration import small_group_warning
+    from populora_verl.step.metrics import small_group_warning
 
     warning = small_group_warning(pcfg)
     if warning:  # a setting that runs but cannot learn early on: say so before minutes of start-up

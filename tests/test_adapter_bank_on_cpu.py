@@ -223,19 +223,15 @@ def test_set_adapter_state_validates_and_bumps_version(setup):
         bank.swap_in(3)
 
 
-def test_reset_optimizer_and_set_lr(setup):
+def test_reset_optimizer(setup):
     model, opt, sched, bank = setup
     with bank.active(0):
         train_step(model, opt, sched, batch(0))
     assert bank.slot_info(0)["optimizer_step"] == 1
     bank.reset_optimizer(0)
     assert bank.slot_info(0)["optimizer_step"] == 0
-    bank.set_lr(2, 0.5)
-    bank.swap_in(2, train=False)
-    # Mid-warmup factor 1/3 of the initial schedule is kept, applied to the new base LR.
-    assert opt.param_groups[0]["lr"] == pytest.approx(0.5 / 3)
     bank.swap_in(1, train=False)
-    assert opt.param_groups[0]["lr"] == pytest.approx(LR / 3)
+    assert opt.param_groups[0]["lr"] == pytest.approx(LR / 3)  # another slot keeps its place in the schedule
 
 
 class _Avg:

@@ -10,7 +10,8 @@ import torch
 
 from populora_verl.advantage import group_keys, trrpp_advantages
 from populora_verl.config import PopuLoRAConfig, load_config
-from populora_verl.step.orchestration import proposal_outcome_metrics
+from populora_verl.step.metrics import proposal_outcome_metrics
+from populora_verl.step.records import TeacherRecord
 from populora_verl.tasks import identity_code_f_task, validate_proposal
 from populora_verl.tasks.parsing import ParseError, answer_fallback, envelope_problem, extract_answer
 from populora_verl.tasks.verify import FAILURE_CODES
@@ -19,11 +20,8 @@ PROGRAM = "def f(a, b):\n    return a * b + 1"
 
 
 @pytest.fixture(scope="module")
-def ex():
-    from populora_verl.executor import Executor
-
-    with Executor(timeout_s=2.0, memory_mb=512, max_workers=2) as e:
-        yield e
+def ex(executor_pool):
+    return executor_pool.get(timeout_s=2.0, memory_mb=512, max_workers=2)
 
 
 def blocks(program: str = PROGRAM, inp: str = "3, 4") -> str:
@@ -94,12 +92,15 @@ def test_extract_answer_never_reads_a_trailing_unclosed_answer_after_a_complete_
 
 def test_outcome_metrics_split_format_errors_from_validity_per_type():
     task = object()
+    def rec(task_type, status, task, code):
+        return TeacherRecord("t0", task_type, "prompt", "response", 1, None, task, status, code)
+
     recs = [
-        {"task_type": "code_o", "status": "valid", "task": task, "code": ""},
-        {"task_type": "code_o", "status": "format_error", "task": task, "code": ""},
-        {"task_type": "code_o", "status": "format_error", "task": None, "code": "blocks"},
-        {"task_type": "code_o", "status": "invalid", "task": None, "code": "execution"},
-        {"task_type": "code_f", "status": "format_error", "task": None, "code": "input_count"},
+        rec("code_o", "valid", task, ""),
+        rec("code_o", "format_error", task, ""),
+        rec("code_o", "format_error", None, "blocks"),
+        rec("code_o", "invalid", None, "execution"),
+        rec("code_f", "format_error", None, "input_count"),
     ]
     m = proposal_outcome_metrics(recs)
     assert m["populora/task_type/code_o/format_error_rate"] == 0.5

@@ -14,11 +14,8 @@ from populora_verl.tasks import identity_task, validate_proposal
 
 
 @pytest.fixture(scope="module")
-def ex():
-    from populora_verl.executor import Executor
-
-    with Executor(timeout_s=2.0, memory_mb=512, max_workers=2) as e:
-        yield e
+def ex(executor_pool):
+    return executor_pool.get(timeout_s=2.0, memory_mb=512, max_workers=2)
 
 
 def io_answer(program: str, inp: str) -> str:

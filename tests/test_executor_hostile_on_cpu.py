@@ -17,6 +17,7 @@ SECRET = "populora-test-secret-9f3a"
 TIMEOUT = 1.0
 
 
+# Not from the shared executor pool: its workers must start under the secret, and these programs attack them.
 @pytest.fixture(scope="module")
 def ex():
     os.environ["POPULORA_EXEC_SECRET"] = SECRET  # set before the workers start: they must not inherit it

@@ -26,6 +26,7 @@ MEMORY_MB = 256
 ROOT = os.geteuid() == 0
 
 
+# Not from the shared executor pool: these tests restart slots and ask workers directly, past the executor.
 @pytest.fixture(scope="module")
 def ex():
     with Executor(timeout_s=TIMEOUT, memory_mb=MEMORY_MB, max_workers=2) as executor:

@@ -21,9 +21,8 @@ from populora_verl.executor.sandbox_fusion import build_script, parse_response
 
 
 @pytest.fixture(scope="module")
-def ex():
-    with Executor(timeout_s=2.0, memory_mb=256, max_workers=2) as executor:
-        yield executor
+def ex(executor_pool):
+    return executor_pool.get(timeout_s=2.0, memory_mb=256, max_workers=2)
 
 
 CASES = [

@@ -13,6 +13,8 @@ TIMEOUT = 2.0
 ROOT = os.geteuid() == 0
 
 
+# Not from the shared executor pool: these programs break the runner on purpose, and a restarted slot must not
+# carry into other modules.
 @pytest.fixture(scope="module")
 def ex():
     with Executor(timeout_s=TIMEOUT, memory_mb=512, max_workers=1) as executor:

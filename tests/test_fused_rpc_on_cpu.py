@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 
-from populora_verl.trainer import fused
+from populora_verl.workers import fused
 
 
 @pytest.mark.parametrize("dp", [1, 2, 3, 4])

@@ -5,22 +5,17 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
 
 from populora_verl.config import ConfigError, load_config
 from populora_verl.trainer import convert
 from populora_verl.workers.adapter_bank import AdapterBankError, bank_file_for, bank_filename
 
-RECIPES = Path(__file__).resolve().parents[1] / "recipes" / "populora"
-
-
-def _compose(name: str, overrides=()):
-    with initialize_config_dir(config_dir=str(RECIPES), version_base=None):
-        return compose(config_name=name, overrides=list(overrides))
+from _shared import compose_recipe
 
 
 def _layout(name: str, *overrides: str) -> convert.ParallelLayout:
-    cfg = _compose(name, ["actor_rollout_ref.model.path=/m", *overrides] if name == "smoke_0.5b" else list(overrides))
+    cfg = compose_recipe(name, ["actor_rollout_ref.model.path=/m", *overrides] if name == "smoke_0.5b"
+                         else list(overrides))
     pcfg = load_config(cfg.populora)
     convert.validate_verl_config(cfg, pcfg)
     return convert.parallel_layout(cfg, pcfg)
@@ -73,7 +68,7 @@ BAD = [
 
 @pytest.mark.parametrize("overrides,key", BAD, ids=[str(k) + "-" + "-".join(o) for o, k in BAD])
 def test_bad_layout_fails_at_start_up_naming_the_key(overrides, key):
-    cfg = _compose("smoke_0.5b", ["actor_rollout_ref.model.path=/m", *overrides])
+    cfg = compose_recipe("smoke_0.5b", ["actor_rollout_ref.model.path=/m", *overrides])
     if key is None:
         convert.validate_verl_config(cfg, load_config(cfg.populora))
         return

@@ -1,26 +1,19 @@
 """Every recipe composes with hydra on top of verl's ppo_trainer and its populora.* section validates."""
 
-from pathlib import Path
-
 import pytest
 
 hydra = pytest.importorskip("hydra")
-from hydra import compose, initialize_config_dir  # noqa: E402
 
 from populora_verl.config import load_config  # noqa: E402
 
-RECIPES = Path(__file__).resolve().parents[1] / "recipes" / "populora"
+from _shared import compose_recipe  # noqa: E402
+
 NAMES = ["1t1s", "2t2s", "4t4s", "8t8s", "azr_single_agent", "smoke_0.5b", "qwen1.5b_1gpu_2t2s", "qwen1.5b_1gpu_single"]
-
-
-def _compose(name, overrides=()):
-    with initialize_config_dir(config_dir=str(RECIPES), version_base=None):
-        return compose(config_name=name, overrides=list(overrides))
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_recipe_composes_and_validates(name):
-    cfg = _compose(name)
+    cfg = compose_recipe(name)
     assert cfg.trainer.use_v1 is True
     assert cfg.trainer.v1.trainer_mode == "populora"
     assert cfg.actor_rollout_ref.rollout.name == "populora_vllm"
@@ -42,14 +35,14 @@ def test_paper_recipes_share_per_adapter_budget():
     trajectories per step as the mean population member, with one update and the same generation limits."""
     from populora_verl.step import planned_trajectories
 
-    single = _compose("azr_single_agent")
+    single = compose_recipe("azr_single_agent")
     base = load_config(single.populora)
     assert base.buffer.student_mix == "max_new" and base.rollout.buffer_task_n == 1
     assert not base.rewards.train_on_estimation_rollouts  # AZR: estimation answers are not trained on
     assert planned_trajectories(base) == 54.0
     assert base.buffer.seed_programs == 256  # AZR's seeding phase (64 x 4 base-model programs)
     for name in ["1t1s", "2t2s", "4t4s", "8t8s"]:
-        cfg = _compose(name)
+        cfg = compose_recipe(name)
         p = load_config(cfg.populora)
         assert planned_trajectories(p) == planned_trajectories(base), name
         assert p.tasks.types == base.tasks.types and p.rollout.student_n == base.rollout.student_n
@@ -61,7 +54,7 @@ def test_paper_recipes_share_per_adapter_budget():
 def test_bad_populora_override_fails_naming_the_key():
     from populora_verl.config import ConfigError
 
-    cfg = _compose("2t2s", ["populora.pbt.cull_fraction=2.0"])
+    cfg = compose_recipe("2t2s", ["populora.pbt.cull_fraction=2.0"])
     with pytest.raises(ConfigError, match=r"^populora\.pbt\.cull_fraction:"):
         load_config(cfg.populora)
 
@@ -71,9 +64,9 @@ def test_one_gpu_learning_run_arms_are_compute_matched():
     source; the population evolves every 5 steps and checkpoints at every step a run may stop at; LoRA lr 1e-4 and
     teacher groups of >= 4 (settings that learned; 1e-5 or groups of 2 did not)."""
     from populora_verl.step import planned_trajectories
-    from populora_verl.step.orchestration import small_group_warning, teacher_group_size
+    from populora_verl.step.metrics import small_group_warning, teacher_group_size
 
-    single, pop = _compose("qwen1.5b_1gpu_single"), _compose("qwen1.5b_1gpu_2t2s")
+    single, pop = compose_recipe("qwen1.5b_1gpu_single"), compose_recipe("qwen1.5b_1gpu_2t2s")
     ps, pp = load_config(single.populora), load_config(pop.populora)
     assert planned_trajectories(ps) == planned_trajectories(pp) == 90.0
     assert single.actor_rollout_ref.actor.optim.lr == 1e-4
@@ -99,7 +92,7 @@ def test_every_populora_key_is_in_the_base_recipe_with_its_default():
 
     from populora_verl.config import PopuLoRAConfig
 
-    cfg = _compose("4t4s")
+    cfg = compose_recipe("4t4s")
     expected = PopuLoRAConfig()
     expected.buffer.seed_programs = 256  # AZR: 64 x 4 base-model programs before step 1
     assert load_config(cfg.populora) == expected
@@ -108,7 +101,7 @@ def test_every_populora_key_is_in_the_base_recipe_with_its_default():
         assert keys <= set(cfg.populora[section.name]), (section.name, keys - set(cfg.populora[section.name]))
     for override in ["populora.pbt.min_age=0", "populora.pbt.final_quiet_steps=0", "populora.rollout.max_loras=16",
                      "populora.buffer.seed_file=/x.jsonl", "populora.pbt.operators={neftune: 1.0}"]:
-        load_config(_compose("2t2s", [override]).populora)  # composes without "+" and validates
+        load_config(compose_recipe("2t2s", [override]).populora)  # composes without "+" and validates
 
 
 def test_the_short_learning_run_overrides_stay_compute_matched():
@@ -117,15 +110,16 @@ def test_the_short_learning_run_overrides_stay_compute_matched():
     2T2S at 4 proposals per type and 4 answers per task, the single agent at 5 per type: 30 trajectories per adapter
     in both, and teacher groups of 4 and 5."""
     from populora_verl.step import planned_trajectories
-    from populora_verl.step.orchestration import small_group_warning
+    from populora_verl.step.metrics import small_group_warning
 
     common = ["populora.rollout.student_n=4"]
-    single = load_config(_compose("qwen1.5b_1gpu_single", [*common, "populora.rollout.proposals_per_type=5"]).populora)
-    pop = load_config(_compose("qwen1.5b_1gpu_2t2s", [*common, "populora.rollout.proposals_per_type=4"]).populora)
+    single = load_config(compose_recipe("qwen1.5b_1gpu_single",
+                                        [*common, "populora.rollout.proposals_per_type=5"]).populora)
+    pop = load_config(compose_recipe("qwen1.5b_1gpu_2t2s", [*common, "populora.rollout.proposals_per_type=4"]).populora)
     assert planned_trajectories(single) == planned_trajectories(pop) == 30.0
     assert small_group_warning(single) is None and small_group_warning(pop) is None
-    small = load_config(_compose("qwen1.5b_1gpu_2t2s", ["populora.rollout.proposals_per_type=2"]).populora)
+    small = load_config(compose_recipe("qwen1.5b_1gpu_2t2s", ["populora.rollout.proposals_per_type=2"]).populora)
     assert "has 2 sample(s)" in small_group_warning(small)
-    pooled = load_config(_compose("qwen1.5b_1gpu_2t2s", ["populora.rollout.proposals_per_type=2",
-                                                         "populora.advantage.group=subpop_task_role"]).populora)
+    pooled = load_config(compose_recipe("qwen1.5b_1gpu_2t2s", ["populora.rollout.proposals_per_type=2",
+                                                               "populora.advantage.group=subpop_task_role"]).populora)
     assert small_group_warning(pooled) is None  # two teachers' proposals share one group of 4

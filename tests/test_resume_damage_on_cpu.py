@@ -10,19 +10,17 @@ import torch
 
 from populora_verl.checkpoint import CheckpointError, load_checkpoint, load_latest_checkpoint, save_checkpoint
 from populora_verl.config import load_config
-from populora_verl.executor import Executor
 from populora_verl.step import PopulationStep
 
 LORA = {"r": 4, "lora_alpha": 8, "target_modules": ["m"]}
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
+def run(tmp_path_factory, executor):
     """A run directory with complete checkpoints step_1..step_3 (optimizer states included)."""
-    ex = Executor(timeout_s=5.0, memory_mb=256, max_workers=1)
     cfg = load_config({"population": {"num_teachers": 1, "num_students": 1},
                        "diagnostics": {"cvt_cells": 8, "cvt_samples": 500}})
-    ps = PopulationStep(cfg, executor=ex, seed=0)
+    ps = PopulationStep(cfg, executor=executor, seed=0)
     root = tmp_path_factory.mktemp("run")
     g = torch.Generator().manual_seed(0)
     for step in (1, 2, 3):
@@ -32,7 +30,6 @@ def run(tmp_path_factory):
                  for i in ps.population.ids()}
         save_checkpoint(root, step, population=ps.population, adapters=adapters, lora_config=LORA,
                         optimizers=optim, step_state=ps.state_dict(), extra={"step": step})
-    ex.close()
     return root
 
 
@@ -174,20 +171,16 @@ def test_verl_resume_without_usable_checkpoint_stops(verl_run, tmp_path):
         choose_resume_folder(verl_run, warn=lambda _: None)
 
 
-def test_trainer_load_checkpoint_hands_verl_the_fallback_folder(verl_run):
+def test_trainer_load_checkpoint_hands_verl_the_fallback_folder(verl_run, bare_trainer):
     """PopuLoRATrainer._load_checkpoint: verl's own loader gets the older folder, and the population comes from
     the same step."""
     from omegaconf import OmegaConf
 
-    from populora_verl.trainer import register
-
     _truncate(verl_run / "global_step_3" / "populora" / "checkpoints" / "step_3" / "state.json")
-    cls = register()
-    t = cls.__new__(cls)
-    t.config = OmegaConf.create({"trainer": {"resume_mode": "auto", "default_local_dir": str(verl_run),
-                                             "resume_from_path": None, "del_local_ckpt_after_load": False}})
-    t.pcfg = load_config({"population": {"num_teachers": 1, "num_students": 1}})
-    t.use_critic, t.trainer_mode = False, "sync"
+    t = bare_trainer(OmegaConf.create({"trainer": {"resume_mode": "auto", "default_local_dir": str(verl_run),
+                                                   "resume_from_path": None, "del_local_ckpt_after_load": False}}),
+                     pcfg=load_config({"population": {"num_teachers": 1, "num_students": 1}}),
+                     use_critic=False, trainer_mode="sync")
     calls, loaded = [], {}
 
     class _WG:

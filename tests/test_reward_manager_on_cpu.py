@@ -94,7 +94,7 @@ async def test_every_row_the_trainer_builds_is_deferred(manager, role):
     """The rows of all three generation phases (teachers, students, the seeding phase's base-policy proposals), as
     convert.requests_to_rows builds them, are accepted and deferred (on the H100 the seeding rows were rejected)."""
     from populora_verl.step import GenRequest
-    from populora_verl.step.orchestration import BASE_POLICY
+    from populora_verl.step.records import BASE_POLICY
     from populora_verl.trainer import convert
 
     task = Task(type="code_o", program="def f(a):\n    return a\n", input="1", output="1")

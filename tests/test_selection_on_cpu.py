@@ -169,8 +169,7 @@ def test_learnable_outcome_counts_invalid_proposals_against_the_teacher():
 
 
 @pytest.mark.parametrize("rule,winner", [("vs_expected", "teacher"), ("learnable", "student")])
-def test_step_rates_a_half_invalid_teacher_by_the_outcome_rule(rule, winner):
-    from populora_verl.executor import Executor
+def test_step_rates_a_half_invalid_teacher_by_the_outcome_rule(rule, winner, executor):
     from populora_verl.step import GenResponse, PopulationStep
 
     good = "plan</think>\n<answer>\n```python\ndef f(x):\n    return x + 1\n```\n```input\n3\n```\n</answer>"
@@ -180,16 +179,12 @@ def test_step_rates_a_half_invalid_teacher_by_the_outcome_rule(rule, winner):
                        "tasks": {"types": ["code_o"], "num_references": 1},
                        "rollout": {"teacher_n": 1, "student_n": 4, "proposals_per_type": 2},
                        "diagnostics": {"cvt_cells": 4, "cvt_samples": 100}})
-    ex = Executor(timeout_s=5.0, memory_mb=256, max_workers=1)
-    try:
-        ps = PopulationStep(cfg, executor=ex, seed=0)
-        reqs = ps.begin(1)
-        # Two proposals: one valid, one garbage. The student solves the valid one 1 time in 4 (s̄ = 0.25 < p).
-        sreqs = ps.on_proposals([GenResponse(r, [good if i == 0 else "garbage"]) for i, r in enumerate(reqs)])
-        res = ps.on_answers([GenResponse(r, [right if (k == 0 and r.meta["source"] == "teacher") else wrong
-                                             for k in range(r.n)]) for r in sreqs])
-    finally:
-        ex.close()
+    ps = PopulationStep(cfg, executor=executor, seed=0)
+    reqs = ps.begin(1)
+    # Two proposals: one valid, one garbage. The student solves the valid one 1 time in 4 (s̄ = 0.25 < p).
+    sreqs = ps.on_proposals([GenResponse(r, [good if i == 0 else "garbage"]) for i, r in enumerate(reqs)])
+    res = ps.on_answers([GenResponse(r, [right if (k == 0 and r.meta["source"] == "teacher") else wrong
+                                         for k in range(r.n)]) for r in sreqs])
     assert res.outcomes[("t0", "s0")] == [winner]
 
 
@@ -373,18 +368,15 @@ def test_bank_child_keeps_parent_moments_not_victims():
     assert all(torch.equal(_moments(bank, 0)[n], parent[n]) for n in parent)
 
 
-def test_verl_evolve_sends_parent_slot_for_its_optimizer(tmp_path):
+def test_verl_evolve_sends_parent_slot_for_its_optimizer(tmp_path, bare_trainer):
     pytest.importorskip("verl")
     from populora_verl.step import PopulationStep
-    from populora_verl.trainer.trainer import PopuLoRATrainer
 
     cfg = load_config({"population": {"num_teachers": 3, "num_students": 3},
                        "pbt": {"interval_steps": 1, "reset_optimizer_on_replace": False, "protect_top": 0,
                                "final_quiet_steps": 0}})
-    t = object.__new__(PopuLoRATrainer)
-    t.global_steps = 1
-    t.config = OmegaConf.create({"trainer": {"default_local_dir": str(tmp_path)}})
-    t.pop_step = PopulationStep(cfg, seed=0, tasks_env=_StubTasks(), total_steps=10)
+    t = bare_trainer(OmegaConf.create({"trainer": {"default_local_dir": str(tmp_path)}}), global_steps=1,
+                     pop_step=PopulationStep(cfg, seed=0, tasks_env=_StubTasks(), total_steps=10))
     slot_of = {m.id: m.slot for m in t.pop_step.population.members}
     adapters = _fake_adapters(list(slot_of))
     calls = []

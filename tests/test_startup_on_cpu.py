@@ -5,21 +5,13 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
 
 from populora_verl.config import ConfigError
 from populora_verl.startup import preflight
 
-REPO = Path(__file__).resolve().parents[1]
-RECIPES = REPO / "recipes" / "populora"
-
-
-def _compose(name, overrides=(), hydra=False):
-    with initialize_config_dir(config_dir=str(RECIPES), version_base=None):
-        return compose(config_name=name, overrides=list(overrides), return_hydra_config=hydra)
+from _shared import RECIPES, REPO, compose_recipe
 
 
 @pytest.fixture
@@ -31,49 +23,52 @@ def model_dir(tmp_path):
 
 @pytest.mark.parametrize("recipe", ["1t1s", "2t2s", "4t4s", "8t8s", "azr_single_agent", "smoke_0.5b"])
 def test_every_recipe_declares_the_preflight_callback(recipe):
-    cfg = _compose(recipe, ["actor_rollout_ref.model.path=/m"], hydra=True)
+    cfg = compose_recipe(recipe, ["actor_rollout_ref.model.path=/m"], hydra_config=True)
     assert cfg.hydra.callbacks.populora_preflight._target_ == "populora_verl.startup.PreflightCallback"
 
 
 def test_model_path_is_checked(tmp_path, model_dir, monkeypatch):
     with pytest.raises(ConfigError, match=r"^actor_rollout_ref\.model\.path: no such directory '/nonexistent'$"):
-        preflight(_compose("smoke_0.5b", ["actor_rollout_ref.model.path=/nonexistent"]), check_gpus=False)
+        preflight(compose_recipe("smoke_0.5b", ["actor_rollout_ref.model.path=/nonexistent"]), check_gpus=False)
     with pytest.raises(ConfigError, match=r"holds no HF model \(no config.json\)"):
-        preflight(_compose("smoke_0.5b", [f"actor_rollout_ref.model.path={tmp_path}"]), check_gpus=False)
-    preflight(_compose("smoke_0.5b", [f"actor_rollout_ref.model.path={model_dir}"]), check_gpus=False)
+        preflight(compose_recipe("smoke_0.5b", [f"actor_rollout_ref.model.path={tmp_path}"]), check_gpus=False)
+    preflight(compose_recipe("smoke_0.5b", [f"actor_rollout_ref.model.path={model_dir}"]), check_gpus=False)
     # "org/name" is a hub id unless the hub is switched off
-    preflight(_compose("2t2s", ["actor_rollout_ref.model.path=Qwen/Qwen2.5-Coder-7B"]), check_gpus=False)
+    preflight(compose_recipe("2t2s", ["actor_rollout_ref.model.path=Qwen/Qwen2.5-Coder-7B"]), check_gpus=False)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(ConfigError, match="HF_HUB_OFFLINE is set"):
-        preflight(_compose("2t2s", ["actor_rollout_ref.model.path=Qwen/Qwen2.5-Coder-7B"]), check_gpus=False)
+        preflight(compose_recipe("2t2s", ["actor_rollout_ref.model.path=Qwen/Qwen2.5-Coder-7B"]), check_gpus=False)
 
 
 @pytest.mark.parametrize("recipe", ["smoke_0.5b", "qwen1.5b_1gpu_2t2s", "qwen1.5b_1gpu_single"])
 def test_a_one_gpu_recipe_without_a_model_stops_instead_of_taking_the_7b(recipe):
     """The one-GPU recipes name no model; the base's paper model must not fill the gap (a 1.5B run silently
     downloading and training the 7B), nor may verl's own placeholder path pass for a folder that is missing."""
-    cfg = _compose(recipe)
+    cfg = compose_recipe(recipe)
     assert "7B" not in str(cfg.actor_rollout_ref.model.path)
     with pytest.raises(ConfigError, match=r"^actor_rollout_ref\.model\.path: is required"):
         preflight(cfg, check_gpus=False)
-    assert _compose("4t4s").actor_rollout_ref.model.path == "Qwen/Qwen2.5-Coder-7B"  # the paper recipes keep theirs
+    # the paper recipes keep theirs
+    assert compose_recipe("4t4s").actor_rollout_ref.model.path == "Qwen/Qwen2.5-Coder-7B"
 
 
 def test_gpus_and_keys_are_checked(model_dir, monkeypatch):
     import torch
 
-    cfg = _compose("2t2s", [f"actor_rollout_ref.model.path={model_dir}"])
+    cfg = compose_recipe("2t2s", [f"actor_rollout_ref.model.path={model_dir}"])
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
     with pytest.raises(ConfigError, match=r"^trainer\.n_gpus_per_node: 8 GPU\(s\) requested but no GPU is visible"):
         preflight(cfg)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     with pytest.raises(ConfigError, match=r"8 GPUs requested but 2 visible.*trainer\.n_gpus_per_node=2"):
         preflight(cfg)
-    preflight(_compose("2t2s", [f"actor_rollout_ref.model.path={model_dir}", "trainer.n_gpus_per_node=2"]))
+    preflight(compose_recipe("2t2s", [f"actor_rollout_ref.model.path={model_dir}", "trainer.n_gpus_per_node=2"]))
     with pytest.raises(ConfigError, match=r"^actor_rollout_ref\.rollout\.name: must be 'populora_vllm'"):
-        preflight(_compose("2t2s", [f"actor_rollout_ref.model.path={model_dir}", "actor_rollout_ref.rollout.name=vllm"]))
+        preflight(compose_recipe("2t2s", [f"actor_rollout_ref.model.path={model_dir}",
+                                          "actor_rollout_ref.rollout.name=vllm"]))
     with pytest.raises(ConfigError, match=r"^populora\.pbt\.cull_fraction: must be in \(0, 1\)"):
-        preflight(_compose("2t2s", [f"actor_rollout_ref.model.path={model_dir}", "populora.pbt.cull_fraction=1.5"]))
+        preflight(compose_recipe("2t2s", [f"actor_rollout_ref.model.path={model_dir}",
+                                          "populora.pbt.cull_fraction=1.5"]))
 
 
 def test_verl_main_stops_in_one_line_before_ray(tmp_path):
@@ -101,21 +96,22 @@ def test_fused_kernels_with_an_untied_head_stop_at_start_up(tmp_path, tie, fails
     m = tmp_path / "m"
     m.mkdir()
     (m / "config.json").write_text(json.dumps({} if tie is None else {"tie_word_embeddings": tie}))
-    cfg = _compose("smoke_0.5b", [f"actor_rollout_ref.model.path={m}", "actor_rollout_ref.model.use_fused_kernels=true"])
+    cfg = compose_recipe("smoke_0.5b", [f"actor_rollout_ref.model.path={m}",
+                                        "actor_rollout_ref.model.use_fused_kernels=true"])
     if fails:
         with pytest.raises(ConfigError, match=r"^actor_rollout_ref\.model\.use_fused_kernels: .*untied LM head"):
             preflight(cfg, check_gpus=False)
     else:
         preflight(cfg, check_gpus=False)
     # without the fused kernels an untied head is fine
-    preflight(_compose("smoke_0.5b", [f"actor_rollout_ref.model.path={m}"]), check_gpus=False)
+    preflight(compose_recipe("smoke_0.5b", [f"actor_rollout_ref.model.path={m}"]), check_gpus=False)
 
 
 def test_small_teacher_groups_warn_at_start_up_and_learning_recipes_do_not(model_dir, capsys):
     """A teacher's TRR++ group under 4 samples cannot learn while most proposals are invalid: say so before Ray."""
-    preflight(_compose("smoke_0.5b", [f"actor_rollout_ref.model.path={model_dir}"]), check_gpus=False)
+    preflight(compose_recipe("smoke_0.5b", [f"actor_rollout_ref.model.path={model_dir}"]), check_gpus=False)
     err = capsys.readouterr().err
     assert "populora: warning: populora.rollout.proposals_per_type: a teacher's TRR++ group has 2 sample(s)" in err
     for recipe in ("qwen1.5b_1gpu_2t2s", "qwen1.5b_1gpu_single"):
-        preflight(_compose(recipe, [f"actor_rollout_ref.model.path={model_dir}"]), check_gpus=False)
+        preflight(compose_recipe(recipe, [f"actor_rollout_ref.model.path={model_dir}"]), check_gpus=False)
         assert "warning" not in capsys.readouterr().err

@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from populora_verl.config import load_config
-from populora_verl.executor import Executor
 from populora_verl.step import GenResponse, PopulationStep
 
 PROGRAM = "def f(x):\n    return x + 1\n"
@@ -17,13 +16,6 @@ GOOD_PROPOSAL = f"plan</think>\n<answer>\n```python\n{PROGRAM}```\n```input\n3\n
 GARBAGE = "no idea what to write"
 RIGHT = "4 it is</think>\n<answer>\n```output\n4\n```\n</answer>"
 WRONG = "maybe 5</think>\n<answer>\n```output\n5\n```\n</answer>"
-
-
-@pytest.fixture(scope="module")
-def executor():
-    ex = Executor(timeout_s=5.0, memory_mb=256, max_workers=1)
-    yield ex
-    ex.close()
 
 
 def _cfg(**over):

@@ -303,23 +303,20 @@ def test_schedule_command_composes_and_the_trainer_reads_it(tmp_path):
         ss.population_of("big")
 
 
-def test_trainer_switches_population_bank_and_adapters_at_an_entry_start(monkeypatch):
+def test_trainer_switches_population_bank_and_adapters_at_an_entry_start(monkeypatch, bare_trainer):
     pytest.importorskip("transfer_queue")
     from hydra import compose, initialize_config_dir
 
     from populora_verl.config import load_config
     from populora_verl.trainer import schedule as sc
-    from populora_verl.trainer.trainer import PopuLoRATrainer
 
     names = ["single", "2t2s"]
     cmd = ss.schedule_command("/m", names, 2, Path("/tmp/o"), [])
     with initialize_config_dir(config_dir=str(ss.RECIPES), version_base=None):
         cfg = compose(config_name="smoke_0.5b", overrides=cmd[cmd.index("smoke_0.5b") + 1:])
-    t = PopuLoRATrainer.__new__(PopuLoRATrainer)
-    t.config, t.debug_probes, t.timing_raw = cfg, False, {}
-    t._schedule, t._schedule_cfgs = sc.scheduled_configs(cfg)
-    t.pcfg = t._schedule_cfgs[0]
-    t._init_populora_state()
+    schedule, schedule_cfgs = sc.scheduled_configs(cfg)
+    t = bare_trainer(cfg, debug_probes=False, timing_raw={}, _schedule=schedule, _schedule_cfgs=schedule_cfgs,
+                     pcfg=schedule_cfgs[0])
     calls = []
 
     class _Step:

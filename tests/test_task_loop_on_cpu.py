@@ -195,15 +195,6 @@ GOOD_PROPOSAL = f"plan</think>\n<answer>\n```python\n{PROGRAM}```\n```input\n3\n
 RIGHT = "4 it is</think>\n<answer>\n```output\n4\n```\n</answer>"
 
 
-@pytest.fixture(scope="module")
-def executor():
-    from populora_verl.executor import Executor
-
-    ex = Executor(timeout_s=5.0, memory_mb=256, max_workers=1)
-    yield ex
-    ex.close()
-
-
 def _cfg(**over):
     base = {
         "population": {"num_teachers": 2, "num_students": 2},
@@ -382,7 +373,7 @@ def test_seeding_phase_fills_buffers_from_the_base_model_and_is_reusable(tiny, t
 
     from populora_verl.local.hf_engine import HFEngine
     from populora_verl.step import PopulationStep
-    from populora_verl.step.orchestration import BASE_POLICY
+    from populora_verl.step.records import BASE_POLICY
     from populora_verl.tasks import load_seed_file
 
     seen = []
@@ -440,7 +431,7 @@ def test_step_refuses_to_start_before_seeding():
 
 def test_seeding_requests_route_to_a_fresh_lora_id_on_verl():
     from populora_verl.step import GenRequest
-    from populora_verl.step.orchestration import BASE_POLICY
+    from populora_verl.step.records import BASE_POLICY
     from populora_verl.trainer import convert
 
     table = {"t0": {"slot": 0, "lora_int_id": 1000, "lora_name": "0@v0"},

@@ -22,11 +22,8 @@ from populora_verl.tasks.task import TRUNCATE_CHARS
 
 
 @pytest.fixture(scope="module")
-def ex():
-    from populora_verl.executor import Executor
-
-    with Executor(timeout_s=2.0, memory_mb=512, max_workers=2) as e:
-        yield e
+def ex(executor_pool):
+    return executor_pool.get(timeout_s=2.0, memory_mb=512, max_workers=2)
 
 
 @pytest.fixture(scope="module")

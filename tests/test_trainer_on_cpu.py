@@ -1,24 +1,17 @@
 """The verl trainer ``populora``: pure conversions, start-up validation and trainer wiring without GPUs."""
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
 
 pytest.importorskip("transfer_queue")
-from hydra import compose, initialize_config_dir  # noqa: E402
 
 from populora_verl.config import ConfigError, load_config  # noqa: E402
 from populora_verl.step import GenRequest, Sample  # noqa: E402
 from populora_verl.trainer import convert  # noqa: E402
 
-RECIPES = Path(__file__).resolve().parents[1] / "recipes" / "populora"
-
-
-def _compose(name="smoke_0.5b", overrides=()):
-    with initialize_config_dir(config_dir=str(RECIPES), version_base=None):
-        return compose(config_name=name, overrides=list(overrides))
+from _shared import compose_recipe  # noqa: E402
 
 
 LORA = {"t0": {"slot": 0, "lora_int_id": 1000, "lora_name": "0@v0"},
@@ -128,7 +121,7 @@ def test_metric_helpers_and_checksums():
 
 @pytest.mark.parametrize("name", ["smoke_0.5b", "1t1s", "2t2s", "4t4s", "8t8s", "azr_single_agent"])
 def test_recipes_pass_verl_validation(name):
-    cfg = _compose(name, ["actor_rollout_ref.model.path=/m"] if name == "smoke_0.5b" else [])
+    cfg = compose_recipe(name, ["actor_rollout_ref.model.path=/m"] if name == "smoke_0.5b" else [])
     convert.validate_verl_config(cfg, load_config(cfg.populora))
 
 
@@ -158,14 +151,14 @@ BAD = [
 
 
 def test_populora_rollout_keys_equal_to_verl_pass():
-    cfg = _compose("smoke_0.5b", ["actor_rollout_ref.model.path=/m", "populora.rollout.max_new_tokens=512",
-                                  "populora.rollout.temperature=1.0"])
+    cfg = compose_recipe("smoke_0.5b", ["actor_rollout_ref.model.path=/m", "populora.rollout.max_new_tokens=512",
+                                        "populora.rollout.temperature=1.0"])
     convert.validate_verl_config(cfg, load_config(cfg.populora))
 
 
 @pytest.mark.parametrize("override,key", BAD, ids=[k for _, k in BAD])
 def test_bad_verl_key_fails_with_one_line_naming_it(override, key):
-    cfg = _compose("smoke_0.5b", ["actor_rollout_ref.model.path=/m", override])
+    cfg = compose_recipe("smoke_0.5b", ["actor_rollout_ref.model.path=/m", override])
     with pytest.raises(ConfigError) as e:
         convert.validate_verl_config(cfg, load_config(cfg.populora))
     msg = str(e.value)
@@ -194,47 +187,40 @@ def test_register_is_idempotent_and_named_populora(trainer_cls):
     assert issubclass(trainer_cls, PPOTrainerSync)
 
 
-def _bare(trainer_cls, cfg):
-    t = trainer_cls.__new__(trainer_cls)
-    t.config = cfg
-    t._init_populora_state()
-    return t
-
-
 def test_sync_fix_gives_the_sync_replay_buffer(trainer_cls, monkeypatch):
     from verl.trainer.ppo.v1.replay_buffer import ReplayBuffer, ReplayBufferAsync
 
     import populora_verl.plugin as plugin
 
     monkeypatch.setattr(plugin, "check_registrations", lambda: None)  # the plugin's wiring is tested elsewhere
-    cfg = _compose("smoke_0.5b", ["actor_rollout_ref.model.path=/m"])
+    cfg = compose_recipe("smoke_0.5b", ["actor_rollout_ref.model.path=/m"])
     t = trainer_cls(cfg)
     assert t.trainer_mode == "sync" and t.parameter_sync_step == 1
     assert type(t.replay_buffer) is ReplayBuffer and not isinstance(t.replay_buffer, ReplayBufferAsync)
     assert t.replay_buffer.refill_fn.__func__ is trainer_cls._add_prompts_to_generate
     assert t.pcfg.population.num_adapters == 4
     # a bad verl key stops the trainer before any worker starts
-    bad = _compose("smoke_0.5b", ["actor_rollout_ref.model.path=/m", "actor_rollout_ref.rollout.name=vllm"])
+    bad = compose_recipe("smoke_0.5b", ["actor_rollout_ref.model.path=/m", "actor_rollout_ref.rollout.name=vllm"])
     with pytest.raises(ConfigError, match=r"^actor_rollout_ref\.rollout\.name:"):
         trainer_cls(bad)
 
 
-def test_resource_pool_uses_the_populora_worker(trainer_cls):
+def test_resource_pool_uses_the_populora_worker(bare_trainer):
     from verl.trainer.ppo.utils import Role
 
     from populora_verl.workers.worker import PopuLoRAActorRolloutRefWorker
 
-    cfg = _compose("smoke_0.5b", ["actor_rollout_ref.model.path=/m"])
-    t = _bare(trainer_cls, cfg)
+    cfg = compose_recipe("smoke_0.5b", ["actor_rollout_ref.model.path=/m"])
+    t = bare_trainer(cfg)
     t._init_resource_pool_mgr()
     cls = t.role_worker_mapping[Role.ActorRollout]
     assert cls.__ray_actor_class__ is PopuLoRAActorRolloutRefWorker
     assert t.mapping[Role.ActorRollout] == "global_pool"
 
 
-def test_null_dataloader_sets_steps_and_checkpoints(trainer_cls):
-    cfg = _compose("smoke_0.5b", ["actor_rollout_ref.model.path=/m", "trainer.total_training_steps=7"])
-    t = _bare(trainer_cls, cfg)
+def test_null_dataloader_sets_steps_and_checkpoints(bare_trainer):
+    cfg = compose_recipe("smoke_0.5b", ["actor_rollout_ref.model.path=/m", "trainer.total_training_steps=7"])
+    t = bare_trainer(cfg)
     t._init_dataloader()
     assert t.total_training_steps == 7 and t.steps_per_epoch > 7
     assert (t.total_training_steps - 1) // t.steps_per_epoch == 0  # fit() never ends an "epoch" early
@@ -266,11 +252,11 @@ class _FakeWG:
         return call
 
 
-def test_lora_table_and_update_actor_use_the_slot_batch(trainer_cls):
+def test_lora_table_and_update_actor_use_the_slot_batch(bare_trainer):
     from transfer_queue import KVBatchMeta
 
-    cfg = _compose("1t1s")
-    t = _bare(trainer_cls, cfg)
+    cfg = compose_recipe("1t1s")
+    t = bare_trainer(cfg)
     t.pcfg = load_config(cfg.populora)
     from populora_verl.population import Population
 
@@ -326,12 +312,12 @@ def test_per_adapter_partition_of_a_combined_batch():
     assert sorted(k for s in subs.values() for k in s.keys) == sorted(keys)
 
 
-def test_metrics_row_is_written_after_evolution(trainer_cls, tmp_path, monkeypatch):
+def test_metrics_row_is_written_after_evolution(bare_trainer, tmp_path, monkeypatch):
     """metrics.jsonl gets the step's population metrics with evolution's event count (known only in on_step_end)."""
     from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 
-    cfg = _compose("smoke_0.5b", ["actor_rollout_ref.model.path=/m", f"trainer.default_local_dir={tmp_path}"])
-    t = _bare(trainer_cls, cfg)
+    cfg = compose_recipe("smoke_0.5b", ["actor_rollout_ref.model.path=/m", f"trainer.default_local_dir={tmp_path}"])
+    t = bare_trainer(cfg)
     t.global_steps, t.timing_raw, t._save_pending = 2, {}, False
     t._step_population_metrics = {"populora/validity/mean": 0.25, "populora/evolution/events": 0.0}
     monkeypatch.setattr(t, "_evolve", lambda: {"populora/evolution/events": 2.0})
@@ -342,7 +328,7 @@ def test_metrics_row_is_written_after_evolution(trainer_cls, tmp_path, monkeypat
     assert t._pending_sync_metrics["populora/evolution/events"] == 2.0  # verl's own logger gets it too
 
 
-def test_stop_file_ends_the_run_at_the_first_step_past_the_quiet_window(trainer_cls, tmp_path, monkeypatch):
+def test_stop_file_ends_the_run_at_the_first_step_past_the_quiet_window(bare_trainer, tmp_path, monkeypatch):
     """touch <run dir>/STOP: no evolution, a checkpoint and the end of fit() at the first step where no member is
     younger than the final quiet window; before that step the run goes on (and evolves) as usual."""
     from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
@@ -350,8 +336,8 @@ def test_stop_file_ends_the_run_at_the_first_step_past_the_quiet_window(trainer_
     from populora_verl.step import PopulationStep
     from populora_verl.trainer import stop
 
-    cfg = _compose("smoke_0.5b", ["actor_rollout_ref.model.path=/m", f"trainer.default_local_dir={tmp_path}"])
-    t = _bare(trainer_cls, cfg)
+    cfg = compose_recipe("smoke_0.5b", ["actor_rollout_ref.model.path=/m", f"trainer.default_local_dir={tmp_path}"])
+    t = bare_trainer(cfg)
     t.pop_step = PopulationStep(cfg.populora, total_steps=100)
     evolved, saved = [], []
     monkeypatch.setattr(t, "_evolve", lambda: evolved.append(t.global_steps) or {"populora/evolution/events": 1.0})

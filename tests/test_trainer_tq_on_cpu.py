@@ -25,7 +25,8 @@ from omegaconf import OmegaConf, open_dict  # noqa: E402
 
 from populora_verl.step import GenRequest, Sample  # noqa: E402
 
-RECIPES = Path(__file__).resolve().parents[1] / "recipes" / "populora"
+from _shared import compose_recipe  # noqa: E402
+
 PARTITION = "train"
 START_TIMEOUT_S = 60.0
 # member id -> adapter slot (2 teachers, 2 students)
@@ -193,7 +194,7 @@ class _Workers:
 
     def _per_slot(self, batch):
         """``[(slot, keys, tags, rank_shares, extra_info)]`` of one call, fused or not."""
-        from populora_verl.trainer import fused
+        from populora_verl.workers import fused
 
         info = dict(batch.extra_info)
         keys, tags = list(batch.keys), list(batch.tags)
@@ -262,22 +263,14 @@ class _PopStep:
         return SimpleNamespace(samples=samples, metrics={"populora/fake/samples": float(len(samples))})
 
 
-def _trainer(tmp_path):
+def _trainer(bare_trainer, tmp_path):
     from populora_verl.config import load_config
-    from populora_verl.trainer import register
 
-    cls = register()
-    with initialize_config_dir(config_dir=str(RECIPES), version_base=None):
-        cfg = compose(config_name="2t2s")
+    cfg = compose_recipe("2t2s")
     with open_dict(cfg):
         cfg.trainer.default_local_dir = str(tmp_path / "ckpt")
-    t = cls.__new__(cls)  # verl's __init__ builds worker groups; the TQ path needs only these attributes
-    t.config = cfg
-    t.pcfg = load_config(cfg.populora)
-    t._init_populora_state()
-    t.trainer_mode = "sync"
-    t.debug_probes = False
-    t.global_steps = 1
+    # verl's __init__ builds worker groups; the TQ path needs only these attributes
+    t = bare_trainer(cfg, pcfg=load_config(cfg.populora), trainer_mode="sync", debug_probes=False, global_steps=1)
     t.tokenizer = _tokenizer()
     t.replay_buffer = t._build_replay_buffer()
     t.agent_loop_manager = _AgentLoop(t.tokenizer)
@@ -295,9 +288,9 @@ def _listed() -> dict:
 
 
 @pytest.mark.timeout(120)
-def test_generate_round_trip_decodes_every_session(tq_cluster, tmp_path):
+def test_generate_round_trip_decodes_every_session(tq_cluster, tmp_path, bare_trainer):
     """prompts -> TQ -> agent loop -> replay buffer -> _fetch_responses: texts and masked lengths per key."""
-    t = _trainer(tmp_path)
+    t = _trainer(bare_trainer, tmp_path)
     reqs = t.pop_step.begin(1)
     metrics: dict = {}
     responses, batch, masks = t._generate(reqs, "teacher", metrics)
@@ -321,12 +314,12 @@ def test_generate_round_trip_decodes_every_session(tq_cluster, tmp_path):
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("fused_rpc", [True, False], ids=["fused", "per_adapter"])
-def test_step_writes_signals_per_adapter_batch_and_clears(tq_cluster, tmp_path, fused_rpc):
+def test_step_writes_signals_per_adapter_batch_and_clears(tq_cluster, tmp_path, fused_rpc, bare_trainer):
     """Both dispatch modes train every slot on exactly its adapter's rows, and each DP rank gets the same share of
     a slot's rows as a call of the slot's own would give it (compute matching is independent of fusing)."""
-    from populora_verl.trainer import fused
+    from populora_verl.workers import fused
 
-    t = _trainer(tmp_path)
+    t = _trainer(bare_trainer, tmp_path)
     t.fused_rpc = fused_rpc
     metrics: dict = {}
     out = t.step(metrics, {})
@@ -385,7 +378,7 @@ def test_step_writes_signals_per_adapter_batch_and_clears(tq_cluster, tmp_path, 
 
 
 @pytest.mark.timeout(120)
-def test_seeding_phase_runs_through_tq_on_a_fresh_lora_id_and_trains_nothing(tq_cluster, tmp_path):
+def test_seeding_phase_runs_through_tq_on_a_fresh_lora_id_and_trains_nothing(tq_cluster, tmp_path, bare_trainer):
     """populora.buffer.seed_programs on verl: before step 1 the base-policy prompts go through TQ under the first
     member's LoRA id (lora_B is still zero), are validated by the real population step, then cleared from TQ; the
     seed set is written next to the checkpoints and begin() is allowed afterwards."""
@@ -393,10 +386,10 @@ def test_seeding_phase_runs_through_tq_on_a_fresh_lora_id_and_trains_nothing(tq_
 
     from populora_verl.config import load_config
     from populora_verl.step import PopulationStep
-    from populora_verl.step.orchestration import BASE_POLICY
+    from populora_verl.step.records import BASE_POLICY
     from populora_verl.tasks import Task
 
-    t = _trainer(tmp_path)
+    t = _trainer(bare_trainer, tmp_path)
     t.pop_step = PopulationStep(load_config({"population": {"num_teachers": 2, "num_students": 2},
                                              "tasks": {"types": ["code_o"]},
                                              "buffer": {"seed_programs": 2, "seed_rounds": 3}}), executor=object())
@@ -421,13 +414,13 @@ def test_seeding_phase_runs_through_tq_on_a_fresh_lora_id_and_trains_nothing(tq_
 
 
 @pytest.mark.timeout(120)
-def test_bypass_mode_checks_the_trainers_own_log_probs_against_vllms(tq_cluster, tmp_path):
+def test_bypass_mode_checks_the_trainers_own_log_probs_against_vllms(tq_cluster, tmp_path, bare_trainer):
     """Under bypass_mode the old log-probs are vLLM's, so verl's rollout-vs-trainer metrics compare vLLM with itself
     (0.0 / Pearson 1.0 on every line). Every diagnostics.logprob_check_every steps the trainer runs its own log-prob
     pass on a few rows per adapter (before the update) and compares: here the worker's -0.25 against vLLM's -0.5."""
     import math
 
-    t = _trainer(tmp_path)
+    t = _trainer(bare_trainer, tmp_path)
     with open_dict(t.config):
         t.config.algorithm.rollout_correction.bypass_mode = True
         t.config.actor_rollout_ref.rollout.calculate_log_probs = True

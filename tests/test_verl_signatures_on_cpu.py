@@ -38,9 +38,8 @@ VERL = Path(importlib.util.find_spec("verl").submodule_search_locations[0])
 # --- worker: dispatch decorators ----------------------------------------------------------------------------
 
 OVERRIDDEN = ["compute_log_prob", "update_actor", "update_weights"]
-RPCS = ["populora_init_bank", "populora_bank_info", "populora_apply_plan", "populora_set_adapter",
-        "populora_get_adapter", "populora_reset_optimizer", "populora_save_bank", "populora_load_bank",
-        "populora_shard_checksums"]
+RPCS = ["populora_init_bank", "populora_bank_info", "populora_set_adapter", "populora_get_adapter",
+        "populora_save_bank", "populora_load_bank", "populora_shard_checksums"]
 
 
 def _mode_key(mode):

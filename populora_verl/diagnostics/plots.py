@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
+from populora_verl.diagnostics.lineage import member_sort_key
+
 from populora_verl.diagnostics.metrics import PREFIX, read_metrics
 
 __all__ = [
@@ -98,11 +100,6 @@ def _matching(rows: Rows, pattern: re.Pattern) -> dict[str, tuple[str, ...]]:
     return found
 
 
-def member_sort_key(member_id: str) -> tuple[str, float, str]:
-    m = re.match(r"^([A-Za-z_]*)(\d+)$", member_id)
-    return (m.group(1), float(m.group(2)), "") if m else (member_id, math.inf, member_id)
-
-
 # --- evolution events ------------------------------------------------------------------------------------------
 
 
@@ -146,7 +143,7 @@ def read_events(run_dir: str | os.PathLike) -> list[EvolutionEvent]:
     try:
         if (run / "evolution.jsonl").is_file():
             return _events_from_log(run / "evolution.jsonl")
-        from populora_verl.eval.report import find_population_dir, read_lineage
+        from populora_verl.diagnostics.lineage import find_population_dir, read_lineage
 
         pop_dir = find_population_dir(run)
         if pop_dir is None:
@@ -439,7 +436,7 @@ def plot_all(metrics: str | os.PathLike | Rows, out_dir: str | os.PathLike, *,
 
 def _plot_lineage(run: Path, out_path: Path, rows: Rows) -> Path | None:
     """The lineage tree of the run's latest population checkpoint (None without one, or with no children)."""
-    from populora_verl.eval.report import find_population_dir, plot_lineage, read_lineage
+    from populora_verl.diagnostics.lineage import find_population_dir, plot_lineage, read_lineage
 
     run = run.parent if run.is_file() else run
     try:

@@ -9,31 +9,17 @@ LiveCodeBench is read from a user-supplied release jsonl (see :mod:`populora_ver
 
 from __future__ import annotations
 
-import gzip
-import json
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
+from populora_verl.eval.items import Item, read_jsonl as _read_jsonl
 from populora_verl.eval.math_grader import extract_boxed
 
 __all__ = ["Item", "BenchmarkSpec", "BENCHMARKS", "CODE_BENCHMARKS", "MATH_BENCHMARKS", "PACKAGE_DATA", "resolve_data_dir",
            "load_benchmark", "benchmark_names", "register_benchmark"]
-
-
-@dataclass(frozen=True)
-class Item:
-    """One benchmark problem. ``kind`` is ``code`` or ``math``; ``question`` is what the prompt shows; ``gold`` is
-    the reference answer (math: a LaTeX/number string) or the test specification (code: a dict)."""
-
-    benchmark: str
-    id: str
-    kind: str
-    question: str
-    gold: Any
-    meta: dict[str, Any] = field(default_factory=dict, compare=False)
 
 
 @dataclass(frozen=True)
@@ -54,21 +40,6 @@ def register_benchmark(spec: BenchmarkSpec) -> BenchmarkSpec:
         raise ValueError(f"benchmark {spec.name!r} is already registered")
     BENCHMARKS[spec.name] = spec
     return spec
-
-
-def _read_jsonl(path: Path) -> Iterator[dict[str, Any]]:
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{n}: not valid JSON ({e.msg})") from None
-            if not isinstance(row, dict):
-                raise ValueError(f"{path}:{n}: expected a JSON object per line")
-            yield row
 
 
 def _require(row: dict[str, Any], keys: tuple[str, ...], path: Path) -> None:

@@ -26,6 +26,7 @@ import zlib
 from pathlib import Path
 from typing import Any
 
+from populora_verl.eval.items import Item, read_jsonl
 from populora_verl.eval.sandbox import SandboxLimits, decode_value, run_program
 
 __all__ = ["LCBFormatError", "load_lcb_items", "decode_private_tests", "check_lcb", "stdout_matches"]
@@ -82,13 +83,11 @@ def decode_private_tests(raw: Any, where: str = "private_test_cases") -> list[di
 
 def load_lcb_items(path: str | Path, *, name: str = "livecodebench", on_pickle: str = "error") -> list:
     """Items from an LCB release jsonl. ``on_pickle``: ``error`` (default) or ``public_only``."""
-    from populora_verl.eval.data import Item, _read_jsonl
-
     if on_pickle not in ("error", "public_only"):
         raise ValueError(f"on_pickle must be 'error' or 'public_only', got {on_pickle!r}")
     path = Path(path)
     items = []
-    for row in _read_jsonl(path):
+    for row in read_jsonl(path):
         qid = str(row.get("question_id", row.get("id", "")))
         where = f"{path.name}:{qid}"
         for k in ("question_content", "public_test_cases"):

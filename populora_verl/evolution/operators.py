@@ -55,6 +55,8 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 from torch import Tensor
 
+from populora_verl.config import OPERATOR_KINDS as KINDS
+
 from .lora import (
     LoRAStack,
     a_row_rms,
@@ -69,7 +71,6 @@ from .lora import (
 __all__ = ["Operator", "OPERATORS", "register_operator", "get_operator", "MUTATIONS", "CROSSOVERS"]
 
 Adapter = dict[str, Tensor]
-KINDS = ("mutation", "crossover")
 # std below this counts as "zero" (PEFT's B = 0): use the 1/sqrt(last dim) fallback scale instead.
 _ZERO_STD = 1e-10
 

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 import numpy as np
 
+from populora_verl.config import OPERATOR_KINDS as KINDS
 from populora_verl.config import ROOT, ConfigError, PBTConfig, PopulationConfig
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -43,7 +44,6 @@ __all__ = ["Replacement", "EvolutionPlan", "PBTController", "num_victims"]
 
 log = logging.getLogger(__name__)
 
-KINDS = ("mutation", "crossover")
 _MAX_SEED = 2 ** 63 - 1
 
 
@@ -206,7 +206,7 @@ class PBTController:
 
     def validate(self, population_config: PopulationConfig) -> None:
         """Start-up check that every sub-population can breed under this config (one-line ConfigError)."""
-        if not self.cfg.enabled or population_config.mode == "single_agent":
+        if not self.cfg.enabled:  # the config turns evolution off for the single agent
             return
         sizes = {"teacher": population_config.num_teachers, "student": population_config.num_students}
         for role in self.cfg.roles:
@@ -350,14 +350,6 @@ class PBTController:
             mu, sigma = self._child_rating(population, r)
             population.replace(r.victim_id, r.child_id, r.parent_ids, r.operator, plan.step, mu=mu, sigma=sigma)
         return children
-
-    def step(self, population: "Population", step: int, adapters: Mapping[str, Mapping[str, "torch.Tensor"]],
-             recent_rewards: Mapping[str, float] | None = None) -> tuple[EvolutionPlan, dict[str, dict[str, "torch.Tensor"]]]:
-        """``plan`` + ``apply`` when due; an empty plan otherwise."""
-        if not self.due(step):
-            return EvolutionPlan(step=int(step)), {}
-        plan = self.plan(population, step, recent_rewards)
-        return plan, self.apply(plan, population, adapters)
 
     # --- persistence --------------------------------------------------------------------------------------
 

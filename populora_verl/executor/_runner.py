@@ -9,8 +9,11 @@ Protocol (both directions): 4-byte big-endian length + UTF-8 JSON.
   host -> worker, once:  {"uid", "gid", "setup_mounts", "expose", "banned", "nproc", "fsize_mb", "tmp_mb",
                           "memory_mb", "cgroup", "user_namespace", "namespace_filter" (optional, default true)}
   worker -> host, once:  {"ready": true, "protections": {...}, "notes": [...]}
-  host -> worker:        {"program", "inputs", "timeout_s", "memory_mb", "check_determinism", "max_output_chars"}
-  worker -> host:        {"ok", "output", "error", "duration_s"}
+  host -> worker:        {"batch": [request, ...]}, a request being
+                         {"program", "inputs", "timeout_s", "memory_mb", "check_determinism", "max_output_chars"}
+  worker -> host:        {"batch": [{"ok", "output", "error", "duration_s"}, ...], "fatal": null | reason}
+                         one reply per request, in order; a "fatal" reason means the slot gave up (the requests
+                         after the failing one are answered as not run) and the host restarts it.
 """
 
 from __future__ import annotations

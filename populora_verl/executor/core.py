@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from populora_verl.config import AZR_BANNED_MODULES
+from populora_verl.config import AZR_BANNED_MODULES, executor_limit_problems
 from populora_verl.executor._runner import find_banned
 
 if TYPE_CHECKING:
@@ -138,10 +138,8 @@ class Executor:
                  sandbox_fusion_url: str | None = None, isolation: str = "auto", max_processes: int = 16,
                  file_size_mb: int = 16, tmp_mb: int = 64, grace_s: float = 5.0, memory_cgroup: bool = True,
                  plain_data: bool = True) -> None:
-        if timeout_s <= 0:
-            raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
-        if memory_mb < 32:
-            raise ValueError(f"memory_mb must be >= 32, got {memory_mb!r}")
+        for key, why in executor_limit_problems(timeout_s, memory_mb).items():
+            raise ValueError(f"{key} {why}")
         if isolation not in ("auto", "rlimits"):
             raise ValueError(f"isolation must be 'auto' or 'rlimits', got {isolation!r}")
         self.timeout_s, self.memory_mb = float(timeout_s), int(memory_mb)

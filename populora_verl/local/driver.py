@@ -24,7 +24,7 @@ from populora_verl.local.config import LocalConfig
 from populora_verl.local.hf_engine import HFEngine, seed_for, slot_name
 from populora_verl.local.progress import step_line
 from populora_verl.step import PopulationStep, StepResult
-from populora_verl.step.orchestration import BASE_POLICY
+from populora_verl.step.records import BASE_POLICY
 
 __all__ = ["LocalDriver", "load_model"]
 

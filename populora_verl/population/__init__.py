@@ -13,7 +13,10 @@ from populora_verl.population.ratings import (
     Ratings,
     match_outcomes,
 )
-from populora_verl.population.state import load_population, read_adapter, save_population, write_adapter
+from populora_verl.population.state import read_adapter, save_population, write_adapter
+
+#: The function form of :meth:`Population.load`: ``(population, adapters or None)`` from a saved directory.
+load_population = Population.load
 
 __all__ = [
     "DRAW",

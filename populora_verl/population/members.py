@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from populora_verl.population.ratings import Ratings
+from populora_verl.population.state import POPULATION_FILE, read_population_state, save_population
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -251,15 +252,17 @@ class Population:
     def save(self, directory: str | Path, adapters: Mapping[str, Mapping[str, "torch.Tensor"]] | None = None,
              lora_config: Mapping[str, Any] | None = None, *, states: Mapping[str, Any] | None = None) -> Path:
         """Write ``population.json`` (+ ``adapters/<id>/`` PEFT folders) atomically; see :mod:`.state`."""
-        from populora_verl.population.state import save_population
-
         return save_population(self, directory, adapters=adapters, lora_config=lora_config, states=states)
 
     @classmethod
     def load(cls, directory: str | Path) -> tuple["Population", dict[str, dict[str, "torch.Tensor"]] | None]:
-        from populora_verl.population.state import load_population
-
-        return load_population(directory)
+        """Inverse of :meth:`save`: ``(population, adapters or None)``."""
+        state, adapters = read_population_state(directory)
+        population = cls.from_state_dict(state)
+        if adapters is not None and sorted(adapters) != sorted(population.ids()):
+            raise ValueError(f"{Path(directory) / POPULATION_FILE}: adapters {sorted(adapters)} do not match the "
+                             f"alive members {population.ids()}")
+        return population, adapters
 
     def __repr__(self) -> str:
         return f"Population(mode={self.mode!r}, step={self.step}, members={self.ids()})"

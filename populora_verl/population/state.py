@@ -27,7 +27,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
     from populora_verl.population.members import Population
 
-__all__ = ["FORMAT", "adapter_config_dict", "save_population", "load_population", "write_adapter", "read_adapter"]
+__all__ = ["FORMAT", "adapter_config_dict", "save_population", "read_population_state", "write_adapter", "read_adapter"]
 
 FORMAT = "populora.population/1"
 POPULATION_FILE = "population.json"
@@ -135,10 +135,9 @@ def save_population(population: "Population", directory: str | Path,
     return directory
 
 
-def load_population(directory: str | Path) -> tuple["Population", dict[str, dict[str, "torch.Tensor"]] | None]:
-    """Inverse of :func:`save_population`: ``(population, adapters or None)``."""
-    from populora_verl.population.members import Population
-
+def read_population_state(directory: str | Path) -> tuple[dict[str, Any], dict[str, dict[str, "torch.Tensor"]] | None]:
+    """The state dict :func:`save_population` wrote and the adapters saved with it (None when none were):
+    :meth:`Population.load <populora_verl.population.members.Population.load>` builds the population from them."""
     directory = Path(directory)
     path = directory / POPULATION_FILE
     if not path.is_file():
@@ -147,11 +146,7 @@ def load_population(directory: str | Path) -> tuple["Population", dict[str, dict
         state = json.load(f)
     if state.get("format") != FORMAT:
         raise ValueError(f"{path}: unsupported format {state.get('format')!r} (expected {FORMAT!r})")
-    population = Population.from_state_dict(state)
     ids = state.get("adapters")
     if ids is None:
-        return population, None
-    if sorted(ids) != sorted(population.ids()):
-        raise ValueError(f"{path}: adapters {ids} do not match the alive members {population.ids()}")
-    adapters = {mid: read_adapter(directory / "adapters" / mid)[0] for mid in ids}
-    return population, adapters
+        return state, None
+    return state, {mid: read_adapter(directory / "adapters" / mid)[0] for mid in ids}

@@ -7,8 +7,9 @@ allows and leaves learnability to the driver (``populora_verl.reward.levels``):
 - **propose** trajectories: parse and validate the proposal in the executor. ``reward_score`` is
   ``rewards.format_error`` / ``rewards.invalid_program`` for a failed proposal and a provisional 0.0 for a
   valid one (the driver overwrites it with the learnability reward after the student phase).
-  ``reward_extra_info["populora_task"]`` carries the validated task as JSON, from which the driver builds the
-  student prompts.
+  ``reward_extra_info["populora_task"]`` carries the validated task as JSON, for a driver of the reward loop that
+  builds student prompts from verl's outputs (the ``populora`` trainer validates in its own population step and
+  does not read it).
 - **solve** trajectories: score the answer against the task (``rewards.correct`` / ``wrong_answer`` /
   ``format_error``).
 
@@ -36,6 +37,7 @@ from verl import DataProto
 from verl.experimental.reward_loop.reward_manager.base import RewardManagerBase
 
 from populora_verl.config import TASK_TYPES, PopuLoRAConfig, load_config
+from populora_verl.reward.levels import teacher_reward
 from populora_verl.tasks.task import Task
 from populora_verl.tasks.verify import score_answer, validate_proposal
 
@@ -163,12 +165,8 @@ class PopuLoRACodeRewardManager(RewardManagerBase):
             extra.update(populora_status=res.status, populora_reason=res.reason, populora_valid=float(res.has_task))
             if res.has_task:  # AZR: a valid program is a task even under a failed envelope
                 extra.update(populora_task=res.task.to_json(), populora_task_id=res.task.id)
-            if res.valid:
-                score = 0.0  # provisional: the step assigns learnability once the students have answered
-            elif res.status == "format_error":
-                score = float(cfg.rewards.format_error)
-            else:
-                score = float(cfg.rewards.invalid_program)
+            # a valid proposal's 0.0 is provisional: the step assigns learnability once the students have answered
+            score = 0.0 if res.valid else teacher_reward(res.status, None, cfg.rewards)
         else:
             task: Task = info["task"]
             s = score_answer(task, text, self._get_executor(), cfg, think_prefilled=info["think_prefilled"])

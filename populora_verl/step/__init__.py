@@ -1,18 +1,12 @@
 """The population step: one orchestration driven by the CPU driver and by the verl trainer (see
 :mod:`populora_verl.step.orchestration`)."""
 
-from populora_verl.step.orchestration import (
-    GenRequest,
-    GenResponse,
-    PopulationStep,
-    Sample,
-    StepResult,
-    compute_metrics,
-    planned_trajectories,
-)
+from populora_verl.step.metrics import planned_trajectories, realised_compute
+from populora_verl.step.orchestration import PopulationStep
+from populora_verl.step.records import GenRequest, GenResponse, Sample, StepResult, TeacherRecord
 
-__all__ = ["GenRequest", "GenResponse", "PopulationStep", "Sample", "StepResult", "TaskEnv", "compute_metrics",
-           "planned_trajectories"]
+__all__ = ["GenRequest", "GenResponse", "PopulationStep", "Sample", "StepResult", "TeacherRecord", "TaskEnv",
+           "realised_compute", "planned_trajectories"]
 
 
 def __getattr__(name: str):

@@ -35,7 +35,6 @@ Decisions (documented in docs/cpu-driver.md, "Decisions in the population step")
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -43,155 +42,30 @@ import torch
 
 from populora_verl.advantage import group_keys, trrpp_advantages
 from populora_verl.config import PopuLoRAConfig, load_config
+from populora_verl.diagnostics.metrics import evolution_metrics, merge_metrics, pair_metrics
 from populora_verl.reward.levels import solve_rate, teacher_reward
+from populora_verl.step.metrics import (
+    planned_trajectories,
+    proposal_outcome_metrics,
+    proposal_validity_metrics,
+    realised_compute,
+    sample_metrics,
+)
+from populora_verl.step.records import (
+    BASE_POLICY,
+    SEED,
+    STUDENT,
+    TEACHER,
+    GenRequest,
+    GenResponse,
+    Sample,
+    StepResult,
+    TeacherRecord,
+)
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["GenRequest", "GenResponse", "Sample", "StepResult", "PopulationStep", "compute_metrics",
-           "planned_trajectories", "BASE_POLICY"]
-
-TEACHER = "teacher"
-STUDENT = "student"
-SEED = "seed"
-#: ``GenRequest.adapter`` of the seeding phase: the base model without any adapter. The CPU driver runs it with
-#: PEFT's ``__base__``; verl serves it under a fresh member's LoRA id (``lora_B`` is zero before step 1, so the
-#: adapter adds nothing).
-BASE_POLICY = "__base__"
-
-
-@dataclass
-class GenRequest:
-    """One prompt for one adapter, to be sampled ``n`` times. ``meta`` is the orchestration's bookkeeping."""
-
-    adapter: str  # member id
-    role: str  # teacher | student
-    task_type: str
-    prompt: Any  # str, or chat messages (list of {role, content}) when tasks.prompt_template=chat
-    n: int
-    meta: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass
-class GenResponse:
-    """The ``n`` completions of one request. ``lengths``: response tokens per completion (token-mean whitening,
-    as verl; ``None`` counts each completion as one token). ``extra``: engine data per completion (token ids),
-    handed back untouched in :attr:`Sample.extra`."""
-
-    request: GenRequest
-    texts: list[str]
-    lengths: list[int] | None = None
-    extra: list[Any] | None = None
-
-
-@dataclass
-class Sample:
-    """One trajectory for one adapter's update: reward on the last token, scalar TRR++ advantage."""
-
-    adapter: str
-    role: str
-    task_type: str
-    prompt: Any
-    response: str
-    reward: float
-    advantage: float = 0.0
-    length: int = 1
-    extra: Any = None
-    meta: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass
-class StepResult:
-    step: int
-    samples: list[Sample]  # every scored trajectory, teachers then students
-    updates: dict[str, list[Sample]]  # member id -> the samples its update trains on
-    metrics: dict[str, float]
-    solve_rates: dict[tuple[str, str], float]  # (teacher, student) -> mean correctness on the teacher's tasks
-    outcomes: dict[tuple[str, str], list[str]]  # rating games applied per pair
-
-
-def compute_metrics(updates: Mapping[str, Sequence[Sample]], generated: Mapping[str, int],
-                    updates_per_step: int = 1) -> dict[str, float]:
-    """What each adapter was trained on this step (the compute-matching rule, docs/tasks-and-rewards.md):
-    ``populora/compute/<member>/{trajectories,tokens,updates,generated}`` and their ``member_mean``.
-
-    trajectories: samples in its update; tokens: their response tokens; updates: optimizer steps (0 when it had
-    nothing to train on); generated: every completion sampled with it, estimation-only answers included."""
-    out: dict[str, float] = {}
-    rows = []
-    for m, xs in updates.items():
-        row = {"trajectories": float(len(xs)), "tokens": float(sum(max(1, s.length) for s in xs)),
-               "updates": float(updates_per_step if xs else 0), "generated": float(generated.get(m, 0))}
-        rows.append(row)
-        out.update({f"populora/compute/{m}/{k}": v for k, v in row.items()})
-    for k in ("trajectories", "tokens", "updates", "generated"):
-        out[f"populora/compute/member_mean/{k}"] = float(np.mean([r[k] for r in rows])) if rows else 0.0
-    return out
-
-
-def proposal_outcome_metrics(records: Sequence[Mapping[str, Any]]) -> dict[str, float]:
-    """Per task type, what became of the proposals: ``format_error_rate`` (the envelope or a block failed; AZR's
-    format penalty), ``unformatted_valid_rate`` (a valid program kept under a failed envelope) and
-    ``fail/<code>`` (no task, by :data:`~populora_verl.tasks.verify.FAILURE_CODES`), each over the type's proposals.
-    Every code is logged every step (0 when absent), so a plot of one code has no gaps."""
-    from populora_verl.tasks.verify import FAILURE_CODES
-
-    out: dict[str, float] = {}
-    by_type: dict[str, list[Mapping[str, Any]]] = {}
-    for rec in records:
-        by_type.setdefault(rec["task_type"], []).append(rec)
-    for tt, recs in by_type.items():
-        n = len(recs)
-        p = f"populora/task_type/{tt}"
-        out[f"{p}/format_error_rate"] = sum(r["status"] == "format_error" for r in recs) / n
-        out[f"{p}/unformatted_valid_rate"] = sum(
-            r["status"] == "format_error" and r["task"] is not None for r in recs) / n
-        for code in FAILURE_CODES:
-            out[f"{p}/fail/{code}"] = sum(r["task"] is None and r.get("code") == code for r in recs) / n
-    return out
-
-
-def planned_trajectories(cfg: PopuLoRAConfig) -> float:
-    """Trained trajectories per adapter per step that ``cfg`` plans, averaged over members, when every proposal is
-    valid. Under ``student_mix=fallback`` with ``buffer_task_n`` = ``student_n`` (the default) and estimation
-    answers trained, the count does not depend on validity; the single-agent recipe (``max_new``, estimation not
-    trained) does not either. ``azr_single_agent`` is set so that this equals the population recipes' value."""
-    r, rw = cfg.rollout, cfg.rewards
-    proposals = r.teacher_n * r.proposals_per_type * len(cfg.tasks.types)
-    n_buf = r.buffer_task_n or r.student_n
-    solver = proposals * (r.student_n if rw.train_on_estimation_rollouts else 0)
-    if cfg.buffer.student_mix == "max_new":
-        solver += proposals * n_buf
-    if cfg.population.mode == "single_agent":
-        return float(proposals + solver)
-    nt, ns = cfg.population.num_teachers, cfg.population.num_students
-    spp = cfg.matchmaking.students_per_problem
-    return float(nt * proposals + nt * spp * solver) / (nt + ns)
-
-
-#: TRR++ whitens each group's rewards; below this many teacher samples a group is mostly all-invalid at the start of
-#: a run (identical rewards, advantage 0), and the teachers get no gradient.
-MIN_TEACHER_GROUP = 4
-
-
-def teacher_group_size(cfg: PopuLoRAConfig) -> int:
-    """Teacher samples in one TRR++ group (``advantage.group``) per step: a teacher's proposals of one task type
-    (``teacher_n x proposals_per_type``), pooled over the teachers when the group key drops the adapter."""
-    per_teacher = cfg.rollout.teacher_n * cfg.rollout.proposals_per_type
-    if cfg.population.mode == "single_agent" or cfg.advantage.group == "adapter_task_role":
-        return per_teacher
-    return per_teacher * cfg.population.num_teachers
-
-
-def small_group_warning(cfg: PopuLoRAConfig) -> str | None:
-    """A start-up warning when a teacher's TRR++ group would hold fewer than :data:`MIN_TEACHER_GROUP` samples."""
-    n = teacher_group_size(cfg)
-    if n >= MIN_TEACHER_GROUP:
-        return None
-    return (f"populora.rollout.proposals_per_type: a teacher's TRR++ group has {n} sample(s) per task type (fewer than "
-            f"{MIN_TEACHER_GROUP}); while most proposals are invalid such groups have identical rewards and teachers get "
-            "no advantage. Raise proposals_per_type (or teacher_n), or pool teachers with "
-            "populora.advantage.group=subpop_task_role")
-
+__all__ = ["GenRequest", "GenResponse", "Sample", "TeacherRecord", "StepResult", "PopulationStep", "BASE_POLICY"]
 
 class PopulationStep:
     """The population step as phases with explicit data in and out (see the module docstring).
@@ -212,7 +86,7 @@ class PopulationStep:
         self.population = population if population is not None else Population.create(self.cfg)
         self.matchmaker = Matchmaker(self.cfg.matchmaking, seed=self.seed + 1)
         self.pbt = None
-        if self.cfg.pbt.enabled and self.cfg.population.mode != "single_agent":
+        if self.cfg.pbt.enabled:  # the config turns evolution off for the single agent
             from populora_verl.evolution.pbt import PBTController
 
             self.pbt = PBTController(self.cfg.pbt, seed=self.seed + 2, total_steps=total_steps)
@@ -223,11 +97,11 @@ class PopulationStep:
         self.diagnostics = ProblemDiagnostics(self.cfg.diagnostics, seed=self.seed + 3,
                                               max_program_chars=self.cfg.tasks.max_program_chars)
         self._rng = np.random.Generator(np.random.PCG64(self.seed + 4))
-        self.step = 0  # completed steps
+        self.completed_step = 0  # the last step whose answers were scored (0 before the first)
         self.recent_rewards: dict[str, float] = {}
         self._phase = "idle"
         self._teacher_requests: list[GenRequest] = []
-        self._teacher_records: list[dict[str, Any]] = []
+        self._teacher_records: list[TeacherRecord] = []
         self._answer_format_errors: list[bool] = []  # per answer of the step being scored
         self._student_requests: list[GenRequest] = []
         self._pairs: list[tuple[str, str]] = []
@@ -372,15 +246,12 @@ class PopulationStep:
         items = [(resp, k) for resp in responses for k in range(len(resp.texts))]
         verdicts = self.tasks.validate_many(
             [(r.request.task_type, r.texts[k], r.request.meta, r.request.adapter, self._current) for r, k in items])
-        records = []
-        for (resp, k), (task, status, *why) in zip(items, verdicts):
-            records.append({
-                "adapter": resp.request.adapter, "task_type": resp.request.task_type, "prompt": resp.request.prompt,
-                "response": resp.texts[k], "length": resp.lengths[k] if resp.lengths else 1,
-                "extra": resp.extra[k] if resp.extra else None, "task": task, "status": status,
-                "code": why[0] if why else "",
-                "solve": {},  # student id -> list of correctness
-            })
+        records = [TeacherRecord(adapter=resp.request.adapter, task_type=resp.request.task_type,
+                                 prompt=resp.request.prompt, response=resp.texts[k],
+                                 length=resp.lengths[k] if resp.lengths else 1,
+                                 extra=resp.extra[k] if resp.extra else None, task=task, status=status,
+                                 code=why[0] if why else "")
+                   for (resp, k), (task, status, *why) in zip(items, verdicts)]
         self._teacher_records = records
 
         students_of: dict[str, list[str]] = {}
@@ -392,19 +263,19 @@ class PopulationStep:
         quota = self.cfg.rollout.teacher_n * self.cfg.rollout.proposals_per_type
         requests: list[GenRequest] = []
         for teacher in self.population.teachers():
-            mine = [(i, r) for i, r in enumerate(records) if r["adapter"] == teacher.id]
+            mine = [(i, r) for i, r in enumerate(records) if r.adapter == teacher.id]
             for s in students_of.get(teacher.id, []):
                 for i, r in mine:
-                    if r["task"] is not None:
-                        requests.append(GenRequest(s, STUDENT, r["task"].type, self.tasks.solver_request(r["task"]),
-                                                   n_ans, {"task": r["task"], "teacher": teacher.id,
+                    if r.task is not None:
+                        requests.append(GenRequest(s, STUDENT, r.task.type, self.tasks.solver_request(r.task),
+                                                   n_ans, {"task": r.task, "teacher": teacher.id,
                                                            "record": i, "source": "teacher"}))
-                asked = sorted({r["task_type"] for _, r in mine})
+                asked = sorted({r.task_type for _, r in mine})
                 for task_type in asked:
                     if max_new:  # AZR's solver batch: newest buffer tasks first (last step's proposals)
                         tasks = self.tasks.buffer_tasks(task_type, quota, self._rng, since_step=self._current - 1)
                     else:  # stand-ins for the teacher's missing valid tasks
-                        got = sum(1 for _, r in mine if r["task_type"] == task_type and r["task"] is not None)
+                        got = sum(1 for _, r in mine if r.task_type == task_type and r.has_task)
                         tasks = self.tasks.buffer_tasks(task_type, quota - got, self._rng)
                     for task in tasks:
                         requests.append(GenRequest(s, STUDENT, task_type, self.tasks.solver_request(task), n_buf,
@@ -431,7 +302,7 @@ class PopulationStep:
         for (resp, k), (reward, correct, _) in zip(items, scores):
             req = resp.request
             if req.meta["record"] is not None:
-                self._teacher_records[req.meta["record"]]["solve"].setdefault(req.adapter, []).append(bool(correct))
+                self._teacher_records[req.meta["record"]].solve.setdefault(req.adapter, []).append(bool(correct))
             if req.meta["source"] == "teacher" and not rw.train_on_estimation_rollouts:
                 continue
             student_samples.append(Sample(
@@ -445,30 +316,30 @@ class PopulationStep:
         pair_rates: dict[tuple[str, str], list[float]] = {p: [] for p in self._pairs}
         new_tasks = []
         for rec in self._teacher_records:
-            task = rec["task"]
+            task = rec.task
             if task is None:
-                reward, rate = teacher_reward(rec["status"], None, rw), None
+                reward, rate = teacher_reward(rec.status, None, rw), None
             else:
-                for s, c in rec["solve"].items():
+                for s, c in rec.solve.items():
                     if c:
-                        pair_rates.setdefault((rec["adapter"], s), []).append(solve_rate(c))
-                pooled = [c for cs in rec["solve"].values() for c in cs]
+                        pair_rates.setdefault((rec.adapter, s), []).append(solve_rate(c))
+                pooled = [c for cs in rec.solve.values() for c in cs]
                 rate = solve_rate(pooled) if pooled else None
-                if rec["status"] == "format_error":  # a valid program under a failed envelope (AZR): still -1
+                if rec.status == "format_error":  # a valid program under a failed envelope (AZR): still -1
                     reward = teacher_reward("format_error", None, rw)
                 else:  # no matched student answered (no students at all): the task taught nobody, reward Z
                     reward = teacher_reward("valid", rate, rw) if rate is not None else float(rw.zero_learnability_reward)
                 new_tasks.append((task, rate))  # the buffer applies buffer.valid_program_filter
             teacher_samples.append(Sample(
-                rec["adapter"], TEACHER, rec["task_type"], rec["prompt"], rec["response"], float(reward),
-                length=rec["length"], extra=rec["extra"],
-                meta={"status": rec["status"], "solve_rate": rate, "task_id": task.id if task else None}))
+                rec.adapter, TEACHER, rec.task_type, rec.prompt, rec.response, float(reward),
+                length=rec.length, extra=rec.extra,
+                meta={"status": rec.status, "solve_rate": rate, "task_id": task.id if task else None}))
 
         # Ratings: one match per (teacher, student) pair over the teacher's valid tasks (matchmaking.outcome
         # = learnable also counts the teacher's invalid proposals against it).
         invalid: dict[str, int] = {}
         for rec in self._teacher_records:
-            invalid[rec["adapter"]] = invalid.get(rec["adapter"], 0) + (rec["task"] is None)
+            invalid[rec.adapter] = invalid.get(rec.adapter, 0) + (not rec.has_task)
         outcomes = {}
         for (t, s), rates in pair_rates.items():
             outcomes[(t, s)] = self.population.ratings.rate_match(t, s, rates, self.cfg.matchmaking.outcome,
@@ -483,16 +354,16 @@ class PopulationStep:
 
         # Complexity and coverage describe what teachers wrote: a code_f task's program is a buffer program the
         # teacher was shown (it only wrote inputs and a message), so it is left out.
-        valid_programs = [r["task"].program for r in self._teacher_records
-                          if r["task"] is not None and r["task"].type != "code_f"]
+        valid_programs = [r.task.program for r in self._teacher_records
+                          if r.task is not None and r.task.type != "code_f"]
         self.tasks.add_to_buffers(new_tasks)
         metrics = self._metrics(samples, solve_rates, valid_programs)
         generated: dict[str, int] = {}
         for rec in self._teacher_records:
-            generated[rec["adapter"]] = generated.get(rec["adapter"], 0) + 1
+            generated[rec.adapter] = generated.get(rec.adapter, 0) + 1
         for resp, _ in items:
             generated[resp.request.adapter] = generated.get(resp.request.adapter, 0) + 1
-        metrics.update(compute_metrics(updates, generated, self.updates_per_step))
+        metrics.update(realised_compute(updates, generated, self.updates_per_step))
         # The plan next to what happened: matchmaking can give one student every task for a step.
         metrics["populora/compute/planned_trajectories"] = planned_trajectories(self.cfg)
         metrics.update(self._pending_metrics)
@@ -500,7 +371,7 @@ class PopulationStep:
         self.recent_rewards = {m: float(np.mean([x.reward for x in xs])) for m, xs in updates.items() if xs}
         for m in self.population.members:
             self.recent_rewards.setdefault(m.id, 0.0)
-        self.step = self._current
+        self.completed_step = self._current
         self.population.step = self._current
         self.population.tick()  # every living member has trained one more step (after this step's update)
         self._phase = "idle"
@@ -528,51 +399,11 @@ class PopulationStep:
 
     def _metrics(self, samples: Sequence[Sample], solve_rates: Mapping[tuple[str, str], float],
                  valid_programs: Sequence[str]) -> dict[str, float]:
-        out: dict[str, float] = dict(self.population.ratings.metrics())
-        for (t, s), r in solve_rates.items():
-            out[f"populora/pair/{t}/{s}/solve_rate"] = r
-        def valid_rates(field: str) -> dict[str, list[int]]:  # {teacher or task type: [valid, proposals]}
-            counts: dict[str, list[int]] = {}
-            for rec in self._teacher_records:
-                c = counts.setdefault(rec[field], [0, 0])
-                c[0] += rec["task"] is not None
-                c[1] += 1
-            return counts
-
-        counts = valid_rates("adapter")
-        for t, (v, n) in counts.items():
-            out[f"populora/validity/{t}"] = v / n if n else 0.0
-        total = sum(n for _, n in counts.values())
-        out["populora/validity/mean"] = sum(v for v, _ in counts.values()) / total if total else 0.0
-        for tt, (v, n) in valid_rates("task_type").items():
-            out[f"populora/task_type/{tt}/validity"] = v / n
-        out.update(proposal_outcome_metrics(self._teacher_records))
-        out.update(self.diagnostics.observe(list(valid_programs), self._current))
-        by_member: dict[str, list[float]] = {}
-        by_role: dict[str, list[float]] = {}
-        for s in samples:
-            by_member.setdefault(s.adapter, []).append(s.reward)
-            by_role.setdefault(s.role, []).append(s.reward)
-        for m, rs in by_member.items():
-            out[f"populora/reward/{m}/mean"] = float(np.mean(rs))
-        for role, rs in by_role.items():
-            out[f"populora/role/{role}/reward_mean"] = float(np.mean(rs))  # not an id: own prefix
-        lengths: dict[str, list[int]] = {}
-        for s in samples:
-            lengths.setdefault(s.role, []).append(s.length)
-        for role, ls in lengths.items():
-            out[f"populora/role/{role}/response_length_mean"] = float(np.mean(ls))
-        # The envelope is what a weak base model fails first: these rates should fall in the first steps.
-        if self._teacher_records:
-            out["populora/role/teacher/format_error_rate"] = float(np.mean(
-                [rec["status"] == "format_error" for rec in self._teacher_records]))
-        if self._answer_format_errors:
-            out["populora/role/student/format_error_rate"] = float(np.mean(self._answer_format_errors))
-        correct = [s.meta["correct"] for s in samples if s.role == STUDENT]
-        if correct:
-            out["populora/student/accuracy"] = float(np.mean(correct))
-        out["populora/evolution/events"] = 0.0
-        return out
+        return merge_metrics(self.population.ratings.metrics(), pair_metrics(solve_rates),
+                             proposal_validity_metrics(self._teacher_records),
+                             proposal_outcome_metrics(self._teacher_records),
+                             self.diagnostics.observe(list(valid_programs), self._current),
+                             sample_metrics(samples, self._answer_format_errors), evolution_metrics(0))
 
     # --- phase 4: evolve -----------------------------------------------------------------------------------
 
@@ -598,7 +429,7 @@ class PopulationStep:
         if self._phase != "idle":
             raise RuntimeError("PopulationStep.state_dict: save between steps, not in phase " + repr(self._phase))
         return {
-            "step": self.step,
+            "step": self.completed_step,
             "seed": self.seed,
             "rng": self._rng.bit_generator.state,
             "matchmaker": self.matchmaker.state_dict(),
@@ -614,7 +445,7 @@ class PopulationStep:
             self.population = population
             if self.pbt is not None:  # the window of this run's config (final_quiet_steps may change on resume)
                 self.population.age_window = self.cfg.pbt.quiet_steps
-        self.step = int(state["step"])
+        self.completed_step = int(state["step"])
         self.seed = int(state["seed"])
         self._rng = np.random.Generator(np.random.PCG64())
         self._rng.bit_generator.state = dict(state["rng"])

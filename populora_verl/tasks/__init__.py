@@ -12,19 +12,26 @@ Typical flow (driver side)::
         score = score_answer(result.task, student_response, executor, cfg)   # score.reward, score.correct
 """
 
-from populora_verl.tasks.buffer import TaskBuffer, TaskBuffers, load_seed_file, save_seed_file
-from populora_verl.tasks.parsing import ParseError, check_format, check_program, extract_answer
-from populora_verl.tasks.prompts import (proposer_prompt, proposer_request, render_prompt, solver_prompt,
-                                         solver_request)
-from populora_verl.tasks.task import Task, identity_code_f_task, identity_task, truncate_output
-from populora_verl.tasks.verify import (AnswerScore, Proposal, ProposalResult, parse_proposal, score_answer,
-                                        validate_proposal, values_equal)
+from __future__ import annotations
 
-__all__ = [
-    "Task", "identity_task", "identity_code_f_task", "truncate_output",
-    "TaskBuffer", "TaskBuffers", "load_seed_file", "save_seed_file",
-    "ParseError", "check_format", "check_program", "extract_answer",
-    "proposer_prompt", "solver_prompt", "render_prompt", "proposer_request", "solver_request",
-    "Proposal", "ProposalResult", "AnswerScore", "parse_proposal", "validate_proposal", "score_answer",
-    "values_equal",
-]
+import importlib
+
+# name -> submodule. Loaded on first use (PEP 562), so that importing one submodule (the config reads
+# ``populora_verl.tasks.templates``) does not pull in verify, the executor and the config itself.
+_EXPORTS = {
+    "Task": "task", "identity_task": "task", "identity_code_f_task": "task", "truncate_output": "task",
+    "TaskBuffer": "buffer", "TaskBuffers": "buffer", "load_seed_file": "buffer", "save_seed_file": "buffer",
+    "ParseError": "parsing", "check_format": "parsing", "check_program": "parsing", "extract_answer": "parsing",
+    "proposer_prompt": "prompts", "solver_prompt": "prompts", "render_prompt": "prompts",
+    "proposer_request": "prompts", "solver_request": "prompts",
+    "Proposal": "verify", "ProposalResult": "verify", "AnswerScore": "verify", "parse_proposal": "verify",
+    "validate_proposal": "verify", "score_answer": "verify", "values_equal": "verify",
+}
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f"populora_verl.tasks.{_EXPORTS[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -19,6 +19,7 @@ from typing import Any, Protocol, Sequence
 
 from populora_verl.config import PopuLoRAConfig
 from populora_verl.executor.core import literal_problem, safe_text
+from populora_verl.reward.levels import student_reward
 from populora_verl.tasks import parsing as P
 from populora_verl.tasks.task import Task, truncate_output
 
@@ -331,11 +332,6 @@ class AnswerScore:
         return self.status == "correct"
 
 
-def _reward(status: str, cfg: PopuLoRAConfig) -> float:
-    r = cfg.rewards
-    return {"correct": r.correct, "wrong": r.wrong_answer, "format_error": r.format_error}[status]
-
-
 def _judge(task: Task, payload: str, executor: ExecutorLike, cfg: PopuLoRAConfig) -> tuple[bool, str]:
     if task.type == "code_o":
         ok = values_equal(executor, [(task.output, payload, True)])[0]
@@ -385,10 +381,10 @@ def score_answer(task: Task, response: str, executor: ExecutorLike, cfg: PopuLoR
         answer = P.extract_answer(response, think_prefilled, max_chars=cfg.tasks.max_response_chars)
         payload = P.extract_solver_payload(answer, task.type)
     except P.ParseError as e:
-        return AnswerScore("format_error", _reward("format_error", cfg), reason=str(e))
+        return AnswerScore("format_error", student_reward("format_error", cfg.rewards), reason=str(e))
     try:
         ok, why = _judge(task, payload, executor, cfg)
     except (RecursionError, MemoryError, UnicodeError) as e:  # pathological text: a wrong answer, not a crash
         ok, why = False, f"unparsable: {type(e).__name__}"
     status = "correct" if ok else "wrong"
-    return AnswerScore(status, _reward(status, cfg), reason=why, payload=payload)
+    return AnswerScore(status, student_reward(status, cfg.rewards), reason=why, payload=payload)

@@ -100,7 +100,7 @@ def with_base_policy(lora_of: Mapping[str, Mapping[str, Any]], member_id: str) -
     """``lora_of`` plus a route for the seeding phase's base-policy requests (``BASE_POLICY``): ``member_id``'s
     LoRA id. Seeding runs before step 1, when every slot's ``lora_B`` is still zero, so that adapter adds nothing and
     vLLM samples the base model (our routing serves no request without an adapter)."""
-    from populora_verl.step.orchestration import BASE_POLICY
+    from populora_verl.step.records import BASE_POLICY
 
     if member_id not in lora_of:
         raise KeyError(f"no LoRA id for member {member_id!r}")

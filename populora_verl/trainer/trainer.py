@@ -20,7 +20,7 @@ import json
 import logging
 import os
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import ray
@@ -39,16 +39,15 @@ from verl.utils.py_functional import rename_dict
 
 from populora_verl.config import PopuLoRAConfig, load_config
 from populora_verl.evolution.pbt import append_event, describe, trim_events
-from populora_verl.trainer import convert, fused, probes, schedule, stop, timeline
+from populora_verl.trainer import TRAINER_NAME, convert, probes, schedule, stop, timeline
 from populora_verl.trainer.timeline import Timeline
-from populora_verl.workers import ADAPTER_KEY
+from populora_verl.workers import ADAPTER_KEY, fused
 
 logger = logging.getLogger(__name__)
 logger.setLevel(os.getenv("VERL_LOGGING_LEVEL", "INFO"))
 
 __all__ = ["PopuLoRATrainer", "NullPromptLoader", "TRAINER_NAME", "register", "DEBUG_PROBES_KEY"]
 
-TRAINER_NAME = "populora"
 #: ``+trainer.populora_debug_probes=true``: per-step bank checksums and a greedy probe under every LoRA id.
 DEBUG_PROBES_KEY = "trainer.populora_debug_probes"
 PARTITION = "train"
@@ -82,7 +81,6 @@ class _Phase:
     uids: list[str]  # uid currently standing for request i (a refill gives a failed group a fresh uid)
     rows: list[dict[str, Any]]
     resubmitted: int = 0
-    seen: set[str] = field(default_factory=set)
 
 
 class _LazyAdapters(Mapping):
@@ -109,20 +107,6 @@ def _actor_metrics(raw: Mapping[str, Any]) -> dict[str, Any]:
     if "actor/mfu" in output:
         output["perf/mfu/actor"] = output.pop("actor/mfu")
     return reduce_metrics(output)
-
-
-def fused_batch(subs: Mapping[int, KVBatchMeta], dp: int) -> KVBatchMeta:
-    """All slots' balanced sub-batches as one call's batch, laid out per :func:`populora_verl.trainer.fused.interleave`.
-
-    Each slot keeps its own keys (and verl's balanced order, so each rank gets the share it would get alone)."""
-    if not subs:
-        raise ValueError("fused_batch: no slot to train")
-    parts = [(slot, list(zip(sub.keys, sub.tags, strict=True))) for slot, sub in subs.items()]
-    rows, segments = fused.interleave(parts, dp)
-    first = next(iter(subs.values()))
-    batch = KVBatchMeta(partition_id=first.partition_id, keys=[k for k, _ in rows], tags=[t for _, t in rows])
-    batch.extra_info[fused.SEGMENTS_KEY] = fused.encode_segments(segments)
-    return batch
 
 
 def rollout_counts(tags: Sequence[Mapping[str, Any]], lengths: Mapping[str, int]) -> dict[str, float]:
@@ -203,7 +187,6 @@ class PopuLoRATrainer(PPOTrainerSync):
                   "(delete the file to run to trainer.total_training_steps)", flush=True)
         self._phase: _Phase | None = None
         self._next_index = 0
-        self._checksums: dict[int, str] | None = None
         self._metrics_log = None
 
     # --- set-up overrides ------------------------------------------------------------------------------------
@@ -467,7 +450,7 @@ class PopuLoRATrainer(PPOTrainerSync):
         """Every adapter's old log-probs in one worker call, then every adapter's update in one call.
 
         Each slot keeps exactly the rows (and verl's balancing and padding) it gets from a call of its own; only the
-        number of RPCs, TransferQueue round trips and driver-side waits changes (:mod:`populora_verl.trainer.fused`).
+        number of RPCs, TransferQueue round trips and driver-side waits changes (:mod:`populora_verl.workers.fused`).
         """
         per_adapter: dict[str, dict[str, Any]] = {}
         subs: dict[int, KVBatchMeta] = {}
@@ -475,7 +458,7 @@ class PopuLoRATrainer(PPOTrainerSync):
             m = per_adapter.setdefault(member_of[slot], {})
             subs[slot] = self._balanced_sub(all_meta, slot, keys, m, timing_raw)
             m["populora/samples"] = len(keys)
-        batch = fused_batch(subs, self._dp_size())
+        batch = fused.fused_batch(subs, self._dp_size())
         self._write_signals(batch, signals)
         with marked_timer("old_log_prob", timing_raw, color="blue"):
             shared: dict[str, Any] = {}
@@ -601,7 +584,7 @@ class PopuLoRATrainer(PPOTrainerSync):
         self.pcfg = self._schedule_cfgs[idx]
         self.pop_step = PopulationStep(self.pcfg, executor=old.tasks.executor)
         self.pop_step.updates_per_step = getattr(old, "updates_per_step", 1)  # the compute metrics count it
-        self._phase, self._checksums = None, None
+        self._phase = None
         info = self._rpc("populora_init_bank", self.pcfg.population.num_adapters, self.pcfg.population.seed)
         self.checkpoint_manager.update_weights(self.global_steps)
         print(f"[populora] step {self.global_steps}: population schedule entry {entry.name!r} "

@@ -420,34 +420,6 @@ class AdapterBank:
         if self._active == dst:
             self._load_optimizer(d)
 
-    def set_lr(self, slot: int, lr: float) -> None:
-        """Set ``slot``'s base learning rate (every param group, and the scheduler's ``base_lrs`` so it sticks).
-
-        The slot's current schedule factor (e.g. mid-warmup) is kept: the live LR becomes ``lr * factor``.
-        """
-        self._check_slot(slot)
-        if self.optimizer is None:
-            raise AdapterBankError("set_lr needs an optimizer")
-        if not (isinstance(lr, (int, float)) and lr >= 0 and math.isfinite(lr)):
-            raise AdapterBankError(f"lr must be a finite number >= 0, got {lr!r}")
-        if self._active == slot:
-            self.swap_out()
-        s = self._slots[slot]
-        n = len(self.optimizer.param_groups)
-        cur = list(s.lrs if s.lrs is not None else self._initial_lrs)
-        sched = copy.deepcopy(s.scheduler if s.scheduler is not None else self._initial_scheduler)
-        if sched is not None and "base_lrs" in sched:
-            factors = [c / b if b else 1.0 for c, b in zip(cur, sched["base_lrs"])]
-            sched["base_lrs"] = [float(lr)] * n
-            s.scheduler = sched
-        else:
-            factors = [1.0] * n
-        s.lrs = [float(lr) * f for f in factors]
-        if sched is not None and "_last_lr" in sched:
-            sched["_last_lr"] = list(s.lrs)
-        if self._active == slot:
-            self._load_optimizer(s)
-
     # --- full adapter state dicts (PEFT keys) ----------------------------------------------------------------
 
     def get_adapter_state(self, slot: int) -> dict[str, torch.Tensor]:

@@ -2,14 +2,14 @@
 
 * ``compute_log_prob`` / ``update_actor`` run verl's body inside ``bank.active(slot)``; the slot comes from the
   batch's non-tensor entry ``populora_adapter`` (the ``extra_info`` of the driver's ``KVBatchMeta``). A fused call
-  (``populora_segments``, :mod:`populora_verl.trainer.fused`) carries every adapter's rows laid out so that each rank
+  (``populora_segments``, :mod:`populora_verl.workers.fused`) carries every adapter's rows laid out so that each rank
   holds the same number of rows per slot, and runs verl's body once per slot in that order: all ranks make the same
   FSDP forwards, which a free per-rank split would not guarantee.
 * ``update_weights`` (``naive`` backend) pushes every slot to vLLM under its own LoRA id
   (:func:`populora_verl.rollout.lora_int_id`), retiring the id of a slot whose version changed.
-* ONE_TO_ALL RPCs for the trainer: ``populora_init_bank``, ``populora_apply_plan``, ``populora_set_adapter``,
-  ``populora_get_adapter``, ``populora_shard_checksums``, ``populora_reset_optimizer``, ``populora_save_bank``, ``populora_load_bank``,
-  ``populora_bank_info``.
+* ONE_TO_ALL RPCs for the trainer: ``populora_init_bank``, ``populora_set_adapter`` (evolution children, with the
+  parent's optimizer state), ``populora_get_adapter``, ``populora_shard_checksums``, ``populora_save_bank``,
+  ``populora_load_bank``, ``populora_bank_info``.
 
 Every override repeats verl's ``@register`` with the parent's dispatch mode: driver-callable methods are bound only
 through that decorator. The FSDP engine is CUDA/NPU-only, so on CPU this class is only constructed via ``__new__``.
@@ -33,7 +33,7 @@ from verl.utils.profiler import log_gpu_memory_usage
 from verl.workers.engine_workers import ActorRolloutRefWorker
 
 from populora_verl.rollout.lora_registry import lora_int_id, lora_name
-from populora_verl.trainer.fused import SEGMENTS_KEY, decode_segments, segment_bounds
+from populora_verl.workers.fused import SEGMENTS_KEY, decode_segments, segment_bounds
 from populora_verl.workers.adapter_bank import AdapterBank, AdapterBankError, bank_file_for, bank_filename
 
 logger = logging.getLogger(__name__)
@@ -172,11 +172,6 @@ class PopuLoRAActorRolloutRefWorker(ActorRolloutRefWorker):
         return self._bank_info()
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def populora_apply_plan(self, entries: Sequence[Mapping[str, Any]]) -> list[int]:
-        """Evolution children into their slots (full-tensor operators; same seeds on every rank)."""
-        return self._require_bank().apply_plan(entries)
-
-    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def populora_set_adapter(self, slot: int, state: Mapping[str, torch.Tensor], reset_optimizer: bool = True,
                              optimizer_from: int | None = None) -> int:
         """Overwrite a slot with a full PEFT state dict; returns the slot's new version. ``optimizer_from``: the
@@ -197,10 +192,6 @@ class PopuLoRAActorRolloutRefWorker(ActorRolloutRefWorker):
     def populora_shard_checksums(self) -> dict[str, Any]:
         """This rank's per-slot shard hashes (no collective), for the per-rank 'only trained slots changed' probe."""
         return {"rank": int(self.rank), "slots": self._require_bank().shard_checksums()}
-
-    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def populora_reset_optimizer(self, slot: int, reset_scheduler: bool = True) -> None:
-        self._require_bank().reset_optimizer(int(slot), reset_scheduler=reset_scheduler)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def populora_save_bank(self, directory: str) -> str:
@@ -244,7 +235,7 @@ class PopuLoRAActorRolloutRefWorker(ActorRolloutRefWorker):
             return super().update_actor(data)
 
     def _fused(self, data: TensorDict, segments: list[dict[str, int]], *, train: bool) -> TensorDict | None:
-        """One RPC for every adapter of a phase (:mod:`populora_verl.trainer.fused`): verl's body per segment.
+        """One RPC for every adapter of a phase (:mod:`populora_verl.workers.fused`): verl's body per segment.
 
         Every rank holds the same segments with the same row counts, so all ranks run the same per-slot calls in
         the same order. Log-prob outputs are concatenated back in row order; update metrics come back per slot.

@@ -9,14 +9,17 @@ collectives).
 
 The layout travels as ``extra_info[SEGMENTS_KEY]``: a JSON list of ``{"slot", "rows", "size"}`` per segment in rank
 order, where ``rows`` is the per-rank row count and ``size`` the slot's whole sub-batch (its PPO mini-batch).
-Pure Python; the worker side is :meth:`populora_verl.workers.worker.PopuLoRAActorRolloutRefWorker.compute_log_prob`.
+Pure Python but :func:`fused_batch` (the trainer's side, over TransferQueue's ``KVBatchMeta``); the worker side is :meth:`populora_verl.workers.worker.PopuLoRAActorRolloutRefWorker.compute_log_prob`.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # pragma: no cover
+    from transfer_queue import KVBatchMeta
 
 __all__ = ["SEGMENTS_KEY", "FUSED_KEY", "interleave", "encode_segments", "decode_segments", "rank_chunks",
            "segment_bounds"]
@@ -93,3 +96,19 @@ def segment_bounds(n_rows: int, segments: Sequence[Mapping[str, int]]) -> list[t
         out.append((int(s["slot"]), start, end, int(s["size"])))
         start = end
     return out
+
+
+def fused_batch(subs: Mapping[int, "KVBatchMeta"], dp: int) -> "KVBatchMeta":
+    """All slots' balanced sub-batches as one call's batch, laid out per :func:`interleave`.
+
+    Each slot keeps its own keys (and verl's balanced order, so each rank gets the share it would get alone)."""
+    from transfer_queue import KVBatchMeta  # the trainer's side only: the worker decodes without TransferQueue
+
+    if not subs:
+        raise ValueError("fused_batch: no slot to train")
+    parts = [(slot, list(zip(sub.keys, sub.tags, strict=True))) for slot, sub in subs.items()]
+    rows, segments = interleave(parts, dp)
+    first = next(iter(subs.values()))
+    batch = KVBatchMeta(partition_id=first.partition_id, keys=[k for k, _ in rows], tags=[t for _, t in rows])
+    batch.extra_info[SEGMENTS_KEY] = encode_segments(segments)
+    return batch

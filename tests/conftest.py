@@ -1,0 +1,74 @@
+"""Fixtures shared by the test modules: sandboxed executors and a PopuLoRATrainer built without verl."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+# The importlib import mode (pyproject.toml) leaves sys.path alone, and this folder must never be importable as
+# `tests` (verl's wheel owns that name): appended, so that `import _shared` works and shadows nothing installed.
+_HERE = str(Path(__file__).resolve().parent)
+if _HERE not in sys.path:
+    sys.path.append(_HERE)
+
+
+class ExecutorPool:
+    """One executor per (timeout_s, memory_mb, max_workers), started on first use, closed at the session's end.
+
+    Each executor starts a process per slot, so modules with the same limits share one. Only for tests that leave
+    the executor as they found it: a worker that dies is replaced on its next call, but tests that kill, restart or
+    count workers, or change the environment the workers start in, keep an executor of their own."""
+
+    def __init__(self) -> None:
+        self._executors: dict[tuple[float, int, int], object] = {}
+
+    def get(self, *, timeout_s: float, memory_mb: int, max_workers: int):
+        from populora_verl.executor import Executor
+
+        key = (float(timeout_s), int(memory_mb), int(max_workers))
+        if key not in self._executors:
+            self._executors[key] = Executor(timeout_s=timeout_s, memory_mb=memory_mb, max_workers=max_workers)
+        return self._executors[key]
+
+    def close(self) -> None:
+        for ex in self._executors.values():
+            ex.close()
+        self._executors.clear()
+
+
+@pytest.fixture(scope="session")
+def executor_pool():
+    pool = ExecutorPool()
+    yield pool
+    pool.close()
+
+
+@pytest.fixture(scope="session")
+def executor(executor_pool):
+    """The executor of the population-step modules (step, task loop, selection, resume); one slot is enough for
+    their hand-written programs."""
+    return executor_pool.get(timeout_s=5.0, memory_mb=256, max_workers=1)
+
+
+@pytest.fixture
+def bare_trainer():
+    """Builds a PopuLoRATrainer without its constructor: ``bare_trainer(config, **attributes)``.
+
+    verl's constructor needs a whole verl config and ours also validates the GPU layout and builds a
+    PopulationStep; a test of one trainer method sets just what that method reads (the attributes, set before
+    the trainer's own state is initialised)."""
+
+    def build(config, **attributes):
+        from populora_verl.trainer import register
+
+        cls = register()
+        t = cls.__new__(cls)
+        t.config = config
+        for name, value in attributes.items():
+            setattr(t, name, value)
+        t._init_populora_state()
+        return t
+
+    return build
