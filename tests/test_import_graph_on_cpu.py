@@ -116,3 +116,17 @@ def test_the_checker_sees_a_lazy_circle_and_skips_type_checking(tmp_path):
     graph = import_graph(pkg)
     assert circles(graph) == [["populora_verl.a", "populora_verl.sub", "populora_verl.sub.b"]]
     assert graph["populora_verl.c"] == set()  # TYPE_CHECKING: not an edge
+
+
+def test_the_trainers_parts_import_before_verl_without_breaking_the_plugin():
+    """verl's import loads the plugin, which registers the trainer: a part of the trainer imported before verl must
+    not import verl at its own import, or the registration meets it half-loaded and the trainer goes missing."""
+    import subprocess
+    import sys
+
+    parts = ["generation", "training", "hooks", "probes", "convert", "schedule", "timeline"]
+    code = ("".join(f"import populora_verl.trainer.{p}\n" for p in parts)
+            + "import verl\nfrom populora_verl.plugin import _errors, registered\n"
+            + "assert not _errors and all(registered().values()), (_errors, registered())\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]

@@ -173,7 +173,7 @@ def test_results_persist_and_status_reports_progress(tmp_path):
 
 def test_rollout_counts_from_tags_and_lengths():
     pytest.importorskip("transfer_queue")
-    from populora_verl.trainer.trainer import rollout_counts
+    from populora_verl.trainer.generation import rollout_counts
 
     got = rollout_counts([{"prompt_len": 10}, {"prompt_len": "7"}, {}, None, {"prompt_len": "x"}],
                          {"a": 5, "b": 6, "c": 0, "d": 1, "e": 2})

@@ -289,7 +289,7 @@ def test_lora_table_and_update_actor_use_the_slot_batch(bare_trainer):
 
 
 def test_lazy_adapters_fetch_only_what_pbt_reads(trainer_cls):
-    from populora_verl.trainer.trainer import _LazyAdapters
+    from populora_verl.trainer.hooks import _LazyAdapters
 
     fetched = []
     lazy = _LazyAdapters(lambda s: fetched.append(s) or {"slot": s}, {"t0": 0, "t1": 1, "s0": 2})

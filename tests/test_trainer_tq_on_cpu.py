@@ -226,7 +226,7 @@ class _Workers:
 
 
 def _rows(t):
-    from populora_verl.trainer.trainer import _rows as rows
+    from populora_verl.trainer.convert import field_rows as rows
 
     return rows(t)
 

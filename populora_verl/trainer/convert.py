@@ -54,6 +54,10 @@ DATA_SOURCE = "populora"
 VLLM_MAX_LORA_RANK = 512
 _ROLE_FOR_REWARD = {"teacher": "propose", "student": "solve"}
 
+#: The TransferQueue partition of the training rows, and the per-token signals the step writes into it.
+PARTITION = "train"
+SIGNAL_FIELDS = ("rm_scores", "advantages", "returns")
+
 
 def new_uid() -> str:
     """A TQ group id. Hex only: verl's replay buffer splits keys ``{uid}_{session}_{i}`` on ``_``."""
@@ -449,3 +453,10 @@ def warn_if_bank_not_shared(paths: Sequence[str | None] | str | None) -> list[st
             "trainer.default_local_dir on a filesystem shared by every node, or this checkpoint cannot be resumed "
             "elsewhere", len(unseen), len(listed), unseen[0])
     return unseen
+
+
+def field_rows(t: Any) -> list[torch.Tensor]:
+    """Per-sample 1-D tensors from a TQ field (jagged nested tensor, padded tensor or list)."""
+    if isinstance(t, torch.Tensor):
+        return [x.reshape(-1) for x in t.unbind(0)]
+    return [torch.as_tensor(x).reshape(-1) for x in t]

@@ -12,6 +12,7 @@ probes. They print ``[populora]`` lines that ``scripts/gpu/multi_gpu_proof.sh`` 
 
 from __future__ import annotations
 
+import json
 import logging
 import uuid
 from collections.abc import Mapping, Sequence
@@ -124,3 +125,90 @@ def print_replica_probe(replicas: Sequence[Any], tokenizer: Any, prompt: str,
     for line in lines:
         print(line, flush=True)
     return ok
+
+
+#: The greedy probe's prompt, answered under every LoRA id at each step (``+trainer.populora_debug_probes=true``).
+PROBE_PROMPT = "Write a Python function `f(x)` that returns the sum of the digits of the integer x. Answer briefly."
+
+
+class ProbesMixin:
+    """The debug probes of ``+trainer.populora_debug_probes=true``: bank checksums per step and a greedy probe under
+    every LoRA id. Mixed into :class:`~populora_verl.trainer.trainer.PopuLoRATrainer`."""
+
+    def _debug_checksums(self) -> dict[int, str]:
+        from populora_verl.trainer import convert
+
+        self._rank_sums = self.actor_rollout_wg.populora_shard_checksums()  # each rank's own shards, same moment
+        return {int(m.slot): convert.state_checksum(self._get_adapter(int(m.slot)))
+                for m in self.pop_step.population.members}
+
+    def _log_adapter_report(self, step: int, per_adapter: Mapping[str, Mapping[str, Any]],
+                            parts: Mapping[int, list[str]], member_of: Mapping[int, str],
+                            before: Mapping[int, str] | None) -> None:
+        for member, m in per_adapter.items():
+            diff = {k.split("/")[-1]: v for k, v in m.items() if "rollout_probs_diff" in k or "probs_pearson" in k}
+            # Under bypass_mode only the periodic check compares two engines; other steps have nothing to show.
+            shown = json.dumps(diff, default=float) if diff else "n/a"
+            print(f"[populora] step {step} {member}: samples={m.get('populora/samples')} "
+                  f"pg_loss={m.get('actor/pg_loss')} rollout_vs_trainer={shown}", flush=True)
+        if before is None:
+            return
+        rank_before = self._rank_sums
+        after = self._debug_checksums()
+        changed = sorted(s for s in after if after[s] != before.get(s))
+        trained = sorted(parts)
+        print(rank_report(step, rank_before, self._rank_sums, trained)[0], flush=True)
+        ok = changed == trained
+        print(f"[populora] step {step} bank checksums: " + " ".join(
+            f"{member_of.get(s, s)}@{s}:{before.get(s)}->{after[s]}" for s in sorted(after))
+              + f" | changed={changed} trained={trained} {'OK' if ok else 'MISMATCH'}", flush=True)
+        if not ok:
+            logger.error("populora: slots changed %s but trained %s", changed, trained)
+
+    def _probe_adapters(self) -> None:
+        """Greedy answer to one fixed prompt under every member's LoRA id (replicas are awake between steps)."""
+        import transfer_queue as tq
+        
+        from populora_verl.trainer import convert
+        from populora_verl.trainer.convert import PARTITION
+
+        from populora_verl.step import GenRequest
+
+        members = self.pop_step.population.members
+        reqs = [GenRequest(m.id, "teacher", "code_i", PROBE_PROMPT, 1, {}) for m in members]
+        table = self._lora_table()
+        rows = convert.requests_to_rows(reqs, table, self.global_steps, start_index=self._next_index)
+        self._next_index += len(rows)
+        for r in rows:
+            r["__do_sample__"] = False
+        self._submit_rows(rows)
+        batch, _ = self.replay_buffer.sample(global_steps=self.global_steps, partition_id=PARTITION,
+                                             batch_size=len(rows))
+        texts, _, _ = self._fetch_responses(batch.keys)
+        by_uid = convert.group_trajectory_keys(batch.keys)
+        outs = {}
+        for m, r in zip(members, rows, strict=True):
+            key = by_uid.get(r["uid"], {}).get(0)
+            outs[m.id] = texts.get(key, "<no output>") if key else "<no output>"
+        # Greedy text only changes once adapters have moved far; vLLM's own log-probs of the greedy tokens show
+        # which LoRA each request really ran with, from the first small update on.
+        logps: dict[str, float] = {}
+        try:
+            lp = tq.kv_batch_get(keys=list(batch.keys), partition_id=PARTITION, select_fields=["rollout_log_probs"])
+            per_key = {k: float(t.float().sum()) for k, t in zip(batch.keys, lp["rollout_log_probs"].unbind())}
+            for m, r in zip(members, rows, strict=True):
+                key = by_uid.get(r["uid"], {}).get(0)
+                if key in per_key:
+                    logps[m.id] = per_key[key]
+        except Exception as e:  # the probe is diagnostics: never fail the run over it
+            logger.warning("populora probe: no rollout log-probs (%s)", e)
+        tq.kv_clear(keys=list(batch.keys), partition_id=PARTITION)
+        distinct = len(set(outs.values()))
+        distinct_lp = len({round(v, 4) for v in logps.values()})
+        print(f"[populora] step {self.global_steps} greedy probe: {distinct}/{len(outs)} distinct outputs, "
+              f"{distinct_lp}/{len(logps)} distinct greedy log-probs", flush=True)
+        for mid, text in outs.items():
+            print(f"[populora]   {mid} lora_int_id={table[mid]['lora_int_id']} ({table[mid]['lora_name']}): "
+                  f"sum_logp={logps.get(mid, float('nan')):.6f} {text[:100]!r}", flush=True)
+        print_replica_probe(self.llm_server_manager.get_replicas(), self.tokenizer, PROBE_PROMPT, table,
+                                   self.global_steps)

@@ -111,3 +111,23 @@ def scheduled_configs(config: Any) -> tuple[list[Entry], list[Any]]:
     entries = parse_schedule(OmegaConf.select(config, SCHEDULE_KEY, default=None),
                              OmegaConf.select(config, "trainer.total_training_steps", default=None))
     return entries, [entry_config(config, e) for e in entries]
+
+
+def switch_population(trainer: Any, idx: int) -> None:
+    """At the step where schedule entry ``idx`` starts (a benchmark's population schedule, never a training run's):
+    replace the trainer's population, the adapter bank and vLLM's adapters; keep Ray, FSDP and the vLLM engine.
+
+    Mirrors a step boundary: replicas asleep, fresh bank on the workers, every slot pushed under its id (same
+    ids as the previous entry's slots of the same number: the registry updates them in place)."""
+    from populora_verl.step import PopulationStep
+
+    entry, old = trainer._schedule[idx], trainer.pop_step
+    trainer.checkpoint_manager.sleep_replicas()
+    trainer.pcfg = trainer._schedule_cfgs[idx]
+    trainer.pop_step = PopulationStep(trainer.pcfg, executor=old.tasks.executor)
+    trainer.pop_step.updates_per_step = getattr(old, "updates_per_step", 1)  # the compute metrics count it
+    trainer._phase = None
+    info = trainer._rpc("populora_init_bank", trainer.pcfg.population.num_adapters, trainer.pcfg.population.seed)
+    trainer.checkpoint_manager.update_weights(trainer.global_steps)
+    print(f"[populora] step {trainer.global_steps}: population schedule entry {entry.name!r} "
+          f"({info['num_slots']} adapters)", flush=True)

@@ -64,3 +64,12 @@ class Timeline:
         if len(self.marks) >= 2:
             parts.append(f"total {self.marks[-1][1] - self.marks[0][1]:.0f} s")
         return "[populora] start-up: " + " | ".join(parts)
+
+
+def timed(name: str, timing_raw: dict, **kwargs):
+    """verl's ``marked_timer`` (a phase's seconds into ``timing_raw``), imported when first used: the trainer's mixin
+    modules must not import verl at their own import, because verl's import loads this plugin, which imports the
+    trainer and with it those half-loaded modules."""
+    from verl.utils.debug import marked_timer
+
+    return marked_timer(name, timing_raw, **kwargs)

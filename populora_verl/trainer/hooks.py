@@ -1,0 +1,207 @@
+"""The step's hooks around verl's loop: seeding and schedule switches before a step; after it, evolution, the stop
+file, checkpoints (population, step state, bank, then verl's) and the metrics row; resume from a checkpoint."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+import transfer_queue as tq
+from omegaconf import open_dict
+
+from populora_verl.evolution.pbt import append_event, describe, trim_events
+from populora_verl.trainer import convert, schedule, stop
+from populora_verl.trainer.convert import PARTITION
+from populora_verl.trainer.timeline import timed
+
+logger = logging.getLogger(__name__)
+
+
+class _LazyAdapters(Mapping):
+    """``{member_id: state_dict}`` that gathers a slot from the workers only when PBT reads it (parents only)."""
+
+    def __init__(self, fetch, slot_of: Mapping[str, int]) -> None:
+        self._fetch, self._slot_of, self._cache = fetch, dict(slot_of), {}
+
+    def __getitem__(self, member_id: str) -> dict[str, torch.Tensor]:
+        if member_id not in self._cache:
+            self._cache[member_id] = self._fetch(self._slot_of[member_id])
+        return self._cache[member_id]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._slot_of)
+
+    def __len__(self) -> int:
+        return len(self._slot_of)
+
+
+class HooksMixin:
+    """verl's step-boundary hooks: what happens before and after a step, and checkpoint save and load.
+    Mixed into :class:`~populora_verl.trainer.trainer.PopuLoRATrainer`."""
+
+    def on_step_begin(self) -> None:
+        self._mark("agent loop", after="checkpoint + weight sync")
+        idx = schedule.starts(self._schedule).get(self.global_steps)
+        if idx:  # a later entry of a population schedule starts with this step (entry 0 is set up by init)
+            with timed("populora_switch", self.timing_raw, color="green"):
+                schedule.switch_population(self, idx)
+        if not self.pop_step.seeded:  # buffer.seed_programs > 0 on a fresh run (or entry)
+            self._seed_buffers()
+        if self.debug_probes:
+            self._probe_adapters()
+
+    def _seed_buffers(self) -> None:
+        """The seeding phase (``populora.buffer.seed_programs``) before step 1: the base policy proposes until the
+        buffers hold the target; nothing of it is trained. The seed set goes to ``<default_local_dir>/seed_tasks.jsonl``
+        (reuse it with ``populora.buffer.seed_file``)."""
+        from populora_verl.tasks import save_seed_file
+
+        ps, rounds, metrics = self.pop_step, 0, {}
+        while True:
+            requests = ps.seed_begin()
+            if not requests:
+                break
+            responses, batch, _ = self._generate(requests, "seed", metrics)
+            tq.kv_clear(keys=list(batch.keys), partition_id=PARTITION)  # never trained on
+            ps.seed_on_proposals(responses)
+            rounds += 1
+        if rounds:
+            path = os.path.join(self._step_folder().rsplit(os.sep, 1)[0], "seed_tasks.jsonl")
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            save_seed_file(ps.seed_set, path)
+            print(f"[populora] seeding: {rounds} rounds, {len(ps.seed_set)} seed tasks -> {path}", flush=True)
+
+    def on_step_end(self) -> None:
+        if not self._timeline_done and self._timeline.marks and self._timeline.marks[-1][0] == "agent loop":
+            self._timeline.mark(f"step {self.global_steps}")
+            print(self._timeline.line(), flush=True)
+        self._timeline_done = True
+        ending = self._stop_due()
+        with timed("populora_evolve", self.timing_raw, color="green"):
+            evo = {} if ending else self._evolve()
+        if ending:
+            # fit() leaves its loop once global_steps passes total_training_steps: this step is the last one.
+            self._save_pending = True
+            self.total_training_steps = self.global_steps
+            print(f"[populora] step {self.global_steps}: stop file {self._stop_path} found; no evolution, "
+                  f"checkpoint, then the run ends", flush=True)
+        step_metrics = self._step_population_metrics
+        if step_metrics is not None:
+            self._log_population_metrics({**step_metrics, **evo}, self.global_steps)
+            self._step_population_metrics = None
+        if self._save_pending:
+            with timed("save_checkpoint", self.timing_raw, color="green"):
+                self._save_all()
+            self._save_pending = False
+        # Weight sync last: it pushes every slot (children included) to vLLM under its current LoRA id.
+        super().on_step_end()
+        # verl's loop logs _pending_sync_metrics with its next metrics row, then clears it
+        self._pending_sync_metrics = {**self._pending_sync_metrics, **evo}
+
+    def _stop_due(self) -> bool:
+        request = stop.read_request(self._stop_path)
+        if request is None:
+            return False
+        pop = self.pop_step.population
+        ages = [int(m.age) for m in pop.members]
+        window = pop.age_window if self.pop_step.pbt is not None else None
+        return stop.due(request, self.global_steps, min(ages) if ages else None, window)
+
+    def _evolve(self) -> dict[str, float]:
+        step, pbt = self.global_steps, self.pop_step.pbt
+        if pbt is None or not pbt.due(step):
+            return {}
+        slot_of = {m.id: int(m.slot) for m in self.pop_step.population.members}
+        plan, children = self.pop_step.maybe_evolve(step, _LazyAdapters(self._get_adapter, slot_of))
+        events = 0 if plan is None else len(plan.replacements)
+        for r in (plan.replacements if plan is not None else []):
+            # reset_optimizer=false: the child takes its fitter parent's moments (as the CPU driver), never keeps
+            # its victim's. Parents are survivors, so no earlier replacement of this plan has touched them.
+            self._rpc("populora_set_adapter", int(r.victim_slot), children[r.child_id],
+                      reset_optimizer=bool(r.reset_optimizer),
+                      optimizer_from=None if r.reset_optimizer else slot_of[r.parent_ids[0]])
+            print(f"[populora] step {step} evolution: {describe(r)}", flush=True)
+        if plan is not None and plan.replacements:
+            append_event(self.config.trainer.default_local_dir, plan)
+        ties = sum(r.tie_break for r in plan.replacements) if plan is not None else 0
+        return {"populora/evolution/events": float(events), "populora/evolution/tie_breaks": float(ties)}
+
+    def _save_checkpoint(self) -> None:
+        # fit() saves before on_step_end; the real save runs there after evolution so the bank is post-evolution.
+        self._save_pending = True
+
+    def _step_folder(self, for_load: bool = False) -> str:
+        if for_load and self.config.trainer.resume_mode == "resume_path":
+            folder = self.config.trainer.resume_from_path
+        else:
+            folder = os.path.join(self.config.trainer.default_local_dir, f"global_step_{self.global_steps}")
+        return folder if os.path.isabs(folder) else os.path.join(os.getcwd(), folder)
+
+    def _save_all(self) -> None:
+        from populora_verl.checkpoint import save_checkpoint
+
+        pdir = os.path.join(self._step_folder(), "populora")
+        written = self.actor_rollout_wg.populora_save_bank(os.path.join(pdir, "bank"))
+        convert.warn_if_bank_not_shared(written)  # M nodes: every rank's file must be where the driver resumes
+        pop = self.pop_step.population
+        adapters = {m.id: self._get_adapter(int(m.slot)) for m in pop.members}
+        save_checkpoint(pdir, self.global_steps, population=pop, adapters=adapters, lora_config=self._lora_config(),
+                        optimizers={}, step_state=self.pop_step.state_dict(),
+                        extra={"bank": "bank", "bank_info": self._bank_info()})
+        # verl's save writes latest_checkpointed_iteration.txt last, so a crash above never points at a half save.
+        super()._save_checkpoint()
+        print(f"[populora] step {self.global_steps}: checkpoint {pdir}", flush=True)
+        from populora_verl.trainer.resume import prune_step_folders
+
+        for folder in prune_step_folders(os.path.dirname(self._step_folder()),
+                                         self.config.trainer.get("max_actor_ckpt_to_keep", None)):
+            print(f"[populora] removed old checkpoint {folder} (trainer.max_actor_ckpt_to_keep)", flush=True)
+
+    def _load_checkpoint(self) -> None:
+        self._mark("workers + vLLM")
+        info = self._rpc("populora_init_bank", self.pcfg.population.num_adapters, self.pcfg.population.seed,
+                         shared_a=self.pcfg.population.founder_init == "shared_a")
+        logger.info("populora: adapter bank initialised: %s", info)
+        ck = None
+        if self.config.trainer.resume_mode == "auto":
+            # Check the newest checkpoint before verl loads it; fall back to an older one if it is damaged.
+            from populora_verl.trainer.resume import choose_resume_folder, tracked_folder
+
+            root = self.config.trainer.default_local_dir
+            root = root if os.path.isabs(root) else os.path.join(os.getcwd(), root)
+            folder, ck = choose_resume_folder(root)
+            if folder is not None and folder != tracked_folder(root):
+                with open_dict(self.config):
+                    self.config.trainer.resume_mode = "resume_path"
+                    self.config.trainer.resume_from_path = str(folder)
+        super()._load_checkpoint()
+        # evolution.jsonl keeps what happened up to the step this run starts from (as metrics.jsonl does)
+        trim_events(self.config.trainer.default_local_dir, self.global_steps)
+        if self.global_steps == 0:
+            return
+        from populora_verl.checkpoint import load_checkpoint, restore_rng_state
+
+        pdir = os.path.join(self._step_folder(for_load=True), "populora")
+        if not os.path.isdir(pdir):
+            raise RuntimeError(f"resuming step {self.global_steps} but {pdir} is missing: without the population and "
+                               "adapter bank the run would silently restart from fresh adapters")
+        ck = ck if ck is not None else load_checkpoint(pdir)
+        self.pop_step.load_state_dict(ck.step_state, population=ck.population)
+        if ck.rng:
+            restore_rng_state(ck.rng)
+        self._rpc("populora_load_bank", os.path.join(pdir, "bank"))
+        print(f"[populora] resumed step {self.global_steps} from {pdir}", flush=True)
+
+    def _log_population_metrics(self, metrics: Mapping[str, Any], step: int) -> None:
+        """``<trainer.default_local_dir>/metrics.jsonl`` (docs/CONTRACTS.md), the file the plots and report read."""
+        try:
+            if self._metrics_log is None:
+                from populora_verl.diagnostics.metrics import MetricsLogger
+
+                self._metrics_log = MetricsLogger(self._step_folder().rsplit(os.sep, 1)[0], resume_step=step - 1)
+            self._metrics_log.log({k: v for k, v in metrics.items() if k.startswith("populora/")}, step)
+        except Exception as e:  # the metrics file must never stop training
+            logger.warning("populora: metrics.jsonl not written: %s", e)
