@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+from collections.abc import Sequence
 from typing import Callable
 
 logger = logging.getLogger(__name__)
@@ -66,13 +67,17 @@ EXPECTED: list[tuple[str, str]] = [(what, name) for what, name, _, _ in REGISTRA
 _errors: dict[str, str] = {}
 
 
-def _register_all() -> None:
+def _register_all(only: Sequence[str] | None = None) -> None:
     for what, name, module, _ in REGISTRATIONS:
+        key = f"{what}:{name}"
+        if only is not None and key not in only:
+            continue
         try:
             importlib.import_module(module).register()
+            _errors.pop(key, None)
         except Exception as e:  # keep going: check_registrations() reports the failure with its cause
-            _errors[f"{what}:{name}"] = f"{type(e).__name__}: {e}"
-            logger.warning("populora plugin: registering %s %r failed: %s", what, name, _errors[f"{what}:{name}"])
+            _errors[key] = f"{type(e).__name__}: {e}"
+            logger.warning("populora plugin: registering %s %r failed: %s", what, name, _errors[key])
 
 
 def registered() -> dict[str, bool]:
@@ -91,6 +96,10 @@ def registered() -> dict[str, bool]:
 
 def check_registrations() -> None:
     """Raise ``RuntimeError`` (one line) if any PopuLoRA registration is missing from verl."""
+    if _errors:
+        # A module of ours imported before verl is half-loaded when verl's import loads this plugin (its register()
+        # does not exist yet): by now that import has finished, so what failed gets one more try.
+        _register_all(only=list(_errors))
     missing = [k for k, ok in registered().items() if not ok]
     if missing:
         causes = "; ".join(f"{k}: {v}" for k, v in _errors.items() if k in missing)

@@ -97,7 +97,7 @@ def preflight(config: Any, *, check_gpus: bool = True) -> None:
     plugin's registrations, the model path and the GPUs. Raises :class:`ConfigError` (or ``RuntimeError`` for a
     broken install) with one line."""
     from populora_verl.config import load_config
-    from populora_verl.trainer.convert import validate_verl_config
+    from populora_verl.trainer.verl_config import validate_verl_config
 
     pcfg = load_config(_select(config, "populora"))
     validate_verl_config(config, pcfg)

@@ -130,3 +130,17 @@ def test_the_trainers_parts_import_before_verl_without_breaking_the_plugin():
             + "assert not _errors and all(registered().values()), (_errors, registered())\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_a_registering_module_imported_before_verl_is_registered_at_the_check():
+    """The reward manager imports verl, whose import loads the plugin, which registers the half-loaded manager and
+    fails: the start-up check tries again once the import has finished, and every registration is there."""
+    import subprocess
+    import sys
+
+    code = ("import populora_verl.reward.manager\nimport verl\n"
+            "from populora_verl.plugin import _errors, check_registrations, registered\n"
+            "assert 'reward_manager:populora_code' in _errors\n"  # the half-loaded module, as described
+            "check_registrations()\nassert not _errors and all(registered().values())\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]

@@ -7,18 +7,18 @@ from pathlib import Path
 import pytest
 
 from populora_verl.config import ConfigError, load_config
-from populora_verl.trainer import convert
+from populora_verl.trainer import verl_config
 from populora_verl.workers.adapter_bank import AdapterBankError, bank_file_for, bank_filename
 
 from _shared import compose_recipe
 
 
-def _layout(name: str, *overrides: str) -> convert.ParallelLayout:
+def _layout(name: str, *overrides: str) -> verl_config.ParallelLayout:
     cfg = compose_recipe(name, ["actor_rollout_ref.model.path=/m", *overrides] if name == "smoke_0.5b"
                          else list(overrides))
     pcfg = load_config(cfg.populora)
-    convert.validate_verl_config(cfg, pcfg)
-    return convert.parallel_layout(cfg, pcfg)
+    verl_config.validate_verl_config(cfg, pcfg)
+    return verl_config.parallel_layout(cfg, pcfg)
 
 
 @pytest.mark.parametrize("overrides,expected", [
@@ -70,10 +70,10 @@ BAD = [
 def test_bad_layout_fails_at_start_up_naming_the_key(overrides, key):
     cfg = compose_recipe("smoke_0.5b", ["actor_rollout_ref.model.path=/m", *overrides])
     if key is None:
-        convert.validate_verl_config(cfg, load_config(cfg.populora))
+        verl_config.validate_verl_config(cfg, load_config(cfg.populora))
         return
     with pytest.raises(ConfigError) as e:
-        convert.validate_verl_config(cfg, load_config(cfg.populora))
+        verl_config.validate_verl_config(cfg, load_config(cfg.populora))
     msg = str(e.value)
     assert msg.startswith(key + ":") and "\n" not in msg, msg
 
@@ -94,9 +94,9 @@ def test_bank_files_the_driver_cannot_see_are_reported(tmp_path, caplog):
     seen = tmp_path / bank_filename(2, 0)
     seen.write_bytes(b"x")
     other_node = str(tmp_path / "elsewhere" / bank_filename(2, 1))
-    assert convert.warn_if_bank_not_shared([str(seen), None]) == []
+    assert verl_config.warn_if_bank_not_shared([str(seen), None]) == []
     with caplog.at_level("WARNING"):
-        assert convert.warn_if_bank_not_shared([str(seen), other_node]) == [other_node]
+        assert verl_config.warn_if_bank_not_shared([str(seen), other_node]) == [other_node]
     assert "1 of 2 adapter bank file(s)" in caplog.text and "trainer.default_local_dir" in caplog.text
 
 

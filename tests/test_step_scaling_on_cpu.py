@@ -96,7 +96,7 @@ def test_recipe_composes_with_every_config_and_profile():
     from hydra import compose, initialize_config_dir
 
     from populora_verl.config import load_config
-    from populora_verl.trainer import convert
+    from populora_verl.trainer import verl_config
 
     with initialize_config_dir(config_dir=str(ss.RECIPES), version_base=None):
         for name, profile in [(n, "fast") for n in ss.CONFIGS] + [("4t4s", "baseline"), ("2t2s", "varlen"),
@@ -107,7 +107,7 @@ def test_recipe_composes_with_every_config_and_profile():
             overrides = cmd[cmd.index("smoke_0.5b") + 1:]
             cfg = compose(config_name="smoke_0.5b", overrides=overrides)
             pcfg = load_config(cfg.populora)
-            convert.validate_verl_config(cfg, pcfg)
+            verl_config.validate_verl_config(cfg, pcfg)
             assert pcfg.population.num_adapters == ss.ADAPTERS[name]
             assert cfg.data.max_response_length == 1024 and cfg.actor_rollout_ref.rollout.ignore_eos
             assert pcfg.buffer.seed_programs == 0

@@ -9,7 +9,7 @@ pytest.importorskip("transfer_queue")
 
 from populora_verl.config import ConfigError, load_config  # noqa: E402
 from populora_verl.step import GenRequest, Sample  # noqa: E402
-from populora_verl.trainer import convert  # noqa: E402
+from populora_verl.trainer import convert, verl_config  # noqa: E402
 
 from _shared import compose_recipe  # noqa: E402
 
@@ -122,7 +122,7 @@ def test_metric_helpers_and_checksums():
 @pytest.mark.parametrize("name", ["smoke_0.5b", "1t1s", "2t2s", "4t4s", "8t8s", "azr_single_agent"])
 def test_recipes_pass_verl_validation(name):
     cfg = compose_recipe(name, ["actor_rollout_ref.model.path=/m"] if name == "smoke_0.5b" else [])
-    convert.validate_verl_config(cfg, load_config(cfg.populora))
+    verl_config.validate_verl_config(cfg, load_config(cfg.populora))
 
 
 BAD = [
@@ -153,14 +153,14 @@ BAD = [
 def test_populora_rollout_keys_equal_to_verl_pass():
     cfg = compose_recipe("smoke_0.5b", ["actor_rollout_ref.model.path=/m", "populora.rollout.max_new_tokens=512",
                                         "populora.rollout.temperature=1.0"])
-    convert.validate_verl_config(cfg, load_config(cfg.populora))
+    verl_config.validate_verl_config(cfg, load_config(cfg.populora))
 
 
 @pytest.mark.parametrize("override,key", BAD, ids=[k for _, k in BAD])
 def test_bad_verl_key_fails_with_one_line_naming_it(override, key):
     cfg = compose_recipe("smoke_0.5b", ["actor_rollout_ref.model.path=/m", override])
     with pytest.raises(ConfigError) as e:
-        convert.validate_verl_config(cfg, load_config(cfg.populora))
+        verl_config.validate_verl_config(cfg, load_config(cfg.populora))
     msg = str(e.value)
     assert msg.startswith(key + ":") and "\n" not in msg
 

@@ -13,7 +13,7 @@ import transfer_queue as tq
 from omegaconf import open_dict
 
 from populora_verl.evolution.pbt import append_event, describe, trim_events
-from populora_verl.trainer import convert, schedule, stop
+from populora_verl.trainer import schedule, stop, verl_config
 from populora_verl.trainer.convert import PARTITION
 from populora_verl.trainer.timeline import timed
 
@@ -145,7 +145,7 @@ class HooksMixin:
 
         pdir = os.path.join(self._step_folder(), "populora")
         written = self.actor_rollout_wg.populora_save_bank(os.path.join(pdir, "bank"))
-        convert.warn_if_bank_not_shared(written)  # M nodes: every rank's file must be where the driver resumes
+        verl_config.warn_if_bank_not_shared(written)  # M nodes: every rank's file must be where the driver resumes
         pop = self.pop_step.population
         adapters = {m.id: self._get_adapter(int(m.slot)) for m in pop.members}
         save_checkpoint(pdir, self.global_steps, population=pop, adapters=adapters, lora_config=self._lora_config(),

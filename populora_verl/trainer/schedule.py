@@ -92,7 +92,7 @@ def entry_config(config: Any, entry: Entry) -> Any:
     from omegaconf import OmegaConf
 
     from populora_verl.config import load_config
-    from populora_verl.trainer.convert import validate_verl_config
+    from populora_verl.trainer.verl_config import validate_verl_config
 
     base = OmegaConf.to_container(config.get("populora"), resolve=True) or {}
     base["population"] = {**(base.get("population") or {}), **entry.population}

@@ -36,7 +36,7 @@ from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 from verl.utils.debug import marked_timer
 
 from populora_verl.config import PopuLoRAConfig, load_config
-from populora_verl.trainer import TRAINER_NAME, convert, schedule, stop, timeline
+from populora_verl.trainer import TRAINER_NAME, convert, schedule, stop, timeline, verl_config
 from populora_verl.trainer.generation import GenerationMixin, _Phase
 from populora_verl.trainer.hooks import HooksMixin
 from populora_verl.trainer.probes import ProbesMixin
@@ -100,8 +100,8 @@ class PopuLoRATrainer(GenerationMixin, TrainingMixin, HooksMixin, ProbesMixin, P
 
         check_registrations()
         self.pcfg: PopuLoRAConfig = load_config(config.get("populora"))
-        convert.validate_verl_config(config, self.pcfg)
-        print(f"[populora] layout: {convert.parallel_layout(config, self.pcfg).describe()}", flush=True)
+        verl_config.validate_verl_config(config, self.pcfg)
+        print(f"[populora] layout: {verl_config.parallel_layout(config, self.pcfg).describe()}", flush=True)
         self._schedule, self._schedule_cfgs = schedule.scheduled_configs(config)
         if self._schedule_cfgs:
             self.pcfg = self._schedule_cfgs[0]
