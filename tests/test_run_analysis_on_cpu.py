@@ -160,3 +160,21 @@ def test_pooled_arms_average_seeds_and_runs_must_agree_on_shared_members(tmp_pat
     clash = _results(tmp_path / "r3.json", "humaneval_plus", {"base": ten})  # another "base" with other outcomes
     with pytest.raises(ValueError, match="base/humaneval_plus differs"):
         arms.load_outcomes([run1, clash])
+
+
+def test_arm_band_means_seeds_and_plot_draws_one_figure(tmp_path, capsys):
+    runs = [_write_run(tmp_path, 0.0, steps=6, name="2t2s-seed1", seed=1),
+            _write_run(tmp_path, 0.0, steps=4, name="2t2s-seed2", seed=2)]
+    loaded = [dyn.load_run(r) for r in runs]
+    steps, mean, lo, hi = dyn.arm_band(loaded, "populora/coverage/cells_filled")
+    assert steps.tolist() == [1, 2, 3, 4, 5, 6] and mean.tolist() == [1, 2, 3, 4, 5, 6]  # both seeds: min(s, 7)
+    steps, mean, lo, hi = dyn.arm_band(loaded, "populora/validity/mean")
+    assert mean[3] == pytest.approx((4 / 6 + 4 / 4) / 2) and (lo[3], hi[3]) == (pytest.approx(4 / 6), 1.0)
+    assert mean[5] == pytest.approx(1.0) and lo[5] == hi[5]  # step 6: only the longer seed
+    _, smoothed, _, _ = dyn.arm_band(loaded[:1], "populora/validity/mean", smooth=2)
+    assert smoothed[1] == pytest.approx((1 / 6 + 2 / 6) / 2)  # a trailing window over the seed's own steps
+    assert dyn.main([*map(str, runs), "--compare", "--plot", str(tmp_path / "fig")]) == 0
+    assert (tmp_path / "fig" / "arms.png").stat().st_size > 10_000
+    with pytest.raises(SystemExit):
+        dyn.main([str(runs[0]), "--plot", str(tmp_path / "fig")])  # --plot alone: a usage error
+    assert "--plot needs --compare" in capsys.readouterr().err

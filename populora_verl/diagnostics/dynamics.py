@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 __all__ = ["load_run", "slope_interval", "sign_changes", "summarise", "markdown", "pair_series", "arm_of",
-           "slope_difference", "seed_permutation_p", "direction_changes", "noise_p_value", "compare_arms", "compare_markdown", "main"]
+           "slope_difference", "seed_permutation_p", "direction_changes", "noise_p_value", "compare_arms", "compare_markdown", "arm_band", "plot_arms", "main"]
 
 P = "populora/"
 _PAIR = re.compile(r"^populora/pair/([^/]+)/([^/]+)/solve_rate$")
@@ -396,6 +396,67 @@ def compare_markdown(cmp: Mapping[str, Any], window: int = 5) -> str:
     return "\n".join(lines) + "\n"
 
 
+#: What --plot draws, one panel each: (title, metric key).
+ARM_PANELS = (
+    ("valid programs (AZR's validity)", "populora/validity/mean"),
+    ("teacher format errors", "populora/role/teacher/format_error_rate"),
+    ("cyclomatic complexity of valid programs", f"{P}complexity/cyclomatic/mean"),
+    ("lines of code of valid programs", f"{P}complexity/loc/mean"),
+    ("CVT cells filled", f"{P}coverage/cells_filled"),
+)
+
+
+def arm_band(runs: Sequence[Mapping[str, Any]], key: str, smooth: int = 1
+             ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(steps, mean over seeds, lowest seed, highest seed) of ``key`` for one arm's runs, each seed first averaged
+    over a trailing window of ``smooth`` logged steps; a step counts where any seed logged it."""
+    per_seed = []
+    for r in runs:
+        s, v = series(r["rows"], key)
+        if smooth > 1 and len(v):
+            v = np.array([v[max(0, i - smooth + 1):i + 1].mean() for i in range(len(v))])
+        per_seed.append(dict(zip(s.tolist(), v.tolist())))
+    steps = np.array(sorted({s for d in per_seed for s in d}), dtype=float)
+    vals = [[d[s] for d in per_seed if s in d] for s in steps.tolist()]
+    return (steps, np.array([np.mean(v) for v in vals]), np.array([min(v) for v in vals]),
+            np.array([max(v) for v in vals]))
+
+
+def plot_arms(runs: Sequence[Mapping[str, Any]], out_dir: str | Path, smooth: int = 5) -> Path:
+    """``arms.png``: one panel per :data:`ARM_PANELS` quantity, each arm's mean over its seeds (runs grouped as in
+    :func:`compare_arms`) with the range between its seeds shaded; the quantities are smoothed over ``smooth``
+    logged steps per seed, since one step holds a few dozen proposals."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    arms: dict[str, list[Mapping[str, Any]]] = {}
+    for run in runs:
+        arms.setdefault(arm_of(run["name"]), []).append(run)
+    fig, axes = plt.subplots(1, len(ARM_PANELS), figsize=(4.2 * len(ARM_PANELS), 3.4))
+    for ax, (title, key) in zip(axes, ARM_PANELS):
+        for i, (arm, members) in enumerate(arms.items()):
+            steps, mean, lo, hi = arm_band(members, key, smooth)
+            if not len(steps):
+                continue
+            color = f"C{i}"
+            ax.plot(steps, mean, color=color, lw=2, label=f"{arm} ({len(members)} seeds)")
+            ax.fill_between(steps, lo, hi, color=color, alpha=0.2, lw=0)
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize="small")
+    fig.suptitle(f"mean over seeds, range shaded; each seed smoothed over {smooth} steps", fontsize=9)
+    fig.tight_layout()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "arms.png"
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m populora_verl.diagnostics.dynamics",
                                  description=__doc__.split("\n\n")[0])
@@ -404,9 +465,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--out", help="also write the markdown here")
     ap.add_argument("--compare", action="store_true",
                     help="add the arms side by side (runs grouped by folder name: <arm>-seed<N>)")
+    ap.add_argument("--plot", metavar="DIR", help="with --compare: draw DIR/arms.png, each arm's mean over its seeds")
     args = ap.parse_args(argv)
     if args.window < 1:
         ap.error("--window must be >= 1")
+    if args.plot and not args.compare:
+        ap.error("--plot needs --compare")
     try:
         runs = [load_run(r) for r in args.runs]
         text = "\n".join(markdown(summarise(r, args.window), args.window) for r in runs)
@@ -418,6 +482,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(text)
     if args.out:
         Path(args.out).write_text(text, encoding="utf-8")
+    if args.plot:
+        print(f"dynamics: {plot_arms(runs, args.plot)}")
     return 0
 
 
