@@ -3,10 +3,11 @@
     python -m populora_verl.bench.convert MODEL.gguf [--workers 1 4] [--rounds 3] [--against OLD_CHECKOUT]
 
 Each round runs ``python -m populora_verl.models convert`` once per setting, in a fresh process, in an order that
-alternates between rounds. ``--against`` adds the same conversion by another checkout of this package (its own
-default settings), e.g. the previous release, as the reference row (so drift of the machine's load falls on every setting alike). It prints the wall time
-per round, the median and range per setting, the ratio of medians to the first setting, the machine (CPUs, load
-average before and after), and whether every setting wrote the same ``model.safetensors`` bytes.
+alternates between rounds (so drift of the machine's load falls on every setting alike). ``--against`` adds the same
+conversion by another checkout of this package (its own default settings), e.g. the previous release, as the
+reference row. It prints the wall time per round, the median and range per setting, the ratio of medians to the
+first setting, the machine (CPUs, load average before and after), and whether every setting wrote the same
+``model.safetensors`` bytes.
 """
 
 from __future__ import annotations

@@ -134,7 +134,7 @@ def common_step(runs: Mapping[str, Path]) -> int | None:
 
 
 def population_dir(run: Path, step: int) -> Path:
-    from populora_verl.eval.report import find_population_dir
+    from populora_verl.diagnostics.lineage import find_population_dir
 
     found = find_population_dir(run / f"global_step_{step}" / "populora")
     if found is None:
@@ -153,7 +153,7 @@ def eval_cli(model: str, benchmarks: str, out: Path, data_dir: str | None, max_n
 
 def living_members(pop: Path) -> list[str]:
     """Ids of the members alive in a population checkpoint folder."""
-    from populora_verl.eval.report import read_population
+    from populora_verl.diagnostics.lineage import read_population
 
     return [r["id"] for r in read_population(pop).get("lineage", []) if r.get("death_step") is None]
 

@@ -15,7 +15,8 @@ With ``--compare``, the runs are grouped into arms by their folder names (``2t2s
 arm ``2t2s``, as the learning run names them) and a last section sets the arms side by side: the complexity slope
 averaged over an arm's seeds with the difference between arms, its 95 % interval over steps and an exact
 permutation p over seeds, program length as the obvious confound, coverage next to the number of valid programs
-behind it, and pair solve rates' direction changes pooled. Everything is computed from logged numbers; nothing here is fitted to an expectation.
+behind it, and pair solve rates' direction changes pooled. Everything is computed from logged numbers; nothing
+here is fitted to an expectation.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ from typing import Any
 import numpy as np
 
 __all__ = ["load_run", "slope_interval", "sign_changes", "summarise", "markdown", "pair_series", "arm_of",
-           "slope_difference", "seed_permutation_p", "direction_changes", "noise_p_value", "compare_arms", "compare_markdown", "arm_band", "plot_arms", "main"]
+           "group_arms", "slope_difference", "seed_permutation_p", "direction_changes", "noise_p_value",
+           "compare_arms", "compare_markdown", "arm_band", "plot_arms", "main"]
 
 P = "populora/"
 _PAIR = re.compile(r"^populora/pair/([^/]+)/([^/]+)/solve_rate$")
@@ -325,13 +327,18 @@ def noise_p_value(values: Sequence[Sequence[float]], *, draws: int = 2000, seed:
     return hits / draws
 
 
-def compare_arms(runs: Sequence[Mapping[str, Any]], window: int = 5) -> dict[str, Any]:
-    """Per arm (runs grouped by :func:`arm_of`, in order of appearance): per-seed complexity and length slopes,
-    coverage, valid programs and pooled direction changes; and for every later arm, its slope minus the first
-    arm's (``differences``)."""
+def group_arms(runs: Sequence[Mapping[str, Any]]) -> dict[str, list[Mapping[str, Any]]]:
+    """``{arm: its runs}``, runs grouped by :func:`arm_of` in order of appearance."""
     arms: dict[str, list[Mapping[str, Any]]] = {}
     for run in runs:
         arms.setdefault(arm_of(run["name"]), []).append(run)
+    return arms
+
+
+def compare_arms(runs: Sequence[Mapping[str, Any]], window: int = 5) -> dict[str, Any]:
+    """Per arm (:func:`group_arms`): per-seed complexity and length slopes, coverage, valid programs and pooled
+    direction changes; and for every later arm, its slope minus the first arm's (``differences``)."""
+    arms = group_arms(runs)
     out: dict[str, Any] = {"arms": {}, "differences": {}}
     curves: dict[str, dict[str, list[tuple[np.ndarray, np.ndarray]]]] = {}
     for arm, members in arms.items():
@@ -423,17 +430,14 @@ def arm_band(runs: Sequence[Mapping[str, Any]], key: str, smooth: int = 1
 
 
 def plot_arms(runs: Sequence[Mapping[str, Any]], out_dir: str | Path, smooth: int = 5) -> Path:
-    """``arms.png``: one panel per :data:`ARM_PANELS` quantity, each arm's mean over its seeds (runs grouped as in
-    :func:`compare_arms`) with the range between its seeds shaded; the quantities are smoothed over ``smooth``
+    """``arms.png``: one panel per :data:`ARM_PANELS` quantity, each arm's mean over its seeds (:func:`group_arms`) with the range between its seeds shaded; the quantities are smoothed over ``smooth``
     logged steps per seed, since one step holds a few dozen proposals."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    arms: dict[str, list[Mapping[str, Any]]] = {}
-    for run in runs:
-        arms.setdefault(arm_of(run["name"]), []).append(run)
+    arms = group_arms(runs)
     fig, axes = plt.subplots(1, len(ARM_PANELS), figsize=(4.2 * len(ARM_PANELS), 3.4))
     for ax, (title, key) in zip(axes, ARM_PANELS):
         for i, (arm, members) in enumerate(arms.items()):

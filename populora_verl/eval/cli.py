@@ -61,7 +61,8 @@ def members_from_args(args: argparse.Namespace, *, with_adapters_file: bool = Tr
     """Members to evaluate: base (unless --no-base), the baseline adapter, then --adapters, --adapters-file and the
     run's population (alive members with an adapter folder)."""
     from populora_verl.eval.backends import Member
-    from populora_verl.eval.report import find_population_dir, read_population, young_members
+    from populora_verl.diagnostics.lineage import find_population_dir, read_population
+    from populora_verl.eval.report import young_members
 
     members = []
     if not args.no_base:

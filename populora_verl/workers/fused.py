@@ -9,7 +9,8 @@ collectives).
 
 The layout travels as ``extra_info[SEGMENTS_KEY]``: a JSON list of ``{"slot", "rows", "size"}`` per segment in rank
 order, where ``rows`` is the per-rank row count and ``size`` the slot's whole sub-batch (its PPO mini-batch).
-Pure Python but :func:`fused_batch` (the trainer's side, over TransferQueue's ``KVBatchMeta``); the worker side is :meth:`populora_verl.workers.worker.PopuLoRAActorRolloutRefWorker.compute_log_prob`.
+Pure Python but :func:`fused_batch` (the trainer's side, over TransferQueue's ``KVBatchMeta``); the worker side
+is :meth:`populora_verl.workers.worker.PopuLoRAActorRolloutRefWorker.compute_log_prob`.
 """
 
 from __future__ import annotations
