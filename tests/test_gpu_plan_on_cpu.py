@@ -108,7 +108,7 @@ def test_gpu_scaling_merge_joins_rows_measured_in_separate_folders(tmp_path, cap
     assert gpu_scaling.main(["--merge", str(tmp_path / "1"), str(tmp_path / "2"), str(tmp_path / "4"),
                              "--out", str(tmp_path / "all")]) == 0
     captured = capsys.readouterr()
-    assert "| 4t4s | - | fixed | 2 | 2 x TP1 | H100 | 15.0 | 200 | 2.00x | >= 1.7x |" in captured.out
+    assert "| smoke_0.5b | 4t4s | - | fixed | 2 | 2 x TP1 | H100 | 15.0 | 200 | 2.00x | >= 1.7x |" in captured.out
     assert "results.json is missing" in captured.err  # the 4-GPU folder that never ran is named, not fatal
     assert len(gpu_scaling.load_rows(tmp_path / "all" / "results.json")) == 2
     with pytest.raises(SystemExit):

@@ -209,11 +209,11 @@ def test_gpu_scaling_speedup_only_against_one_gpu_of_the_same_kind():
 
     rows = [row(1, "H100", 30.0), row(2, "H100", 16.0), row(4, "H200", 8.0)]
     table = gpu_scaling.report(rows)
-    assert "| 4t4s | - | fixed | 2 | 2 x TP1 | H100 | 16.0 | 188 | 1.88x | >= 1.7x |" in table
-    assert "| 4t4s | - | fixed | 4 | 4 x TP1 | H200 | 8.0 | 375 | - | >= 3.2x |" in table  # no H200 1-GPU row: no ratio
+    assert "| smoke_0.5b | 4t4s | - | fixed | 2 | 2 x TP1 | H100 | 16.0 | 188 | 1.88x | >= 1.7x |" in table
+    assert "| smoke_0.5b | 4t4s | - | fixed | 4 | 4 x TP1 | H200 | 8.0 | 375 | - | >= 3.2x |" in table  # no H200 1-GPU row: no ratio
     # nor against a 1-GPU row of another speed profile
     other = gpu_scaling.ScalingRow(2, 1, "4t4s", "H100", 0, 1.0, {2: 16.0}, {2: 3000.0}, profile="varlen")
-    assert "| 4t4s | varlen | fixed | 2 | 2 x TP1 | H100 | 16.0 | 188 | - |" in gpu_scaling.report([*rows, other])
+    assert "| smoke_0.5b | 4t4s | varlen | fixed | 2 | 2 x TP1 | H100 | 16.0 | 188 | - |" in gpu_scaling.report([*rows, other])
     uneven = gpu_scaling.ScalingRow(2, 1, "4t4s", "H100", 0, 1.0, {2: 10.0, 3: 20.0, 4: 40.0},
                                     {2: 3000.0, 3: 3000.0, 4: 3000.0})
     assert uneven.tokens_per_s_range() == (75.0, 150.0, 300.0)  # per-step spread: min, median, max
@@ -238,30 +238,40 @@ def test_gpu_scaling_runs_every_row_with_the_profile_and_forced_answers(tmp_path
 
     calls = []
 
-    def fake_run_one(model, config, gpus, tp, steps, out, extra, timeout_s, profile, per_gpu_proposals):
-        calls.append((gpus, tp, extra, profile))
+    def fake_run_one(model, config, gpus, tp, steps, out, extra, timeout_s, profile, per_gpu_proposals, recipe):
+        calls.append((gpus, tp, extra, profile, recipe))
         return gpu_scaling.ScalingRow(gpus, tp, config, "H100", 0, 1.0, {2: 10.0 / gpus}, {2: 1000.0}, profile=profile,
                                       per_gpu_proposals=per_gpu_proposals)
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setattr(gpu_scaling, "run_one", fake_run_one)
     assert gpu_scaling.main(["--model", "/m", "--gpus", "1,2", "--out", str(tmp_path), "trainer.x=1"]) == 0
-    assert [(g, tp, p) for g, tp, _, p in calls] == [(1, 1, "varlen"), (2, 1, "varlen")]
+    assert [(g, tp, p, r) for g, tp, _, p, r in calls] == [(1, 1, "varlen", "smoke_0.5b"), (2, 1, "varlen", "smoke_0.5b")]
     extra = calls[0][2]
     assert "data.max_response_length=1024" in extra and "actor_rollout_ref.rollout.ignore_eos=true" in extra
     assert "actor_rollout_ref.model.use_remove_padding=true" in extra and extra[-1] == "trainer.x=1"
     table = (tmp_path / "results.md").read_text()
-    assert "| 4t4s | varlen | fixed | 2 | 2 x TP1 | H100 | 5.0 | 200 | 2.00x | >= 1.7x |" in table
+    assert "| smoke_0.5b | 4t4s | varlen | fixed | 2 | 2 x TP1 | H100 | 5.0 | 200 | 2.00x | >= 1.7x |" in table
     assert not any("proposals_per_type" in x for x in extra)  # the recipe's work on every GPU count
     # weak scaling: the step's work grows with the GPUs, and its rows are compared only with each other
     calls.clear()
     assert gpu_scaling.main(["--model", "/m", "--gpus", "1,2", "--out", str(tmp_path), "--per-gpu-proposals", "3"]) == 0
     assert [c[2][-1] for c in calls] == [f"populora.rollout.proposals_per_type={n}" for n in (3, 6)]
     table = (tmp_path / "results.md").read_text()
-    assert "| 4t4s | varlen | 6 proposals/type | 2 | 2 x TP1 | H100 | 5.0 | 200 | 2.00x |" in table
-    assert "| 4t4s | varlen | fixed | 2 | 2 x TP1 | H100 | 5.0 | 200 | 2.00x |" in table  # the fixed rows are kept
+    assert ("| smoke_0.5b | 4t4s | varlen | 6 proposals/type | 2 | 2 x TP1 | H100 | 5.0 | 200 | 2.00x (1.00 per GPU) "
+            "| >= 0.85 per GPU |") in table
+    assert "| smoke_0.5b | 4t4s | varlen | fixed | 2 | 2 x TP1 | H100 | 5.0 | 200 | 2.00x |" in table  # the fixed rows are kept
     with pytest.raises(SystemExit):
         gpu_scaling.main(["--model", "/m", "--gpus", "1", "--per-gpu-proposals", "0"])
+    # another recipe: its rows are compared only with its own 1-GPU row, and a misspelt one stops at once
+    calls.clear()
+    assert gpu_scaling.main(["--model", "/m", "--gpus", "1,2", "--out", str(tmp_path), "--per-gpu-proposals", "5",
+                             "--recipe", "qwen1.5b_4gpu_4t4s"]) == 0
+    assert {c[4] for c in calls} == {"qwen1.5b_4gpu_4t4s"}
+    rows = gpu_scaling.load_rows(tmp_path / "results.json")
+    assert len({r.key for r in rows}) == len(rows) == 6
+    with pytest.raises(SystemExit):
+        gpu_scaling.main(["--model", "/m", "--gpus", "1", "--recipe", "qwen_4gpu"])
 
 
 # --- scripts/gpu/multi_gpu_checks.sh against lines printed by the Python code above ------------------------------
@@ -302,7 +312,7 @@ def _fake_proof_logs(tmp_path, n: int, tp: int, *, stale_rank: bool = False, evo
     (tmp_path / "run2_resume_to4.log").write_text("\n".join(run2) + "\n")
 
 
-@pytest.mark.parametrize("n,tp", [(2, 1), (2, 2), (4, 1), (4, 2)])
+@pytest.mark.parametrize("n,tp", [(1, 1), (2, 1), (2, 2), (4, 1), (4, 2)])
 def test_multi_gpu_checks_pass_on_the_lines_the_trainer_prints(tmp_path, n, tp):
     _fake_proof_logs(tmp_path, n, tp)
     res = subprocess.run(["bash", str(SCRIPT), str(tmp_path), str(n), str(tp)], capture_output=True, text=True)

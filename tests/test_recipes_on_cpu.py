@@ -1,5 +1,7 @@
 """Every recipe composes with hydra on top of verl's ppo_trainer and its populora.* section validates."""
 
+import re
+
 import pytest
 
 hydra = pytest.importorskip("hydra")
@@ -8,7 +10,8 @@ from populora_verl.config import load_config  # noqa: E402
 
 from _shared import compose_recipe  # noqa: E402
 
-NAMES = ["1t1s", "2t2s", "4t4s", "8t8s", "azr_single_agent", "smoke_0.5b", "qwen1.5b_1gpu_2t2s", "qwen1.5b_1gpu_single"]
+NAMES = ["1t1s", "2t2s", "4t4s", "8t8s", "azr_single_agent", "smoke_0.5b", "qwen1.5b_1gpu_2t2s", "qwen1.5b_1gpu_single",
+         "qwen1.5b_4gpu_4t4s"]
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -26,7 +29,8 @@ def test_recipe_composes_and_validates(name):
     if name in ("azr_single_agent", "qwen1.5b_1gpu_single"):
         assert pcfg.population.num_adapters == 1 and not pcfg.pbt.enabled
     else:
-        t, s = (2, 2) if name == "smoke_0.5b" or name.startswith("qwen") else (int(name[0]), int(name[2]))
+        sizes = re.search(r"(\d)t(\d)s", name)  # smoke_0.5b is 2T2S
+        t, s = (int(sizes[1]), int(sizes[2])) if sizes else (2, 2)
         assert (pcfg.population.num_teachers, pcfg.population.num_students) == (t, s)
 
 
@@ -123,3 +127,17 @@ def test_the_short_learning_run_overrides_stay_compute_matched():
     pooled = load_config(compose_recipe("qwen1.5b_1gpu_2t2s", ["populora.rollout.proposals_per_type=2",
                                                                "populora.advantage.group=subpop_task_role"]).populora)
     assert small_group_warning(pooled) is None  # two teachers' proposals share one group of 4
+
+
+def test_the_4gpu_recipe_keeps_the_one_gpu_run_s_work_per_gpu():
+    """qwen1.5b_4gpu_4t4s: the one-GPU 2T2S learning run's settings, its proposals per GPU, one replica per GPU."""
+    one, four = compose_recipe("qwen1.5b_1gpu_2t2s"), compose_recipe("qwen1.5b_4gpu_4t4s")
+    p1, p4 = load_config(one.populora), load_config(four.populora)
+
+    def per_gpu(cfg, p):
+        return p.population.num_teachers * len(p.tasks.types) * p.rollout.proposals_per_type / cfg.trainer.n_gpus_per_node
+
+    assert four.trainer.n_gpus_per_node == 4 and four.actor_rollout_ref.rollout.tensor_model_parallel_size == 1
+    assert per_gpu(four, p4) == per_gpu(one, p1)
+    assert four.actor_rollout_ref.actor.optim.lr == one.actor_rollout_ref.actor.optim.lr
+    assert p4.rollout.student_n == p1.rollout.student_n and p4.tasks == p1.tasks

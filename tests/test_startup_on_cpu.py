@@ -40,7 +40,7 @@ def test_model_path_is_checked(tmp_path, model_dir, monkeypatch):
         preflight(compose_recipe("2t2s", ["actor_rollout_ref.model.path=Qwen/Qwen2.5-Coder-7B"]), check_gpus=False)
 
 
-@pytest.mark.parametrize("recipe", ["smoke_0.5b", "qwen1.5b_1gpu_2t2s", "qwen1.5b_1gpu_single"])
+@pytest.mark.parametrize("recipe", ["smoke_0.5b", "qwen1.5b_1gpu_2t2s", "qwen1.5b_1gpu_single", "qwen1.5b_4gpu_4t4s"])
 def test_a_one_gpu_recipe_without_a_model_stops_instead_of_taking_the_7b(recipe):
     """The one-GPU recipes name no model; the base's paper model must not fill the gap (a 1.5B run silently
     downloading and training the 7B), nor may verl's own placeholder path pass for a folder that is missing."""

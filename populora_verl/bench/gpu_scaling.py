@@ -2,15 +2,16 @@
 
     python -m populora_verl.bench.gpu_scaling --model /path/to/qwen-coder-0.5b --gpus 1,2,4 [--config 4t4s] \
         [--tp 1] [--steps 5] [--profile varlen] [--answer-tokens 1024] [--per-gpu-proposals N] [--out DIR] \
-        [hydra overrides...]
+        [--recipe NAME] [hydra overrides...]
 
-Runs the ``smoke_0.5b`` recipe with the same population and per-step work on the first G visible GPUs
+Runs a recipe (default ``smoke_0.5b``; ``--recipe qwen1.5b_4gpu_4t4s`` measures the 4-GPU recipe itself) with
+the same population and per-step work on the first G visible GPUs
 (``CUDA_VISIBLE_DEVICES``, ``trainer.n_gpus_per_node=G``): G FSDP2 ranks for the actor and G / TP vLLM replicas.
 Only the GPU count changes, so tokens per step stay the same and the speed-up is a throughput ratio. The speed
 settings are ``step_scaling``'s profiles (default ``varlen``, what docs/verl-integration.md recommends), and every
 answer is forced to ``--answer-tokens`` (vLLM ``ignore_eos``), so every row generates the same tokens.
 ``--per-gpu-proposals N`` instead scales the step's work with the GPUs (``populora.rollout.proposals_per_type =
-N x G``): weak scaling, where tokens/s is still the comparable figure. Per GPU count:
+N x G``): weak scaling, where the figure is tokens/s per GPU against the 1-GPU row (goal >= 0.85). Per GPU count:
 
 * seconds per step and tokens per second (``perf/total_num_tokens`` / ``timing_s/step``), over steps 2..N;
 * the speed-up against the 1-GPU row **of the same machine** (the GPU name is recorded; a 1-GPU row from another
@@ -39,6 +40,8 @@ from populora_verl.bench import step_scaling as ss
 
 #: Throughput goals against one GPU of the same machine (near-linear: 85 % and 80 % of ideal).
 GOALS = {2: 1.7, 4: 3.2}
+#: Weak scaling (the work grows with the GPUs): tokens/s per GPU against the 1-GPU row.
+WEAK_GOAL = 0.85
 PHASES = ("gen", "old_log_prob", "update_actor", "update_weights")
 
 
@@ -56,11 +59,13 @@ class ScalingRow:
     smi_peak_mib: float | None = None
     profile: str = ""  # step_scaling's speed profile ("" in rows from before profiles were recorded)
     per_gpu_proposals: int | None = None  # weak scaling: proposals_per_type = this x gpus; None: the recipe's, fixed
+    recipe: str = "smoke_0.5b"
 
     @property
     def key(self) -> str:
         weak = f"_w{self.per_gpu_proposals}" if self.per_gpu_proposals else ""
-        return f"{self.config}@{self.gpus}gpu_tp{self.tp}{weak}"
+        recipe = "" if self.recipe == "smoke_0.5b" else f"_{self.recipe}"
+        return f"{self.config}@{self.gpus}gpu_tp{self.tp}{weak}{recipe}"
 
     def steady(self) -> list[int]:
         return sorted(k for k in self.step_s if k >= 2 and k in self.tokens)
@@ -105,26 +110,36 @@ def overrides_for(gpus: int, tp: int) -> list[str]:
 
 
 def baseline(rows: Sequence[ScalingRow], row: ScalingRow) -> ScalingRow | None:
-    """The 1-GPU row of the same configuration, profile and work per GPU on the same GPU model, if measured."""
+    """The 1-GPU row of the same recipe, configuration, profile and work per GPU on the same GPU model, if measured."""
     return next((b for b in rows if b.gpus == 1 and b.config == row.config and b.gpu_name == row.gpu_name
-                 and b.profile == row.profile and b.per_gpu_proposals == row.per_gpu_proposals and b.tokens_per_s),
-                None)
+                 and b.profile == row.profile and b.per_gpu_proposals == row.per_gpu_proposals
+                 and b.recipe == row.recipe and b.tokens_per_s), None)
+
+
+def speedup_text(row: ScalingRow, base: ScalingRow | None) -> tuple[str, str]:
+    """The speed-up column and its goal: total tokens/s for the same work, also per GPU when the work grows."""
+    tps = row.tokens_per_s
+    ratio = tps / base.tokens_per_s if tps and base else None
+    if row.per_gpu_proposals:
+        speed = f"{ratio:.2f}x ({ratio / row.gpus:.2f} per GPU)" if ratio else "-"
+        return speed, f">= {WEAK_GOAL} per GPU" if row.gpus > 1 else "-"
+    return (f"{ratio:.2f}x" if ratio else "-"), (f">= {GOALS[row.gpus]}x" if row.gpus in GOALS else "-")
 
 
 def report(rows: Sequence[ScalingRow]) -> str:
-    lines = ["| config | profile | work | GPUs | rollout | GPU | s/step (2..N) | tokens/s | speed-up vs 1 GPU | goal | "
+    lines = ["| recipe | config | profile | work | GPUs | rollout | GPU | s/step (2..N) | tokens/s | speed-up vs 1 GPU "
+             "| goal | "
              "tokens/s per step: min / median / max | steps | "
              + " | ".join(f"{p} s" for p in PHASES) + " | peak MiB | exit |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|" + "---|" * len(PHASES) + "---|---|"]
-    for r in sorted(rows, key=lambda r: (r.config, r.profile, r.per_gpu_proposals or 0, r.gpus, r.tp)):
-        base = baseline(rows, r)
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|" + "---|" * len(PHASES) + "---|---|"]
+    for r in sorted(rows, key=lambda r: (r.recipe, r.config, r.profile, r.per_gpu_proposals or 0, r.gpus, r.tp)):
         tps, s = r.tokens_per_s, r.mean_step_s
-        speed = f"{tps / base.tokens_per_s:.2f}x" if tps and base else "-"
-        goal = f">= {GOALS[r.gpus]}x" if r.gpus in GOALS else "-"
+        speed, goal = speedup_text(r, baseline(rows, r))
         layout = f"{r.gpus // r.tp} x TP{r.tp}"
         spread = " / ".join(f"{x:.0f}" for x in r.tokens_per_s_range() or ()) or "-"
         work = f"{r.per_gpu_proposals * r.gpus} proposals/type" if r.per_gpu_proposals else "fixed"
-        lines.append(f"| {r.config} | {r.profile or '-'} | {work} | {r.gpus} | {layout} | {r.gpu_name or '-'} | "
+        lines.append(f"| {r.recipe} | {r.config} | {r.profile or '-'} | {work} | {r.gpus} | {layout} | "
+                     f"{r.gpu_name or '-'} | "
                      f"{f'{s:.1f}' if s else '-'} | {f'{tps:.0f}' if tps else '-'} | {speed} | {goal} | {spread} | "
                      f"{len(r.steady())} | "
                      + " | ".join(f"{r.phases_s[p]:.1f}" if p in r.phases_s else "-" for p in PHASES)
@@ -142,12 +157,13 @@ def _gpu_name() -> str:
 
 
 def run_one(model: str, config: str, gpus: int, tp: int, steps: int, out: Path, extra: list[str],
-            timeout_s: int, profile: str = "", per_gpu_proposals: int | None = None) -> ScalingRow:
+            timeout_s: int, profile: str = "", per_gpu_proposals: int | None = None,
+            recipe: str = "smoke_0.5b") -> ScalingRow:
     """One row: ``config`` on the first ``gpus`` visible GPUs; ``extra`` holds the profile's overrides (and, for weak
     scaling, the step's work), ``profile`` names it (its environment, ``step_scaling.PROFILE_ENV``, reaches the
     trainer) and ``per_gpu_proposals`` is recorded with the row."""
     row = ScalingRow(gpus, tp, config, _gpu_name(), rc=-1, wall_s=0.0, profile=profile,
-                     per_gpu_proposals=per_gpu_proposals)
+                     per_gpu_proposals=per_gpu_proposals, recipe=recipe)
     visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()] or \
         [str(i) for i in range(gpus)]
     metrics = out / f"{row.key}.metrics.jsonl"
@@ -155,7 +171,7 @@ def run_one(model: str, config: str, gpus: int, tp: int, steps: int, out: Path, 
     env = dict(os.environ, CUDA_VISIBLE_DEVICES=",".join(visible[:gpus]), VLLM_WORKER_MULTIPROC_METHOD="spawn",
                VLLM_USE_FLASHINFER_SAMPLER="0", RAY_AUTH_MODE="disabled", TOKENIZERS_PARALLELISM="false",
                PYTHONUNBUFFERED="1", VERL_FILE_LOGGER_PATH=str(metrics), **ss.PROFILE_ENV.get(profile, {}))
-    cmd = ss.command(model, config, steps, out / row.key, [*overrides_for(gpus, tp), *extra])
+    cmd = ss.command(model, config, steps, out / row.key, [*overrides_for(gpus, tp), *extra], recipe=recipe)
     t0 = time.time()
     with ss.GpuMemoryPoller() as poller, open(out / f"{row.key}.log", "w") as f:
         try:
@@ -236,6 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--per-gpu-proposals", type=int, default=None, metavar="N",
                     help="weak scaling: populora.rollout.proposals_per_type = N x GPUs (default: the recipe's, the "
                          "same work on every GPU count)")
+    ap.add_argument("--recipe", default="smoke_0.5b", help="the recipe every row runs (a name in recipes/populora)")
     ap.add_argument("--out", default="bench_gpu_scaling")
     ap.add_argument("--timeout-s", type=int, default=1800)
     ap.add_argument("overrides", nargs="*", help="extra hydra overrides for every run")
@@ -249,6 +266,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--steps must be >= 2 (step 1 is warm-up)")
     if args.per_gpu_proposals is not None and args.per_gpu_proposals < 1:
         ap.error("--per-gpu-proposals must be >= 1")
+    if not (ss.RECIPES / f"{args.recipe}.yaml").is_file():
+        ap.error(f"--recipe {args.recipe!r}: no {args.recipe}.yaml in {ss.RECIPES}")
     bad_tp = [g for g in counts if g > 1 and g % args.tp]
     if bad_tp:
         ap.error(f"--tp {args.tp} does not divide GPU counts {bad_tp}")
@@ -272,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.per_gpu_proposals:
             extra.append(f"populora.rollout.proposals_per_type={args.per_gpu_proposals * g}")
         row = run_one(args.model, args.config, g, tp, args.steps, out, extra, args.timeout_s, args.profile,
-                      args.per_gpu_proposals)
+                      args.per_gpu_proposals, args.recipe)
         print(f"  exit={row.rc} wall={row.wall_s:.0f}s s/step={row.mean_step_s} tokens/s={row.tokens_per_s}",
               flush=True)
         rows = upsert(rows, row)

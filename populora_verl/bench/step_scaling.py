@@ -342,8 +342,8 @@ def plan_overrides(profile: str, answer_tokens: int | None, force_length: bool) 
     return out
 
 
-def command(model: str, name: str, steps: int, out_dir: Path, extra: list[str]) -> list[str]:
-    return [sys.executable, "-m", "verl.trainer.main_ppo", "--config-path", str(RECIPES), "--config-name", "smoke_0.5b",
+def command(model: str, name: str, steps: int, out_dir: Path, extra: list[str], recipe: str = "smoke_0.5b") -> list[str]:
+    return [sys.executable, "-m", "verl.trainer.main_ppo", "--config-path", str(RECIPES), "--config-name", recipe,
             f"actor_rollout_ref.model.path={model}", "trainer.logger=[console,file]", f"trainer.total_training_steps={steps}",
             "trainer.save_freq=-1", "trainer.resume_mode=disable", "populora.pbt.enabled=false",
             "populora.buffer.seed_programs=0",  # the seeding phase is a one-off before step 1, not a step cost
