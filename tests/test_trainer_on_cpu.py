@@ -289,10 +289,14 @@ def test_lora_table_and_update_actor_use_the_slot_batch(bare_trainer):
 
 
 def test_lazy_adapters_fetch_only_what_pbt_reads(trainer_cls):
-    from populora_verl.trainer.hooks import _LazyAdapters
+    from types import SimpleNamespace
+
+    from populora_verl.step.engine import AdapterView
+    from populora_verl.trainer.hooks import TrainerEngine
 
     fetched = []
-    lazy = _LazyAdapters(lambda s: fetched.append(s) or {"slot": s}, {"t0": 0, "t1": 1, "s0": 2})
+    engine = TrainerEngine(SimpleNamespace(_get_adapter=lambda s: fetched.append(s) or {"slot": s}))
+    lazy = AdapterView(engine, {"t0": 0, "t1": 1, "s0": 2})  # what _evolve hands to PBT
     assert len(lazy) == 3 and set(lazy) == {"t0", "t1", "s0"}
     assert lazy["t1"] == {"slot": 1} and lazy["t1"] == {"slot": 1}
     assert fetched == [1]

@@ -10,7 +10,7 @@ import logging
 import random
 import time
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -19,19 +19,17 @@ from populora_verl.checkpoint import (CheckpointError, Checkpoint, capture_rng_s
                                       load_latest_checkpoint, prune_checkpoints, restore_rng_state,
                                       save_checkpoint)
 from populora_verl.config import PopuLoRAConfig, to_dict
-from populora_verl.evolution.pbt import append_event, trim_events
+from populora_verl.evolution.pbt import trim_events
 from populora_verl.local.config import LocalConfig
 from populora_verl.local.hf_engine import HFEngine, seed_for, slot_name
 from populora_verl.local.progress import step_line
 from populora_verl.step import PopulationStep, StepResult
-from populora_verl.step.records import BASE_POLICY
+from populora_verl.step.engine import Phase, evolve, seed_buffers, seed_file
+from populora_verl.step.records import BASE_POLICY, SEED, STUDENT, TEACHER, GenRequest, GenResponse
 
-__all__ = ["LocalDriver", "load_model"]
+__all__ = ["LocalDriver", "LocalEngine", "load_model"]
 
 log = logging.getLogger(__name__)
-
-#: The seeding phase's programs, in ``buffer.seed_file`` format.
-SEED_FILE = "seed_tasks.jsonl"
 
 
 def load_model(model_path: str | None = None, gguf: str | None = None, *, seed: int = 0,
@@ -62,6 +60,36 @@ def load_model(model_path: str | None = None, gguf: str | None = None, *, seed: 
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     return model.eval(), tok
+
+
+class LocalEngine:
+    """The CPU driver as a :class:`~populora_verl.step.engine.PopulationEngine`: member slots to PEFT adapter names,
+    phases to the generation seed of :func:`seed_for`, evolution children through the per-slot AdamW states."""
+
+    def __init__(self, hf: HFEngine, slot_of: Callable[[str], str], seed: int) -> None:
+        self.hf, self._slot_of, self._seed = hf, slot_of, int(seed)
+
+    def generate(self, requests: Sequence[GenRequest], phase: Phase) -> list[GenResponse]:
+        # Seeding runs before step 1 and counts its rounds as phases of step 0; a step has a teacher and a student
+        # phase. Each phase's seed depends on nothing else, so generation replays exactly after a resume.
+        if phase.name == SEED:
+            seed = seed_for(self._seed, 0, phase.round)
+        else:
+            seed = seed_for(self._seed, phase.step, 1 if phase.name == STUDENT else 0)
+        return self.hf.generate(requests, self._slot_of, seed)
+
+    def get_adapter(self, slot: int) -> dict[str, torch.Tensor]:
+        return self.hf.get_adapter(slot_name(slot))
+
+    def write_child(self, slot: int, state: Mapping[str, torch.Tensor], optimizer_from: int | None) -> None:
+        # The source's state is read before this slot's optimizer is replaced: a load over a fresh AdamW.
+        moments = None if optimizer_from is None else self.hf.optimizer_state(slot_name(optimizer_from))
+        name = slot_name(slot)
+        self.hf.set_adapter(name, state)
+        if moments is None:
+            self.hf.reset_optimizer(name)
+        else:
+            self.hf.load_optimizer_state(name, moments)
 
 
 class LocalDriver:
@@ -109,6 +137,7 @@ class LocalDriver:
                                temperature=1.0 if cfg.rollout.temperature is None else cfg.rollout.temperature,
                                max_new_tokens=cfg.rollout.max_new_tokens or 1024,
                                shared_a=cfg.population.founder_init == "shared_a")
+        self.pop_engine = LocalEngine(self.engine, self.slot_of, self.seed)  # what the shared step code drives
         self.start_step = 0
         if resumed is not None:
             self._restore(resumed)
@@ -198,18 +227,10 @@ class LocalDriver:
     def seed_buffers(self) -> int:
         """The seeding phase (``buffer.seed_programs``): the base model proposes until the buffers hold the target;
         the seed set is written to ``<run_dir>/seed_tasks.jsonl`` (reuse it with ``buffer.seed_file``)."""
-        ps, rounds = self.step_obj, 0
-        while True:
-            requests = ps.seed_begin()
-            if not requests:
-                break
-            ps.seed_on_proposals(self.engine.generate(requests, self.slot_of, seed_for(self.seed, 0, rounds)))
-            rounds += 1
+        rounds = seed_buffers(self.step_obj, self.pop_engine, self.run_dir)
         if rounds:
-            from populora_verl.tasks import save_seed_file
-
-            save_seed_file(ps.seed_set, self.run_dir / SEED_FILE)
-            log.info("seeding: %d rounds, %d seed tasks -> %s", rounds, len(ps.seed_set), self.run_dir / SEED_FILE)
+            log.info("seeding: %d rounds, %d seed tasks -> %s", rounds, len(self.step_obj.seed_set),
+                     seed_file(self.run_dir))
         return rounds
 
     # --- one step ---------------------------------------------------------------------------------------
@@ -218,9 +239,9 @@ class LocalDriver:
         """Generate, score, update every adapter, maybe evolve; returns the result and the logged metrics."""
         ps, eng = self.step_obj, self.engine
         t0 = time.perf_counter()
-        proposals = eng.generate(ps.begin(step), self.slot_of, seed_for(self.seed, step, 0))
+        proposals = self.pop_engine.generate(ps.begin(step), Phase(TEACHER, step))
         t1 = time.perf_counter()
-        answers = eng.generate(ps.on_proposals(proposals), self.slot_of, seed_for(self.seed, step, 1))
+        answers = self.pop_engine.generate(ps.on_proposals(proposals), Phase(STUDENT, step))
         t2 = time.perf_counter()
         result = ps.on_answers(answers)
         t3 = time.perf_counter()
@@ -230,29 +251,15 @@ class LocalDriver:
             for k, v in stats.items():
                 metrics[f"populora/train/{m.id}/{k}"] = v
         t4 = time.perf_counter()
-        plan, children = ps.maybe_evolve(step, self.adapters())
-        self.last_plan = plan  # for the step line
-        if plan is not None:
-            self.apply_plan(plan, children)
-            metrics["populora/evolution/events"] = float(len(plan))
+        evolution = evolve(ps, step, self.pop_engine, self.run_dir)
+        self.last_plan = evolution.plan  # for the step line, which names the replacements
+        metrics.update(evolution.metrics)
+        for line in evolution.lines:  # the verl trainer's lines, with the tie-break notes the step line leaves out
+            log.debug(line)
         metrics.update({"populora/time/propose_s": t1 - t0, "populora/time/solve_s": t2 - t1,
                         "populora/time/score_s": t3 - t2, "populora/time/update_s": t4 - t3,
                         "populora/time/step_s": time.perf_counter() - t0})
         return result, metrics
-
-    def apply_plan(self, plan: Any, children: Mapping[str, Mapping[str, torch.Tensor]]) -> None:
-        """Write each child into its victim's slot; reset (or inherit) that slot's optimizer state."""
-        eng = self.engine
-        parent_optim = {r.child_id: eng.optimizer_state(self.slot_of(r.parent_ids[0]))
-                        for r in plan.replacements if not r.reset_optimizer}
-        for r in plan.replacements:
-            slot = slot_name(r.victim_slot)
-            eng.set_adapter(slot, children[r.child_id])
-            if r.reset_optimizer:
-                eng.reset_optimizer(slot)
-            else:  # a child that keeps its fitter parent's moments (pbt.reset_optimizer_on_replace=false)
-                eng.load_optimizer_state(slot, parent_optim[r.child_id])
-        append_event(self.run_dir, plan)
 
     def run(self, steps: int | None = None) -> list[dict[str, float]]:
         """Run up to step ``steps`` (total, counting resumed ones); checkpoint, log, plot at the end."""

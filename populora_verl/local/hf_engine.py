@@ -9,6 +9,7 @@ their AdamW never steps, so they stay bit-identical. Each slot has its own AdamW
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
@@ -114,8 +115,10 @@ class HFEngine:
         return self.optimizer(slot).state_dict()
 
     def load_optimizer_state(self, slot: str, state: Mapping[str, Any]) -> None:
+        """Give ``slot`` its own copy of ``state``: torch's ``load_state_dict`` keeps tensors that already have the
+        parameter's dtype and device, so another slot's live ``state_dict()`` would share (and step) its moments."""
         self.reset_optimizer(slot)
-        self.optimizer(slot).load_state_dict(dict(state))
+        self.optimizer(slot).load_state_dict(copy.deepcopy(dict(state)))
 
     # --- generation ---------------------------------------------------------------------------------------
 

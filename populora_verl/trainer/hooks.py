@@ -5,14 +5,16 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 import transfer_queue as tq
 from omegaconf import open_dict
 
-from populora_verl.evolution.pbt import append_event, describe, trim_events
+from populora_verl.evolution.pbt import trim_events
+from populora_verl.step.engine import Phase, evolve, seed_buffers, seed_file
+from populora_verl.step.records import SEED, GenRequest, GenResponse
 from populora_verl.trainer import schedule, stop, verl_config
 from populora_verl.trainer.convert import PARTITION
 from populora_verl.trainer.timeline import timed
@@ -20,22 +22,34 @@ from populora_verl.trainer.timeline import timed
 logger = logging.getLogger(__name__)
 
 
-class _LazyAdapters(Mapping):
-    """``{member_id: state_dict}`` that gathers a slot from the workers only when PBT reads it (parents only)."""
+class TrainerEngine:
+    """The verl trainer as a :class:`~populora_verl.step.engine.PopulationEngine`, over its worker RPCs and its
+    TransferQueue generation.
 
-    def __init__(self, fetch, slot_of: Mapping[str, int]) -> None:
-        self._fetch, self._slot_of, self._cache = fetch, dict(slot_of), {}
+    Only the seeding phase generates through here: its rows are never trained on, so they leave TransferQueue at
+    once. The step's teacher and student phases stay with :meth:`PopuLoRATrainer.step`, which trains on their rows
+    and so needs their batch metadata, not just the texts.
+    """
 
-    def __getitem__(self, member_id: str) -> dict[str, torch.Tensor]:
-        if member_id not in self._cache:
-            self._cache[member_id] = self._fetch(self._slot_of[member_id])
-        return self._cache[member_id]
+    def __init__(self, trainer: Any, metrics: dict[str, Any] | None = None) -> None:
+        self._trainer = trainer
+        self.metrics = {} if metrics is None else metrics  # the rollout metrics of what generate() ran
 
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._slot_of)
+    def generate(self, requests: Sequence[GenRequest], phase: Phase) -> list[GenResponse]:
+        if phase.name != SEED:
+            raise ValueError(f"TrainerEngine generates the seeding phase only, not {phase.name!r}: the step's own "
+                             "phases are trained from their TransferQueue rows (PopuLoRATrainer.step)")
+        responses, batch, _ = self._trainer._generate(list(requests), phase.name, self.metrics)
+        tq.kv_clear(keys=list(batch.keys), partition_id=PARTITION)  # never trained on
+        return responses
 
-    def __len__(self) -> int:
-        return len(self._slot_of)
+    def get_adapter(self, slot: int) -> dict[str, torch.Tensor]:
+        return self._trainer._get_adapter(int(slot))
+
+    def write_child(self, slot: int, state: Mapping[str, torch.Tensor], optimizer_from: int | None) -> None:
+        # The workers copy the source slot's optimizer at this call; the caller guarantees it is still pre-event.
+        self._trainer._rpc("populora_set_adapter", int(slot), state, reset_optimizer=optimizer_from is None,
+                           optimizer_from=None if optimizer_from is None else int(optimizer_from))
 
 
 class HooksMixin:
@@ -57,22 +71,11 @@ class HooksMixin:
         """The seeding phase (``populora.buffer.seed_programs``) before step 1: the base policy proposes until the
         buffers hold the target; nothing of it is trained. The seed set goes to ``<default_local_dir>/seed_tasks.jsonl``
         (reuse it with ``populora.buffer.seed_file``)."""
-        from populora_verl.tasks import save_seed_file
-
-        ps, rounds, metrics = self.pop_step, 0, {}
-        while True:
-            requests = ps.seed_begin()
-            if not requests:
-                break
-            responses, batch, _ = self._generate(requests, "seed", metrics)
-            tq.kv_clear(keys=list(batch.keys), partition_id=PARTITION)  # never trained on
-            ps.seed_on_proposals(responses)
-            rounds += 1
+        run_dir = self._step_folder().rsplit(os.sep, 1)[0]
+        rounds = seed_buffers(self.pop_step, TrainerEngine(self), run_dir)
         if rounds:
-            path = os.path.join(self._step_folder().rsplit(os.sep, 1)[0], "seed_tasks.jsonl")
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            save_seed_file(ps.seed_set, path)
-            print(f"[populora] seeding: {rounds} rounds, {len(ps.seed_set)} seed tasks -> {path}", flush=True)
+            print(f"[populora] seeding: {rounds} rounds, {len(self.pop_step.seed_set)} seed tasks -> "
+                  f"{seed_file(run_dir)}", flush=True)
 
     def on_step_end(self) -> None:
         if not self._timeline_done and self._timeline.marks and self._timeline.marks[-1][0] == "agent loop":
@@ -111,23 +114,10 @@ class HooksMixin:
         return stop.due(request, self.global_steps, min(ages) if ages else None, window)
 
     def _evolve(self) -> dict[str, float]:
-        step, pbt = self.global_steps, self.pop_step.pbt
-        if pbt is None or not pbt.due(step):
-            return {}
-        slot_of = {m.id: int(m.slot) for m in self.pop_step.population.members}
-        plan, children = self.pop_step.maybe_evolve(step, _LazyAdapters(self._get_adapter, slot_of))
-        events = 0 if plan is None else len(plan.replacements)
-        for r in (plan.replacements if plan is not None else []):
-            # reset_optimizer=false: the child takes its fitter parent's moments (as the CPU driver), never keeps
-            # its victim's. Parents are survivors, so no earlier replacement of this plan has touched them.
-            self._rpc("populora_set_adapter", int(r.victim_slot), children[r.child_id],
-                      reset_optimizer=bool(r.reset_optimizer),
-                      optimizer_from=None if r.reset_optimizer else slot_of[r.parent_ids[0]])
-            print(f"[populora] step {step} evolution: {describe(r)}", flush=True)
-        if plan is not None and plan.replacements:
-            append_event(self.config.trainer.default_local_dir, plan)
-        ties = sum(r.tie_break for r in plan.replacements) if plan is not None else 0
-        return {"populora/evolution/events": float(events), "populora/evolution/tie_breaks": float(ties)}
+        evolution = evolve(self.pop_step, self.global_steps, TrainerEngine(self), self.config.trainer.default_local_dir)
+        for line in evolution.lines:
+            print(line, flush=True)
+        return evolution.metrics
 
     def _save_checkpoint(self) -> None:
         # fit() saves before on_step_end; the real save runs there after evolution so the bank is post-evolution.
