@@ -34,7 +34,7 @@ INSTALL_REQUIRES = [
     "wandb==0.31.0",
 ]
 
-# Every recipe, prompt files included, relative to recipes/ (tests/test_recipes_locator_on_cpu.py checks the cover).
+# Every recipe, prompt files included, relative to recipes/ (tests/project/test_recipes_locator.py checks the cover).
 RECIPES_PACKAGE = "populora_verl._recipes"
 RECIPE_FILES = ["populora/**/*.yaml"]  # ** matches no folder too: populora/2t2s.yaml, populora/prompts/...
 

@@ -8,7 +8,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+# Paths from here, never from a test module's own __file__: the modules sit one folder down (tests/<area>/), and
+# a later move of a module must not change what these name.
+TESTS = Path(__file__).resolve().parent
+REPO = TESTS.parent
+DATA = TESTS / "data"
 RECIPES = REPO / "recipes" / "populora"
 
 

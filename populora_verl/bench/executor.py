@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 from populora_verl.executor import Executor
 
-__all__ = ["Item", "make_mix", "run_sandboxed", "run_baseline", "main"]
+__all__ = ["Item", "make_mix", "main"]
 
 
 @dataclass(frozen=True)

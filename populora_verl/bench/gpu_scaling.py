@@ -16,7 +16,8 @@ N x G``): weak scaling, where the figure is tokens/s per GPU against the 1-GPU r
 * seconds per step and tokens per second (``perf/total_num_tokens`` / ``timing_s/step``), over steps 2..N;
 * the speed-up against the 1-GPU row **of the same machine** (the GPU name is recorded; a 1-GPU row from another
   machine kind is never used as the baseline), and the goal for that count;
-* the step's phases (generation, old log-probs, update, weight sync) and peak GPU memory (``nvidia-smi``, summed).
+* the step's phases (generation, old log-probs, update, weight sync) and peak GPU memory (``nvidia-smi``, summed);
+* the start-up, launch to the end of step 1, from the trainer's own ``[populora] start-up:`` line.
 
 Rows of earlier invocations with the same ``--out`` are kept (a GPU count run again replaces its row), so each GPU
 count can go in its own call on one warm machine and still land in one table.
@@ -27,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -43,6 +45,13 @@ GOALS = {2: 1.7, 4: 3.2}
 #: Weak scaling (the work grows with the GPUs): tokens/s per GPU against the 1-GPU row.
 WEAK_GOAL = 0.85
 PHASES = ("gen", "old_log_prob", "update_actor", "update_weights")
+_STARTUP = re.compile(r"\[populora\] start-up: .*\btotal (\d+(?:\.\d+)?) s")
+
+
+def startup_seconds(log: str) -> float | None:
+    """The start-up total the trainer printed at the end of step 1 (populora_verl.trainer.timeline), if it did."""
+    found = _STARTUP.findall(log)
+    return float(found[-1]) if found else None
 
 
 @dataclass
@@ -60,6 +69,7 @@ class ScalingRow:
     profile: str = ""  # step_scaling's speed profile ("" in rows from before profiles were recorded)
     per_gpu_proposals: int | None = None  # weak scaling: proposals_per_type = this x gpus; None: the recipe's, fixed
     recipe: str = "smoke_0.5b"
+    startup_s: float | None = None  # launch to the end of step 1, from the trainer's "[populora] start-up:" line
 
     @property
     def key(self) -> str:
@@ -130,8 +140,8 @@ def report(rows: Sequence[ScalingRow]) -> str:
     lines = ["| recipe | config | profile | work | GPUs | rollout | GPU | s/step (2..N) | tokens/s | speed-up vs 1 GPU "
              "| goal | "
              "tokens/s per step: min / median / max | steps | "
-             + " | ".join(f"{p} s" for p in PHASES) + " | peak MiB | exit |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|" + "---|" * len(PHASES) + "---|---|"]
+             + " | ".join(f"{p} s" for p in PHASES) + " | start-up s | peak MiB | exit |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|" + "---|" * len(PHASES) + "---|---|---|"]
     for r in sorted(rows, key=lambda r: (r.recipe, r.config, r.profile, r.per_gpu_proposals or 0, r.gpus, r.tp)):
         tps, s = r.tokens_per_s, r.mean_step_s
         speed, goal = speedup_text(r, baseline(rows, r))
@@ -143,6 +153,7 @@ def report(rows: Sequence[ScalingRow]) -> str:
                      f"{f'{s:.1f}' if s else '-'} | {f'{tps:.0f}' if tps else '-'} | {speed} | {goal} | {spread} | "
                      f"{len(r.steady())} | "
                      + " | ".join(f"{r.phases_s[p]:.1f}" if p in r.phases_s else "-" for p in PHASES)
+                     + f" | {f'{r.startup_s:.0f}' if r.startup_s else '-'}"
                      + f" | {f'{r.smi_peak_mib:.0f}' if r.smi_peak_mib else '-'} | {r.rc} |")
     return "\n".join(lines)
 
@@ -181,8 +192,10 @@ def run_one(model: str, config: str, gpus: int, tp: int, steps: int, out: Path, 
     row.wall_s, row.smi_peak_mib = time.time() - t0, poller.peak or None
     if metrics.exists():
         row.step_s, row.tokens, row.phases_s = figures(ss.file_log_rows(metrics.read_text(errors="replace")))
+    log = (out / f"{row.key}.log").read_text(errors="replace")
     if not row.step_s:  # no file logger output: verl's console lines
-        row.step_s, row.tokens, row.phases_s = figures(ss.console_rows((out / f"{row.key}.log").read_text(errors="replace")))
+        row.step_s, row.tokens, row.phases_s = figures(ss.console_rows(log))
+    row.startup_s = startup_seconds(log)
     return row
 
 

@@ -27,7 +27,7 @@ import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass
-from typing import Any, Sequence
+from typing import Sequence
 
 import numpy as np
 import torch

@@ -93,8 +93,14 @@ _VARLEN_WIDE = [*_VARLEN, "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=163
 # resharding after every micro-batch's forward repeats that copy (and its cast to bf16) in the backward; keeping them
 # costs one bf16 copy of the model (3 GB at 1.5B). Useful where each trainer has its GPU to itself.
 _VARLEN_WIDE_KEEP = [*_VARLEN_WIDE, "actor_rollout_ref.actor.fsdp_config.reshard_after_forward=false"]
+# varlen with vLLM's CUDA graphs kept but its torch.compile pass off: verl starts vLLM with the compile cache
+# disabled (VLLM_DISABLE_COMPILE_CACHE=1), so every start compiles from scratch; full graphs of the decode batches
+# need no compilation (FlashAttention 3 on Hopper), prefills then run eagerly. The start-up/step-time A/B for that.
+VLLM_NO_COMPILE = '{"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}'
+_VARLEN_NOCOMPILE = [*_VARLEN, f"++actor_rollout_ref.rollout.engine_kwargs.vllm.compilation_config='{VLLM_NO_COMPILE}'"]
 PROFILES: dict[str, list[str]] = {
     "fast": _FAST,
+    "varlen_nocompile": _VARLEN_NOCOMPILE,
     "varlen": _VARLEN,
     "varlen_wide": _VARLEN_WIDE,
     "varlen_wide_keep": _VARLEN_WIDE_KEEP,

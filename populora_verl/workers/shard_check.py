@@ -13,7 +13,7 @@ once W > 3) and runs the paths the multi-GPU trainer relies on:
 Rank 0 also runs the unsharded reference (one process, every rank's data concatenated), so sharded numbers are
 checked against single-GPU numbers, not only against each other. Each rank writes what it found to
 ``OUT/rank{r}.pt``; :func:`check_results` turns those into named pass/fail checks. CI runs it on a 2-process gloo
-group (``tests/test_bank_sharded_gloo_on_cpu.py``); on a GPU node::
+group (``tests/workers/test_bank_sharded_gloo.py``); on a GPU node::
 
     torchrun --standalone --nproc-per-node 2 -m populora_verl.workers.shard_check --out /tmp/shard_check
 

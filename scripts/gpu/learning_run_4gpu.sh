@@ -14,7 +14,7 @@
 #
 # The batch is cut from the recipes' 90 to 30 trained trajectories per adapter and step, so that 40 population steps
 # fit 30 minutes of one node: 2T2S at 4 proposals per type and 4 answers per task, the single agent at 5 proposals per
-# type (tests/test_recipes_on_cpu.py keeps the two compute-matched). A checkpoint every 20 steps instead of 5 (each
+# type (tests/project/test_recipes.py keeps the two compute-matched). A checkpoint every 20 steps instead of 5 (each
 # takes 8-14 s): the stop at STOP_AT saves its own, and step 20 is the fallback should an arm die.
 set -euo pipefail
 minutes=${1:-24}

@@ -16,7 +16,8 @@ import pytest
 
 from populora_verl.runlock import LOCK_FILE, RunDirInUse, acquire_run_lock, claim_run_dir, read_holder
 
-REPO = Path(__file__).resolve().parents[1]
+from _shared import REPO
+
 ENV = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
            TORCH_COMPILE_DISABLE="1", RAY_AUTH_MODE="disabled", TOKENIZERS_PARALLELISM="false", PYTHONWARNINGS="ignore")
 

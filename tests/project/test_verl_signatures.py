@@ -32,7 +32,8 @@ from populora_verl.rollout.lora_registry import lora_int_id  # noqa: E402
 from populora_verl.workers.adapter_bank import AdapterBankError  # noqa: E402
 from populora_verl.workers.worker import ADAPTER_KEY, PopuLoRAActorRolloutRefWorker  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
+from _shared import REPO  # noqa: E402
+
 VERL = Path(importlib.util.find_spec("verl").submodule_search_locations[0])
 
 # --- worker: dispatch decorators ----------------------------------------------------------------------------

@@ -19,7 +19,8 @@ import pytest
 
 from populora_verl import recipes
 
-REPO = Path(__file__).resolve().parents[1]
+from _shared import REPO
+
 CHECKOUT = REPO / "recipes" / "populora"
 YAMLS = sorted(p.relative_to(CHECKOUT).as_posix() for p in CHECKOUT.rglob("*.yaml"))
 

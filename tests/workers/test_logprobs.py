@@ -10,6 +10,8 @@ import torch
 
 from populora_verl.workers import logprobs as lp
 
+from _shared import RECIPES
+
 
 def _reference(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return logits.float().log_softmax(-1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
@@ -81,8 +83,9 @@ def test_install_replaces_verls_fallback_where_the_engine_calls_it(mode, env, ex
     """Own process: install() rebinds module globals of verl for the whole interpreter."""
     import os
 
+    base = {k: v for k, v in os.environ.items() if k != lp.ENV}  # only this case's setting, none inherited
     res = subprocess.run([sys.executable, "-c", _INSTALL, mode], capture_output=True, text=True, timeout=300,
-                         env={**os.environ, **env})
+                         env={**base, **env})
     assert expect in res.stdout, res.stdout[-2000:] + res.stderr[-3000:]
 
 
@@ -110,14 +113,11 @@ def test_backward_leaves_float32_logits_untouched():
 
 def test_the_documented_ray_override_composes_into_rays_runtime_env():
     """Workers on other nodes do not inherit the shell: docs/verl-integration.md gives this override instead."""
-    import os as _os
-
     pytest.importorskip("hydra")
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    recipes = _os.path.join(_os.path.dirname(__file__), "..", "recipes", "populora")
-    with initialize_config_dir(config_dir=_os.path.abspath(recipes), version_base=None):
+    with initialize_config_dir(config_dir=str(RECIPES), version_base=None):
         cfg = compose(config_name="smoke_0.5b", overrides=[
             "actor_rollout_ref.model.path=/m", f"+ray_kwargs.ray_init.runtime_env.env_vars.{lp.ENV}=verl"])
     env = OmegaConf.to_container(cfg.ray_kwargs.ray_init.runtime_env)["env_vars"]

@@ -89,7 +89,7 @@ def test_verl_main_stops_in_one_line_before_ray(tmp_path):
 @pytest.mark.parametrize("tie,fails", [(False, True), (True, False), (None, False)])
 def test_fused_kernels_with_an_untied_head_stop_at_start_up(tmp_path, tie, fails):
     """verl's fused LM-head path fails under FSDP2 with an untied head (seen on an H100 with our 1.5B checkpoint,
-    reproduced on CPU by test_logprob_paths_on_cpu.py::test_fused_kernels_under_fsdp2_need_a_tied_head): say so
+    reproduced on CPU by tests/bench/test_logprob_paths.py::test_fused_kernels_under_fsdp2_need_a_tied_head): say so
     before Ray starts."""
     import json
 

@@ -17,9 +17,11 @@ from populora_verl.eval.lcb import LCBFormatError, check_lcb, decode_private_tes
 from populora_verl.eval.math_grader import extract_answer, extract_boxed, math_equal, score_math
 from populora_verl.eval.sandbox import SandboxLimits, run_program
 
+from _shared import DATA as TEST_DATA
+
 # A few real items per benchmark, in the release formats (tests/data/benchmarks/README.md), so the tests run the
 # same on every machine, with or without the full offline copy in ../shared/data/benchmarks.
-DATA = resolve_data_dir(Path(__file__).resolve().parent / "data" / "benchmarks")
+DATA = resolve_data_dir(TEST_DATA / "benchmarks")
 
 
 @pytest.fixture(autouse=True)

@@ -102,7 +102,8 @@ def test_recipe_composes_with_every_config_and_profile():
         for name, profile in [(n, "fast") for n in ss.CONFIGS] + [("4t4s", "baseline"), ("2t2s", "varlen"),
                                                                    ("4t4s", "fused"), ("4t4s", "varlen_wide"),
                                                                    ("single", "verl_logprobs"),
-                                                                   ("single", "varlen_wide_keep")]:
+                                                                   ("single", "varlen_wide_keep"),
+                                                                   ("4t4s", "varlen_nocompile")]:
             cmd = ss.command("/m", name, 6, Path("/tmp/o"), ss.plan_overrides(profile, 1024, True))
             overrides = cmd[cmd.index("smoke_0.5b") + 1:]
             cfg = compose(config_name="smoke_0.5b", overrides=overrides)
@@ -120,7 +121,13 @@ def test_recipe_composes_with_every_config_and_profile():
                 assert cfg.actor_rollout_ref.model.use_fused_kernels is True
                 assert cfg.actor_rollout_ref.model.fused_kernel_options.impl_backend == "torch"
             assert cfg.actor_rollout_ref.actor.fsdp_config.reshard_after_forward is (profile != "varlen_wide_keep")
-            if profile in ("varlen", "fused", "varlen_wide", "verl_logprobs", "varlen_wide_keep"):  # over sdpa
+            vllm = cfg.actor_rollout_ref.rollout.engine_kwargs.vllm
+            if profile == "varlen_nocompile":  # verl's vLLM server json-decodes a string and keeps our graph mode
+                assert json.loads(vllm.compilation_config) == {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}
+                assert cfg.actor_rollout_ref.rollout.enforce_eager is False  # CUDA graphs stay on
+            else:
+                assert vllm.get("compilation_config") is None  # verl's default: vLLM's compile pass
+            if profile in ("varlen", "fused", "varlen_wide", "verl_logprobs", "varlen_wide_keep", "varlen_nocompile"):
                 assert cfg.actor_rollout_ref.model.override_config.attn_implementation == "populora_varlen"
                 assert cfg.actor_rollout_ref.model.use_remove_padding is True
             if profile.startswith("varlen_wide"):  # the recipe's 8,192 is overridden for training and log-probs
@@ -440,7 +447,10 @@ def test_profile_steps_compose_into_verls_profiler_config(tmp_path):
 def test_a_profiles_environment_reaches_the_trainer_processes(monkeypatch, tmp_path, profile, expect):
     """verl_logprobs (the A/B for our chunked log-probs) differs from varlen only in the environment the trainer
     inherits: POPULORA_LOGPROBS=verl keeps verl's per-token fallback in the workers."""
-    monkeypatch.delenv("POPULORA_LOGPROBS", raising=False)
+    # main() sets the profile's variables in os.environ: setenv first so that monkeypatch restores the variable's
+    # absence after the test (a delenv of an absent variable records nothing, and the value would leak on).
+    monkeypatch.setenv("POPULORA_LOGPROBS", "")
+    monkeypatch.delenv("POPULORA_LOGPROBS")
     seen = []
 
     def fake_run_configs(args, root, tag, path, names, out, results, extra):

@@ -10,7 +10,7 @@ import pytest
 
 from populora_verl.bench import validity as V
 from populora_verl.config import PopuLoRAConfig
-from populora_verl.tasks import identity_task, validate_proposal
+from populora_verl.tasks import validate_proposal
 
 
 @pytest.fixture(scope="module")

@@ -11,6 +11,8 @@ import pytest
 
 from populora_verl.bench import gpu_plan, gpu_scaling, step_scaling
 
+from _shared import REPO
+
 PLAN = """\
 # comment
 0,1  a   echo "$CUDA_VISIBLE_DEVICES $RAY_ADDRESS $RAY_TMPDIR" > "$OUT/env.txt"; date +%s.%N > "$OUT/t0"; sleep 1; date +%s.%N > "$OUT/t1"
@@ -131,7 +133,7 @@ def test_memory_poller_asks_nvidia_smi_for_this_runs_gpus_only(monkeypatch):
 
 
 def test_shipped_plans_parse_for_the_host_they_name():
-    plans = sorted((Path(__file__).resolve().parents[1] / "scripts" / "gpu" / "plans").glob("*.plan"))
+    plans = sorted((REPO / "scripts" / "gpu" / "plans").glob("*.plan"))
     assert plans
     for p in plans:
         gpus = int(p.name.split("gpu_", 1)[0]) if "gpu_" in p.name else 1  # 2gpu_..., 4gpu_...: the host's GPUs
@@ -142,7 +144,7 @@ def test_background_launcher_runs_a_driver_from_a_private_copy_and_waits_for_it(
     """scripts/gpu/bg_lib.sh (shared by the three background wrappers) on a plan whose job reports its directory."""
     import subprocess
 
-    repo = Path(__file__).resolve().parents[1]
+    repo = REPO
     root, src = tmp_path / "root", tmp_path / "src"
     root.mkdir()
     (tmp_path / "plan").write_text("0 j pwd > \"$OUT/cwd\"; sleep 1\n")

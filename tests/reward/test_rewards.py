@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from populora_verl.config import RewardsConfig, load_config
+from populora_verl.config import RewardsConfig
 from populora_verl.reward import learnability, solve_rate, student_reward, teacher_reward
 
 

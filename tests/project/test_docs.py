@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from _shared import REPO
+
 README = REPO / "README.md"
 
 
@@ -181,7 +182,7 @@ def test_choosing_a_model_page_states_what_matters():
 _INTERNAL = re.compile(r"\bissue[ -]?\d+|\bissue\d+_|\(session \d|\bin session \d|\bthis session\b|device tool|"
                        r"`device` tool|gpu-bundle|\bdevice (call|budget|time)\b|\blease\b", re.I)
 # Files exempt: this one holds the pattern itself; env.sh runs the carried bundle's installer by its file name.
-_PENDING = {"tests/test_docs.py", "scripts/gpu/env.sh"}
+_PENDING = {"tests/project/test_docs.py", "scripts/gpu/env.sh"}
 
 
 def test_no_issue_numbers_or_internal_tools_in_code_help_and_docs():

@@ -18,7 +18,7 @@ from populora_verl.executor import Executor
 from populora_verl.executor.core import ExecResult, safe_text
 from populora_verl.executor.local import LocalBackend
 from populora_verl.executor.sandbox_fusion import SandboxFusionBackend, new_marker, parse_response
-from populora_verl.tasks import Task, validate_proposal
+from populora_verl.tasks import validate_proposal
 from populora_verl.tasks.verify import AnswerScore, ProposalResult
 
 TIMEOUT = 2.0

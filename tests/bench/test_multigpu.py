@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from populora_verl.config import ConfigError, load_config
 from populora_verl.trainer import verl_config
 from populora_verl.workers.adapter_bank import AdapterBankError, bank_file_for, bank_filename
 
-from _shared import compose_recipe
+from _shared import REPO, compose_recipe
 
 
 def _layout(name: str, *overrides: str) -> verl_config.ParallelLayout:
@@ -189,7 +187,7 @@ def test_prompt_ids_with_and_without_chat_template():
 
 from populora_verl.bench import gpu_scaling  # noqa: E402
 
-H100_RUN = Path(__file__).resolve().parents[1] / "docs" / "gpu" / "step_scaling_h100_bypass" / "4t4s.metrics.jsonl"
+H100_RUN = REPO / "docs" / "gpu" / "step_scaling_h100_bypass" / "4t4s.metrics.jsonl"
 
 
 def test_gpu_scaling_reads_tokens_and_step_time_of_a_real_run():
@@ -220,6 +218,26 @@ def test_gpu_scaling_speedup_only_against_one_gpu_of_the_same_kind():
     assert "| 75 / 150 / 300 | 3 |" in gpu_scaling.report([uneven])
     assert gpu_scaling.overrides_for(4, 2) == ["trainer.n_gpus_per_node=4", "trainer.nnodes=1",
                                                 "actor_rollout_ref.rollout.tensor_model_parallel_size=2"]
+
+
+def test_gpu_scaling_reads_the_start_up_the_trainer_printed(tmp_path, monkeypatch):
+    line = ("(TaskRunnerV1 pid=8924) [populora] start-up: ray + task runner 47 s | task runner setup 43 s | workers + "
+            "vLLM 288 s | checkpoint + weight sync 14 s | agent loop 0 s | step 1 130 s | total 521 s")
+    assert gpu_scaling.startup_seconds(f"noise\n{line}\nstep:1 - x:1\n") == 521.0
+    assert gpu_scaling.startup_seconds("no timeline here") is None
+
+    from pathlib import Path
+
+    def fake_run(cmd, **kw):  # the trainer: its log and its metrics file
+        kw["stdout"].write(f"{line}\n")
+        Path(kw["env"]["VERL_FILE_LOGGER_PATH"]).write_text(H100_RUN.read_text())
+        return subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr(gpu_scaling.subprocess, "run", fake_run)
+    monkeypatch.setattr(gpu_scaling, "_gpu_name", lambda: "H200")
+    row = gpu_scaling.run_one("/m", "4t4s", 1, 1, 5, tmp_path, [], 60, "varlen")
+    assert row.rc == 0 and row.startup_s == 521.0 and row.tokens_per_s
+    assert "| 521 |" in gpu_scaling.report([row])
 
 
 def test_gpu_scaling_rows_round_trip_and_refuse_without_gpus(tmp_path, capsys):
@@ -278,7 +296,7 @@ def test_gpu_scaling_runs_every_row_with_the_profile_and_forced_answers(tmp_path
 
 import subprocess  # noqa: E402
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu" / "multi_gpu_checks.sh"
+SCRIPT = REPO / "scripts" / "gpu" / "multi_gpu_checks.sh"
 
 
 def _fake_proof_logs(tmp_path, n: int, tp: int, *, stale_rank: bool = False, evolved: bool = True,
@@ -350,7 +368,7 @@ def test_multi_gpu_checks_refuse_the_after_evolution_check_when_nothing_evolved(
 
 
 def test_gpu_proof_makes_step_2_evolve():
-    text = (Path(__file__).resolve().parents[1] / "scripts" / "gpu_proof.sh").read_text()
+    text = (REPO / "scripts" / "gpu_proof.sh").read_text()
     assert "populora.pbt.min_age=0" in text and "populora.pbt.final_quiet_steps=0" in text
 
 
@@ -381,7 +399,7 @@ def test_gpu_proof_one_run_checks_evolution_without_a_resume(tmp_path, evolves):
             "[populora] step 1 bank checksums: t0@0:a->b OK"],
         2: step2,
         3: ["[populora] step 3 greedy probe: 4/4 distinct outputs, 4/4 distinct greedy log-probs"]})
-    script = Path(__file__).resolve().parents[1] / "scripts" / "gpu_proof.sh"
+    script = REPO / "scripts" / "gpu_proof.sh"
     res = subprocess.run(["bash", str(script), "/model", str(tmp_path / "proof")], capture_output=True, text=True,
                          env=dict(env, GPU_PROOF_PHASE="one"), timeout=60)
     out = res.stdout
@@ -405,7 +423,7 @@ def test_multi_gpu_proof_script_streams_step_lines_keeps_the_exit_code_and_check
     import os
     import shutil
 
-    repo = Path(__file__).resolve().parents[1]
+    repo = REPO
     (tmp_path / "scripts" / "gpu").mkdir(parents=True)
     for f in ("multi_gpu_proof.sh", "multi_gpu_checks.sh"):
         shutil.copy(repo / "scripts" / "gpu" / f, tmp_path / "scripts" / "gpu" / f)

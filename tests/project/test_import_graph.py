@@ -12,7 +12,9 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parents[1] / "populora_verl"
+from _shared import REPO
+
+PACKAGE = REPO / "populora_verl"
 
 
 def _name(path: Path, root: Path) -> str:
