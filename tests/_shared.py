@@ -25,3 +25,37 @@ def compose_recipe(name: str, overrides=(), *, hydra_config: bool = False):
 
     with initialize_config_dir(config_dir=str(RECIPES), version_base=None):
         return compose(config_name=name, overrides=list(overrides), return_hydra_config=hydra_config)
+
+
+# --- a small population step: one code_o task type, answers written by the test ----------------------------------
+
+PROGRAM = "def f(x):\n    return x + 1\n"
+GOOD_PROPOSAL = f"plan</think>\n<answer>\n```python\n{PROGRAM}```\n```input\n3\n```\n</answer>"
+GARBAGE = "no idea what to write"
+RIGHT = "4 it is</think>\n<answer>\n```output\n4\n```\n</answer>"
+WRONG = "maybe 5</think>\n<answer>\n```output\n5\n```\n</answer>"
+
+
+def small_step_config(proposals_per_type: int = 1, **over):
+    """2T2S on code_o with round-robin matchmaking, evolution every step and a small CVT archive; ``over`` merges
+    into a section (``pbt={"enabled": False}``)."""
+    from populora_verl.config import load_config
+
+    base = {
+        "population": {"num_teachers": 2, "num_students": 2},
+        "matchmaking": {"method": "round_robin"},
+        "tasks": {"types": ["code_o"], "num_references": 1},
+        "rollout": {"teacher_n": 1, "student_n": 4, "proposals_per_type": proposals_per_type},
+        "pbt": {"interval_steps": 1},
+        "diagnostics": {"cvt_cells": 8, "cvt_samples": 500},
+    }
+    for k, v in over.items():
+        base.setdefault(k, {}).update(v)
+    return load_config(base)
+
+
+def answer_with(requests, fn):
+    """One response per request: ``fn(request, k)`` for each of its ``request.n`` completions."""
+    from populora_verl.step import GenResponse
+
+    return [GenResponse(r, [fn(r, k) for k in range(r.n)], lengths=[5] * r.n) for r in requests]

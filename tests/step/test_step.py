@@ -8,42 +8,19 @@ import json
 import pytest
 import torch
 
-from populora_verl.config import load_config
 from populora_verl.step import GenResponse, PopulationStep
 
-PROGRAM = "def f(x):\n    return x + 1\n"
-GOOD_PROPOSAL = f"plan</think>\n<answer>\n```python\n{PROGRAM}```\n```input\n3\n```\n</answer>"
-GARBAGE = "no idea what to write"
-RIGHT = "4 it is</think>\n<answer>\n```output\n4\n```\n</answer>"
-WRONG = "maybe 5</think>\n<answer>\n```output\n5\n```\n</answer>"
-
-
-def _cfg(**over):
-    base = {
-        "population": {"num_teachers": 2, "num_students": 2},
-        "matchmaking": {"method": "round_robin"},
-        "tasks": {"types": ["code_o"], "num_references": 1},
-        "rollout": {"teacher_n": 1, "student_n": 4, "proposals_per_type": 1},
-        "pbt": {"interval_steps": 1},
-        "diagnostics": {"cvt_cells": 8, "cvt_samples": 500},
-    }
-    for k, v in over.items():
-        base.setdefault(k, {}).update(v)
-    return load_config(base)
-
-
-def _answer(requests, fn):
-    return [GenResponse(r, [fn(r, k) for k in range(r.n)], lengths=[5] * r.n) for r in requests]
-
+from _shared import GARBAGE, GOOD_PROPOSAL, RIGHT, WRONG, answer_with, small_step_config  # noqa: E402
 
 def test_teacher_reward_is_learnability_of_matched_student(executor):
-    ps = PopulationStep(_cfg(), executor=executor, seed=0)
+    ps = PopulationStep(small_step_config(), executor=executor, seed=0)
     teacher_reqs = ps.begin(1)
     assert [(r.adapter, r.role, r.task_type) for r in teacher_reqs] == [("t0", "teacher", "code_o"),
                                                                          ("t1", "teacher", "code_o")]
     assert "Hello world" in teacher_reqs[0].prompt  # the identity seed is the buffer reference
     pairs = dict(ps._pairs)
-    student_reqs = ps.on_proposals(_answer(teacher_reqs, lambda r, k: GOOD_PROPOSAL if r.adapter == "t0" else GARBAGE))
+    student_reqs = ps.on_proposals(answer_with(teacher_reqs,
+                                               lambda r, k: GOOD_PROPOSAL if r.adapter == "t0" else GARBAGE))
     from_t0 = [r for r in student_reqs if r.meta["source"] == "teacher"]
     assert [r.adapter for r in from_t0] == [pairs["t0"]] and from_t0[0].n == 4
     assert "return x + 1" in from_t0[0].prompt
@@ -53,7 +30,7 @@ def test_teacher_reward_is_learnability_of_matched_student(executor):
 
     mu_before = {m: ps.population.ratings.mu(m) for m in ("t0", "t1")}
     # The matched student of t0 solves 1 of 4: s̄ = 0.25, so t0 earns 1 - 0.25.
-    result = ps.on_answers(_answer(student_reqs, lambda r, k: RIGHT if (r.meta["source"] == "teacher" and k == 0)
+    result = ps.on_answers(answer_with(student_reqs, lambda r, k: RIGHT if (r.meta["source"] == "teacher" and k == 0)
                                    else WRONG))
     teacher = {s.adapter: s for s in result.samples if s.role == "teacher"}
     assert teacher["t0"].reward == pytest.approx(0.75)
@@ -80,12 +57,12 @@ def test_teacher_reward_is_learnability_of_matched_student(executor):
 
 
 def test_single_agent_is_the_same_code(executor):
-    ps = PopulationStep(_cfg(population={"mode": "single_agent"}), executor=executor, seed=0)
+    ps = PopulationStep(small_step_config(population={"mode": "single_agent"}), executor=executor, seed=0)
     reqs = ps.begin(1)
     assert [(r.adapter, r.role) for r in reqs] == [("a0", "teacher")]
-    sreqs = ps.on_proposals(_answer(reqs, lambda r, k: GOOD_PROPOSAL))
+    sreqs = ps.on_proposals(answer_with(reqs, lambda r, k: GOOD_PROPOSAL))
     assert [(r.adapter, r.role) for r in sreqs] == [("a0", "student")]
-    res = ps.on_answers(_answer(sreqs, lambda r, k: RIGHT if k < 3 else WRONG))
+    res = ps.on_answers(answer_with(sreqs, lambda r, k: RIGHT if k < 3 else WRONG))
     assert [s.reward for s in res.samples if s.role == "teacher"] == [pytest.approx(0.25)]
     assert set(res.updates) == {"a0"} and len(res.updates["a0"]) == 5
     assert ps.population.ratings.mu("a0") == 25.0  # not rated against itself
@@ -93,7 +70,7 @@ def test_single_agent_is_the_same_code(executor):
 
 
 def test_phase_order_and_response_counts_are_checked(executor):
-    ps = PopulationStep(_cfg(), executor=executor, seed=0)
+    ps = PopulationStep(small_step_config(), executor=executor, seed=0)
     with pytest.raises(RuntimeError):
         ps.on_answers([])
     reqs = ps.begin(1)
@@ -108,8 +85,8 @@ def _adapters(ids, seed=0):
 
 
 def test_crossover_child_has_both_parents_in_lineage(executor):
-    cfg = _cfg(population={"num_teachers": 3, "num_students": 3},
-               pbt={"crossover_rate": 1.0, "operators": {"layer_crossover": 1.0}, "protect_top": 0})
+    cfg = small_step_config(population={"num_teachers": 3, "num_students": 3},
+                            pbt={"crossover_rate": 1.0, "operators": {"layer_crossover": 1.0}, "protect_top": 0})
     ps = PopulationStep(cfg, executor=executor, seed=0)
     plan, children = ps.maybe_evolve(1, _adapters(ps.population.ids()))
     assert len(plan.replacements) == 2 and set(children) == {"t3", "s3"}
@@ -124,15 +101,15 @@ def test_crossover_child_has_both_parents_in_lineage(executor):
 def test_state_dict_round_trip(executor, tmp_path):
     from populora_verl.checkpoint import load_checkpoint, save_checkpoint
 
-    ps = PopulationStep(_cfg(), executor=executor, seed=3)
-    sreqs = ps.on_proposals(_answer(ps.begin(1), lambda r, k: GOOD_PROPOSAL))
-    ps.on_answers(_answer(sreqs, lambda r, k: RIGHT if k % 2 else WRONG))
+    ps = PopulationStep(small_step_config(), executor=executor, seed=3)
+    sreqs = ps.on_proposals(answer_with(ps.begin(1), lambda r, k: GOOD_PROPOSAL))
+    ps.on_answers(answer_with(sreqs, lambda r, k: RIGHT if k % 2 else WRONG))
     adapters = _adapters(ps.population.ids())
     save_checkpoint(tmp_path, 1, population=ps.population, adapters=adapters,
                     lora_config={"r": 4, "lora_alpha": 8, "target_modules": ["m"]}, optimizers={},
                     step_state=ps.state_dict())
     ck = load_checkpoint(tmp_path)
-    other = PopulationStep(_cfg(), executor=executor, seed=99)
+    other = PopulationStep(small_step_config(), executor=executor, seed=99)
     other.load_state_dict(ck.step_state, population=ck.population)
     a, b = ps.state_dict(), other.state_dict()
     cov_a, cov_b = a.pop("coverage"), b.pop("coverage")
@@ -147,7 +124,7 @@ def test_state_dict_round_trip(executor, tmp_path):
 
 def test_step_metrics_validity_per_task_type_and_length_per_role(executor):
     """The --compare report's per-type validity and per-role response length come from the step's own metrics."""
-    ps = PopulationStep(_cfg(tasks={"types": ["code_o", "code_i"]}), executor=executor, seed=0)
+    ps = PopulationStep(small_step_config(tasks={"types": ["code_o", "code_i"]}), executor=executor, seed=0)
     teacher_reqs = ps.begin(1)
     # code_o proposals are valid, code_i ones garbage; teachers write 7 tokens, students 3.
     responses = [GenResponse(r, [GOOD_PROPOSAL if r.task_type == "code_o" else GARBAGE] * r.n, lengths=[7] * r.n)
@@ -165,7 +142,8 @@ def test_step_metrics_validity_per_task_type_and_length_per_role(executor):
 def test_step_metrics_format_error_rate_per_role(executor, rewards):
     """The envelope failure rate per role (what a weak base model gets wrong first) counts every generated text,
     from the scorer's status: it stays right when a config prices a format error like a wrong answer."""
-    ps = PopulationStep(_cfg(tasks={"types": ["code_o", "code_i"]}, rewards=rewards), executor=executor, seed=0)
+    ps = PopulationStep(small_step_config(tasks={"types": ["code_o", "code_i"]}, rewards=rewards), executor=executor,
+                        seed=0)
     teacher_reqs = ps.begin(1)
     # Half the teachers' prompts (the code_i ones) get garbage: a format error, not an invalid program.
     responses = [GenResponse(r, [GOOD_PROPOSAL if r.task_type == "code_o" else GARBAGE] * r.n) for r in teacher_reqs]

@@ -190,29 +190,7 @@ def err_missing(tmp_path) -> str:
 
 # --- item 5: solver batches as AZR ----------------------------------------------------------------------------
 
-PROGRAM = "def f(x):\n    return x + 1\n"
-GOOD_PROPOSAL = f"plan</think>\n<answer>\n```python\n{PROGRAM}```\n```input\n3\n```\n</answer>"
-RIGHT = "4 it is</think>\n<answer>\n```output\n4\n```\n</answer>"
-
-
-def _cfg(**over):
-    base = {
-        "population": {"num_teachers": 2, "num_students": 2},
-        "matchmaking": {"method": "round_robin"},
-        "tasks": {"types": ["code_o"], "num_references": 1},
-        "rollout": {"teacher_n": 1, "student_n": 4, "proposals_per_type": 2},
-        "pbt": {"interval_steps": 1},
-        "diagnostics": {"cvt_cells": 8, "cvt_samples": 500},
-    }
-    for k, v in over.items():
-        base.setdefault(k, {}).update(v)
-    return load_config(base)
-
-
-def _answer(requests, fn):
-    from populora_verl.step import GenResponse
-
-    return [GenResponse(r, [fn(r, k) for k in range(r.n)], lengths=[5] * r.n) for r in requests]
+from _shared import GOOD_PROPOSAL, RIGHT, answer_with, small_step_config  # noqa: E402
 
 
 def test_single_agent_trains_on_max_new_buffer_batch_not_on_estimation(executor):
@@ -220,12 +198,12 @@ def test_single_agent_trains_on_max_new_buffer_batch_not_on_estimation(executor)
     answers give s̄ (the proposer's reward) but are not trained on."""
     from populora_verl.step import PopulationStep
 
-    cfg = _cfg(population={"mode": "single_agent"}, buffer={"student_mix": "max_new"},
-               rollout={"buffer_task_n": 1}, rewards={"train_on_estimation_rollouts": False})
+    cfg = small_step_config(2, population={"mode": "single_agent"}, buffer={"student_mix": "max_new"},
+                            rollout={"buffer_task_n": 1}, rewards={"train_on_estimation_rollouts": False})
     ps = PopulationStep(cfg, executor=executor, seed=0)
     for step in (1, 2):
         reqs = ps.begin(step)
-        sreqs = ps.on_proposals(_answer(reqs, lambda r, k: GOOD_PROPOSAL))
+        sreqs = ps.on_proposals(answer_with(reqs, lambda r, k: GOOD_PROPOSAL))
         est = [r for r in sreqs if r.meta["source"] == "teacher"]
         buf = [r for r in sreqs if r.meta["source"] == "buffer"]
         assert [r.n for r in est] == [4, 4] and len(buf) == 2 and all(r.n == 1 for r in buf)
@@ -233,7 +211,7 @@ def test_single_agent_trains_on_max_new_buffer_batch_not_on_estimation(executor)
             assert all("Hello world" in r.prompt for r in buf)
         else:  # step 1's valid proposal (x + 1) is the newest task: it comes first
             assert "return x + 1" in buf[0].prompt and buf[0].meta["task"].step == 1
-        res = ps.on_answers(_answer(sreqs, lambda r, k: RIGHT if k < 2 else "no"))
+        res = ps.on_answers(answer_with(sreqs, lambda r, k: RIGHT if k < 2 else "no"))
         trained = res.updates["a0"]
         assert [s.role for s in trained].count("teacher") == 2
         assert sorted(s.meta["source"] for s in trained if s.role == "student") == ["buffer", "buffer"]
@@ -247,15 +225,15 @@ def test_fallback_stands_in_for_each_missing_valid_task(executor):
     valid)."""
     from populora_verl.step import PopulationStep
 
-    ps = PopulationStep(_cfg(), executor=executor, seed=0)
+    ps = PopulationStep(small_step_config(2), executor=executor, seed=0)
     reqs = ps.begin(1)
     pairs = dict(ps._pairs)
-    sreqs = ps.on_proposals(_answer(reqs, lambda r, k: GOOD_PROPOSAL if r.meta.get("i", 0) == 0 and
+    sreqs = ps.on_proposals(answer_with(reqs, lambda r, k: GOOD_PROPOSAL if r.meta.get("i", 0) == 0 and
                                     r is [q for q in reqs if q.adapter == r.adapter][0] else "garbage"))
     for teacher in ("t0", "t1"):
         mine = [r for r in sreqs if r.adapter == pairs[teacher]]
         assert sorted(r.meta["source"] for r in mine) == ["buffer", "teacher"], teacher
-    ps.on_answers(_answer(sreqs, lambda r, k: RIGHT))
+    ps.on_answers(answer_with(sreqs, lambda r, k: RIGHT))
 
 
 def test_student_mix_names_its_choices():
@@ -276,14 +254,14 @@ def test_complexity_and_coverage_leave_out_code_f_programs(executor):
     """A valid code_f proposal carries a buffer program the teacher was shown: only the code_o program counts."""
     from populora_verl.step import PopulationStep
 
-    cfg = _cfg(population={"mode": "single_agent"}, tasks={"types": ["code_o", "code_f"], "num_inputs": 2},
-               rollout={"proposals_per_type": 1})
+    cfg = small_step_config(2, population={"mode": "single_agent"},
+                            tasks={"types": ["code_o", "code_f"], "num_inputs": 2}, rollout={"proposals_per_type": 1})
     ps = PopulationStep(cfg, executor=executor, seed=0)
     reqs = ps.begin(1)
     code_f = "ok</think>\n<answer>\n```input\n'a'\n```\n```input\n2\n```\n```message\nsame back\n```\n</answer>"
-    sreqs = ps.on_proposals(_answer(reqs, lambda r, k: GOOD_PROPOSAL if r.task_type == "code_o" else code_f))
+    sreqs = ps.on_proposals(answer_with(reqs, lambda r, k: GOOD_PROPOSAL if r.task_type == "code_o" else code_f))
     assert sorted(r.task_type for r in sreqs if r.meta["source"] == "teacher") == ["code_f", "code_o"]
-    res = ps.on_answers(_answer(sreqs, lambda r, k: RIGHT))
+    res = ps.on_answers(answer_with(sreqs, lambda r, k: RIGHT))
     assert res.metrics["populora/validity/a0"] == 1.0
     assert res.metrics["populora/complexity/num_programs"] == 1.0
     assert ps.diagnostics.archive.num_tasks == 1
