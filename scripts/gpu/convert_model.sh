@@ -8,6 +8,8 @@ dst=/tmp/models/qwen-coder-$size
 [ -f $dst/config.json ] && { echo "model already converted: $dst"; exit 0; }
 source scripts/gpu/env.sh
 [ -d /tmp/gguf-site ] || python3 -m pip install -q --no-index --no-deps --target /tmp/gguf-site .gpuwork/gguf-*.whl
+t0=$(date +%s)
 PYTHONPATH="/tmp/gguf-site:$PYTHONPATH" python3 -m populora_verl.models convert \
   /tmp/models/qwen-coder-$size-instruct-q4_k_m.gguf $dst --dtype bfloat16
+echo "converted in $(( $(date +%s) - t0 )) s on $(nproc) CPUs"  # the staging figure of BENCHMARKS.md §8
 ls -la $dst
