@@ -85,17 +85,30 @@ def test_run_many_keeps_order(ex):
     assert [r.output for r in results] == [str(i * i) for i in range(24)]
 
 
-def test_run_many_runs_in_parallel(ex):
-    # three evaluations per call (two in one process, one in another): keep it well under the 2 s limit
+def test_run_many_runs_in_parallel(ex, monkeypatch):
+    """A batch keeps both sandbox slots busy at once: the backend sees overlapping calls. Counted, not timed, so that
+    a loaded machine cannot fail it (the speed itself is the executor benchmark's, BENCHMARKS.md §2)."""
+    assert ex.num_workers == 2
+    backend, lock, calls = ex._backend, threading.Lock(), {"active": 0, "most": 0, "requests": 0}
+    name = "run_batch" if hasattr(backend, "run_batch") else "run"
+    original = getattr(backend, name)
+
+    def counted(reqs):
+        with lock:
+            calls["active"] += 1
+            calls["most"] = max(calls["most"], calls["active"])
+            calls["requests"] += len(reqs) if name == "run_batch" else 1
+        try:
+            return original(reqs)
+        finally:
+            with lock:
+                calls["active"] -= 1
+
+    monkeypatch.setattr(backend, name, counted)
     prog = "def f(x):\n    s = 0\n    for i in range(10**6):\n        s += i\n    return x"
-    t = time.monotonic()
-    one = ex.run(prog, "0")
-    single = time.monotonic() - t
-    t = time.monotonic()
     results = ex.run_many([(prog, str(i)) for i in range(4)])
-    batch = time.monotonic() - t
-    assert one.ok and all(r.ok for r in results)
-    assert batch < 4 * single * 0.85, (batch, single)  # two slots on two cores
+    assert [r.output for r in results] == ["0", "1", "2", "3"] and all(r.ok for r in results)
+    assert calls["requests"] == 4 and calls["most"] == 2, calls
 
 
 @pytest.mark.parametrize("limit", [0.3, 1.0])
