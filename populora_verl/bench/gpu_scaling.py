@@ -17,7 +17,8 @@ N x G``): weak scaling, where the figure is tokens/s per GPU against the 1-GPU r
 * the speed-up against the 1-GPU row **of the same machine** (the GPU name is recorded; a 1-GPU row from another
   machine kind is never used as the baseline), and the goal for that count;
 * the step's phases (generation, old log-probs, update, weight sync) and peak GPU memory (``nvidia-smi``, summed);
-* the start-up, launch to the end of step 1, from the trainer's own ``[populora] start-up:`` line.
+* the start-up, launch to the end of step 1 (step 1 included, unlike ``step_scaling``'s start-up column), from the
+  trainer's own ``[populora] start-up:`` line.
 
 Rows of earlier invocations with the same ``--out`` are kept (a GPU count run again replaces its row), so each GPU
 count can go in its own call on one warm machine and still land in one table.
@@ -28,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import statistics
 import subprocess
 import sys
@@ -39,19 +39,13 @@ from pathlib import Path
 from typing import Any
 
 from populora_verl.bench import step_scaling as ss
+from populora_verl.trainer.timeline import total_seconds
 
 #: Throughput goals against one GPU of the same machine (near-linear: 85 % and 80 % of ideal).
 GOALS = {2: 1.7, 4: 3.2}
 #: Weak scaling (the work grows with the GPUs): tokens/s per GPU against the 1-GPU row.
 WEAK_GOAL = 0.85
 PHASES = ("gen", "old_log_prob", "update_actor", "update_weights")
-_STARTUP = re.compile(r"\[populora\] start-up: .*\btotal (\d+(?:\.\d+)?) s")
-
-
-def startup_seconds(log: str) -> float | None:
-    """The start-up total the trainer printed at the end of step 1 (populora_verl.trainer.timeline), if it did."""
-    found = _STARTUP.findall(log)
-    return float(found[-1]) if found else None
 
 
 @dataclass
@@ -68,13 +62,13 @@ class ScalingRow:
     smi_peak_mib: float | None = None
     profile: str = ""  # step_scaling's speed profile ("" in rows from before profiles were recorded)
     per_gpu_proposals: int | None = None  # weak scaling: proposals_per_type = this x gpus; None: the recipe's, fixed
-    recipe: str = "smoke_0.5b"
-    startup_s: float | None = None  # launch to the end of step 1, from the trainer's "[populora] start-up:" line
+    recipe: str = ss.BENCH_RECIPE
+    startup_s: float | None = None  # launch to the END of step 1 (the trainer's timeline total), step 1 included
 
     @property
     def key(self) -> str:
         weak = f"_w{self.per_gpu_proposals}" if self.per_gpu_proposals else ""
-        recipe = "" if self.recipe == "smoke_0.5b" else f"_{self.recipe}"
+        recipe = "" if self.recipe == ss.BENCH_RECIPE else f"_{self.recipe}"
         return f"{self.config}@{self.gpus}gpu_tp{self.tp}{weak}{recipe}"
 
     def steady(self) -> list[int]:
@@ -140,7 +134,7 @@ def report(rows: Sequence[ScalingRow]) -> str:
     lines = ["| recipe | config | profile | work | GPUs | rollout | GPU | s/step (2..N) | tokens/s | speed-up vs 1 GPU "
              "| goal | "
              "tokens/s per step: min / median / max | steps | "
-             + " | ".join(f"{p} s" for p in PHASES) + " | start-up s | peak MiB | exit |",
+             + " | ".join(f"{p} s" for p in PHASES) + " | start-up to end of step 1 s | peak MiB | exit |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|" + "---|" * len(PHASES) + "---|---|---|"]
     for r in sorted(rows, key=lambda r: (r.recipe, r.config, r.profile, r.per_gpu_proposals or 0, r.gpus, r.tp)):
         tps, s = r.tokens_per_s, r.mean_step_s
@@ -169,7 +163,7 @@ def _gpu_name() -> str:
 
 def run_one(model: str, config: str, gpus: int, tp: int, steps: int, out: Path, extra: list[str],
             timeout_s: int, profile: str = "", per_gpu_proposals: int | None = None,
-            recipe: str = "smoke_0.5b") -> ScalingRow:
+            recipe: str = ss.BENCH_RECIPE) -> ScalingRow:
     """One row: ``config`` on the first ``gpus`` visible GPUs; ``extra`` holds the profile's overrides (and, for weak
     scaling, the step's work), ``profile`` names it (its environment, ``step_scaling.PROFILE_ENV``, reaches the
     trainer) and ``per_gpu_proposals`` is recorded with the row."""
@@ -195,7 +189,7 @@ def run_one(model: str, config: str, gpus: int, tp: int, steps: int, out: Path, 
     log = (out / f"{row.key}.log").read_text(errors="replace")
     if not row.step_s:  # no file logger output: verl's console lines
         row.step_s, row.tokens, row.phases_s = figures(ss.console_rows(log))
-    row.startup_s = startup_seconds(log)
+    row.startup_s = total_seconds(log)
     return row
 
 
@@ -265,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--per-gpu-proposals", type=int, default=None, metavar="N",
                     help="weak scaling: populora.rollout.proposals_per_type = N x GPUs (default: the recipe's, the "
                          "same work on every GPU count)")
-    ap.add_argument("--recipe", default="smoke_0.5b", help="the recipe every row runs (a name in recipes/populora)")
+    ap.add_argument("--recipe", default=ss.BENCH_RECIPE, help="the recipe every row runs (a name in recipes/populora)")
     ap.add_argument("--out", default="bench_gpu_scaling")
     ap.add_argument("--timeout-s", type=int, default=1800)
     ap.add_argument("overrides", nargs="*", help="extra hydra overrides for every run")

@@ -51,6 +51,8 @@ from populora_verl.bench.progress import alive, read_progress, write_progress
 from populora_verl.recipes import recipes_dir
 
 RECIPES = recipes_dir()  # a checkout's recipes/populora, else the installed copy
+#: The recipe the benchmarks run unless told otherwise; each configuration and profile overrides on top of it.
+BENCH_RECIPE = "smoke_0.5b"
 CONFIGS: dict[str, list[str]] = {
     "single": ["populora.population.mode=single_agent", "populora.pbt.enabled=false"],
     "1t1s": ["populora.population.num_teachers=1", "populora.population.num_students=1"],
@@ -100,10 +102,10 @@ VLLM_NO_COMPILE = '{"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}'
 _VARLEN_NOCOMPILE = [*_VARLEN, f"++actor_rollout_ref.rollout.engine_kwargs.vllm.compilation_config='{VLLM_NO_COMPILE}'"]
 PROFILES: dict[str, list[str]] = {
     "fast": _FAST,
-    "varlen_nocompile": _VARLEN_NOCOMPILE,
     "varlen": _VARLEN,
     "varlen_wide": _VARLEN_WIDE,
     "varlen_wide_keep": _VARLEN_WIDE_KEEP,
+    "varlen_nocompile": _VARLEN_NOCOMPILE,
     "verl_logprobs": _VARLEN,
     "fused": _FUSED,
     "baseline": ["actor_rollout_ref.rollout.enforce_eager=true",
@@ -348,7 +350,8 @@ def plan_overrides(profile: str, answer_tokens: int | None, force_length: bool) 
     return out
 
 
-def command(model: str, name: str, steps: int, out_dir: Path, extra: list[str], recipe: str = "smoke_0.5b") -> list[str]:
+def command(model: str, name: str, steps: int, out_dir: Path, extra: list[str],
+            recipe: str = BENCH_RECIPE) -> list[str]:
     return [sys.executable, "-m", "verl.trainer.main_ppo", "--config-path", str(RECIPES), "--config-name", recipe,
             f"actor_rollout_ref.model.path={model}", "trainer.logger=[console,file]", f"trainer.total_training_steps={steps}",
             "trainer.save_freq=-1", "trainer.resume_mode=disable", "populora.pbt.enabled=false",

@@ -17,11 +17,14 @@ Diagnostics only: a missing mark or an unset variable shortens the line, never f
 from __future__ import annotations
 
 import os
+import re
 import time
 
-__all__ = ["START_ENV", "record_start", "imported_at", "Timeline"]
+__all__ = ["START_ENV", "LINE_PREFIX", "record_start", "imported_at", "Timeline", "total_seconds"]
 
 START_ENV = "POPULORA_START_TIME"
+LINE_PREFIX = "[populora] start-up: "
+_TOTAL = re.compile(re.escape(LINE_PREFIX) + r".*\btotal (\d+(?:\.\d+)?) s")
 
 
 _IMPORTED_AT: float | None = None
@@ -63,7 +66,13 @@ class Timeline:
         parts = [f"{name} {sec:.0f} s" for name, sec in self.phases()]
         if len(self.marks) >= 2:
             parts.append(f"total {self.marks[-1][1] - self.marks[0][1]:.0f} s")
-        return "[populora] start-up: " + " | ".join(parts)
+        return LINE_PREFIX + " | ".join(parts)
+
+
+def total_seconds(log: str) -> float | None:
+    """The ``total`` of the last start-up line in a trainer's log (launch to the end of step 1), if it printed one."""
+    found = _TOTAL.findall(log)
+    return float(found[-1]) if found else None
 
 
 def timed(name: str, timing_raw: dict, **kwargs):

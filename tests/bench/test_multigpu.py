@@ -223,8 +223,14 @@ def test_gpu_scaling_speedup_only_against_one_gpu_of_the_same_kind():
 def test_gpu_scaling_reads_the_start_up_the_trainer_printed(tmp_path, monkeypatch):
     line = ("(TaskRunnerV1 pid=8924) [populora] start-up: ray + task runner 47 s | task runner setup 43 s | workers + "
             "vLLM 288 s | checkpoint + weight sync 14 s | agent loop 0 s | step 1 130 s | total 521 s")
-    assert gpu_scaling.startup_seconds(f"noise\n{line}\nstep:1 - x:1\n") == 521.0
-    assert gpu_scaling.startup_seconds("no timeline here") is None
+    from populora_verl.trainer.timeline import Timeline, total_seconds
+
+    assert total_seconds(f"noise\n{line}\nstep:1 - x:1\n") == 521.0
+    assert total_seconds("no timeline here") is None
+    written = Timeline(start=100.0)  # the parser reads what the trainer's own timeline prints
+    written.mark("workers + vLLM", at=290.0)
+    written.mark("step 1", at=412.0)
+    assert total_seconds(written.line()) == 312.0
 
     from pathlib import Path
 
