@@ -305,6 +305,11 @@ import subprocess  # noqa: E402
 SCRIPT = REPO / "scripts" / "gpu" / "multi_gpu_checks.sh"
 
 
+def _run_checks(folder, n: int, tp: int) -> subprocess.CompletedProcess:
+    """scripts/gpu/multi_gpu_checks.sh over the proof logs in ``folder``, for N GPUs and rollout TP ``tp``."""
+    return subprocess.run(["bash", str(SCRIPT), str(folder), str(n), str(tp)], capture_output=True, text=True)
+
+
 def _fake_proof_logs(tmp_path, n: int, tp: int, *, stale_rank: bool = False, evolved: bool = True,
                      one_run: bool = False) -> None:
     layout = _layout("smoke_0.5b", f"trainer.n_gpus_per_node={n}",
@@ -339,7 +344,7 @@ def _fake_proof_logs(tmp_path, n: int, tp: int, *, stale_rank: bool = False, evo
 @pytest.mark.parametrize("n,tp", [(1, 1), (2, 1), (2, 2), (4, 1), (4, 2)])
 def test_multi_gpu_checks_pass_on_the_lines_the_trainer_prints(tmp_path, n, tp):
     _fake_proof_logs(tmp_path, n, tp)
-    res = subprocess.run(["bash", str(SCRIPT), str(tmp_path), str(n), str(tp)], capture_output=True, text=True)
+    res = _run_checks(tmp_path, n, tp)
     assert res.returncode == 0, res.stdout + res.stderr
     assert "MISS" not in res.stdout and res.stdout.count("OK   ") == 5 + n // tp
 
@@ -347,7 +352,7 @@ def test_multi_gpu_checks_pass_on_the_lines_the_trainer_prints(tmp_path, n, tp):
 @pytest.mark.parametrize("evolved", [True, False])
 def test_multi_gpu_checks_of_one_run_to_step_3(tmp_path, evolved):
     _fake_proof_logs(tmp_path, 2, 1, evolved=evolved, one_run=True)
-    res = subprocess.run(["bash", str(SCRIPT), str(tmp_path), "2", "1"], capture_output=True, text=True)
+    res = _run_checks(tmp_path, 2, 1)
     assert "OK   every rank changed exactly the trained slots at step 3" in res.stdout
     if evolved:
         assert res.returncode == 0 and res.stdout.count("OK   ") == 5 + 2, res.stdout
@@ -359,7 +364,7 @@ def test_multi_gpu_checks_of_one_run_to_step_3(tmp_path, evolved):
 
 def test_multi_gpu_checks_catch_a_rank_with_a_stale_shard(tmp_path):
     _fake_proof_logs(tmp_path, 2, 1, stale_rank=True)
-    res = subprocess.run(["bash", str(SCRIPT), str(tmp_path), "2", "1"], capture_output=True, text=True)
+    res = _run_checks(tmp_path, 2, 1)
     assert res.returncode == 1
     assert "MISS every rank changed exactly the trained slots (step 1)" in res.stdout
     assert "MISS a per-rank or per-replica MISMATCH was logged" in res.stdout
@@ -368,7 +373,7 @@ def test_multi_gpu_checks_catch_a_rank_with_a_stale_shard(tmp_path):
 def test_multi_gpu_checks_refuse_the_after_evolution_check_when_nothing_evolved(tmp_path):
     # The x4 run of 2026-11-26 passed this check although pbt.min_age kept step 2 from evolving.
     _fake_proof_logs(tmp_path, 2, 1, evolved=False)
-    res = subprocess.run(["bash", str(SCRIPT), str(tmp_path), "2", "1"], capture_output=True, text=True)
+    res = _run_checks(tmp_path, 2, 1)
     assert res.returncode == 1
     assert "MISS evolved adapters (step 2) served by every replica after resume: step 2 did not evolve" in res.stdout
 
