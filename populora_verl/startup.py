@@ -92,6 +92,26 @@ def _check_gpus(config: Any) -> None:
                           f"set trainer.n_gpus_per_node={have}")
 
 
+COMPILE_CACHE_KEY = "ray_kwargs.ray_init.runtime_env.env_vars.VLLM_DISABLE_COMPILE_CACHE"
+#: the first torch that writes inductor artifacts atomically; before it, engines compiling at once could leave a
+#: corrupt entry in a shared cache, which is why verl turns vLLM's compile cache off by default
+ATOMIC_CACHE_TORCH = (2, 10)
+
+
+def _check_compile_cache(config: Any) -> None:
+    """The recipes turn vLLM's torch.compile cache back on (a node's later runs skip compilation); that is only
+    safe where torch writes the cache atomically."""
+    value = _select(config, COMPILE_CACHE_KEY)
+    if value is None or str(value).strip().lower() in ("1", "true", "yes"):
+        return
+    import torch
+
+    release = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2] if p.isdigit())
+    if release < ATOMIC_CACHE_TORCH:
+        raise ConfigError(f"{COMPILE_CACHE_KEY}: the compile cache needs torch >= 2.10 (atomic cache writes), "
+                          f"this is torch {torch.__version__}; set it to \"1\"")
+
+
 def preflight(config: Any, *, check_gpus: bool = True) -> None:
     """Every check that needs no worker: the ``populora.*`` section, the verl keys PopuLoRA depends on, the
     plugin's registrations, the model path and the GPUs. Raises :class:`ConfigError` (or ``RuntimeError`` for a
@@ -111,6 +131,7 @@ def preflight(config: Any, *, check_gpus: bool = True) -> None:
     scheduled_configs(config)  # a population schedule (benchmarks): every entry valid before Ray starts
     _check_model_path(config)
     _check_fused_kernels(config)
+    _check_compile_cache(config)
     from populora_verl.plugin import check_registrations
 
     check_registrations()

@@ -1,7 +1,9 @@
-"""Build the tiny plumbing model for scripts/gpu/tiny_proof.sh: the real Qwen2.5 tokenizer + a 2-layer, hidden-64
-random Qwen2 (tied embeddings, head_dim 64 for FlashAttention), packed as a .tar.xz of ~3 MB.
+"""Build the tiny plumbing model for scripts/gpu/tiny_proof.sh: the real Qwen2.5 tokenizer + a 2-layer random Qwen2
+(tied embeddings, head_dim 64 for FlashAttention, hidden 64 x heads), packed as a .tar.xz of a few MB.
 
-    python scripts/gpu/make_tiny_model.py OUT.tar.xz [--tokenizer-from DIR]
+    python scripts/gpu/make_tiny_model.py OUT.tar.xz [--tokenizer-from DIR] [--heads N]
+
+Two heads (the default) let vLLM shard it over TP 2; use as many heads as the largest TP you will run.
 
 The tokenizer comes from a converted offline Qwen checkpoint (`python -m populora_verl.models convert ...`).
 Weights take two values per tensor: random enough for plumbing, and they compress well.
@@ -21,11 +23,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("out")
     ap.add_argument("--tokenizer-from", default=os.path.expanduser("~/models/qwen-coder-0.5b"))
+    ap.add_argument("--heads", type=int, default=2, help="attention and KV heads (TP must divide them)")
     args = ap.parse_args()
     tok = AutoTokenizer.from_pretrained(args.tokenizer_from)
     vocab = AutoConfig.from_pretrained(args.tokenizer_from).vocab_size  # Qwen pads it past len(tok): keep that shape
-    cfg = Qwen2Config(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=1, num_key_value_heads=1, tie_word_embeddings=True,
+    cfg = Qwen2Config(vocab_size=vocab, hidden_size=64 * args.heads,
+                      intermediate_size=128 * args.heads, num_hidden_layers=2,
+                      num_attention_heads=args.heads, num_key_value_heads=args.heads, tie_word_embeddings=True,
                       max_position_embeddings=4096, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
                       rms_norm_eps=1e-6, rope_theta=10000.0)
     torch.manual_seed(0)

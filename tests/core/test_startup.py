@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+from omegaconf import OmegaConf
 
 from populora_verl.config import ConfigError
 from populora_verl.startup import preflight
@@ -115,3 +116,27 @@ def test_small_teacher_groups_warn_at_start_up_and_learning_recipes_do_not(model
     for recipe in ("qwen1.5b_1gpu_2t2s", "qwen1.5b_1gpu_single"):
         preflight(compose_recipe(recipe, [f"actor_rollout_ref.model.path={model_dir}"]), check_gpus=False)
         assert "warning" not in capsys.readouterr().err
+
+
+def test_compile_cache_is_on_in_recipes_and_refused_where_torch_writes_it_unsafely(model_dir, monkeypatch):
+    import torch
+
+    from populora_verl.startup import COMPILE_CACHE_KEY
+
+    args = [f"actor_rollout_ref.model.path={model_dir}"]
+    cfg = compose_recipe("qwen1.5b_4gpu_4t4s", args)
+    # a string, as Ray wants env values; verl's own default of "1" sits below it in the merge
+    assert OmegaConf.select(cfg, COMPILE_CACHE_KEY) == "0"
+    from verl.trainer.constants_ppo import get_ppo_ray_runtime_env
+
+    monkeypatch.delenv("VLLM_DISABLE_COMPILE_CACHE", raising=False)
+    # what verl's main hands to ray.init: its defaults with the recipe's runtime_env merged on top
+    runtime_env = OmegaConf.merge(get_ppo_ray_runtime_env(cfg), cfg.ray_kwargs.ray_init.runtime_env)
+    assert runtime_env.env_vars.VLLM_DISABLE_COMPILE_CACHE == "0"
+    assert runtime_env.env_vars.VLLM_ALLOW_RUNTIME_LORA_UPDATING == "true"  # verl's other defaults survive
+    monkeypatch.setattr(torch, "__version__", "2.9.1+cu128")
+    with pytest.raises(ConfigError, match=rf"^{COMPILE_CACHE_KEY}: the compile cache needs torch >= 2.10"):
+        preflight(cfg, check_gpus=False)
+    preflight(compose_recipe("qwen1.5b_4gpu_4t4s", args + [f"{COMPILE_CACHE_KEY}='1'"]), check_gpus=False)
+    monkeypatch.setattr(torch, "__version__", "2.11.0+cu130")
+    preflight(cfg, check_gpus=False)
