@@ -121,4 +121,4 @@ def test_the_documented_ray_override_composes_into_rays_runtime_env():
         cfg = compose(config_name="smoke_0.5b", overrides=[
             "actor_rollout_ref.model.path=/m", f"+ray_kwargs.ray_init.runtime_env.env_vars.{lp.ENV}=verl"])
     env = OmegaConf.to_container(cfg.ray_kwargs.ray_init.runtime_env)["env_vars"]
-    assert env == {lp.ENV: "verl"}
+    assert env == {lp.ENV: "verl", "VLLM_DISABLE_COMPILE_CACHE": "0"}  # beside the recipes' own env var
