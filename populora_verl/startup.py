@@ -98,6 +98,23 @@ COMPILE_CACHE_KEY = "ray_kwargs.ray_init.runtime_env.env_vars.VLLM_DISABLE_COMPI
 ATOMIC_CACHE_TORCH = (2, 10)
 
 
+ENV_VARS_KEY = "ray_kwargs.ray_init.runtime_env.env_vars"
+
+
+def _check_ray_env_vars(config: Any) -> None:
+    """Ray takes only strings as environment values, and says so after the command has started Ray; an override
+    such as ``...env_vars.X=1`` reaches it as an int unless quoted."""
+    from omegaconf import OmegaConf
+
+    env = _select(config, ENV_VARS_KEY)
+    if env is None:
+        return
+    for name, value in OmegaConf.to_container(env, resolve=True).items():
+        if not isinstance(value, str):
+            raise ConfigError(f"{ENV_VARS_KEY}.{name}: Ray needs a string, got {value!r}; quote it "
+                              f"({ENV_VARS_KEY}.{name}='{value}')")
+
+
 def _check_compile_cache(config: Any) -> None:
     """The recipes turn vLLM's torch.compile cache back on (a node's later runs skip compilation); that is only
     safe where torch writes the cache atomically."""
@@ -131,6 +148,7 @@ def preflight(config: Any, *, check_gpus: bool = True) -> None:
     scheduled_configs(config)  # a population schedule (benchmarks): every entry valid before Ray starts
     _check_model_path(config)
     _check_fused_kernels(config)
+    _check_ray_env_vars(config)
     _check_compile_cache(config)
     from populora_verl.plugin import check_registrations
 

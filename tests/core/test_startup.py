@@ -140,3 +140,13 @@ def test_compile_cache_is_on_in_recipes_and_refused_where_torch_writes_it_unsafe
     preflight(compose_recipe("qwen1.5b_4gpu_4t4s", args + [f"{COMPILE_CACHE_KEY}='1'"]), check_gpus=False)
     monkeypatch.setattr(torch, "__version__", "2.11.0+cu130")
     preflight(cfg, check_gpus=False)
+
+
+def test_an_unquoted_ray_env_value_stops_at_start_up_naming_the_key(model_dir):
+    args = [f"actor_rollout_ref.model.path={model_dir}"]
+    with pytest.raises(ConfigError, match=r"^ray_kwargs\.ray_init\.runtime_env\.env_vars\.VLLM_DISABLE_COMPILE_CACHE: "
+                       r"Ray needs a string, got 1; quote it"):
+        preflight(compose_recipe("smoke_0.5b", args + ["ray_kwargs.ray_init.runtime_env.env_vars."
+                                                       "VLLM_DISABLE_COMPILE_CACHE=1"]), check_gpus=False)
+    preflight(compose_recipe("smoke_0.5b", args + ["ray_kwargs.ray_init.runtime_env.env_vars."
+                                                   "VLLM_DISABLE_COMPILE_CACHE='1'"]), check_gpus=False)
