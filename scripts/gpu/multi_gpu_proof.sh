@@ -75,8 +75,9 @@ overrides=(
 )
 # The whole output to $DIR/$PHASE.out; the step lines also live on stdout, so a background runner's log
 # (populora_verl.bench.gpu_plan) shows how far the proof got while it runs.
-# Ray's logical CPUs: 9 go to the task runner and TransferQueue's storage units, and the actor's placement group asks 3
-# per GPU, so gpu_proof.sh's 16 leaves a 4-GPU group pending forever
+# Ray's logical CPUs: the task runner and TransferQueue's actors take one each, the actor's placement group asks 3 per
+# GPU, and the agent-loop and reward workers one each; with verl's 8 storage units gpu_proof.sh's 16 left a 4-GPU
+# group pending forever
 GPU_PROOF_NUM_CPUS=${GPU_PROOF_NUM_CPUS:-$((16 * N))} \
 GPU_PROOF_PHASE=$PHASE GPU_PROOF_TIMEOUT_S=${GPU_PROOF_TIMEOUT_S:-540} \
   bash scripts/gpu_proof.sh "$MODEL_DIR" "$DIR" "${overrides[@]}" "$@" 2>&1 | tee "$DIR/$PHASE.out" \
