@@ -18,16 +18,16 @@ Needs a GPU and vLLM; run it on an idle GPU (``CUDA_VISIBLE_DEVICES``).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+
+from populora_verl.bench import child
 
 __all__ = ["ARMS", "child_env", "run_child", "summarise", "main"]
 
@@ -57,14 +57,9 @@ def run_child(arm: str, args: argparse.Namespace, cache_root: Path) -> dict[str,
     """Start one engine in a fresh process; its timings (``total_s``, ``import_s``, ``engine_s``)."""
     cmd = [sys.executable, "-m", "populora_verl.bench.engine_start", "--child", *_engine_args(args)]
     start = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=child_env(arm, cache_root),
-                          timeout=args.timeout_s)
-    total = time.perf_counter() - start
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(_RESULT)]
-    if proc.returncode != 0 or not lines:
-        raise RuntimeError(f"engine start ({arm}) failed with exit status {proc.returncode}:\n"
-                           f"{(proc.stderr or proc.stdout)[-3000:]}")
-    return {"total_s": total, **json.loads(lines[-1][len(_RESULT):])}
+    timings = child.run(cmd, marker=_RESULT, what=f"engine start ({arm})", env=child_env(arm, cache_root),
+                        timeout=args.timeout_s)
+    return {"total_s": time.perf_counter() - start, **timings}
 
 
 def _child(args: argparse.Namespace) -> int:
@@ -75,7 +70,7 @@ def _child(args: argparse.Namespace) -> int:
     LLM(model=str(args.model), enable_lora=True, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
         gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len, seed=0)
     t2 = time.perf_counter()
-    print(_RESULT + json.dumps({"import_s": t1 - t0, "engine_s": t2 - t1}), flush=True)
+    child.report(_RESULT, {"import_s": t1 - t0, "engine_s": t2 - t1})
     # skip the engine's shutdown: it is not part of a start, and its teardown can take longer than the start
     os._exit(0)
 

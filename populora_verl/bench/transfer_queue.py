@@ -13,13 +13,13 @@ Prints every measurement, then median and range per setting, the ratio to the fi
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
+
+from populora_verl.bench import child
 
 __all__ = ["run_child", "summarise", "main"]
 
@@ -31,12 +31,8 @@ def run_child(units: int, args: argparse.Namespace) -> dict[str, float]:
     cmd = [sys.executable, "-m", "populora_verl.bench.transfer_queue", "--child", "--units", str(units),
            "--samples", str(args.samples), "--tokens", str(args.tokens)]
     env = dict(os.environ, RAY_AUTH_MODE=os.environ.get("RAY_AUTH_MODE", "disabled"))
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout_s)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(_RESULT)]
-    if proc.returncode != 0 or not lines:
-        raise RuntimeError(f"TransferQueue with {units} storage unit(s) failed with exit status {proc.returncode}:\n"
-                           f"{(proc.stderr or proc.stdout)[-3000:]}")
-    return json.loads(lines[-1][len(_RESULT):])
+    return child.run(cmd, marker=_RESULT, what=f"TransferQueue with {units} storage unit(s)", env=env,
+                     timeout=args.timeout_s)
 
 
 def _child(units: int, samples: int, tokens: int) -> int:
@@ -66,7 +62,7 @@ def _child(units: int, samples: int, tokens: int) -> int:
     if len(got["input_ids"]) != samples:  # a short read would make the timing meaningless
         raise RuntimeError(f"read back {len(got['input_ids'])} of {samples} samples")
     mb = sum(v.numel() * v.element_size() for v in batch.values()) / 1e6
-    print(_RESULT + json.dumps({"init_s": t1 - t0, "put_s": t3 - t2, "get_s": t4 - t3, "mb": mb}), flush=True)
+    child.report(_RESULT, {"init_s": t1 - t0, "put_s": t3 - t2, "get_s": t4 - t3, "mb": mb})
     tq.close()
     ray.shutdown()
     return 0

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from populora_verl.bench import child
 from populora_verl.bench import engine_start as es
 
 
@@ -67,7 +68,7 @@ def test_a_failed_start_says_why(model, tmp_path, monkeypatch):
     class Done:
         returncode, stdout, stderr = 1, "", "ModuleNotFoundError: No module named 'vllm'"
 
-    monkeypatch.setattr(es.subprocess, "run", lambda cmd, **kw: Done())
+    monkeypatch.setattr(child.subprocess, "run", lambda cmd, **kw: Done())
     args = es._parser().parse_args(["--model", str(model)])
     with pytest.raises(RuntimeError, match=r"engine start \(on\) failed with exit status 1:\n.*No module named"):
         es.run_child("on", args, tmp_path)
@@ -84,7 +85,7 @@ def test_run_child_reads_the_childs_timings(model, tmp_path, monkeypatch):
         seen.update(cmd=cmd, env=kw["env"])
         return Done()
 
-    monkeypatch.setattr(es.subprocess, "run", fake_run)
+    monkeypatch.setattr(child.subprocess, "run", fake_run)
     args = es._parser().parse_args(["--model", str(model), "--max-loras", "16"])
     t = es.run_child("off", args, tmp_path)
     assert t["import_s"] == 12.5 and t["engine_s"] == 40.0 and t["total_s"] >= 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from populora_verl.bench import child
 from populora_verl.bench import transfer_queue as tqb
 
 from _shared import compose_recipe
@@ -35,7 +36,7 @@ def test_a_failed_measurement_says_why(monkeypatch):
     class Done:
         returncode, stdout, stderr = 1, "", "ValueError: no storage backend"
 
-    monkeypatch.setattr(tqb.subprocess, "run", lambda cmd, **kw: Done())
+    monkeypatch.setattr(child.subprocess, "run", lambda cmd, **kw: Done())
     args = type("A", (), {"samples": 4, "tokens": 8, "timeout_s": 5})()
     with pytest.raises(RuntimeError, match=r"with 2 storage unit\(s\) failed with exit status 1:\n.*no storage"):
         tqb.run_child(2, args)

@@ -1,0 +1,28 @@
+"""One measurement in a fresh process: the child prints one marked JSON line, the parent reads it back.
+
+A fresh process per measurement keeps imports, caches and Ray clusters of one setting out of the next one's time.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["report", "run"]
+
+
+def report(marker: str, values: dict[str, Any]) -> None:
+    """In the child: the result line the parent looks for (anything else on stdout is ignored)."""
+    print(marker + json.dumps(values), flush=True)
+
+
+def run(cmd: Sequence[str], *, marker: str, what: str, env: dict[str, str] | None = None,
+        timeout: float | None = None) -> dict[str, Any]:
+    """Run the child; its last result line, or RuntimeError naming ``what`` with the end of its output."""
+    proc = subprocess.run(list(cmd), capture_output=True, text=True, env=env, timeout=timeout)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(marker)]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"{what} failed with exit status {proc.returncode}:\n{(proc.stderr or proc.stdout)[-3000:]}")
+    return json.loads(lines[-1][len(marker):])
