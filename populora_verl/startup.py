@@ -92,13 +92,11 @@ def _check_gpus(config: Any) -> None:
                           f"set trainer.n_gpus_per_node={have}")
 
 
-COMPILE_CACHE_KEY = "ray_kwargs.ray_init.runtime_env.env_vars.VLLM_DISABLE_COMPILE_CACHE"
+ENV_VARS_KEY = "ray_kwargs.ray_init.runtime_env.env_vars"
+COMPILE_CACHE_KEY = f"{ENV_VARS_KEY}.VLLM_DISABLE_COMPILE_CACHE"
 #: the first torch that writes inductor artifacts atomically; before it, engines compiling at once could leave a
 #: corrupt entry in a shared cache, which is why verl turns vLLM's compile cache off by default
 ATOMIC_CACHE_TORCH = (2, 10)
-
-
-ENV_VARS_KEY = "ray_kwargs.ray_init.runtime_env.env_vars"
 
 
 def _check_ray_env_vars(config: Any) -> None:
@@ -125,7 +123,8 @@ def _check_compile_cache(config: Any) -> None:
 
     release = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2] if p.isdigit())
     if release < ATOMIC_CACHE_TORCH:
-        raise ConfigError(f"{COMPILE_CACHE_KEY}: the compile cache needs torch >= 2.10 (atomic cache writes), "
+        need = ".".join(map(str, ATOMIC_CACHE_TORCH))
+        raise ConfigError(f"{COMPILE_CACHE_KEY}: the compile cache needs torch >= {need} (atomic cache writes), "
                           f"this is torch {torch.__version__}; set it to \"1\"")
 
 

@@ -1,16 +1,27 @@
-"""One measurement in a fresh process: the child prints one marked JSON line, the parent reads it back.
+"""Side-by-side measurements in fresh processes: the order of the settings, and one result line per child.
 
-A fresh process per measurement keeps imports, caches and Ray clusters of one setting out of the next one's time.
+A fresh process per measurement keeps imports, caches and Ray clusters of one setting out of the next one's time;
+the child prints one marked JSON line, the parent reads it back.
 """
 
 from __future__ import annotations
 
 import json
 import subprocess
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Iterator, Sequence
+from typing import Any, TypeVar
 
-__all__ = ["report", "run"]
+__all__ = ["alternating", "report", "run"]
+
+T = TypeVar("T")
+
+
+def alternating(settings: Sequence[T], rounds: int) -> Iterator[tuple[int, T]]:
+    """(round, setting): the settings forward in even rounds and backward in odd ones, so that a drift of the
+    machine's load falls on every setting alike."""
+    for r in range(rounds):
+        for setting in (settings if r % 2 == 0 else settings[::-1]):
+            yield r, setting
 
 
 def report(marker: str, values: dict[str, Any]) -> None:

@@ -24,6 +24,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from populora_verl.bench import child
+
 __all__ = ["run_round", "main"]
 
 
@@ -82,12 +84,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     digests: set[str] = set()
     load_before = os.getloadavg()
     try:
-        for r in range(args.rounds):
-            for i, (label, workers, checkout) in enumerate(settings if r % 2 == 0 else settings[::-1]):
-                wall, digest = run_round(args.gguf, base / f"s{i}", workers, args.dtype, checkout)
-                times[label].append(wall)
-                digests.add(digest)
-                print(f"round {r + 1} {label}: {wall:.1f} s", flush=True)
+        for r, (label, workers, checkout) in child.alternating(settings, args.rounds):
+            wall, digest = run_round(args.gguf, base / "out", workers, args.dtype, checkout)  # emptied by each run
+            times[label].append(wall)
+            digests.add(digest)
+            print(f"round {r + 1} {label}: {wall:.1f} s", flush=True)
     finally:
         shutil.rmtree(base, ignore_errors=True)
     load_after = os.getloadavg()

@@ -128,12 +128,11 @@ def main(argv: Sequence[str] | None = None,
     starts: list[tuple[int, str, dict[str, float]]] = []
     load_before = os.getloadavg()
     try:
-        for r in range(args.rounds):
-            for arm in (list(ARMS) if r % 2 == 0 else list(ARMS)[::-1]):
-                t = start(arm, args, root)
-                starts.append((r, arm, t))
-                print(f"round {r + 1} {arm}: {t['total_s']:.1f} s (import {t['import_s']:.1f} s, engine "
-                      f"{t['engine_s']:.1f} s)", flush=True)
+        for r, arm in child.alternating(list(ARMS), args.rounds):
+            t = start(arm, args, root)
+            starts.append((r, arm, t))
+            print(f"round {r + 1} {arm}: {t['total_s']:.1f} s (import {t['import_s']:.1f} s, engine "
+                  f"{t['engine_s']:.1f} s)", flush=True)
     finally:
         if own_root:
             shutil.rmtree(root, ignore_errors=True)

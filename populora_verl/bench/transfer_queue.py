@@ -105,12 +105,11 @@ def main(argv: Sequence[str] | None = None,
         ap.error("--rounds, --samples, --tokens and --units must be at least 1, and the unit counts distinct")
     times: dict[int, list[dict[str, float]]] = {u: [] for u in args.units}
     load_before = os.getloadavg()
-    for r in range(args.rounds):
-        for units in (args.units if r % 2 == 0 else args.units[::-1]):
-            t = measure(units, args)
-            times[units].append(t)
-            print(f"round {r + 1}, {units} unit(s): init {t['init_s']:.1f} s, put {t['put_s']:.2f} s, "
-                  f"get {t['get_s']:.2f} s ({t['mb']:.0f} MB)", flush=True)
+    for r, units in child.alternating(args.units, args.rounds):
+        t = measure(units, args)
+        times[units].append(t)
+        print(f"round {r + 1}, {units} unit(s): init {t['init_s']:.1f} s, put {t['put_s']:.2f} s, "
+              f"get {t['get_s']:.2f} s ({t['mb']:.0f} MB)", flush=True)
     load_after = os.getloadavg()
     print(f"\n{args.samples} x {args.tokens} tokens; {os.cpu_count()} CPUs; load average {load_before[0]:.2f} before, "
           f"{load_after[0]:.2f} after; {args.rounds} rounds, order alternating\n")
