@@ -128,6 +128,21 @@ def _check_compile_cache(config: Any) -> None:
                           f"this is torch {torch.__version__}; set it to \"1\"")
 
 
+LIGER_KEY = "actor_rollout_ref.model.use_liger"
+
+
+def _check_liger(config: Any) -> None:
+    """verl imports Liger's kernels inside each FSDP worker, after Ray and the workers have started: a missing
+    package would surface minutes in, as a worker's traceback."""
+    if not _select(config, LIGER_KEY, False):
+        return
+    import importlib.util
+
+    if importlib.util.find_spec("liger_kernel") is None:
+        raise ConfigError(f"{LIGER_KEY}: the liger-kernel package is not installed (pip install liger-kernel), "
+                          "or set it false")
+
+
 def preflight(config: Any, *, check_gpus: bool = True) -> None:
     """Every check that needs no worker: the ``populora.*`` section, the verl keys PopuLoRA depends on, the
     plugin's registrations, the model path and the GPUs. Raises :class:`ConfigError` (or ``RuntimeError`` for a
@@ -147,6 +162,7 @@ def preflight(config: Any, *, check_gpus: bool = True) -> None:
     scheduled_configs(config)  # a population schedule (benchmarks): every entry valid before Ray starts
     _check_model_path(config)
     _check_fused_kernels(config)
+    _check_liger(config)
     _check_ray_env_vars(config)
     _check_compile_cache(config)
     from populora_verl.plugin import check_registrations

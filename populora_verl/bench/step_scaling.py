@@ -95,6 +95,13 @@ _VARLEN_WIDE = [*_VARLEN, "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=163
 # resharding after every micro-batch's forward repeats that copy (and its cast to bf16) in the backward; keeping them
 # costs one bf16 copy of the model (3 GB at 1.5B). Useful where each trainer has its GPU to itself.
 _VARLEN_WIDE_KEEP = [*_VARLEN_WIDE, "actor_rollout_ref.actor.fsdp_config.reshard_after_forward=false"]
+# varlen_wide_keep with Liger's Triton kernels for RMSNorm, RoPE and SwiGLU (verl's model.use_liger): about a third
+# fewer kernel launches per decoder layer, forward and backward, in a trainer that waits on launches.
+_VARLEN_WIDE_KEEP_LIGER = [*_VARLEN_WIDE_KEEP, "actor_rollout_ref.model.use_liger=true"]
+# ... and vLLM's model runner inside its engine-core process (the "uni" executor) instead of a process of its own:
+# verl asks for "mp", which spawns one more process importing vLLM and torch even for TP 1 (about 30 s of start-up).
+_UNI_EXECUTOR = "++actor_rollout_ref.rollout.engine_kwargs.vllm.distributed_executor_backend=uni"
+_VARLEN_WIDE_KEEP_LIGER_UNI = [*_VARLEN_WIDE_KEEP_LIGER, _UNI_EXECUTOR]
 # varlen with vLLM's CUDA graphs kept but its torch.compile pass off: verl starts vLLM with the compile cache
 # disabled (VLLM_DISABLE_COMPILE_CACHE=1), so every start compiles from scratch; full graphs of the decode batches
 # need no compilation (FlashAttention 3 on Hopper), prefills then run eagerly. The start-up/step-time A/B for that.
@@ -105,6 +112,8 @@ PROFILES: dict[str, list[str]] = {
     "varlen": _VARLEN,
     "varlen_wide": _VARLEN_WIDE,
     "varlen_wide_keep": _VARLEN_WIDE_KEEP,
+    "varlen_wide_keep_liger": _VARLEN_WIDE_KEEP_LIGER,
+    "varlen_wide_keep_liger_uni": _VARLEN_WIDE_KEEP_LIGER_UNI,
     "varlen_nocompile": _VARLEN_NOCOMPILE,
     "verl_logprobs": _VARLEN,
     "fused": _FUSED,
@@ -146,6 +155,8 @@ class RunResult:
     rollout: dict[str, dict[str, float]] = field(default_factory=dict)  # phase -> mean sequences/prompt/response tokens
     ceiling_tok_s: float | None = None
     model: str = ""
+    mfu: float | None = None  # verl's perf/mfu/actor, mean over measured steps (the update's model FLOPs utilisation)
+    trained_tokens: float | None = None  # verl's perf/total_num_tokens: tokens the update trained on, per step
 
     @property
     def steady(self) -> list[float]:
@@ -172,6 +183,12 @@ class RunResult:
         gen = self.gen_s
         return self.gen_tokens / gen if self.gen_tokens and gen and gen > 0 else None
 
+    @property
+    def trained_tok_s(self) -> float | None:
+        """Trained tokens per second of the whole step: the population's throughput against the single agent's."""
+        s = self.mean_step_s
+        return self.trained_tokens / s if self.trained_tokens and s else None
+
     @classmethod
     def from_json(cls, row: Mapping[str, Any]) -> RunResult:
         names = {f.name for f in fields(cls)}
@@ -181,7 +198,7 @@ class RunResult:
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self) | {"mean_step_s": self.mean_step_s, "std_step_s": self.std_step_s,
-                               "gen_tok_s": self.gen_tok_s}
+                               "gen_tok_s": self.gen_tok_s, "trained_tok_s": self.trained_tok_s}
 
 
 @dataclass
@@ -193,6 +210,8 @@ class Figures:
     phases_s: dict[str, float] = field(default_factory=dict)
     gen_tokens: float | None = None
     rollout: dict[str, dict[str, float]] = field(default_factory=dict)
+    mfu: float | None = None
+    trained_tokens: float | None = None
 
     def __iter__(self):  # (steps, peak, phases), the shape earlier callers unpack
         return iter((self.step_s, self.peak_gb, self.phases_s))
@@ -221,6 +240,8 @@ def summarize(rows: Iterable[tuple[int, Mapping[str, Any]]], warmup: int = 1) ->
     fig = Figures()
     phases: dict[str, list[float]] = {}
     tokens: list[float] = []
+    mfu: list[float] = []
+    trained: list[float] = []
     rollout: dict[str, dict[str, list[float]]] = {}
     for step, data in rows:
         num = {k: float(v) for k, v in data.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
@@ -237,6 +258,10 @@ def summarize(rows: Iterable[tuple[int, Mapping[str, Any]]], warmup: int = 1) ->
         t = _step_gen_tokens(num)
         if t is not None:
             tokens.append(t)
+        if "perf/mfu/actor" in num:
+            mfu.append(num["perf/mfu/actor"])
+        if "perf/total_num_tokens" in num:
+            trained.append(num["perf/total_num_tokens"])
         for p in ROLLOUT_PHASES:
             for what in ("sequences", "prompt_tokens", "response_tokens"):
                 v = num.get(f"populora/rollout/{p}/{what}")
@@ -244,6 +269,7 @@ def summarize(rows: Iterable[tuple[int, Mapping[str, Any]]], warmup: int = 1) ->
                     rollout.setdefault(p, {}).setdefault(what, []).append(v)
     fig.phases_s = {ph: sum(v) / len(v) for ph, v in phases.items()}
     fig.gen_tokens = _mean(tokens)
+    fig.mfu, fig.trained_tokens = _mean(mfu), _mean(trained)
     fig.rollout = {p: {w: sum(v) / len(v) for w, v in d.items()} for p, d in rollout.items()}
     return fig
 
@@ -377,7 +403,8 @@ def run_one(model: str, name: str, steps: int, out_dir: Path, extra: list[str], 
     end = time.time()
     fig = read_results(out_dir, name, warmup)
     r = RunResult(name, ADAPTERS[name], rc, end - t0, fig.step_s, fig.peak_gb, poller.peak or None, fig.phases_s,
-                  warmup=warmup, gen_tokens=fig.gen_tokens, rollout=fig.rollout, model=model)
+                  warmup=warmup, gen_tokens=fig.gen_tokens, rollout=fig.rollout, model=model, mfu=fig.mfu,
+                  trained_tokens=fig.trained_tokens)
     first = fig.step_s.get(min(fig.step_s)) if fig.step_s else None
     if poller.first_row_t is not None and first is not None:
         r.startup_s = max(0.0, poller.first_row_t - t0 - first)
@@ -422,7 +449,8 @@ def split_schedule(rows: list[tuple[int, dict[str, Any]]], names: Sequence[str],
         fig = summarize(mine, warmup)
         complete = len(fig.step_s) == steps
         r = RunResult(name, ADAPTERS[name], 0 if complete else 1, sum(fig.step_s.values()), fig.step_s, fig.peak_gb,
-                      None, fig.phases_s, warmup=warmup, gen_tokens=fig.gen_tokens, rollout=fig.rollout, model=model)
+                      None, fig.phases_s, warmup=warmup, gen_tokens=fig.gen_tokens, rollout=fig.rollout, model=model,
+                      mfu=fig.mfu, trained_tokens=fig.trained_tokens)
         first = dict(mine).get(1, {})
         if i == 0 and poller is not None and poller.row_t.get(lo) is not None and 1 in fig.step_s:
             r.startup_s = max(0.0, poller.row_t[lo] - t0 - fig.step_s[1])
@@ -534,6 +562,14 @@ def report(results: list[RunResult]) -> str:
         lines += ["", "| config | " + " | ".join(f"{c} s" for c in cols) + " |", "|---|" + "---|" * len(cols)]
         lines += [f"| {r.name} | " + " | ".join(f"{r.phases_s[c]:.1f}" if c in r.phases_s else "-" for c in cols) + " |"
                   for r in phase_rows]
+    train_rows = [r for r in results if r.trained_tokens or r.mfu is not None]
+    if train_rows:
+        lines += ["", "| config | trained tokens/step | trained tok/s | x single | actor MFU (verl) |",
+                  "|---|---|---|---|---|"]
+        for r in train_rows:
+            tput = f"{r.trained_tok_s / base.trained_tok_s:.2f}" if r.trained_tok_s and base and base.trained_tok_s else "-"
+            lines.append(f"| {r.name} | {_fmt(r.trained_tokens, '.0f')} | {_fmt(r.trained_tok_s, '.0f')} | {tput} | "
+                         f"{_fmt(r.mfu, '.3f')} |")
     gen_rows = [r for r in results if r.gen_tokens]
     if gen_rows:
         lines += ["", "| config | teacher seqs | student seqs | tokens/step | rollout s | our gen tok/s | "

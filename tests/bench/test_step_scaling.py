@@ -40,7 +40,8 @@ def test_file_logger_first_with_warmup_spread_and_tokens(tmp_path):
             _row(3, **{"timing_s/step": 12.0, "timing_s/gen": 8.0, "actor/perf/max_memory_allocated_gb": 2.5,
                        "populora/s0/actor/perf/max_memory_allocated_gb": 2.25,
                        # no counters of ours: verl's means over the trained batch (2 sequences of 100 + 1000)
-                       "response_length/mean": 1000.0, "prompt_length/mean": 100.0, "perf/total_num_tokens": 2200})]
+                       "response_length/mean": 1000.0, "prompt_length/mean": 100.0, "perf/total_num_tokens": 2200,
+                       "perf/mfu/actor": 0.25})]
     text = "\n".join(json.dumps(r) for r in rows) + '\n{"step": 4, "da'  # a killed run's torn last line
     (tmp_path / "2t2s.metrics.jsonl").write_text(text)
     (tmp_path / "2t2s.log").write_text("step:2 - timing_s/step:999.0\n")  # fallback only
@@ -49,6 +50,7 @@ def test_file_logger_first_with_warmup_spread_and_tokens(tmp_path):
     assert fig.phases_s == {"gen": 7.0, "update_actor": 3.0}  # step 1 (warm-up) excluded
     assert fig.gen_tokens == pytest.approx((6144 + 2000) / 2)
     assert fig.rollout["teacher"] == {"sequences": 2, "prompt_tokens": 600, "response_tokens": 2048}
+    assert fig.mfu == 0.25 and fig.trained_tokens == 2200  # only step 3 logged them
     (tmp_path / "single.log").write_text("(TaskRunnerV1 pid=7) step:2 - timing_s/step:5.0\n")
     assert ss.read_results(tmp_path, "single").step_s == {2: 5.0}
 
@@ -61,6 +63,12 @@ def test_file_logger_first_with_warmup_spread_and_tokens(tmp_path):
     assert "| config | gen s | update_actor s |" in table and "| 2t2s | 7.0 | 3.0 |" in table
     assert "| 2t2s | 2 | 4 | 4072 | 7.0 | 582 | 2000 | 0.29 |" in table
     # the proposal validation (sandboxed execution) nested in verl's gen timer is not generation
+    # trained tokens per second of the whole step, against the single agent's: the population's throughput ratio
+    single = ss.RunResult("single", 1, 0, 1.0, {1: 9.0, 2: 10.0}, mfu=0.2, trained_tokens=1000.0)
+    pop = ss.RunResult("4t4s", 8, 0, 1.0, {1: 9.0, 2: 25.0}, mfu=0.3, trained_tokens=4000.0)
+    assert single.trained_tok_s == 100.0 and pop.trained_tok_s == 160.0
+    assert "| 4t4s | 4000 | 160 | 1.60 | 0.300 |" in ss.report([single, pop])
+    assert ss.RunResult("x", 1, 0, 0.0, {1: 9.0}).trained_tok_s is None  # no measured step
     v = ss.RunResult("x", 1, 0, 0.0, phases_s={"gen": 8.0, "populora_validate": 2.0}, gen_tokens=600.0)
     assert v.gen_s == 6.0 and v.gen_tok_s == 100.0
     # warm-up of 2 leaves one step
@@ -103,6 +111,8 @@ def test_recipe_composes_with_every_config_and_profile():
                                                                    ("4t4s", "fused"), ("4t4s", "varlen_wide"),
                                                                    ("single", "verl_logprobs"),
                                                                    ("single", "varlen_wide_keep"),
+                                                                   ("4t4s", "varlen_wide_keep_liger"),
+                                                                   ("4t4s", "varlen_wide_keep_liger_uni"),
                                                                    ("4t4s", "varlen_nocompile")]:
             cmd = ss.command("/m", name, 6, Path("/tmp/o"), ss.plan_overrides(profile, 1024, True))
             overrides = cmd[cmd.index("smoke_0.5b") + 1:]
@@ -120,14 +130,19 @@ def test_recipe_composes_with_every_config_and_profile():
             if profile == "fused":
                 assert cfg.actor_rollout_ref.model.use_fused_kernels is True
                 assert cfg.actor_rollout_ref.model.fused_kernel_options.impl_backend == "torch"
-            assert cfg.actor_rollout_ref.actor.fsdp_config.reshard_after_forward is (profile != "varlen_wide_keep")
+            keep = profile.startswith("varlen_wide_keep")
+            assert cfg.actor_rollout_ref.actor.fsdp_config.reshard_after_forward is (not keep)
+            assert cfg.actor_rollout_ref.model.use_liger is ("liger" in profile)
+            # verl hands engine_kwargs.vllm to vLLM after its own "mp", so ours wins
+            assert cfg.actor_rollout_ref.rollout.engine_kwargs.vllm.get("distributed_executor_backend") == (
+                "uni" if profile.endswith("_uni") else None)
             vllm = cfg.actor_rollout_ref.rollout.engine_kwargs.vllm
             if profile == "varlen_nocompile":  # verl's vLLM server json-decodes a string and keeps our graph mode
                 assert json.loads(vllm.compilation_config) == {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}
                 assert cfg.actor_rollout_ref.rollout.enforce_eager is False  # CUDA graphs stay on
             else:
                 assert vllm.get("compilation_config") is None  # verl's default: vLLM's compile pass
-            if profile in ("varlen", "fused", "varlen_wide", "verl_logprobs", "varlen_wide_keep", "varlen_nocompile"):
+            if profile not in ("fast", "baseline"):
                 assert cfg.actor_rollout_ref.model.override_config.attn_implementation == "populora_varlen"
                 assert cfg.actor_rollout_ref.model.use_remove_padding is True
             if profile.startswith("varlen_wide"):  # the recipe's 8,192 is overridden for training and log-probs

@@ -108,6 +108,19 @@ def test_fused_kernels_with_an_untied_head_stop_at_start_up(tmp_path, tie, fails
     preflight(compose_recipe("smoke_0.5b", [f"actor_rollout_ref.model.path={m}"]), check_gpus=False)
 
 
+def test_liger_kernels_need_their_package_at_start_up(model_dir, monkeypatch):
+    """verl imports Liger inside each worker, minutes in: a missing package stops the command before Ray."""
+    import importlib.util
+
+    args = [f"actor_rollout_ref.model.path={model_dir}", "actor_rollout_ref.model.use_liger=true"]
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "liger_kernel" else real(name, *a))
+    with pytest.raises(ConfigError, match=r"^actor_rollout_ref\.model\.use_liger: the liger-kernel package is not "):
+        preflight(compose_recipe("smoke_0.5b", args), check_gpus=False)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "liger_kernel" else real(name, *a))
+    preflight(compose_recipe("smoke_0.5b", args), check_gpus=False)
+
+
 def test_small_teacher_groups_warn_at_start_up_and_learning_recipes_do_not(model_dir, capsys):
     """A teacher's TRR++ group under 4 samples cannot learn while most proposals are invalid: say so before Ray."""
     preflight(compose_recipe("smoke_0.5b", [f"actor_rollout_ref.model.path={model_dir}"]), check_gpus=False)
