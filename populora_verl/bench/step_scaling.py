@@ -98,10 +98,11 @@ _VARLEN_WIDE_KEEP = [*_VARLEN_WIDE, "actor_rollout_ref.actor.fsdp_config.reshard
 # varlen_wide_keep with Liger's Triton kernels for RMSNorm, RoPE and SwiGLU (verl's model.use_liger): about a third
 # fewer kernel launches per decoder layer, forward and backward, in a trainer that waits on launches.
 _VARLEN_WIDE_KEEP_LIGER = [*_VARLEN_WIDE_KEEP, "actor_rollout_ref.model.use_liger=true"]
-# ... and vLLM's model runner inside its engine-core process (the "uni" executor) instead of a process of its own:
-# verl asks for "mp", which spawns one more process importing vLLM and torch even for TP 1 (about 30 s of start-up).
+# varlen_wide_keep with vLLM's model runner inside its engine-core process (the "uni" executor) instead of a process
+# of its own: verl asks for "mp", which spawns one more process importing vLLM and torch even for TP 1 (about 30 s of
+# start-up). Without Liger, so that beside varlen_wide_keep_liger it also tells what Liger did to the update.
 _UNI_EXECUTOR = "++actor_rollout_ref.rollout.engine_kwargs.vllm.distributed_executor_backend=uni"
-_VARLEN_WIDE_KEEP_LIGER_UNI = [*_VARLEN_WIDE_KEEP_LIGER, _UNI_EXECUTOR]
+_VARLEN_WIDE_KEEP_UNI = [*_VARLEN_WIDE_KEEP, _UNI_EXECUTOR]
 # varlen with vLLM's CUDA graphs kept but its torch.compile pass off: verl starts vLLM with the compile cache
 # disabled (VLLM_DISABLE_COMPILE_CACHE=1), so every start compiles from scratch; full graphs of the decode batches
 # need no compilation (FlashAttention 3 on Hopper), prefills then run eagerly. The start-up/step-time A/B for that.
@@ -113,7 +114,8 @@ PROFILES: dict[str, list[str]] = {
     "varlen_wide": _VARLEN_WIDE,
     "varlen_wide_keep": _VARLEN_WIDE_KEEP,
     "varlen_wide_keep_liger": _VARLEN_WIDE_KEEP_LIGER,
-    "varlen_wide_keep_liger_uni": _VARLEN_WIDE_KEEP_LIGER_UNI,
+    "varlen_wide_keep_uni": _VARLEN_WIDE_KEEP_UNI,
+    "varlen_wide_peft": _VARLEN_WIDE,
     "varlen_nocompile": _VARLEN_NOCOMPILE,
     "verl_logprobs": _VARLEN,
     "fused": _FUSED,
@@ -126,7 +128,9 @@ PROFILES: dict[str, list[str]] = {
 # verl_logprobs is varlen with verl's own per-token fallback, the A/B for that change.
 PROFILE_ENV: dict[str, dict[str, str]] = {
     "verl_logprobs": {"POPULORA_LOGPROBS": "verl"},
-    "baseline": {"POPULORA_LOGPROBS": "verl"},
+    # varlen_wide with PEFT's own LoRA forward (populora_verl.workers.lora_forward): the trainer before the lean one
+    "varlen_wide_peft": {"POPULORA_LORA_FORWARD": "peft"},
+    "baseline": {"POPULORA_LOGPROBS": "verl", "POPULORA_LORA_FORWARD": "peft"},
 }
 # verl's console logger line, possibly behind Ray's "(TaskRunnerV1 pid=...)" prefix.
 _STEP_LINE = re.compile(r"(?:^|\s)step:(\d+) - ")
@@ -369,6 +373,8 @@ def plan_overrides(profile: str, answer_tokens: int | None, force_length: bool) 
         raise ValueError(f"unknown profile {profile!r}; known: {sorted(PROFILES)}")
     # The seeding phase runs once before step 1 (and after every schedule switch): not a per-step cost.
     out = [*PROFILES[profile], "populora.buffer.seed_programs=0"]
+    # Ray's workers get the profile's environment from the runtime env too, not only by inheritance from the driver
+    out += [f"++ray_kwargs.ray_init.runtime_env.env_vars.{k}={v}" for k, v in PROFILE_ENV.get(profile, {}).items()]
     if answer_tokens:
         out.append(f"data.max_response_length={int(answer_tokens)}")
     if force_length:

@@ -54,6 +54,13 @@ from populora_verl.workers.logprobs import install as _install_logprobs  # noqa:
 if _install_logprobs():
     logger.warning("populora: verl's per-token log-prob fallback replaced by populora_verl.workers.logprobs")
 
+# PEFT's LoRA forward costs five launches and three module calls per layer where one linear and one addmm do
+# (populora_verl.workers.lora_forward; POPULORA_LORA_FORWARD=peft keeps PEFT's).
+from populora_verl.workers.lora_forward import install as _install_lora_forward  # noqa: E402
+
+if _install_lora_forward():
+    logger.info("populora: PEFT's LoRA Linear forward runs as base + addmm (populora_verl.workers.lora_forward)")
+
 __all__ = ["PopuLoRAActorRolloutRefWorker", "ADAPTER_KEY", "slot_from_batch"]
 
 #: Non-tensor batch entry naming the slot a compute_log_prob / update_actor call runs on.

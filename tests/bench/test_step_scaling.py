@@ -112,7 +112,8 @@ def test_recipe_composes_with_every_config_and_profile():
                                                                    ("single", "verl_logprobs"),
                                                                    ("single", "varlen_wide_keep"),
                                                                    ("4t4s", "varlen_wide_keep_liger"),
-                                                                   ("4t4s", "varlen_wide_keep_liger_uni"),
+                                                                   ("4t4s", "varlen_wide_keep_uni"),
+                                                                   ("single", "varlen_wide_peft"),
                                                                    ("4t4s", "varlen_nocompile")]:
             cmd = ss.command("/m", name, 6, Path("/tmp/o"), ss.plan_overrides(profile, 1024, True))
             overrides = cmd[cmd.index("smoke_0.5b") + 1:]
@@ -136,6 +137,9 @@ def test_recipe_composes_with_every_config_and_profile():
             # verl hands engine_kwargs.vllm to vLLM after its own "mp", so ours wins
             assert cfg.actor_rollout_ref.rollout.engine_kwargs.vllm.get("distributed_executor_backend") == (
                 "uni" if profile.endswith("_uni") else None)
+            env = cfg.ray_kwargs.ray_init.runtime_env.env_vars
+            assert {k: env[k] for k in ss.PROFILE_ENV.get(profile, {})} == ss.PROFILE_ENV.get(profile, {})
+            assert env.get("POPULORA_LORA_FORWARD") == ("peft" if profile in ("varlen_wide_peft", "baseline") else None)
             vllm = cfg.actor_rollout_ref.rollout.engine_kwargs.vllm
             if profile == "varlen_nocompile":  # verl's vLLM server json-decodes a string and keeps our graph mode
                 assert json.loads(vllm.compilation_config) == {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}
