@@ -161,6 +161,7 @@ class RunResult:
     model: str = ""
     mfu: float | None = None  # verl's perf/mfu/actor, mean over measured steps (the update's model FLOPs utilisation)
     trained_tokens: float | None = None  # verl's perf/total_num_tokens: tokens the update trained on, per step
+    probs_diff: float | None = None  # verl's rollout-vs-trainer |p_rollout - p_trainer| mean: the trainer's numerics
 
     @property
     def steady(self) -> list[float]:
@@ -216,6 +217,7 @@ class Figures:
     rollout: dict[str, dict[str, float]] = field(default_factory=dict)
     mfu: float | None = None
     trained_tokens: float | None = None
+    probs_diff: float | None = None
 
     def __iter__(self):  # (steps, peak, phases), the shape earlier callers unpack
         return iter((self.step_s, self.peak_gb, self.phases_s))
@@ -246,6 +248,7 @@ def summarize(rows: Iterable[tuple[int, Mapping[str, Any]]], warmup: int = 1) ->
     tokens: list[float] = []
     mfu: list[float] = []
     trained: list[float] = []
+    diff: list[float] = []
     rollout: dict[str, dict[str, list[float]]] = {}
     for step, data in rows:
         num = {k: float(v) for k, v in data.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
@@ -266,6 +269,10 @@ def summarize(rows: Iterable[tuple[int, Mapping[str, Any]]], warmup: int = 1) ->
             mfu.append(num["perf/mfu/actor"])
         if "perf/total_num_tokens" in num:
             trained.append(num["perf/total_num_tokens"])
+        for key in ("populora/all/training/rollout_probs_diff_mean", "training/rollout_probs_diff_mean"):
+            if key in num:  # ours over every adapter's rows where we log it, else verl's
+                diff.append(num[key])
+                break
         for p in ROLLOUT_PHASES:
             for what in ("sequences", "prompt_tokens", "response_tokens"):
                 v = num.get(f"populora/rollout/{p}/{what}")
@@ -273,7 +280,7 @@ def summarize(rows: Iterable[tuple[int, Mapping[str, Any]]], warmup: int = 1) ->
                     rollout.setdefault(p, {}).setdefault(what, []).append(v)
     fig.phases_s = {ph: sum(v) / len(v) for ph, v in phases.items()}
     fig.gen_tokens = _mean(tokens)
-    fig.mfu, fig.trained_tokens = _mean(mfu), _mean(trained)
+    fig.mfu, fig.trained_tokens, fig.probs_diff = _mean(mfu), _mean(trained), _mean(diff)
     fig.rollout = {p: {w: sum(v) / len(v) for w, v in d.items()} for p, d in rollout.items()}
     return fig
 
@@ -410,7 +417,7 @@ def run_one(model: str, name: str, steps: int, out_dir: Path, extra: list[str], 
     fig = read_results(out_dir, name, warmup)
     r = RunResult(name, ADAPTERS[name], rc, end - t0, fig.step_s, fig.peak_gb, poller.peak or None, fig.phases_s,
                   warmup=warmup, gen_tokens=fig.gen_tokens, rollout=fig.rollout, model=model, mfu=fig.mfu,
-                  trained_tokens=fig.trained_tokens)
+                  trained_tokens=fig.trained_tokens, probs_diff=fig.probs_diff)
     first = fig.step_s.get(min(fig.step_s)) if fig.step_s else None
     if poller.first_row_t is not None and first is not None:
         r.startup_s = max(0.0, poller.first_row_t - t0 - first)
@@ -456,7 +463,7 @@ def split_schedule(rows: list[tuple[int, dict[str, Any]]], names: Sequence[str],
         complete = len(fig.step_s) == steps
         r = RunResult(name, ADAPTERS[name], 0 if complete else 1, sum(fig.step_s.values()), fig.step_s, fig.peak_gb,
                       None, fig.phases_s, warmup=warmup, gen_tokens=fig.gen_tokens, rollout=fig.rollout, model=model,
-                      mfu=fig.mfu, trained_tokens=fig.trained_tokens)
+                      mfu=fig.mfu, trained_tokens=fig.trained_tokens, probs_diff=fig.probs_diff)
         first = dict(mine).get(1, {})
         if i == 0 and poller is not None and poller.row_t.get(lo) is not None and 1 in fig.step_s:
             r.startup_s = max(0.0, poller.row_t[lo] - t0 - fig.step_s[1])
@@ -570,12 +577,12 @@ def report(results: list[RunResult]) -> str:
                   for r in phase_rows]
     train_rows = [r for r in results if r.trained_tokens or r.mfu is not None]
     if train_rows:
-        lines += ["", "| config | trained tokens/step | trained tok/s | x single | actor MFU (verl) |",
-                  "|---|---|---|---|---|"]
+        lines += ["", "| config | trained tokens/step | trained tok/s | x single | actor MFU (verl) | "
+                  "rollout-vs-trainer prob diff |", "|---|---|---|---|---|---|"]
         for r in train_rows:
             tput = f"{r.trained_tok_s / base.trained_tok_s:.2f}" if r.trained_tok_s and base and base.trained_tok_s else "-"
             lines.append(f"| {r.name} | {_fmt(r.trained_tokens, '.0f')} | {_fmt(r.trained_tok_s, '.0f')} | {tput} | "
-                         f"{_fmt(r.mfu, '.3f')} |")
+                         f"{_fmt(r.mfu, '.3f')} | {_fmt(r.probs_diff, '.4f')} |")
     gen_rows = [r for r in results if r.gen_tokens]
     if gen_rows:
         lines += ["", "| config | teacher seqs | student seqs | tokens/step | rollout s | our gen tok/s | "

@@ -41,7 +41,8 @@ def test_file_logger_first_with_warmup_spread_and_tokens(tmp_path):
                        "populora/s0/actor/perf/max_memory_allocated_gb": 2.25,
                        # no counters of ours: verl's means over the trained batch (2 sequences of 100 + 1000)
                        "response_length/mean": 1000.0, "prompt_length/mean": 100.0, "perf/total_num_tokens": 2200,
-                       "perf/mfu/actor": 0.25})]
+                       "perf/mfu/actor": 0.25, "training/rollout_probs_diff_mean": 0.02,
+                       "populora/all/training/rollout_probs_diff_mean": 0.01})]
     text = "\n".join(json.dumps(r) for r in rows) + '\n{"step": 4, "da'  # a killed run's torn last line
     (tmp_path / "2t2s.metrics.jsonl").write_text(text)
     (tmp_path / "2t2s.log").write_text("step:2 - timing_s/step:999.0\n")  # fallback only
@@ -51,6 +52,7 @@ def test_file_logger_first_with_warmup_spread_and_tokens(tmp_path):
     assert fig.gen_tokens == pytest.approx((6144 + 2000) / 2)
     assert fig.rollout["teacher"] == {"sequences": 2, "prompt_tokens": 600, "response_tokens": 2048}
     assert fig.mfu == 0.25 and fig.trained_tokens == 2200  # only step 3 logged them
+    assert fig.probs_diff == 0.01  # over all adapters, where the trainer logs it
     (tmp_path / "single.log").write_text("(TaskRunnerV1 pid=7) step:2 - timing_s/step:5.0\n")
     assert ss.read_results(tmp_path, "single").step_s == {2: 5.0}
 
@@ -65,9 +67,9 @@ def test_file_logger_first_with_warmup_spread_and_tokens(tmp_path):
     # the proposal validation (sandboxed execution) nested in verl's gen timer is not generation
     # trained tokens per second of the whole step, against the single agent's: the population's throughput ratio
     single = ss.RunResult("single", 1, 0, 1.0, {1: 9.0, 2: 10.0}, mfu=0.2, trained_tokens=1000.0)
-    pop = ss.RunResult("4t4s", 8, 0, 1.0, {1: 9.0, 2: 25.0}, mfu=0.3, trained_tokens=4000.0)
+    pop = ss.RunResult("4t4s", 8, 0, 1.0, {1: 9.0, 2: 25.0}, mfu=0.3, trained_tokens=4000.0, probs_diff=0.0123)
     assert single.trained_tok_s == 100.0 and pop.trained_tok_s == 160.0
-    assert "| 4t4s | 4000 | 160 | 1.60 | 0.300 |" in ss.report([single, pop])
+    assert "| 4t4s | 4000 | 160 | 1.60 | 0.300 | 0.0123 |" in ss.report([single, pop])
     assert ss.RunResult("x", 1, 0, 0.0, {1: 9.0}).trained_tok_s is None  # no measured step
     v = ss.RunResult("x", 1, 0, 0.0, phases_s={"gen": 8.0, "populora_validate": 2.0}, gen_tokens=600.0)
     assert v.gen_s == 6.0 and v.gen_tok_s == 100.0
