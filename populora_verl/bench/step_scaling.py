@@ -128,8 +128,11 @@ PROFILES: dict[str, list[str]] = {
 # verl_logprobs is varlen with verl's own per-token fallback, the A/B for that change.
 PROFILE_ENV: dict[str, dict[str, str]] = {
     "verl_logprobs": {"POPULORA_LOGPROBS": "verl"},
-    # varlen_wide with PEFT's own LoRA forward (populora_verl.workers.lora_forward): the trainer before the lean one
+    # the A/B of the trainer's speed levers (BENCHMARKS.md §5): PEFT's LoRA forward against the lean one
+    # (populora_verl.workers.lora_forward)
     "varlen_wide_peft": {"POPULORA_LORA_FORWARD": "peft"},
+    "varlen_wide_keep_liger": {"POPULORA_LORA_FORWARD": "lean"},
+    "varlen_wide_keep_uni": {"POPULORA_LORA_FORWARD": "lean"},
     "baseline": {"POPULORA_LOGPROBS": "verl", "POPULORA_LORA_FORWARD": "peft"},
 }
 # verl's console logger line, possibly behind Ray's "(TaskRunnerV1 pid=...)" prefix.

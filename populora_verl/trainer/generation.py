@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -91,11 +92,17 @@ class GenerationMixin:
         rows = convert.requests_to_rows(requests, lora_of, self.global_steps, start_index=self._next_index)
         self._next_index += len(rows)
         self._phase = _Phase(name, list(requests), [r["uid"] for r in rows], rows)
+        # Where a phase's time goes (the first step's generation has taken 4-5x a later one's): handing the prompts
+        # to the agent loop, waiting for every trajectory, reading the responses back.
+        t0 = time.perf_counter()
         try:
             self._submit_rows(rows)
+            t1 = time.perf_counter()
             batch, sample_metrics = self.replay_buffer.sample(
                 global_steps=self.global_steps, partition_id=PARTITION, batch_size=len(rows))
+            t2 = time.perf_counter()
             texts, lengths, masks = self._fetch_responses(batch.keys)
+            t3 = time.perf_counter()
             responses, missing = convert.build_gen_responses(requests, self._phase.uids, batch.keys, texts, lengths)
         finally:
             phase, self._phase = self._phase, None
@@ -103,6 +110,8 @@ class GenerationMixin:
         metrics[f"populora/rollout/{name}/prompts"] = len(rows)
         metrics[f"populora/rollout/{name}/missing_sessions"] = missing
         metrics[f"populora/rollout/{name}/resubmitted"] = phase.resubmitted
+        for what, sec in (("submit_s", t1 - t0), ("wait_s", t2 - t1), ("fetch_s", t3 - t2)):
+            metrics[f"populora/rollout/{name}/{what}"] = sec
         metrics.update(convert.prefix_metrics(rollout_counts(batch.tags, lengths), f"populora/rollout/{name}"))
         if missing:
             logger.warning("populora step %d: %d %s sessions produced no trajectory (scored as empty answers)",

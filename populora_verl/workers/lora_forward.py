@@ -15,9 +15,12 @@ Only the case that formula covers takes the short path: adapters enabled and not
 a variant (DoRA etc.), no dropout, no LoRA bias, no extra forward arguments, and input, result and weights of one
 dtype (or autocast on, which casts all of them alike). Anything else goes to PEFT's own forward, unchanged.
 
-:func:`install` puts it on PEFT's class in the process that trains (the worker module calls it at import).
-``POPULORA_LORA_FORWARD=peft`` keeps PEFT's forward (for A/B runs); the worker processes read it, so set it through
-Ray (``+ray_kwargs.ray_init.runtime_env.env_vars.POPULORA_LORA_FORWARD=peft``).
+:func:`install` puts it on PEFT's class in the process that trains (the worker module calls it at import) when
+``POPULORA_LORA_FORWARD=lean``; PEFT's forward stays the default. Measured on 2 x H200 with Qwen2.5-Coder-1.5B
+(BENCHMARKS.md §5), the update with this forward and FSDP's parameters kept after the forward was within the run's
++-10 % noise of PEFT's (4T4S update 8.71 against 8.72 s), so it stays opt-in until a quieter measurement shows a gain.
+The worker processes read the variable, so set it through Ray
+(``+ray_kwargs.ray_init.runtime_env.env_vars.POPULORA_LORA_FORWARD=lean``).
 """
 
 from __future__ import annotations
@@ -85,8 +88,8 @@ def installed() -> bool:
 
 def install(mode: str | None = None) -> bool:
     """Put :func:`lean_lora_forward` on PEFT's ``lora.Linear``; returns whether it is installed. ``mode`` defaults
-    to ``$POPULORA_LORA_FORWARD`` (``lean``); ``peft`` leaves PEFT alone (and undoes an earlier install)."""
-    mode = (mode if mode is not None else os.environ.get(ENV, "lean")).strip().lower() or "lean"
+    to ``$POPULORA_LORA_FORWARD`` (``peft``); ``peft`` leaves PEFT alone (and undoes an earlier install)."""
+    mode = (mode if mode is not None else os.environ.get(ENV, "peft")).strip().lower() or "peft"
     if mode not in MODES:
         raise ValueError(f"{ENV} must be one of {MODES}, got {mode!r}")
     if mode == "peft":

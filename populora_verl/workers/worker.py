@@ -55,7 +55,7 @@ if _install_logprobs():
     logger.warning("populora: verl's per-token log-prob fallback replaced by populora_verl.workers.logprobs")
 
 # PEFT's LoRA forward costs five launches and three module calls per layer where one linear and one addmm do
-# (populora_verl.workers.lora_forward; POPULORA_LORA_FORWARD=peft keeps PEFT's).
+# (populora_verl.workers.lora_forward): opt-in with POPULORA_LORA_FORWARD=lean, PEFT's by default.
 from populora_verl.workers.lora_forward import install as _install_lora_forward  # noqa: E402
 
 if _install_lora_forward():

@@ -141,7 +141,9 @@ def test_recipe_composes_with_every_config_and_profile():
                 "uni" if profile.endswith("_uni") else None)
             env = cfg.ray_kwargs.ray_init.runtime_env.env_vars
             assert {k: env[k] for k in ss.PROFILE_ENV.get(profile, {})} == ss.PROFILE_ENV.get(profile, {})
-            assert env.get("POPULORA_LORA_FORWARD") == ("peft" if profile in ("varlen_wide_peft", "baseline") else None)
+            lean = profile in ("varlen_wide_keep_liger", "varlen_wide_keep_uni")
+            assert env.get("POPULORA_LORA_FORWARD") == (
+                "lean" if lean else "peft" if profile in ("varlen_wide_peft", "baseline") else None)
             vllm = cfg.actor_rollout_ref.rollout.engine_kwargs.vllm
             if profile == "varlen_nocompile":  # verl's vLLM server json-decodes a string and keeps our graph mode
                 assert json.loads(vllm.compilation_config) == {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}

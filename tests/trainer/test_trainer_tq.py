@@ -306,6 +306,8 @@ def test_generate_round_trip_decodes_every_session(tq_cluster, tmp_path, bare_tr
     assert {k: int(v.sum()) for k, v in masks.items()} == {k: w["n_tokens"] for k, w in written.items()}
     assert metrics["populora/rollout/teacher/missing_sessions"] == 0
     assert metrics["populora/rollout/teacher/prompts"] == 2
+    # the phase's time, split: handing prompts over, waiting for the trajectories, reading them back
+    assert all(metrics[f"populora/rollout/teacher/{w}"] >= 0.0 for w in ("submit_s", "wait_s", "fetch_s"))
     # the sampled prompt markers are gone, the trajectories stay until the trainer clears them
     assert set(_listed()) == set(written)
     tq.kv_clear(keys=list(batch.keys), partition_id=PARTITION)

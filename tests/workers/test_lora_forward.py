@@ -142,6 +142,9 @@ def test_every_other_case_computes_what_peft_computes(case):
 
 
 def test_install_reads_the_environment_and_refuses_unknown_modes(monkeypatch):
+    monkeypatch.delenv(lf.ENV, raising=False)
+    lf.install("lean")
+    assert lf.install() is False and not lf.installed()  # PEFT's forward is the default (and undoes an install)
     monkeypatch.setenv(lf.ENV, "peft")
     assert lf.install() is False and not lf.installed()
     monkeypatch.setenv(lf.ENV, "lean")
