@@ -98,6 +98,10 @@ _VARLEN_WIDE_KEEP = [*_VARLEN_WIDE, "actor_rollout_ref.actor.fsdp_config.reshard
 # varlen_wide_keep with Liger's Triton kernels for RMSNorm, RoPE and SwiGLU (verl's model.use_liger): about a third
 # fewer kernel launches per decoder layer, forward and backward, in a trainer that waits on launches.
 _VARLEN_WIDE_KEEP_LIGER = [*_VARLEN_WIDE_KEEP, "actor_rollout_ref.model.use_liger=true"]
+# varlen_wide with Liger and torch's fused AdamW (one kernel per group instead of a foreach op per list, each going
+# through DTensor's dispatch tensor by tensor): the next A/B for the fixed cost of each adapter's update call.
+_VARLEN_WIDE_LIGER_FUSED = [*_VARLEN_WIDE, "actor_rollout_ref.model.use_liger=true",
+                            "++actor_rollout_ref.actor.optim.override_optimizer_config={fused:true}"]
 # varlen_wide_keep with vLLM's model runner inside its engine-core process (the "uni" executor) instead of a process
 # of its own: verl asks for "mp", which spawns one more process importing vLLM and torch even for TP 1 (about 30 s of
 # start-up). Without Liger, so that beside varlen_wide_keep_liger it also tells what Liger did to the update.
@@ -115,6 +119,7 @@ PROFILES: dict[str, list[str]] = {
     "varlen_wide_keep": _VARLEN_WIDE_KEEP,
     "varlen_wide_keep_liger": _VARLEN_WIDE_KEEP_LIGER,
     "varlen_wide_keep_uni": _VARLEN_WIDE_KEEP_UNI,
+    "varlen_wide_liger_fused": _VARLEN_WIDE_LIGER_FUSED,
     "varlen_wide_peft": _VARLEN_WIDE,
     "varlen_nocompile": _VARLEN_NOCOMPILE,
     "verl_logprobs": _VARLEN,

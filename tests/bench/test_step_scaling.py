@@ -116,6 +116,7 @@ def test_recipe_composes_with_every_config_and_profile():
                                                                    ("4t4s", "varlen_wide_keep_liger"),
                                                                    ("4t4s", "varlen_wide_keep_uni"),
                                                                    ("single", "varlen_wide_peft"),
+                                                                   ("4t4s", "varlen_wide_liger_fused"),
                                                                    ("4t4s", "varlen_nocompile")]:
             cmd = ss.command("/m", name, 6, Path("/tmp/o"), ss.plan_overrides(profile, 1024, True))
             overrides = cmd[cmd.index("smoke_0.5b") + 1:]
@@ -136,6 +137,8 @@ def test_recipe_composes_with_every_config_and_profile():
             keep = profile.startswith("varlen_wide_keep")
             assert cfg.actor_rollout_ref.actor.fsdp_config.reshard_after_forward is (not keep)
             assert cfg.actor_rollout_ref.model.use_liger is ("liger" in profile)
+            fused_adam = (cfg.actor_rollout_ref.actor.optim.override_optimizer_config or {}).get("fused")
+            assert fused_adam is (True if profile.endswith("_fused") else None)
             # verl hands engine_kwargs.vllm to vLLM after its own "mp", so ours wins
             assert cfg.actor_rollout_ref.rollout.engine_kwargs.vllm.get("distributed_executor_backend") == (
                 "uni" if profile.endswith("_uni") else None)
