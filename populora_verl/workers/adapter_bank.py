@@ -295,11 +295,12 @@ class AdapterBank:
             return
         self.swap_out()
         s = self._slots[slot]
-        with torch.no_grad():
+        # named in torch profiles (python -m populora_verl.bench.trace_summary lists it as a stage)
+        with torch.profiler.record_function("populora_bank_swap_in"), torch.no_grad():
             for n, p in self._params.items():
                 _local(p.data).copy_(s.params[n])
                 p.grad = None
-        self._load_optimizer(s)
+            self._load_optimizer(s)
         self._active = slot
         self._dirty = train
 
@@ -308,10 +309,10 @@ class AdapterBank:
         if self._active is None or not self._dirty:
             return
         s = self._slots[self._active]
-        with torch.no_grad():
+        with torch.profiler.record_function("populora_bank_swap_out"), torch.no_grad():
             for n, p in self._params.items():
                 s.params[n] = self._into(s.params.get(n), p.data)
-        self._save_optimizer(s)
+            self._save_optimizer(s)
         self._dirty = False
 
     @contextlib.contextmanager

@@ -251,7 +251,8 @@ class PopuLoRAActorRolloutRefWorker(ActorRolloutRefWorker):
         bank = self._require_bank()
         outs: list[tuple[int, TensorDict | None]] = []
         for slot, start, end, size in segment_bounds(int(data.batch_size[0]), segments):
-            sub = tu.index_select_tensor_dict(data, list(range(start, end)))
+            with torch.profiler.record_function("populora_select_slot_rows"):
+                sub = tu.index_select_tensor_dict(data, list(range(start, end)))
             if train:
                 # One PPO mini-batch per slot: the slot's whole sub-batch over all ranks.
                 tu.assign_non_tensor(sub, global_batch_size=size, mini_batch_size=size)

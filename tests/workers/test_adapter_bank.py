@@ -294,3 +294,14 @@ def test_from_live_and_forward_only(setup):
         AdapterBank(transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
             vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
             num_key_value_heads=2)))
+
+
+def test_swaps_are_named_in_a_torch_profile(setup):
+    """A profile of the trainer shows each slot's copy in and out as a stage of its own (bench.trace_summary)."""
+    _, _, _, bank = setup
+    bank.swap_in(2, train=False)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        bank.swap_in(0)  # slot 2 came in read-only: nothing to write back
+        bank.swap_in(1)  # writes slot 0 back first
+    names = [e.name for e in prof.events()]
+    assert names.count("populora_bank_swap_in") == 2 and names.count("populora_bank_swap_out") == 1
