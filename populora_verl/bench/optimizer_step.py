@@ -13,7 +13,7 @@ DTensors on a one-rank mesh), each implementation in turn, interleaved over roun
     python -m populora_verl.bench.optimizer_step --device cuda --rounds 9
 
 The dispatch overhead it shows on a CPU is host time that a GPU run pays too; the arithmetic differs (on a CPU the
-18M parameters' arithmetic is itself milliseconds), so ``--scale 24`` divides every width to leave mostly the
+18M parameters' arithmetic is itself milliseconds), so ``--scale 96`` divides every width to leave mostly the
 overhead. verl takes an implementation from ``actor_rollout_ref.actor.optim.override_optimizer_config``
 (``'{fused: true}'``).
 """

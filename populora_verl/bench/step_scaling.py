@@ -203,6 +203,14 @@ class RunResult:
         return self.trained_tokens / s if self.trained_tokens and s else None
 
     @classmethod
+    def from_figures(cls, name: str, fig: Figures, *, rc: int, wall_s: float, smi_peak_mib: float | None,
+                     warmup: int, model: str) -> RunResult:
+        """One configuration's result from what its metric rows say (:func:`summarize`)."""
+        return cls(name, ADAPTERS[name], rc, wall_s, fig.step_s, fig.peak_gb, smi_peak_mib, fig.phases_s,
+                   warmup=warmup, gen_tokens=fig.gen_tokens, rollout=fig.rollout, model=model, mfu=fig.mfu,
+                   trained_tokens=fig.trained_tokens, probs_diff=fig.probs_diff)
+
+    @classmethod
     def from_json(cls, row: Mapping[str, Any]) -> RunResult:
         names = {f.name for f in fields(cls)}
         kw = {k: v for k, v in row.items() if k in names}
@@ -423,9 +431,8 @@ def run_one(model: str, name: str, steps: int, out_dir: Path, extra: list[str], 
         rc = _wait(proc, timeout_s)
     end = time.time()
     fig = read_results(out_dir, name, warmup)
-    r = RunResult(name, ADAPTERS[name], rc, end - t0, fig.step_s, fig.peak_gb, poller.peak or None, fig.phases_s,
-                  warmup=warmup, gen_tokens=fig.gen_tokens, rollout=fig.rollout, model=model, mfu=fig.mfu,
-                  trained_tokens=fig.trained_tokens, probs_diff=fig.probs_diff)
+    r = RunResult.from_figures(name, fig, rc=rc, wall_s=end - t0, smi_peak_mib=poller.peak or None, warmup=warmup,
+                               model=model)
     first = fig.step_s.get(min(fig.step_s)) if fig.step_s else None
     if poller.first_row_t is not None and first is not None:
         r.startup_s = max(0.0, poller.first_row_t - t0 - first)
@@ -469,9 +476,8 @@ def split_schedule(rows: list[tuple[int, dict[str, Any]]], names: Sequence[str],
             continue
         fig = summarize(mine, warmup)
         complete = len(fig.step_s) == steps
-        r = RunResult(name, ADAPTERS[name], 0 if complete else 1, sum(fig.step_s.values()), fig.step_s, fig.peak_gb,
-                      None, fig.phases_s, warmup=warmup, gen_tokens=fig.gen_tokens, rollout=fig.rollout, model=model,
-                      mfu=fig.mfu, trained_tokens=fig.trained_tokens, probs_diff=fig.probs_diff)
+        r = RunResult.from_figures(name, fig, rc=0 if complete else 1, wall_s=sum(fig.step_s.values()),
+                                   smi_peak_mib=None, warmup=warmup, model=model)
         first = dict(mine).get(1, {})
         if i == 0 and poller is not None and poller.row_t.get(lo) is not None and 1 in fig.step_s:
             r.startup_s = max(0.0, poller.row_t[lo] - t0 - fig.step_s[1])
