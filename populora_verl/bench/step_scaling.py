@@ -111,7 +111,11 @@ _VARLEN_WIDE_KEEP_UNI = [*_VARLEN_WIDE_KEEP, _UNI_EXECUTOR]
 # disabled (VLLM_DISABLE_COMPILE_CACHE=1), so every start compiles from scratch; full graphs of the decode batches
 # need no compilation (FlashAttention 3 on Hopper), prefills then run eagerly. The start-up/step-time A/B for that.
 VLLM_NO_COMPILE = '{"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}'
-_VARLEN_NOCOMPILE = [*_VARLEN, f"++actor_rollout_ref.rollout.engine_kwargs.vllm.compilation_config='{VLLM_NO_COMPILE}'"]
+_NO_COMPILE = f"++actor_rollout_ref.rollout.engine_kwargs.vllm.compilation_config='{VLLM_NO_COMPILE}'"
+_VARLEN_NOCOMPILE = [*_VARLEN, _NO_COMPILE]
+# varlen_wide_keep_liger without vLLM's torch.compile pass: beside varlen_wide_keep_liger, the compilation's share of
+# the start-up (cold caches) and its price in generation speed.
+_VARLEN_WIDE_KEEP_LIGER_NOCOMPILE = [*_VARLEN_WIDE_KEEP_LIGER, _NO_COMPILE]
 PROFILES: dict[str, list[str]] = {
     "fast": _FAST,
     "varlen": _VARLEN,
@@ -122,6 +126,7 @@ PROFILES: dict[str, list[str]] = {
     "varlen_wide_liger_fused": _VARLEN_WIDE_LIGER_FUSED,
     "varlen_wide_peft": _VARLEN_WIDE,
     "varlen_nocompile": _VARLEN_NOCOMPILE,
+    "varlen_wide_keep_liger_nocompile": _VARLEN_WIDE_KEEP_LIGER_NOCOMPILE,
     "verl_logprobs": _VARLEN,
     "fused": _FUSED,
     "baseline": ["actor_rollout_ref.rollout.enforce_eager=true",
@@ -138,6 +143,7 @@ PROFILE_ENV: dict[str, dict[str, str]] = {
     "varlen_wide_peft": {"POPULORA_LORA_FORWARD": "peft"},
     "varlen_wide_keep_liger": {"POPULORA_LORA_FORWARD": "lean"},
     "varlen_wide_keep_uni": {"POPULORA_LORA_FORWARD": "lean"},
+    "varlen_wide_keep_liger_nocompile": {"POPULORA_LORA_FORWARD": "lean"},
     "baseline": {"POPULORA_LOGPROBS": "verl", "POPULORA_LORA_FORWARD": "peft"},
 }
 # verl's console logger line, possibly behind Ray's "(TaskRunnerV1 pid=...)" prefix.

@@ -117,7 +117,8 @@ def test_recipe_composes_with_every_config_and_profile():
                                                                    ("4t4s", "varlen_wide_keep_uni"),
                                                                    ("single", "varlen_wide_peft"),
                                                                    ("4t4s", "varlen_wide_liger_fused"),
-                                                                   ("4t4s", "varlen_nocompile")]:
+                                                                   ("4t4s", "varlen_nocompile"),
+                                                                   ("8t8s", "varlen_wide_keep_liger_nocompile")]:
             cmd = ss.command("/m", name, 6, Path("/tmp/o"), ss.plan_overrides(profile, 1024, True))
             overrides = cmd[cmd.index("smoke_0.5b") + 1:]
             cfg = compose(config_name="smoke_0.5b", overrides=overrides)
@@ -144,11 +145,11 @@ def test_recipe_composes_with_every_config_and_profile():
                 "uni" if profile.endswith("_uni") else None)
             env = cfg.ray_kwargs.ray_init.runtime_env.env_vars
             assert {k: env[k] for k in ss.PROFILE_ENV.get(profile, {})} == ss.PROFILE_ENV.get(profile, {})
-            lean = profile in ("varlen_wide_keep_liger", "varlen_wide_keep_uni")
+            lean = profile in ("varlen_wide_keep_liger", "varlen_wide_keep_uni", "varlen_wide_keep_liger_nocompile")
             assert env.get("POPULORA_LORA_FORWARD") == (
                 "lean" if lean else "peft" if profile in ("varlen_wide_peft", "baseline") else None)
             vllm = cfg.actor_rollout_ref.rollout.engine_kwargs.vllm
-            if profile == "varlen_nocompile":  # verl's vLLM server json-decodes a string and keeps our graph mode
+            if profile.endswith("_nocompile"):  # verl's vLLM server json-decodes a string and keeps our graph mode
                 assert json.loads(vllm.compilation_config) == {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}
                 assert cfg.actor_rollout_ref.rollout.enforce_eager is False  # CUDA graphs stay on
             else:
