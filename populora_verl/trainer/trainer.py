@@ -115,6 +115,12 @@ class PopuLoRATrainer(GenerationMixin, TrainingMixin, HooksMixin, ProbesMixin, P
         self.pop_step.updates_per_step = int(OmegaConf.select(config, "actor_rollout_ref.actor.ppo_epochs", default=1))
         self._init_populora_state()
 
+    def _build_replay_buffer(self):
+        buffer = super()._build_replay_buffer()
+        if hasattr(buffer, "poll_interval"):  # a user's custom sampler may poll its own way
+            buffer.poll_interval = verl_config.poll_interval(self.config)
+        return buffer
+
     def init(self) -> None:
         super().init()  # worker groups (FSDP), vLLM engines, weight-sync manager, then _load_checkpoint
         self._mark("checkpoint + weight sync")

@@ -147,6 +147,8 @@ BAD = [
     ("actor_rollout_ref.actor.ppo_mini_batch_size=2", "actor_rollout_ref.actor.ppo_mini_batch_size"),
     ("populora.rollout.max_new_tokens=100", "populora.rollout.max_new_tokens"),
     ("populora.rollout.temperature=0.7", "populora.rollout.temperature"),
+    ("++trainer.populora_poll_interval_s=0", "trainer.populora_poll_interval_s"),
+    ("++trainer.populora_poll_interval_s=fast", "trainer.populora_poll_interval_s"),
 ]
 
 
@@ -198,6 +200,10 @@ def test_sync_fix_gives_the_sync_replay_buffer(trainer_cls, monkeypatch):
     assert t.trainer_mode == "sync" and t.parameter_sync_step == 1
     assert type(t.replay_buffer) is ReplayBuffer and not isinstance(t.replay_buffer, ReplayBufferAsync)
     assert t.replay_buffer.refill_fn.__func__ is trainer_cls._add_prompts_to_generate
+    # verl's buffer would poll every 2 s, keeping each rollout phase up to 2 s past its last trajectory
+    assert t.replay_buffer.poll_interval == verl_config.DEFAULT_POLL_INTERVAL_S < 2.0
+    slow = compose_recipe("smoke_0.5b", ["actor_rollout_ref.model.path=/m", "++trainer.populora_poll_interval_s=0.5"])
+    assert trainer_cls(slow).replay_buffer.poll_interval == 0.5
     assert t.pcfg.population.num_adapters == 4
     # a bad verl key stops the trainer before any worker starts
     bad = compose_recipe("smoke_0.5b", ["actor_rollout_ref.model.path=/m", "actor_rollout_ref.rollout.name=vllm"])
