@@ -32,7 +32,7 @@ import torch
 
 from populora_verl.bench.child import alternating
 
-__all__ = ["lora_shapes", "IMPLS", "measure", "main"]
+__all__ = ["lora_shapes", "IMPLS", "measure", "init_one_rank", "main"]
 
 #: Qwen2.5-1.5B: hidden 1536, MLP 8960, 256-wide key/value projections (2 KV heads of 128)
 QWEN_1_5B = {"layers": 28, "hidden": 1536, "intermediate": 8960, "kv": 256}
@@ -115,6 +115,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def init_one_rank(device: str) -> bool:
+    """A one-rank process group for ``device`` (nccl on a GPU, else gloo) unless one exists; True if started here.
+    Through a TCP address rather than MASTER_ADDR/MASTER_PORT, so the caller's environment (and its children's)
+    keeps no port of a group that is gone."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return False
+    dist.init_process_group("nccl" if device.startswith("cuda") else "gloo",
+                            init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    return True
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cpu", help="cpu or cuda (one rank)")
@@ -134,11 +147,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     import torch.distributed as dist
 
-    backend = "nccl" if args.device.startswith("cuda") else "gloo"
-    if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
-        dist.init_process_group(backend, rank=0, world_size=1)
+    init_one_rank(args.device)
     shapes = lora_shapes(args.rank, args.scale, QWEN_1_5B | {"layers": args.layers})
     n = sum(r * c for r, c in shapes)
     res = measure(shapes, device=args.device, rounds=args.rounds, steps=args.steps, impls=impls)

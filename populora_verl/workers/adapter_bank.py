@@ -52,6 +52,12 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if _is_dtensor(t) else t
 
 
+def _wait_for_copies(t: torch.Tensor) -> None:
+    """Block until the copies queued on ``t``'s device are done (swaps queue theirs without waiting, see below)."""
+    if t.device.type != "cpu":
+        torch.accelerator.synchronize(t.device)
+
+
 def _comm_device(t: Any) -> torch.device:
     """Where a DTensor's collectives run: its mesh's device, even while the parameter is offloaded to CPU."""
     kind = t.device_mesh.device_type
@@ -225,12 +231,14 @@ class AdapterBank:
         out.copy_(t)
         return out
 
-    def _into(self, dst: torch.Tensor | None, src: torch.Tensor) -> torch.Tensor:
-        """Copy ``src`` into an existing CPU buffer (reused across swaps) or a new one."""
+    def _into(self, dst: torch.Tensor | None, src: torch.Tensor, *, non_blocking: bool = False) -> torch.Tensor:
+        """Copy ``src`` into an existing CPU buffer (reused across swaps) or a new one.
+
+        ``non_blocking``: a copy from a device may still be running on return (the caller waits once for all)."""
         src = _local(src.detach())
         if dst is None or dst.shape != src.shape or dst.dtype != src.dtype:
             return self._cpu_copy(src)
-        dst.copy_(src)
+        dst.copy_(src, non_blocking=non_blocking)
         return dst
 
     # --- slots -----------------------------------------------------------------------------------------------
@@ -296,11 +304,15 @@ class AdapterBank:
         self.swap_out()
         s = self._slots[slot]
         # named in torch profiles (python -m populora_verl.bench.trace_summary lists it as a stage)
+        # A swap is about 1,200 small copies (weights and optimizer moments). Each blocking host<->device copy waits
+        # for the GPU, so they are queued without waiting and the swap waits once at the end; under no_grad,
+        # to_local() is the DTensor's own local tensor, where p.data would dispatch a detach per parameter.
         with torch.profiler.record_function("populora_bank_swap_in"), torch.no_grad():
             for n, p in self._params.items():
-                _local(p.data).copy_(s.params[n])
+                _local(p).copy_(s.params[n], non_blocking=True)
                 p.grad = None
             self._load_optimizer(s)
+            _wait_for_copies(_local(next(iter(self._params.values()))))
         self._active = slot
         self._dirty = train
 
@@ -311,8 +323,9 @@ class AdapterBank:
         s = self._slots[self._active]
         with torch.profiler.record_function("populora_bank_swap_out"), torch.no_grad():
             for n, p in self._params.items():
-                s.params[n] = self._into(s.params.get(n), p.data)
+                s.params[n] = self._into(s.params.get(n), _local(p), non_blocking=True)
             self._save_optimizer(s)
+            _wait_for_copies(_local(next(iter(self._params.values()))))  # the slot's CPU copies are read next
         self._dirty = False
 
     @contextlib.contextmanager
@@ -345,7 +358,7 @@ class AdapterBank:
             st: dict[str, Any] = {}
             for key, val in live.items():
                 if torch.is_tensor(val):
-                    st[key] = self._into(old.get(key), val)
+                    st[key] = self._into(old.get(key), _local(val), non_blocking=True)
                     st[f"__device__{key}"] = str(_local(val).device)
                 else:
                     st[key] = copy.deepcopy(val)
@@ -383,7 +396,8 @@ class AdapterBank:
                         was_cpu = str(saved.get(f"__device__{key}", "cpu")).startswith("cpu")
                         cur = torch.empty(val.shape, dtype=val.dtype, device="cpu" if was_cpu else _local(p).device)
                     live[key] = cur
-                _local(cur).copy_(val)
+                _local(cur).copy_(val, non_blocking=True)
+        _wait_for_copies(_local(next(iter(self._params.values()))))  # s.optim may change once this returns
         sched = s.scheduler if s.scheduler is not None else self._initial_scheduler
         if self.lr_scheduler is not None and sched is not None:
             self.lr_scheduler.load_state_dict(copy.deepcopy(sched))

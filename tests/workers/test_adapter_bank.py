@@ -305,3 +305,29 @@ def test_swaps_are_named_in_a_torch_profile(setup):
         bank.swap_in(1)  # writes slot 0 back first
     names = [e.name for e in prof.events()]
     assert names.count("populora_bank_swap_in") == 2 and names.count("populora_bank_swap_out") == 1
+
+
+def test_a_swap_queues_its_copies_and_waits_once_before_returning(setup, monkeypatch):
+    """A swap's copies go out without blocking (one wait per copy made a GPU swap ~1,200 round trips); the swap
+    still waits before it returns, since the slot's CPU buffers are read or rewritten next."""
+    import populora_verl.workers.adapter_bank as ab
+
+    model, opt, sched, bank = setup
+    with bank.active(0):
+        train_step(model, opt, sched, batch(0))  # slot 0 has AdamW moments to copy
+    bank.swap_in(1, train=False)
+    copies, waits = [], []
+    real_copy = torch.Tensor.copy_
+
+    def copy_(dst, src, non_blocking=False):
+        copies.append(non_blocking)
+        return real_copy(dst, src, non_blocking=non_blocking)
+
+    monkeypatch.setattr(torch.Tensor, "copy_", copy_)
+    monkeypatch.setattr(ab, "_wait_for_copies", lambda t: waits.append(copies.count(True)))
+    bank.swap_in(0)  # from slot 0's saved state: weights and moments
+    n_in = len(copies)
+    assert n_in > 0 and all(copies) and waits and waits[-1] == n_in  # it waited after the last copy
+    waits.clear()
+    bank.swap_out()  # dirty (train=True): written back
+    assert len(copies) > n_in and all(copies) and waits == [len(copies)]
