@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 import torch
 
-from populora_verl.bench.optimizer_step import QWEN_1_5B, _sync, init_one_rank, lora_shapes
+from populora_verl.bench.optimizer_step import QWEN_1_5B, _sync, add_lora_arguments, init_one_rank, lora_shapes
 
 __all__ = ["lora_module", "measure", "main"]
 
@@ -97,12 +97,8 @@ def measure(shapes: Sequence[tuple[int, int]], *, device: str = "cpu", slots: in
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--device", default="cpu", help="cpu or cuda (one rank)")
-    ap.add_argument("--rank", type=int, default=16, help="LoRA rank")
-    ap.add_argument("--scale", type=int, default=1, help="divide every width by this (keeps the tensor count)")
-    ap.add_argument("--layers", type=int, default=QWEN_1_5B["layers"])
+    add_lora_arguments(ap)
     ap.add_argument("--slots", type=int, default=4)
-    ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args(argv)
     if args.slots < 2:
         ap.error("--slots must be >= 2 (a swap to the active slot copies nothing)")

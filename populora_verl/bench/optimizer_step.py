@@ -32,7 +32,7 @@ import torch
 
 from populora_verl.bench.child import alternating
 
-__all__ = ["lora_shapes", "IMPLS", "measure", "init_one_rank", "main"]
+__all__ = ["lora_shapes", "IMPLS", "measure", "init_one_rank", "add_lora_arguments", "main"]
 
 #: Qwen2.5-1.5B: hidden 1536, MLP 8960, 256-wide key/value projections (2 KV heads of 128)
 QWEN_1_5B = {"layers": 28, "hidden": 1536, "intermediate": 8960, "kv": 256}
@@ -128,13 +128,19 @@ def init_one_rank(device: str) -> bool:
     return True
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_lora_arguments(ap: argparse.ArgumentParser) -> None:
+    """The options of a benchmark over one model's LoRA tensors on one rank: device, LoRA rank, width scale,
+    layers, rounds (the shapes come from :func:`lora_shapes` with them)."""
     ap.add_argument("--device", default="cpu", help="cpu or cuda (one rank)")
     ap.add_argument("--rank", type=int, default=16, help="LoRA rank")
     ap.add_argument("--scale", type=int, default=1, help="divide every width by this (keeps the tensor count)")
     ap.add_argument("--layers", type=int, default=QWEN_1_5B["layers"])
     ap.add_argument("--rounds", type=int, default=5)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_lora_arguments(ap)
     ap.add_argument("--steps", type=int, default=5, help="steps timed per round")
     ap.add_argument("--impls", default=",".join(IMPLS), help=f"comma-separated, of {list(IMPLS)}")
     args = ap.parse_args(argv)
