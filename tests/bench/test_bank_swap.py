@@ -5,27 +5,36 @@ from __future__ import annotations
 import pytest
 
 from populora_verl.bench import bank_swap as bs
-from populora_verl.bench import optimizer_step as ops
+
+
+# In a child process: a gloo group in this one left a later module's Ray start (ray.init from a thread) hanging
+# in its forked child under pytest.
+_MODULE_CHECK = """
+import json
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from populora_verl.bench import bank_swap as bs, optimizer_step as ops
+from populora_verl.workers.adapter_bank import AdapterBank
+shapes = ops.lora_shapes(4, scale=96, dims=ops.QWEN_1_5B | {"layers": 2})
+ops.init_one_rank("cpu")
+model = bs.lora_module(shapes, init_device_mesh("cpu", (1,)), "cpu")
+print(json.dumps({"names": [n for n, _ in model.named_parameters()], "shapes": [list(p.shape) for p in model.parameters()],
+                  "expected": [list(s) for s in shapes], "keys": len(AdapterBank(model).peft_keys)}))
+dist.destroy_process_group()
+"""
 
 
 def test_the_module_carries_peft_names_and_the_shapes_in_order():
-    from torch.distributed.device_mesh import init_device_mesh
+    import json
+    import subprocess
+    import sys
 
-    import torch.distributed as dist
-
-    from populora_verl.workers.adapter_bank import AdapterBank
-
-    shapes = ops.lora_shapes(4, scale=96, dims=ops.QWEN_1_5B | {"layers": 2})
-    started = ops.init_one_rank("cpu")
-    try:
-        model = bs.lora_module(shapes, init_device_mesh("cpu", (1,)), "cpu")
-        names = [n for n, _ in model.named_parameters()]
-        assert names[:2] == ["layers.0.q_proj.lora_A.default.weight", "layers.0.q_proj.lora_B.default.weight"]
-        assert [tuple(p.shape) for p in model.parameters()] == shapes
-        assert len(AdapterBank(model).peft_keys) == len(shapes)  # the bank finds every one as a LoRA parameter
-    finally:
-        if started:
-            dist.destroy_process_group()
+    run = subprocess.run([sys.executable, "-c", _MODULE_CHECK], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    assert got["names"][:2] == ["layers.0.q_proj.lora_A.default.weight", "layers.0.q_proj.lora_B.default.weight"]
+    assert got["shapes"] == got["expected"] and len(got["shapes"]) == 28
+    assert got["keys"] == 28  # the bank finds every one as a LoRA parameter
 
 
 def test_main_prints_both_swaps_per_round(capsys, monkeypatch):
