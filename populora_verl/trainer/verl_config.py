@@ -14,8 +14,8 @@ from typing import Any
 
 from populora_verl.config import ConfigError, PopuLoRAConfig
 
-__all__ = ["VLLM_MAX_LORA_RANK", "POLL_INTERVAL_KEY", "poll_interval", "validate_verl_config", "ParallelLayout", "parallel_layout", "warn_if_bank_not_shared",
-           "select"]
+__all__ = ["VLLM_MAX_LORA_RANK", "POLL_INTERVAL_KEY", "poll_interval", "validate_verl_config", "ParallelLayout",
+           "parallel_layout", "warn_if_bank_not_shared", "select"]
 
 logger = logging.getLogger(__name__)
 

@@ -52,10 +52,12 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if _is_dtensor(t) else t
 
 
-def _wait_for_copies(t: torch.Tensor) -> None:
-    """Block until the copies queued on ``t``'s device are done (swaps queue theirs without waiting, see below)."""
-    if t.device.type != "cpu":
-        torch.accelerator.synchronize(t.device)
+def _wait_for_copies() -> None:
+    """Block until the copies queued on this rank's accelerator are done (swaps queue theirs without waiting, see
+    :meth:`AdapterBank.swap_in`). The whole device, not one tensor's: with verl's parameter offload the weights may
+    sit on the CPU while the optimizer moments stay on the GPU."""
+    if torch.accelerator.is_available():
+        torch.accelerator.synchronize()
 
 
 def _comm_device(t: Any) -> torch.device:
@@ -312,7 +314,7 @@ class AdapterBank:
                 _local(p).copy_(s.params[n], non_blocking=True)
                 p.grad = None
             self._load_optimizer(s)
-            _wait_for_copies(_local(next(iter(self._params.values()))))
+            _wait_for_copies()
         self._active = slot
         self._dirty = train
 
@@ -325,7 +327,7 @@ class AdapterBank:
             for n, p in self._params.items():
                 s.params[n] = self._into(s.params.get(n), _local(p), non_blocking=True)
             self._save_optimizer(s)
-            _wait_for_copies(_local(next(iter(self._params.values()))))  # the slot's CPU copies are read next
+            _wait_for_copies()  # the slot's CPU copies are read next
         self._dirty = False
 
     @contextlib.contextmanager
@@ -397,7 +399,7 @@ class AdapterBank:
                         cur = torch.empty(val.shape, dtype=val.dtype, device="cpu" if was_cpu else _local(p).device)
                     live[key] = cur
                 _local(cur).copy_(val, non_blocking=True)
-        _wait_for_copies(_local(next(iter(self._params.values()))))  # s.optim may change once this returns
+        _wait_for_copies()  # s.optim may change once this returns
         sched = s.scheduler if s.scheduler is not None else self._initial_scheduler
         if self.lr_scheduler is not None and sched is not None:
             self.lr_scheduler.load_state_dict(copy.deepcopy(sched))

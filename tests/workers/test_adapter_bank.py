@@ -324,7 +324,7 @@ def test_a_swap_queues_its_copies_and_waits_once_before_returning(setup, monkeyp
         return real_copy(dst, src, non_blocking=non_blocking)
 
     monkeypatch.setattr(torch.Tensor, "copy_", copy_)
-    monkeypatch.setattr(ab, "_wait_for_copies", lambda t: waits.append(copies.count(True)))
+    monkeypatch.setattr(ab, "_wait_for_copies", lambda: waits.append(copies.count(True)))
     bank.swap_in(0)  # from slot 0's saved state: weights and moments
     n_in = len(copies)
     assert n_in > 0 and all(copies) and waits and waits[-1] == n_in  # it waited after the last copy
