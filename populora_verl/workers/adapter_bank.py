@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 __all__ = ["AdapterBank", "AdapterBankError", "PlanEntry", "peft_key", "bank_filename", "bank_file_for",
-           "BANK_FORMAT_VERSION"]
+           "BANK_FORMAT_VERSION", "default_lora_init", "shard_like", "apply_evolution_plan"]
 
 BANK_FORMAT_VERSION = 1
 
@@ -270,28 +270,10 @@ class AdapterBank:
                 gen = torch.Generator().manual_seed(int(seed) * 1_000_003 + (0 if shared_a else k))
                 params = {}
                 for n, p in self._params.items():
-                    full = self._default_init(n, tuple(p.shape), gen)
-                    params[n] = self._cpu_copy(self._shard_like(full.to(p.dtype), p))
+                    full = default_lora_init(n, tuple(p.shape), gen)
+                    params[n] = self._cpu_copy(shard_like(full.to(p.dtype), p))
             self._slots.append(_Slot(params=params))
         self._drop_live_optimizer_state()
-
-    def _default_init(self, name: str, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
-        is_b = ".lora_B." in name or ".lora_embedding_B." in name
-        if is_b or len(shape) != 2:
-            return torch.zeros(shape)
-        fan_in = shape[1]
-        bound = 1.0 / math.sqrt(fan_in)  # kaiming_uniform_(a=sqrt(5)), as PEFT initialises lora_A
-        return torch.rand(shape, generator=gen) * (2 * bound) - bound
-
-    @staticmethod
-    def _shard_like(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-        """This rank's shard of ``full`` laid out like ``like`` (no communication: ``full`` is on every rank)."""
-        if not _is_dtensor(like):
-            return full
-        from torch.distributed.tensor import distribute_tensor
-
-        sharded = distribute_tensor(full.to(_comm_device(like)), like.device_mesh, like.placements, src_data_rank=None)
-        return sharded.to_local()
 
     def swap_in(self, slot: int, *, train: bool = True) -> None:
         """Load ``slot`` into the live adapter (writing the previously active slot back first if it changed).
@@ -474,7 +456,7 @@ class AdapterBank:
         s = self._slots[slot]
         for n, p in self._params.items():
             full = state[self._keys[n]].detach().to("cpu", dtype=p.dtype)
-            s.params[n] = self._into(s.params.get(n), self._shard_like(full, p).cpu())
+            s.params[n] = self._into(s.params.get(n), shard_like(full, p).cpu())
         s.version += 1
         if reset_optimizer:
             s.optim, s.scheduler, s.lrs = None, None, None
@@ -500,43 +482,8 @@ class AdapterBank:
                 raise AdapterBankError(f"{what}: {k} has non-finite values")
 
     def apply_plan(self, entries: Sequence[PlanEntry | Mapping[str, Any]], operators: Mapping[str, Any] | None = None) -> list[int]:
-        """Write evolution children into their slots; returns the child slots.
-
-        Every child is computed from the parents' weights **before** any child is written, so a slot that is both a
-        parent and (later in the plan) a victim gives its pre-plan weights. ``operators`` defaults to
-        ``populora_verl.evolution.operators.OPERATORS``.
-        """
-        if operators is None:
-            from populora_verl.evolution.operators import OPERATORS as operators  # noqa: N811
-        plan = [PlanEntry.coerce(e) for e in entries]
-        children = [e.child_slot for e in plan]
-        if len(set(children)) != len(children):
-            raise AdapterBankError(f"plan writes a slot twice: {children}")
-        cache: dict[int, dict[str, torch.Tensor]] = {}
-        results: list[tuple[PlanEntry, dict[str, torch.Tensor]]] = []
-        for e in plan:
-            self._check_slot(e.child_slot)
-            if e.operator not in operators:
-                raise AdapterBankError(f"unknown operator {e.operator!r} (known: {sorted(operators)})")
-            op = operators[e.operator]
-            want = getattr(op, "num_parents", len(e.parent_slots))
-            if len(e.parent_slots) != want:
-                raise AdapterBankError(f"operator {e.operator} needs {want} parents, got {list(e.parent_slots)}")
-            parents = []
-            for ps in e.parent_slots:
-                self._check_slot(ps)
-                if ps not in cache:
-                    cache[ps] = self.get_adapter_state(ps)
-                parents.append(cache[ps])
-            gen = torch.Generator().manual_seed(e.seed)
-            results.append((e, op(parents, generator=gen, **dict(e.params))))
-        # A child that keeps an optimizer state keeps its fitter parent's (as the CPU driver), not its victim's.
-        # Parents are survivors, never children of this plan, so their state is still the pre-plan one.
-        for e, child in results:
-            self.set_adapter_state(e.child_slot, child, reset_optimizer=e.reset_optimizer)
-            if not e.reset_optimizer:
-                self.copy_optimizer(int(e.parent_slots[0]), e.child_slot)
-        return children
+        """Write evolution children into their slots; returns the child slots (:func:`apply_evolution_plan`)."""
+        return apply_evolution_plan(self, entries, operators)
 
     def shard_checksums(self) -> dict[int, str]:
         """Per slot, a short hash of **this rank's** shards (no collective): which slots changed on which rank."""
@@ -603,6 +550,68 @@ class AdapterBank:
     def load(self, path: str) -> None:
         self.load_state_dict(torch.load(path, map_location="cpu", weights_only=False))
 
+
+
+def default_lora_init(name: str, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
+    """PEFT's default LoRA init of one parameter: ``lora_A`` Kaiming-uniform (bound ``1/sqrt(fan_in)``), ``lora_B``
+    zero."""
+    is_b = ".lora_B." in name or ".lora_embedding_B." in name
+    if is_b or len(shape) != 2:
+        return torch.zeros(shape)
+    fan_in = shape[1]
+    bound = 1.0 / math.sqrt(fan_in)  # kaiming_uniform_(a=sqrt(5)), as PEFT initialises lora_A
+    return torch.rand(shape, generator=gen) * (2 * bound) - bound
+
+
+def shard_like(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of ``full`` laid out like ``like`` (no communication: ``full`` is on every rank)."""
+    if not _is_dtensor(like):
+        return full
+    from torch.distributed.tensor import distribute_tensor
+
+    sharded = distribute_tensor(full.to(_comm_device(like)), like.device_mesh, like.placements, src_data_rank=None)
+    return sharded.to_local()
+
+
+def apply_evolution_plan(store: Any, entries: Sequence[PlanEntry | Mapping[str, Any]],
+                         operators: Mapping[str, Any] | None = None) -> list[int]:
+    """Write evolution children into the slots of ``store`` (a bank or resident adapters); returns the child slots.
+
+    Every child is computed from the parents' weights **before** any child is written, so a slot that is both a
+    parent and (later in the plan) a victim gives its pre-plan weights. ``operators`` defaults to
+    ``populora_verl.evolution.operators.OPERATORS``.
+    """
+    if operators is None:
+        from populora_verl.evolution.operators import OPERATORS as operators  # noqa: N811
+    plan = [PlanEntry.coerce(e) for e in entries]
+    children = [e.child_slot for e in plan]
+    if len(set(children)) != len(children):
+        raise AdapterBankError(f"plan writes a slot twice: {children}")
+    cache: dict[int, dict[str, torch.Tensor]] = {}
+    results: list[tuple[PlanEntry, dict[str, torch.Tensor]]] = []
+    for e in plan:
+        store._check_slot(e.child_slot)
+        if e.operator not in operators:
+            raise AdapterBankError(f"unknown operator {e.operator!r} (known: {sorted(operators)})")
+        op = operators[e.operator]
+        want = getattr(op, "num_parents", len(e.parent_slots))
+        if len(e.parent_slots) != want:
+            raise AdapterBankError(f"operator {e.operator} needs {want} parents, got {list(e.parent_slots)}")
+        parents = []
+        for ps in e.parent_slots:
+            store._check_slot(ps)
+            if ps not in cache:
+                cache[ps] = store.get_adapter_state(ps)
+            parents.append(cache[ps])
+        gen = torch.Generator().manual_seed(e.seed)
+        results.append((e, op(parents, generator=gen, **dict(e.params))))
+    # A child that keeps an optimizer state keeps its fitter parent's (as the CPU driver), not its victim's.
+    # Parents are survivors, never children of this plan, so their state is still the pre-plan one.
+    for e, child in results:
+        store.set_adapter_state(e.child_slot, child, reset_optimizer=e.reset_optimizer)
+        if not e.reset_optimizer:
+            store.copy_optimizer(int(e.parent_slots[0]), e.child_slot)
+    return children
 
 
 def bank_filename(world_size: int, rank: int) -> str:

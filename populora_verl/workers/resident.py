@@ -1,0 +1,659 @@
+"""Resident adapters: every slot's LoRA weights live in the model, and one forward and backward train them all.
+
+The adapter bank (:mod:`populora_verl.workers.adapter_bank`) time-shares one live PEFT adapter: a swap, a forward and
+backward, an optimizer step and a weight sync per slot. Here every slot stays in the model instead:
+
+* **Layout.** Each PEFT LoRA linear keeps its base layer and gets, per slot ``k``, a plain ``lora_slots_A[k]``
+  (``r x in``) and ``lora_slots_B[k]`` (``out x r``) parameter, replicated on every data-parallel rank (LoRA weights
+  are a few percent of the model; their gradients are averaged once per step with one flat all-reduce). PEFT's own
+  ``"default"`` adapter stays in the model, switched off, so verl's PEFT-aware helpers (the base-weight sync, the
+  reference policy) keep working.
+* **Routing.** A micro-batch's tokens are tagged with their slot (:class:`SlotRouting`, built from each row's slot and
+  length). Every LoRA linear adds ``scale * B_k (A_k x)`` for the tokens of slot ``k``: with ``torch._grouped_mm`` over
+  the slot-sorted tokens where the GPU has it, a per-slot loop otherwise (the CPU tests run the loop; both are the
+  same formula). Tokens of a micro-batch that are already sorted by slot (the trainer lays rows out that way) are
+  not permuted.
+* **Training.** The loss is summed over slots, each slot's part normalised by its own tokens
+  (:func:`slot_token_mean`), so slot ``k``'s gradient is the gradient it would get alone. One optimizer holds one
+  parameter group per slot; :meth:`ResidentAdapters.optimizer_step` clips each slot by its own gradient norm, skips
+  slots that had no rows (their gradients are dropped, so AdamW neither decays nor counts a step for them) and sets
+  each slot's learning rate from its own schedule position.
+
+:class:`ResidentAdapters` keeps the bank's interface (slots, versions, full PEFT state dicts, evolution plans,
+optimizer reset and copy, checksums) and writes the bank's file format, so a run saved by either layout resumes in
+the other. Pure torch + PEFT naming; no verl import.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import inspect
+import math
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, Callable
+
+import torch
+
+from populora_verl.workers.adapter_bank import (
+    BANK_FORMAT_VERSION,
+    AdapterBankError,
+    _comm_device,
+    _is_dtensor,
+    _local,
+    apply_evolution_plan,
+    default_lora_init,
+    peft_key,
+    shard_like,
+)
+
+__all__ = ["ResidentAdapters", "SlotRouting", "routing", "current_routing", "lora_delta", "slot_token_mean",
+           "grouped_mm_available", "LAYOUTS"]
+
+#: ``populora.population.adapter_layout`` values: ``bank`` (one live adapter swapped per slot) or ``resident``.
+LAYOUTS = ("bank", "resident")
+
+#: the parameter lists added to each LoRA linear; the ``lora_`` in the name keeps them out of verl's base-weight sync
+SLOT_A, SLOT_B = "lora_slots_A", "lora_slots_B"
+
+
+# --- routing -------------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class SlotRouting:
+    """Which slot each token of a forward belongs to (tokens flattened over batch and sequence).
+
+    ``counts[k]`` tokens of slot ``k``; ``perm`` (``None`` when the tokens are already sorted by slot) gathers them
+    slot by slot and ``inverse`` puts them back. Built once per micro-batch; every LoRA linear reuses it.
+    """
+
+    num_slots: int
+    num_tokens: int
+    counts: tuple[int, ...]
+    perm: torch.Tensor | None
+    inverse: torch.Tensor | None
+    offsets: torch.Tensor  # int32 cumulative ends, on the tokens' device (torch._grouped_mm's ``offs``)
+
+    @classmethod
+    def from_tokens(cls, token_slots: torch.Tensor, num_slots: int) -> SlotRouting:
+        token_slots = token_slots.reshape(-1).long()
+        n = int(token_slots.numel())
+        if n and (int(token_slots.min()) < 0 or int(token_slots.max()) >= num_slots):
+            raise AdapterBankError(f"token slots outside 0..{num_slots - 1}: {sorted(set(token_slots.tolist()))[:8]}")
+        counts = torch.bincount(token_slots, minlength=num_slots)
+        is_sorted = n < 2 or bool((token_slots[1:] >= token_slots[:-1]).all())
+        perm = inverse = None
+        if not is_sorted:
+            perm = torch.argsort(token_slots, stable=True)
+            inverse = torch.empty_like(perm)
+            inverse[perm] = torch.arange(n, device=perm.device)
+        offsets = torch.cumsum(counts, 0).to(torch.int32)
+        return cls(num_slots=num_slots, num_tokens=n, counts=tuple(int(c) for c in counts.tolist()),
+                   perm=perm, inverse=inverse, offsets=offsets)
+
+    @classmethod
+    def from_rows(cls, row_slots: torch.Tensor | Sequence[int], row_lengths: torch.Tensor | Sequence[int],
+                  num_slots: int, device: torch.device | str | None = None) -> SlotRouting:
+        """Routing for rows packed one after another (verl's remove-padding layout), or padded rows of one length."""
+        slots = torch.as_tensor(row_slots, dtype=torch.long, device=device)
+        lengths = torch.as_tensor(row_lengths, dtype=torch.long, device=slots.device)
+        if slots.shape != lengths.shape:
+            raise AdapterBankError(f"{slots.numel()} row slots for {lengths.numel()} row lengths")
+        return cls.from_tokens(torch.repeat_interleave(slots, lengths), num_slots)
+
+    @property
+    def bounds(self) -> list[tuple[int, int]]:
+        """``(start, end)`` of each slot's tokens in slot-sorted order."""
+        out, start = [], 0
+        for c in self.counts:
+            out.append((start, start + c))
+            start += c
+        return out
+
+
+class _Current:
+    routing: SlotRouting | None = None
+    base_only: bool = False
+
+
+_CURRENT = _Current()
+
+
+def current_routing() -> SlotRouting | None:
+    return None if _CURRENT.base_only else _CURRENT.routing
+
+
+def set_routing(r: SlotRouting | None) -> None:
+    """Route the following forwards (and the recomputation of gradient checkpointing in their backward) by ``r``."""
+    _CURRENT.routing = r
+
+
+@contextlib.contextmanager
+def routing(r: SlotRouting | None) -> Iterator[SlotRouting | None]:
+    """``with routing(r):`` forwards inside add each slot's LoRA to its own tokens."""
+    prev = _CURRENT.routing
+    _CURRENT.routing = r
+    try:
+        yield r
+    finally:
+        _CURRENT.routing = prev
+
+
+@contextlib.contextmanager
+def base_only() -> Iterator[None]:
+    """Forwards inside run the base model alone (the reference policy of a LoRA actor)."""
+    prev = _CURRENT.base_only
+    _CURRENT.base_only = True
+    try:
+        yield
+    finally:
+        _CURRENT.base_only = prev
+
+
+# --- the LoRA delta ------------------------------------------------------------------------------------------------
+
+
+def grouped_mm_available(x: torch.Tensor) -> bool:
+    """``torch._grouped_mm`` runs bf16 on CUDA GPUs of compute capability 9.0 and newer."""
+    if not (x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")):
+        return False
+    return torch.cuda.get_device_capability(x.device) >= (9, 0)
+
+
+def lora_delta(x: torch.Tensor, r: SlotRouting, lora_a: Sequence[torch.Tensor], lora_b: Sequence[torch.Tensor],
+               scaling: float, *, grouped: bool | None = None) -> torch.Tensor:
+    """``scaling * B_k (A_k x_t)`` for every token ``t`` of slot ``k``; ``x`` is ``(tokens, in)``.
+
+    Every slot's weights enter the graph, also those of slots with no token here, so every rank's backward makes a
+    gradient for every slot parameter (zeros where a slot had no token): the collectives that follow see the same
+    tensors on every rank.
+    """
+    if x.shape[0] != r.num_tokens:
+        raise AdapterBankError(f"a LoRA linear got {x.shape[0]} tokens but the routing has {r.num_tokens}")
+    xs = x if r.perm is None else x.index_select(0, r.perm)
+    if grouped is None:
+        grouped = grouped_mm_available(xs)
+    if grouped:
+        a = torch.stack([w.to(xs.dtype) for w in lora_a])  # (slots, r, in)
+        b = torch.stack([w.to(xs.dtype) for w in lora_b])  # (slots, out, r)
+        offs = r.offsets.to(xs.device)
+        h = torch._grouped_mm(xs, a.transpose(1, 2), offs=offs)
+        y = torch._grouped_mm(h, b.transpose(1, 2), offs=offs)
+    else:
+        parts = []
+        for (start, end), wa, wb in zip(r.bounds, lora_a, lora_b, strict=True):
+            seg = xs[start:end]
+            parts.append((seg @ wa.to(seg.dtype).t()) @ wb.to(seg.dtype).t())
+        y = torch.cat(parts)
+    y = y * scaling
+    return y if r.inverse is None else y.index_select(0, r.inverse)
+
+
+def _resident_hook(module: torch.nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+    r = current_routing()
+    if r is None:
+        return output
+    x = args[0]
+    flat = x.reshape(-1, x.shape[-1])
+    n = flat.shape[0]
+    if n < r.num_tokens:
+        raise AdapterBankError(f"a LoRA linear got {n} tokens but the routing has {r.num_tokens}")
+    # tokens past the routed ones are a packed sequence's alignment pad: no slot, no LoRA
+    delta = lora_delta(flat[: r.num_tokens], r, module.lora_slots_A, module.lora_slots_B, module.lora_slots_scaling)
+    if n > r.num_tokens:
+        delta = torch.nn.functional.pad(delta, (0, 0, 0, n - r.num_tokens))
+    return output + delta.reshape(*output.shape[:-1], delta.shape[-1]).to(output.dtype)
+
+
+# --- the loss ------------------------------------------------------------------------------------------------------
+
+
+def slot_token_mean(loss_mat: torch.Tensor, mask: torch.Tensor, row_slots: torch.Tensor,
+                    slot_tokens: Mapping[int, float]) -> torch.Tensor:
+    """Sum over slots of each slot's token-mean loss: ``sum_k sum_{t in k} l_t / T_k``.
+
+    ``loss_mat``/``mask`` are ``(rows, tokens)``; ``slot_tokens[k]`` is slot k's token count over the whole
+    mini-batch (all micro-batches and ranks), so micro-batch losses add up to the per-slot means. A slot's parameters
+    see only their own rows, hence exactly their own token-mean gradient.
+    """
+    denom = torch.ones_like(row_slots, dtype=loss_mat.dtype)
+    for k, t in slot_tokens.items():
+        denom = torch.where(row_slots == int(k), torch.as_tensor(max(float(t), 1.0), dtype=loss_mat.dtype), denom)
+    return ((loss_mat * mask).sum(-1) / denom.to(loss_mat.device)).sum()
+
+
+# --- the slots -----------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class _SlotMeta:
+    version: int = 0  # bumped whenever the weights change other than by training
+    updates: int = 0  # optimizer steps taken (training calls that had rows of the slot)
+    schedule_step: int = 0  # position in the LR schedule (the bank: its scheduler's last_epoch)
+
+
+def _is_lora_layer(module: torch.nn.Module, adapter_name: str) -> bool:
+    a, b = getattr(module, "lora_A", None), getattr(module, "lora_B", None)
+    return isinstance(a, torch.nn.ModuleDict) and isinstance(b, torch.nn.ModuleDict) and adapter_name in a \
+        and hasattr(module, "base_layer")
+
+
+class ResidentAdapters:
+    """N LoRA adapters resident in one PEFT model, each with its own optimizer group, clip and LR schedule.
+
+    Args:
+        model: the PEFT model (possibly FSDP2-sharded) with one ``"default"`` LoRA adapter on its linears.
+        optimizer: the engine's optimizer: its class and defaults build the per-slot optimizer (``None``: forward
+            only). It must own no parameter that :meth:`optimizer_step` should still step: the resident optimizer
+            replaces it.
+        lr_scheduler: the engine's ``LambdaLR`` (verl's constant and cosine schedules): each slot follows its lambda
+            from its own position. ``None``: constant LR.
+    """
+
+    layout = "resident"
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                 lr_scheduler: Any | None = None, *, adapter_name: str = "default") -> None:
+        self.model = model
+        self.adapter_name = adapter_name
+        self._layers: dict[str, torch.nn.Module] = {
+            n: m for n, m in model.named_modules() if _is_lora_layer(m, adapter_name)}
+        if not self._layers:
+            raise AdapterBankError(f"model has no LoRA linear layers of adapter {adapter_name!r}")
+        # bank parameter names (the "default" adapter's, in model order) -> (layer, "A" | "B")
+        self._params: dict[str, tuple[str, str]] = {}
+        self._default: dict[str, torch.nn.Parameter] = {}
+        for name, p in model.named_parameters():
+            for lname in self._layers:
+                for which in ("A", "B"):
+                    if name.startswith(f"{lname}.lora_{which}.{adapter_name}."):
+                        self._params[name] = (lname, which)
+                        self._default[name] = p
+        for name in list(self._params):
+            if not name.endswith(".weight"):
+                raise AdapterBankError(f"resident adapters support plain LoRA linears only, found {name}")
+        self._keys = {n: peft_key(n, adapter_name) for n in self._params}
+        self._by_key = {k: n for n, k in self._keys.items()}
+        self._opt_cls = type(optimizer) if optimizer is not None else None
+        self._opt_defaults = dict(optimizer.defaults) if optimizer is not None else None
+        self._lambda, self._base_lr, self._sched_template = self._schedule_of(lr_scheduler, optimizer)
+        self.optimizer: torch.optim.Optimizer | None = None
+        self._meta: list[_SlotMeta] = []
+        self._hooks: list[Any] = []
+        self._reduce_group: Any = None
+
+    # --- set-up --------------------------------------------------------------------------------------------------
+
+    @staticmethod
+    def _schedule_of(sched: Any, optimizer: Any) -> tuple[Callable[[int], float] | None, float | None, Any]:
+        if optimizer is None:
+            return None, None, None
+        if sched is None:
+            return None, float(optimizer.defaults["lr"]), None
+        lambdas = getattr(sched, "lr_lambdas", None)
+        if not lambdas or not callable(lambdas[0]):
+            raise AdapterBankError(f"resident adapters follow a LambdaLR schedule per slot, got {type(sched).__name__}")
+        return lambdas[0], float(sched.base_lrs[0]), copy.deepcopy(sched.state_dict())
+
+    def _layer_shape(self, lname: str, which: str) -> tuple[int, int]:
+        return tuple(getattr(self._layers[lname], f"lora_{which}")[self.adapter_name].weight.shape)
+
+    def _allocate(self, num_slots: int) -> None:
+        """(Re)create every layer's slot parameters, switch PEFT's own adapter off and build the optimizer."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        for lname, layer in self._layers.items():
+            wa = layer.lora_A[self.adapter_name].weight
+            device, dtype = _local(wa).device, wa.dtype
+            shapes = {"A": self._layer_shape(lname, "A"), "B": self._layer_shape(lname, "B")}
+            for which, attr in (("A", SLOT_A), ("B", SLOT_B)):
+                plist = torch.nn.ParameterList(
+                    [torch.nn.Parameter(torch.zeros(shapes[which], device=device, dtype=dtype)) for _ in range(num_slots)])
+                setattr(layer, attr, plist)
+            layer.lora_slots_scaling = float(layer.scaling[self.adapter_name])
+            # PEFT's forward then runs the base layer alone; the hook adds the routed slots
+            layer._disable_adapters = True
+            for p in (layer.lora_A[self.adapter_name].weight, layer.lora_B[self.adapter_name].weight):
+                p.requires_grad_(False)
+            self._hooks.append(layer.register_forward_hook(_resident_hook))
+        self._meta = [_SlotMeta() for _ in range(num_slots)]
+        self.optimizer = None
+        if self._opt_cls is not None:
+            groups = [{"params": self.slot_parameters(k), "lr": self._lr_at(0)} for k in range(num_slots)]
+            # the template's hyperparameters that its constructor takes (defaults also holds derived ones)
+            accepted = inspect.signature(self._opt_cls.__init__).parameters
+            kwargs = {k: v for k, v in self._opt_defaults.items() if k in accepted and k != "lr"}
+            self.optimizer = self._opt_cls(groups, lr=self._lr_at(0), **kwargs)
+
+    def _slot_param(self, slot: int, name: str) -> torch.nn.Parameter:
+        lname, which = self._params[name]
+        return getattr(self._layers[lname], SLOT_A if which == "A" else SLOT_B)[slot]
+
+    def slot_parameters(self, slot: int) -> list[torch.nn.Parameter]:
+        """Slot ``slot``'s parameters in the bank's parameter order."""
+        return [self._slot_param(slot, n) for n in self._params]
+
+    def set_reduce_group(self, group: Any) -> None:
+        """Average slot gradients over this process group before each optimizer step (the data-parallel group)."""
+        self._reduce_group = group
+
+    # --- introspection -------------------------------------------------------------------------------------------
+
+    @property
+    def num_slots(self) -> int:
+        return len(self._meta)
+
+    @property
+    def active_slot(self) -> None:
+        return None  # every slot is live
+
+    @property
+    def param_names(self) -> list[str]:
+        return list(self._params)
+
+    @property
+    def peft_keys(self) -> list[str]:
+        return [self._keys[n] for n in self._params]
+
+    def _check_slot(self, slot: int) -> None:
+        if not isinstance(slot, int) or isinstance(slot, bool) or not 0 <= slot < len(self._meta):
+            raise AdapterBankError(f"slot {slot!r} out of range: the model holds {len(self._meta)} resident slots")
+
+    def version(self, slot: int) -> int:
+        self._check_slot(slot)
+        return self._meta[slot].version
+
+    def slot_info(self, slot: int) -> dict[str, int]:
+        self._check_slot(slot)
+        m = self._meta[slot]
+        return {"version": m.version, "updates": m.updates, "optimizer_step": self._optimizer_step(slot)}
+
+    def _optimizer_step(self, slot: int) -> int:
+        if self.optimizer is None:
+            return 0
+        steps = [float(st["step"]) for p in self.slot_parameters(slot) if "step" in (st := self.optimizer.state.get(p, {}))]
+        return int(max(steps)) if steps else 0
+
+    @contextlib.contextmanager
+    def active(self, slot: int, *, train: bool = True) -> Iterator[int]:
+        """The bank's per-slot context, for callers that run one slot at a time: routes every token to ``slot``."""
+        self._check_slot(slot)
+        yield slot
+
+    # --- slots ---------------------------------------------------------------------------------------------------
+
+    def init_slots(self, num_slots: int, seed: int | None = None, *, from_live: bool = False,
+                   shared_a: bool = False) -> None:
+        """Create ``num_slots`` resident slots with fresh optimizer state; the same draws as the bank's."""
+        if not isinstance(num_slots, int) or num_slots < 1:
+            raise AdapterBankError(f"num_slots must be an integer >= 1, got {num_slots!r}")
+        if not from_live and seed is None:
+            raise AdapterBankError("init_slots needs a seed unless from_live=True")
+        self._allocate(num_slots)
+        with torch.no_grad():
+            for k in range(num_slots):
+                gen = None if from_live else torch.Generator().manual_seed(int(seed) * 1_000_003 + (0 if shared_a else k))
+                for n, p in self._default.items():
+                    if from_live:
+                        full = _full(p)
+                    else:
+                        full = default_lora_init(n, tuple(p.shape), gen).to(p.dtype)
+                    self._slot_param(k, n).copy_(full)
+
+    def get_adapter_state(self, slot: int) -> dict[str, torch.Tensor]:
+        """Slot ``slot`` as a PEFT adapter state dict of full CPU tensors (no collective: slots are replicated)."""
+        self._check_slot(slot)
+        return {self._keys[n]: self._slot_param(slot, n).detach().to("cpu", copy=True) for n in self._params}
+
+    def set_adapter_state(self, slot: int, state: Mapping[str, torch.Tensor], *, reset_optimizer: bool = False) -> None:
+        """Overwrite slot ``slot`` with a full PEFT adapter state dict; bumps the slot's version."""
+        self._check_slot(slot)
+        self._validate_state(state, f"slot {slot}")
+        with torch.no_grad():
+            for n in self._params:
+                p = self._slot_param(slot, n)
+                p.copy_(state[self._keys[n]].detach().to(device=p.device, dtype=p.dtype))
+        self._meta[slot].version += 1
+        if reset_optimizer:
+            self.reset_optimizer(slot)
+
+    def _validate_state(self, state: Mapping[str, torch.Tensor], what: str) -> None:
+        if not isinstance(state, Mapping):
+            raise AdapterBankError(f"{what}: adapter state must be a mapping of PEFT keys to tensors")
+        keys, expected = set(state), set(self._by_key)
+        if keys != expected:
+            missing, extra = sorted(expected - keys), sorted(keys - expected)
+            raise AdapterBankError(f"{what}: adapter keys differ: missing {missing[:3]}, unexpected {extra[:3]}")
+        for k, v in state.items():
+            p = self._default[self._by_key[k]]
+            if not torch.is_tensor(v):
+                raise AdapterBankError(f"{what}: {k} is {type(v).__name__}, not a tensor")
+            if tuple(v.shape) != tuple(p.shape):
+                raise AdapterBankError(f"{what}: {k} has shape {tuple(v.shape)}, expected {tuple(p.shape)}")
+            if not torch.isfinite(v).all():
+                raise AdapterBankError(f"{what}: {k} has non-finite values")
+
+    def reset_optimizer(self, slot: int, *, reset_scheduler: bool = True) -> None:
+        """Give ``slot`` a fresh optimizer (zero moments, step 0) and, by default, restart its LR schedule."""
+        self._check_slot(slot)
+        if self.optimizer is not None:
+            for p in self.slot_parameters(slot):
+                self.optimizer.state.pop(p, None)
+        if reset_scheduler:
+            self._meta[slot].schedule_step = 0
+
+    def copy_optimizer(self, src: int, dst: int) -> None:
+        """Give slot ``dst`` a copy of slot ``src``'s optimizer moments, step count and schedule position."""
+        self._check_slot(src)
+        self._check_slot(dst)
+        if src == dst:
+            return
+        if self.optimizer is not None:
+            for ps, pd in zip(self.slot_parameters(src), self.slot_parameters(dst), strict=True):
+                st = self.optimizer.state.get(ps)
+                if st:
+                    self.optimizer.state[pd] = {k: (v.clone() if torch.is_tensor(v) else copy.deepcopy(v))
+                                                for k, v in st.items()}
+                else:
+                    self.optimizer.state.pop(pd, None)
+        self._meta[dst].schedule_step = self._meta[src].schedule_step
+
+    def apply_plan(self, entries: Sequence[Any], operators: Mapping[str, Any] | None = None) -> list[int]:
+        """Write evolution children into their slots (every child from pre-plan parents); returns the child slots."""
+        return apply_evolution_plan(self, entries, operators)
+
+    def shard_checksums(self) -> dict[int, str]:
+        """Per slot, a short hash of this rank's copy of its weights (no collective)."""
+        import hashlib
+
+        out = {}
+        for k in range(self.num_slots):
+            h = hashlib.sha1()
+            for n in sorted(self._params):
+                t = self._slot_param(k, n).detach().to("cpu").contiguous()
+                h.update(n.encode())
+                h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+            out[k] = h.hexdigest()[:12]
+        return out
+
+    # --- training ------------------------------------------------------------------------------------------------
+
+    def _lr_at(self, step: int) -> float:
+        if self._base_lr is None:
+            return 0.0
+        return self._base_lr * (1.0 if self._lambda is None else float(self._lambda(step)))
+
+    def zero_grad(self) -> None:
+        for k in range(self.num_slots):
+            for p in self.slot_parameters(k):
+                p.grad = None
+
+    def optimizer_step(self, max_norm: float | None, trained: Sequence[int]) -> dict[int, float]:
+        """One optimizer step for the ``trained`` slots; returns each trained slot's gradient norm before clipping.
+
+        Per slot, as if it trained alone: its gradients averaged over the data-parallel ranks, clipped by its own
+        norm, its learning rate at its own schedule position; a slot with a non-finite norm skips this step (as verl
+        skips a whole update); slots not in ``trained`` take no step at all.
+        """
+        if self.optimizer is None:
+            raise AdapterBankError("resident adapters were built without an optimizer (a forward-only model)")
+        trained = sorted({int(k) for k in trained})
+        for k in trained:
+            self._check_slot(k)
+        keep = set(trained)
+        for k in range(self.num_slots):
+            if k not in keep:
+                for p in self.slot_parameters(k):
+                    p.grad = None
+        grads_by_slot = {k: [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.slot_parameters(k)]
+                         for k in trained}
+        for k in trained:  # a slot whose rows made no gradient here still steps with a zero one, as it would alone
+            for p, g in zip(self.slot_parameters(k), grads_by_slot[k], strict=True):
+                p.grad = g
+        self._all_reduce_grads([g for k in trained for g in grads_by_slot[k]])
+        norms: dict[int, float] = {}
+        if trained:
+            per_slot = torch.stack([torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads_by_slot[k])))
+                                    for k in trained]).float().cpu()
+            for k, norm in zip(trained, per_slot.tolist(), strict=True):
+                norms[k] = norm
+                params = self.slot_parameters(k)
+                if not math.isfinite(norm):
+                    for p in params:
+                        p.grad = None
+                    continue
+                coef = 1.0 if max_norm is None or max_norm <= 0 else min(1.0, max_norm / (norm + 1e-6))
+                if coef < 1.0:  # torch's clip_grad_norm_ formula, per slot
+                    torch._foreach_mul_(grads_by_slot[k], coef)
+        for k in range(self.num_slots):
+            self.optimizer.param_groups[k]["lr"] = self._lr_at(self._meta[k].schedule_step)
+        self.optimizer.step()
+        for k in trained:
+            if math.isfinite(norms[k]):
+                self._meta[k].updates += 1
+                self._meta[k].schedule_step += 1
+        self.zero_grad()
+        return norms
+
+    def _all_reduce_grads(self, grads: list[torch.Tensor]) -> None:
+        group = self._reduce_group
+        if group is None or not grads or not torch.distributed.is_initialized():
+            return
+        world = torch.distributed.get_world_size(group)
+        if world <= 1:
+            return
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        torch.distributed.all_reduce(flat, group=group)
+        flat /= world
+        torch._foreach_copy_(grads, list(torch.split(flat, [g.numel() for g in grads])))  # views back into place
+
+    def learning_rate(self, slot: int) -> float:
+        """The LR slot ``slot`` trains with at its next step."""
+        self._check_slot(slot)
+        return self._lr_at(self._meta[slot].schedule_step)
+
+    # --- persistence (the bank's format) -------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's share of every slot, in the bank's file format (a bank resumes from it and vice versa)."""
+        slots = []
+        for k, meta in enumerate(self._meta):
+            params = {n: shard_like(self._slot_param(k, n).detach(), self._default[n]).to("cpu", copy=True)
+                      for n in self._params}
+            optim: dict[str, dict[str, Any]] = {}
+            for n in self._params:
+                p = self._slot_param(k, n)
+                live = self.optimizer.state.get(p) if self.optimizer is not None else None
+                if not live:
+                    continue
+                st: dict[str, Any] = {}
+                for key, val in live.items():
+                    if torch.is_tensor(val) and val.shape == p.shape and val.dim() > 0:
+                        st[key] = shard_like(val.detach(), self._default[n]).to("cpu", copy=True)
+                        st[f"__device__{key}"] = str(self._default[n].device)
+                    elif torch.is_tensor(val):
+                        st[key] = val.detach().to("cpu", copy=True)
+                        st[f"__device__{key}"] = str(val.device)
+                    else:
+                        st[key] = copy.deepcopy(val)
+                optim[n] = st
+            slots.append({"params": params, "optim": optim or None, "scheduler": self._scheduler_state(meta),
+                          "lrs": [self._lr_at(meta.schedule_step)] if self._base_lr is not None else None,
+                          "version": meta.version, "updates": meta.updates})
+        return {"format_version": BANK_FORMAT_VERSION, "layout": self.layout, "adapter_name": self.adapter_name,
+                "param_names": list(self._params),
+                "local_shapes": {n: list(_local(self._default[n]).shape) for n in self._params},
+                "slots": slots}
+
+    def _scheduler_state(self, meta: _SlotMeta) -> dict[str, Any] | None:
+        if self._sched_template is None:
+            return None
+        st = copy.deepcopy(self._sched_template)
+        st["last_epoch"] = meta.schedule_step
+        st["_step_count"] = meta.schedule_step + 1
+        st["_last_lr"] = [self._lr_at(meta.schedule_step)] * len(st.get("_last_lr") or [0])
+        return st
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore from a bank or resident file of this rank (same adapter parameters and world size)."""
+        if state.get("format_version") != BANK_FORMAT_VERSION:
+            raise AdapterBankError(f"bank format {state.get('format_version')!r} != {BANK_FORMAT_VERSION}")
+        if list(state.get("param_names", [])) != list(self._params):
+            raise AdapterBankError("saved bank was made for different adapter parameters (model or LoRA config changed)")
+        for n, p in self._default.items():
+            if list(state["local_shapes"][n]) != list(_local(p).shape):
+                raise AdapterBankError(
+                    f"saved shard of {n} has shape {state['local_shapes'][n]}, this rank holds {list(_local(p).shape)}"
+                    " (world size or sharding changed)")
+        raw_slots = list(state["slots"])
+        self._allocate(len(raw_slots))
+        with torch.no_grad():
+            for k, raw in enumerate(raw_slots):
+                for n in self._params:
+                    self._slot_param(k, n).copy_(_gather_like(raw["params"][n], self._default[n]))
+                for n, st in (raw.get("optim") or {}).items():
+                    p = self._slot_param(k, n)
+                    live: dict[str, Any] = {}
+                    for key, val in st.items():
+                        if key.startswith("__device__"):
+                            continue
+                        if torch.is_tensor(val) and val.dim() > 0 and tuple(val.shape) == tuple(_local(self._default[n]).shape):
+                            live[key] = _gather_like(val, self._default[n]).to(device=p.device)
+                        elif torch.is_tensor(val):
+                            was_cpu = str(st.get(f"__device__{key}", "cpu")).startswith("cpu")
+                            live[key] = val.clone() if was_cpu else val.to(p.device)
+                        else:
+                            live[key] = copy.deepcopy(val)
+                    if self.optimizer is not None:
+                        self.optimizer.state[p] = live
+                sched = raw.get("scheduler") or {}
+                self._meta[k] = _SlotMeta(version=int(raw.get("version", 0)), updates=int(raw.get("updates", 0)),
+                                          schedule_step=int(sched.get("last_epoch", 0) or 0))
+
+    def save(self, path: str) -> None:
+        import os
+
+        tmp = f"{path}.tmp"
+        torch.save(self.state_dict(), tmp)
+        os.replace(tmp, path)
+
+    def load(self, path: str) -> None:
+        self.load_state_dict(torch.load(path, map_location="cpu", weights_only=False))
+
+
+def _full(p: torch.Tensor) -> torch.Tensor:
+    """The full tensor behind a (possibly FSDP2-sharded) parameter, detached."""
+    return p.detach().full_tensor() if _is_dtensor(p) else p.detach()
+
+
+def _gather_like(local: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """The full tensor whose shard on this rank is ``local``, sharded as ``like`` (collective under FSDP2)."""
+    if not _is_dtensor(like):
+        return local
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(local.to(_comm_device(like)), like.device_mesh, like.placements, run_check=False,
+                              shape=like.shape, stride=like.stride()).full_tensor()

@@ -1,0 +1,285 @@
+"""Resident adapters against the adapter bank on the same batch: each slot's gradient, its updated weights and its
+optimizer state equal what the bank's one-slot-at-a-time path gives (fp32, CPU, the per-slot loop kernel).
+
+The bank path is today's trainer: per slot, swap in, the slot's own token-mean loss, backward, clip by the slot's
+norm, AdamW step, scheduler step, swap out. The resident path makes one forward and one backward for every slot's
+rows, then one optimizer step over every trained slot."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+peft = pytest.importorskip("peft")
+transformers = pytest.importorskip("transformers")
+
+from peft import LoraConfig, get_peft_model  # noqa: E402
+
+from populora_verl.workers.adapter_bank import AdapterBank, AdapterBankError, PlanEntry  # noqa: E402
+from populora_verl.workers.resident import (  # noqa: E402
+    ResidentAdapters,
+    SlotRouting,
+    base_only,
+    lora_delta,
+    routing,
+    slot_token_mean,
+)
+
+LR = 1e-2
+CLIP = 0.05  # small enough that most slots clip, so per-slot clipping is exercised
+SEQ = 10
+VOCAB = 96
+
+
+def tiny_model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    cfg = transformers.Qwen2Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False,
+    )
+    model = transformers.Qwen2ForCausalLM(cfg)
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                         "up_proj", "down_proj"], lora_dropout=0.0)
+    return get_peft_model(model, lora)
+
+
+def make_opt(model):
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 3))  # warmup: per-slot schedules
+    return opt, sched
+
+
+def rows_for(counts: dict[int, int], seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows sorted by slot: ids (B, SEQ), per-token loss mask, per-row advantages, row slots."""
+    g = torch.Generator().manual_seed(seed)
+    slots = [k for k, c in sorted(counts.items()) for _ in range(c)]
+    n = len(slots)
+    ids = torch.randint(0, VOCAB, (n, SEQ), generator=g)
+    mask = (torch.rand(n, SEQ - 1, generator=g) > 0.3).float()
+    mask[:, 0] = 1.0
+    adv = torch.randn(n, generator=g)
+    return ids, mask, adv, torch.tensor(slots, dtype=torch.long)
+
+
+def loss_matrix(model, ids, adv) -> torch.Tensor:
+    """A policy-gradient loss per token: -A * log p(next token)."""
+    logits = model(input_ids=ids).logits[:, :-1].float()
+    logp = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    return -adv[:, None] * logp
+
+
+def bank_step(model, bank: AdapterBank, opt, sched, ids, mask, adv, slots) -> dict[int, dict[str, torch.Tensor]]:
+    """Today's path: one slot at a time. Returns each trained slot's gradients (PEFT keys) before clipping."""
+    grads = {}
+    for k in sorted(set(slots.tolist())):
+        rows = slots == k
+        with bank.active(k, train=True):
+            lm = loss_matrix(model, ids[rows], adv[rows])
+            ((lm * mask[rows]).sum() / mask[rows].sum()).backward()
+            grads[k] = {bank._keys[n]: p.grad.detach().clone() for n, p in bank._params.items()}
+            torch.nn.utils.clip_grad_norm_(list(bank._params.values()), CLIP)
+            opt.step()
+            sched.step()
+            opt.zero_grad(set_to_none=True)
+    return grads
+
+
+def resident_step(model, res: ResidentAdapters, ids, mask, adv, slots, *, micro: int = 1,
+                  perm: torch.Tensor | None = None) -> dict[int, dict[str, torch.Tensor]]:
+    """One forward/backward per micro-batch for every slot's rows, then one optimizer step."""
+    if perm is not None:  # rows not sorted by slot: the routing permutes tokens
+        ids, mask, adv, slots = ids[perm], mask[perm], adv[perm], slots[perm]
+    slot_tokens = {int(k): float(mask[slots == k].sum()) for k in slots.unique()}
+    for chunk in torch.arange(len(slots)).chunk(micro):
+        r = SlotRouting.from_rows(slots[chunk], [SEQ] * len(chunk), res.num_slots)
+        with routing(r):
+            lm = loss_matrix(model, ids[chunk], adv[chunk])
+            slot_token_mean(lm, mask[chunk], slots[chunk], slot_tokens).backward()
+    grads = {k: {key: res._slot_param(k, n).grad.detach().clone() for n, key in res._keys.items()}
+             for k in slot_tokens}
+    res.optimizer_step(CLIP, trained=list(slot_tokens))
+    return grads
+
+
+def pair(num_slots: int, seed: int = 3):
+    mb, mr = tiny_model(), tiny_model()
+    ob, sb = make_opt(mb)
+    bank = AdapterBank(mb, ob, sb)
+    bank.init_slots(num_slots, seed=seed)
+    orr, sr = make_opt(mr)
+    res = ResidentAdapters(mr, orr, sr)
+    res.init_slots(num_slots, seed=seed)
+    return (mb, bank, ob, sb), (mr, res)
+
+
+def assert_close_states(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], what: str, atol=1e-6, rtol=1e-5):
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], atol=atol, rtol=rtol, msg=lambda m, k=k: f"{what} {k}: {m}")
+
+
+def assert_same_optimizer(bank: AdapterBank, res: ResidentAdapters, slot: int):
+    bank.swap_out()
+    saved = bank._slots[slot].optim or {}
+    for n in bank._params:
+        live = res.optimizer.state.get(res._slot_param(slot, n), {})
+        if n not in saved:
+            assert not live, f"slot {slot} {n}: resident has optimizer state, bank has none"
+            continue
+        assert float(live["step"]) == float(saved[n]["step"]), f"slot {slot} {n}: step"
+        for key in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(live[key], saved[n][key], atol=1e-7, rtol=1e-4,
+                                       msg=lambda m, key=key, n=n: f"slot {slot} {n} {key}: {m}")
+
+
+def check_equal(bank_side, res_side, batches: list[dict[int, int]], *, micro: int = 1, shuffle: bool = False):
+    mb, bank, ob, sb = bank_side
+    mr, res = res_side
+    for i, counts in enumerate(batches):
+        ids, mask, adv, slots = rows_for(counts, seed=100 + i)
+        gb = bank_step(mb, bank, ob, sb, ids, mask, adv, slots)
+        perm = torch.randperm(len(slots), generator=torch.Generator().manual_seed(i)) if shuffle else None
+        gr = resident_step(mr, res, ids, mask, adv, slots, micro=micro, perm=perm)
+        assert gb.keys() == gr.keys()
+        for k in gb:
+            assert_close_states(gb[k], gr[k], f"step {i} slot {k} gradient")
+        for k in range(res.num_slots):
+            assert_close_states(bank.get_adapter_state(k), res.get_adapter_state(k), f"step {i} slot {k} weights")
+            assert_same_optimizer(bank, res, k)
+            assert bank.slot_info(k)["optimizer_step"] == res.slot_info(k)["optimizer_step"]
+            assert bank.slot_info(k)["updates"] == res.slot_info(k)["updates"]
+
+
+def test_founders_are_the_banks_draws():
+    (_, bank, _, _), (_, res) = pair(4)
+    for k in range(4):
+        assert_close_states(bank.get_adapter_state(k), res.get_adapter_state(k), f"slot {k}", atol=0, rtol=0)
+
+
+def test_single_agent_equals_the_bank():
+    bank_side, res_side = pair(1)
+    check_equal(bank_side, res_side, [{0: 3}, {0: 2}, {0: 4}])
+
+
+def test_one_teacher_one_student_equals_the_bank():
+    bank_side, res_side = pair(2)
+    check_equal(bank_side, res_side, [{0: 1, 1: 4}, {0: 2, 1: 3}, {0: 1, 1: 2}])
+
+
+def test_four_teachers_four_students_uneven_rows_and_an_idle_slot():
+    bank_side, res_side = pair(8)
+    # slot 5 has no rows at step 2 and slot 0 none at step 3: they must take no step at all (AdamW would still decay
+    # them and count a step if they stepped with zero gradients)
+    check_equal(bank_side, res_side, [
+        {k: 1 + (k % 3) for k in range(8)},
+        {0: 1, 1: 3, 2: 1, 3: 2, 4: 1, 6: 2, 7: 1},
+        {1: 2, 2: 1, 3: 1, 4: 3, 5: 1, 6: 1, 7: 2},
+    ])
+
+
+def test_micro_batches_and_unsorted_rows_give_the_same_update():
+    bank_side, res_side = pair(4)
+    check_equal(bank_side, res_side, [{0: 2, 1: 3, 2: 1, 3: 2}, {0: 3, 1: 1, 2: 2, 3: 2}], micro=3, shuffle=True)
+
+
+def test_an_evolved_child_trains_like_the_banks_child():
+    bank_side, res_side = pair(4)
+    check_equal(bank_side, res_side, [{0: 2, 1: 2, 2: 1, 3: 2}])
+    plan = [PlanEntry(child_slot=3, operator="full_gaussian", parent_slots=[0], seed=7, reset_optimizer=True),
+            PlanEntry(child_slot=2, operator="full_gaussian", parent_slots=[1], seed=8, reset_optimizer=False)]
+    assert bank_side[1].apply_plan(plan) == res_side[1].apply_plan(plan) == [3, 2]
+    for k in range(4):
+        assert_close_states(bank_side[1].get_adapter_state(k), res_side[1].get_adapter_state(k), f"child {k}")
+        assert bank_side[1].version(k) == res_side[1].version(k)
+    assert res_side[1].slot_info(3)["optimizer_step"] == 0  # a fresh optimizer
+    assert res_side[1].slot_info(2)["optimizer_step"] == 1  # its parent's
+    check_equal(bank_side, res_side, [{0: 1, 1: 2, 2: 2, 3: 1}, {0: 2, 1: 1, 2: 1, 3: 3}])
+
+
+def test_the_bank_resumes_a_resident_save_and_the_resident_resumes_a_bank_save(tmp_path):
+    bank_side, res_side = pair(3)
+    check_equal(bank_side, res_side, [{0: 2, 1: 1, 2: 2}, {0: 1, 2: 3}])
+    bank_side[1].save(str(tmp_path / "bank.pt"))
+    res_side[1].save(str(tmp_path / "resident.pt"))
+    # crosswise: a fresh bank from the resident file, fresh resident adapters from the bank file
+    mb2, mr2 = tiny_model(), tiny_model()
+    ob2, sb2 = make_opt(mb2)
+    bank2 = AdapterBank(mb2, ob2, sb2)
+    bank2.load(str(tmp_path / "resident.pt"))
+    or2, sr2 = make_opt(mr2)
+    res2 = ResidentAdapters(mr2, or2, sr2)
+    res2.load(str(tmp_path / "bank.pt"))
+    for k in range(3):
+        assert bank2.slot_info(k) == bank_side[1].slot_info(k)
+        assert res2.slot_info(k) == res_side[1].slot_info(k)
+        assert res2.learning_rate(k) == res_side[1].learning_rate(k)
+    # and both keep training exactly as the originals would
+    check_equal((mb2, bank2, ob2, sb2), (mr2, res2), [{0: 1, 1: 2, 2: 1}])
+
+
+def test_reset_and_copy_optimizer_act_on_slots():
+    _, (mr, res) = pair(3)
+    ids, mask, adv, slots = rows_for({0: 2, 1: 1, 2: 1}, seed=1)
+    resident_step(mr, res, ids, mask, adv, slots)
+    res.copy_optimizer(0, 2)
+    for p0, p2 in zip(res.slot_parameters(0), res.slot_parameters(2), strict=True):
+        torch.testing.assert_close(res.optimizer.state[p0]["exp_avg"], res.optimizer.state[p2]["exp_avg"])
+    res.reset_optimizer(1)
+    assert res.slot_info(1)["optimizer_step"] == 0 and res.learning_rate(1) == pytest.approx(LR / 3)
+    assert res.slot_info(0)["optimizer_step"] == 1 and res.learning_rate(0) == pytest.approx(2 * LR / 3)
+
+
+def test_without_routing_or_under_base_only_the_model_is_the_base_model():
+    model = tiny_model()
+    ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(0))
+    with model.disable_adapter():
+        base = model(input_ids=ids).logits
+    res = ResidentAdapters(model, *make_opt(model))
+    res.init_slots(2, seed=0)
+    for k in range(2):  # give slot weights that change the output
+        res.set_adapter_state(k, {key: torch.full_like(v, 0.1 * (k + 1)) for key, v in res.get_adapter_state(k).items()})
+    torch.testing.assert_close(model(input_ids=ids).logits, base)
+    r = SlotRouting.from_rows([0, 1], [SEQ, SEQ], 2)
+    with routing(r):
+        routed = model(input_ids=ids).logits
+        with base_only():
+            torch.testing.assert_close(model(input_ids=ids).logits, base)
+    assert not torch.allclose(routed, base)
+
+
+def test_routing_checks_its_input():
+    r = SlotRouting.from_rows([1, 0, 1], [2, 3, 1], 2)
+    assert r.counts == (3, 3) and r.perm is not None
+    assert SlotRouting.from_rows([0, 0, 1], [2, 3, 1], 2).perm is None
+    with pytest.raises(AdapterBankError, match="outside"):
+        SlotRouting.from_rows([0, 2], [1, 1], 2)
+    with pytest.raises(AdapterBankError, match="row lengths"):
+        SlotRouting.from_rows([0, 1], [1], 2)
+    a = [torch.randn(2, 4) for _ in range(2)]
+    b = [torch.randn(3, 2) for _ in range(2)]
+    with pytest.raises(AdapterBankError, match="tokens"):
+        lora_delta(torch.randn(5, 4), r, a, b, 1.0)
+
+
+def test_the_delta_is_each_slots_own_lora_whatever_the_token_order():
+    g = torch.Generator().manual_seed(0)
+    a = [torch.randn(2, 4, generator=g) for _ in range(3)]
+    b = [torch.randn(5, 2, generator=g) for _ in range(3)]
+    token_slots = torch.tensor([2, 0, 0, 1, 2, 2, 0])
+    x = torch.randn(7, 4, generator=g)
+    r = SlotRouting.from_tokens(token_slots, 3)
+    got = lora_delta(x, r, a, b, 0.5, grouped=False)
+    want = torch.stack([0.5 * (b[k] @ (a[k] @ x[t])) for t, k in enumerate(token_slots.tolist())])
+    torch.testing.assert_close(got, want)
+
+
+def test_a_wrong_state_is_refused_in_one_line():
+    _, (_, res) = pair(2)
+    state = res.get_adapter_state(0)
+    key = next(iter(state))
+    with pytest.raises(AdapterBankError, match="missing"):
+        res.set_adapter_state(0, {k: v for k, v in state.items() if k != key})
+    with pytest.raises(AdapterBankError, match="non-finite"):
+        res.set_adapter_state(0, {**state, key: torch.full_like(state[key], float("nan"))})
+    with pytest.raises(AdapterBankError, match="out of range"):
+        res.version(2)
