@@ -77,10 +77,13 @@ class Stack:
     def slot_params(self, k: int) -> list[torch.nn.Parameter]:
         return [p for layer in self.layers for _, a, b in layer.values() for p in (a[k], b[k])]
 
-    def forward(self, x: torch.Tensor, r: SlotRouting, *, grouped: bool) -> torch.Tensor:
-        """A residual stream through every layer: attention projections from x, the MLP's down(gate * up)."""
+    def forward(self, x: torch.Tensor, r: SlotRouting, *, grouped: bool, only: int | None = None) -> torch.Tensor:
+        """A residual stream through every layer: attention projections from x, the MLP's down(gate * up).
+        ``only``: adapter ``only``'s LoRA alone (the bank's live adapter; ``r`` then routes one slot)."""
         def lin(name: str, layer, inp):
             base, a, b = layer[name]
+            if only is not None:
+                a, b = [a[only]], [b[only]]
             return inp @ base.t() + lora_delta(inp, r, a, b, self.scaling, grouped=grouped)
 
         for layer in self.layers:
@@ -115,9 +118,12 @@ class Arm:
         self.host = [[torch.empty(p.shape, dtype=p.dtype, pin_memory=pin) for p in stack.slot_params(k) for _ in range(3)]
                      for k in range(n)]
 
-    def _pass(self, start: int, end: int, *, grouped: bool) -> None:
-        r = SlotRouting.from_tokens(self.slot_of_token[start:end], len(self.tokens))
-        out = self.stack.forward(self.x[start:end], r, grouped=grouped)
+    def _pass(self, start: int, end: int, *, grouped: bool, only: int | None = None) -> None:
+        if only is None:
+            r = SlotRouting.from_tokens(self.slot_of_token[start:end], len(self.tokens))
+        else:
+            r = SlotRouting.from_tokens(torch.zeros(end - start, dtype=torch.long, device=self.x.device), 1)
+        out = self.stack.forward(self.x[start:end], r, grouped=grouped, only=only)
         out.float().square().mean().backward()
 
     def bank(self) -> None:
@@ -128,7 +134,7 @@ class Arm:
                 for j, p in enumerate(params):
                     p.copy_(self.host[k][3 * j], non_blocking=True)
             for s, e in _chunks(n, self.micro):
-                self._pass(offset + s, offset + e, grouped=False)
+                self._pass(offset + s, offset + e, grouped=False, only=k)
             self.opt_one[k].step()
             self.opt_one[k].zero_grad(set_to_none=True)
             with torch.no_grad():  # swap out: weights and both moments back to the host
@@ -166,6 +172,21 @@ def kernel_difference(stack: Stack, x: torch.Tensor, slot_of_token: torch.Tensor
     return rel(*outs), rel(*grads)
 
 
+def kernel_error(x: torch.Tensor, slot_of_token: torch.Tensor, a: Sequence[torch.Tensor], b: Sequence[torch.Tensor],
+                 ) -> dict[str, float]:
+    """Each kernel's largest error against an fp32 reference, for one LoRA linear, relative to the largest output."""
+    r = SlotRouting.from_tokens(slot_of_token, len(a))
+    with torch.no_grad():
+        ref = torch.stack([b[k].float() @ (a[k].to(x.dtype).float() @ x[t].float())
+                           for t, k in enumerate(slot_of_token.tolist())]) if x.shape[0] <= 4096 else None
+        if ref is None:  # per slot in fp32, the same formula
+            ref = torch.cat([(seg.float() @ wa.to(x.dtype).float().t()) @ wb.to(x.dtype).float().t()
+                             for seg, wa, wb in zip(x.split(list(r.counts)), a, b, strict=True)])
+        scale = ref.abs().max().clamp_min(1e-12)
+        return {name: float((lora_delta(x, r, a, b, 1.0, grouped=g).float() - ref).abs().max() / scale)
+                for name, g in (("loop", False), ("grouped", True))}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m populora_verl.bench.resident_lora", description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
@@ -198,6 +219,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         pick = torch.linspace(0, arm.x.shape[0] - 1, min(args.micro_tokens, arm.x.shape[0]), device=arm.x.device).long()
         out_diff, grad_diff = kernel_difference(stack, arm.x[pick], arm.slot_of_token[pick], len(tokens))
         print(f"loop vs grouped kernel, largest relative difference: output {out_diff:.2e}, gradients {grad_diff:.2e}")
+        _, a, b = stack.layers[0]["gate"]
+        err = kernel_error(arm.x[pick], arm.slot_of_token[pick], [w.to(torch.bfloat16) for w in a],
+                           [w.to(torch.bfloat16) for w in b])
+        print("one LoRA linear against fp32: " + ", ".join(f"{k} {v:.2e}" for k, v in err.items()))
     else:
         print("resident_grouped skipped: torch._grouped_mm needs bf16 on a CUDA GPU of compute capability 9.0+")
     times: dict[str, list[float]] = {a: [] for a in arms}

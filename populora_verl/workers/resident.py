@@ -182,11 +182,11 @@ def lora_delta(x: torch.Tensor, r: SlotRouting, lora_a: Sequence[torch.Tensor], 
         h = torch._grouped_mm(xs, a.transpose(1, 2), offs=offs)
         y = torch._grouped_mm(h, b.transpose(1, 2), offs=offs)
     else:
-        parts = []
-        for (start, end), wa, wb in zip(r.bounds, lora_a, lora_b, strict=True):
-            seg = xs[start:end]
-            parts.append((seg @ wa.to(seg.dtype).t()) @ wb.to(seg.dtype).t())
-        y = torch.cat(parts)
+        # split, not slicing: its backward is one concatenation, where each slice's would write a full-size zero
+        # gradient of x
+        parts = [(seg @ wa.to(seg.dtype).t()) @ wb.to(seg.dtype).t()
+                 for seg, wa, wb in zip(xs.split(list(r.counts)), lora_a, lora_b, strict=True)]
+        y = parts[0] if len(parts) == 1 else torch.cat(parts)
     y = y * scaling
     return y if r.inverse is None else y.index_select(0, r.inverse)
 
