@@ -74,7 +74,8 @@ class SlotRouting:
     counts: tuple[int, ...]
     perm: torch.Tensor | None
     inverse: torch.Tensor | None
-    offsets: torch.Tensor  # int32 cumulative ends, on the tokens' device (torch._grouped_mm's ``offs``)
+    present: tuple[int, ...]  # slots with at least one token
+    offsets: torch.Tensor  # int32 cumulative ends of the present slots' tokens, on the tokens' device (``offs``)
 
     @classmethod
     def from_tokens(cls, token_slots: torch.Tensor, num_slots: int) -> SlotRouting:
@@ -89,9 +90,11 @@ class SlotRouting:
             perm = torch.argsort(token_slots, stable=True)
             inverse = torch.empty_like(perm)
             inverse[perm] = torch.arange(n, device=perm.device)
-        offsets = torch.cumsum(counts, 0).to(torch.int32)
+        present = counts > 0
+        offsets = torch.cumsum(counts[present], 0).to(torch.int32)
         return cls(num_slots=num_slots, num_tokens=n, counts=tuple(int(c) for c in counts.tolist()),
-                   perm=perm, inverse=inverse, offsets=offsets)
+                   perm=perm, inverse=inverse, present=tuple(int(k) for k in present.nonzero().flatten().tolist()),
+                   offsets=offsets)
 
     @classmethod
     def from_rows(cls, row_slots: torch.Tensor | Sequence[int], row_lengths: torch.Tensor | Sequence[int],
@@ -166,26 +169,29 @@ def lora_delta(x: torch.Tensor, r: SlotRouting, lora_a: Sequence[torch.Tensor], 
                scaling: float, *, grouped: bool | None = None) -> torch.Tensor:
     """``scaling * B_k (A_k x_t)`` for every token ``t`` of slot ``k``; ``x`` is ``(tokens, in)``.
 
-    Every slot's weights enter the graph, also those of slots with no token here, so every rank's backward makes a
-    gradient for every slot parameter (zeros where a slot had no token): the collectives that follow see the same
-    tensors on every rank.
+    Only the slots with tokens here enter the graph: a slot's weights, their bf16 copies and their gradients cost
+    nothing in a micro-batch without its rows. Slot parameters are plain (not FSDP-managed) tensors, so a rank whose
+    micro-batches never held a slot simply has no gradient for it (:meth:`ResidentAdapters.optimizer_step`).
     """
     if x.shape[0] != r.num_tokens:
         raise AdapterBankError(f"a LoRA linear got {x.shape[0]} tokens but the routing has {r.num_tokens}")
     xs = x if r.perm is None else x.index_select(0, r.perm)
+    present = r.present
+    if not present:
+        return x.new_zeros(x.shape[0], lora_b[0].shape[0])
     if grouped is None:
         grouped = grouped_mm_available(xs)
     if grouped:
-        a = torch.stack([w.to(xs.dtype) for w in lora_a])  # (slots, r, in)
-        b = torch.stack([w.to(xs.dtype) for w in lora_b])  # (slots, out, r)
+        a = torch.stack([lora_a[k].to(xs.dtype) for k in present])  # (present slots, r, in)
+        b = torch.stack([lora_b[k].to(xs.dtype) for k in present])  # (present slots, out, r)
         offs = r.offsets.to(xs.device)
         h = torch._grouped_mm(xs, a.transpose(1, 2), offs=offs)
         y = torch._grouped_mm(h, b.transpose(1, 2), offs=offs)
     else:
         # split, not slicing: its backward is one concatenation, where each slice's would write a full-size zero
         # gradient of x
-        parts = [(seg @ wa.to(seg.dtype).t()) @ wb.to(seg.dtype).t()
-                 for seg, wa, wb in zip(xs.split(list(r.counts)), lora_a, lora_b, strict=True)]
+        segs = xs.split([r.counts[k] for k in present])
+        parts = [(seg @ lora_a[k].to(seg.dtype).t()) @ lora_b[k].to(seg.dtype).t() for seg, k in zip(segs, present)]
         y = parts[0] if len(parts) == 1 else torch.cat(parts)
     y = y * scaling
     return y if r.inverse is None else y.index_select(0, r.inverse)
