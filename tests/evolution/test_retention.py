@@ -93,12 +93,24 @@ def test_retention_all_operators(tiny):
 
 
 def test_recalibrated_mutations_are_gentler_than_lucidrains_defaults(tiny):
+    """What the recalibration promises: a smaller move than lucidrains' setting, on the same draw, keeping more.
+
+    The adapter this fixture trains (SGD lr 5 on random tokens) differs between CPUs and torch builds, and one
+    child's retention with it (the old NEFTune kept 0.26-0.88 over 10 trainings x 10 draws), so nothing here bounds
+    a single draw's score: the moves are compared exactly and the scores on the mean of five paired draws.
+    """
     adapter, evaluate = tiny
     rows = retention_test(adapter, evaluate, ["neftune", ("neftune", {"alpha": 10.0}), "component_mask",
-                                              ("component_mask", {"rho": 0.3})], children=3, seed=3)
+                                              ("component_mask", {"rho": 0.3})], children=5, seed=0)
     new_neft, old_neft, new_mask, old_mask = rows
     assert new_neft.params["alpha"] == 1.0 and new_mask.params["rho"] == 0.05
-    assert new_neft.retention >= 0.9 and new_neft.retention > old_neft.retention + 0.3
+    # NEFTune's noise is linear in alpha and B is untouched: the same draw moves ΔW exactly a tenth as far.
+    assert new_neft.delta_w_rel == pytest.approx(old_neft.delta_w_rel / 10, rel=1e-4)
+    # A smaller move keeps more on average; not on every draw (one of 100 paired draws measured went the other way).
+    assert new_neft.retention > old_neft.retention
+    # rho 0.05 masks ceil(0.2) = 1 of 4 components where 0.3 masks 2, the lowest random keys first: a subset of
+    # the old mask on each draw, so the move is never larger; on average it keeps more.
+    assert new_mask.delta_w_rel <= old_mask.delta_w_rel + 1e-6
     assert new_mask.retention > old_mask.retention
 
 
