@@ -74,12 +74,17 @@ class PopulationConfig:
     # shared_a: every founder starts from one lora_A draw (B = 0), so factor-space crossovers mix adapters that
     # share a gauge from the first event on, as PBT children do; independent: one lora_A draw per founder.
     founder_init: str = "shared_a"
+    # bank: one live adapter in the trainer, each slot swapped in for its own forward, backward, optimizer step and
+    # weight sync; resident: every slot lives in the model, one forward and backward per micro-batch train them all
+    # (docs/resident-adapters.md). Either reads the other's checkpoints.
+    adapter_layout: str = "bank"
     _prefix: str = field(default=f"{ROOT}.population", repr=False, compare=False)
 
     def __post_init__(self) -> None:
         p = self._prefix
         _choice(self.mode, ("population", "single_agent"), f"{p}.mode")
         _choice(self.founder_init, ("shared_a", "independent"), f"{p}.founder_init")
+        _choice(self.adapter_layout, ("bank", "resident"), f"{p}.adapter_layout")
         if self.mode == "population":
             _check(isinstance(self.num_teachers, int) and self.num_teachers >= 1, f"{p}.num_teachers",
                    f"must be an integer >= 1, got {self.num_teachers!r}")

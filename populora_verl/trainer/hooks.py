@@ -140,7 +140,8 @@ class HooksMixin:
         adapters = {m.id: self._get_adapter(int(m.slot)) for m in pop.members}
         save_checkpoint(pdir, self.global_steps, population=pop, adapters=adapters, lora_config=self._lora_config(),
                         optimizers={}, step_state=self.pop_step.state_dict(),
-                        extra={"bank": "bank", "bank_info": self._bank_info()})
+                        extra={"bank": "bank", "adapter_layout": self.pcfg.population.adapter_layout,
+                               "bank_info": self._bank_info()})
         # verl's save writes latest_checkpointed_iteration.txt last, so a crash above never points at a half save.
         super()._save_checkpoint()
         print(f"[populora] step {self.global_steps}: checkpoint {pdir}", flush=True)
@@ -153,7 +154,8 @@ class HooksMixin:
     def _load_checkpoint(self) -> None:
         self._mark("workers + vLLM")
         info = self._rpc("populora_init_bank", self.pcfg.population.num_adapters, self.pcfg.population.seed,
-                         shared_a=self.pcfg.population.founder_init == "shared_a")
+                         shared_a=self.pcfg.population.founder_init == "shared_a",
+                         layout=self.pcfg.population.adapter_layout)
         logger.info("populora: adapter bank initialised: %s", info)
         ck = None
         if self.config.trainer.resume_mode == "auto":
@@ -182,7 +184,7 @@ class HooksMixin:
         self.pop_step.load_state_dict(ck.step_state, population=ck.population)
         if ck.rng:
             restore_rng_state(ck.rng)
-        self._rpc("populora_load_bank", os.path.join(pdir, "bank"))
+        self._rpc("populora_load_bank", os.path.join(pdir, "bank"), layout=self.pcfg.population.adapter_layout)
         print(f"[populora] resumed step {self.global_steps} from {pdir}", flush=True)
 
     def _log_population_metrics(self, metrics: Mapping[str, Any], step: int) -> None:

@@ -127,7 +127,8 @@ def switch_population(trainer: Any, idx: int) -> None:
     trainer.pop_step = PopulationStep(trainer.pcfg, executor=old.tasks.executor)
     trainer.pop_step.updates_per_step = getattr(old, "updates_per_step", 1)  # the compute metrics count it
     trainer._phase = None
-    info = trainer._rpc("populora_init_bank", trainer.pcfg.population.num_adapters, trainer.pcfg.population.seed)
+    info = trainer._rpc("populora_init_bank", trainer.pcfg.population.num_adapters, trainer.pcfg.population.seed,
+                        layout=trainer.pcfg.population.adapter_layout)
     trainer.checkpoint_manager.update_weights(trainer.global_steps)
     print(f"[populora] step {trainer.global_steps}: population schedule entry {entry.name!r} "
           f"({info['num_slots']} adapters)", flush=True)

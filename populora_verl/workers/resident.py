@@ -5,7 +5,8 @@ backward, an optimizer step and a weight sync per slot. Here every slot stays in
 
 * **Layout.** Each PEFT LoRA linear keeps its base layer and gets, per slot ``k``, a plain ``lora_slots_A[k]``
   (``r x in``) and ``lora_slots_B[k]`` (``out x r``) parameter, replicated on every data-parallel rank (LoRA weights
-  are a few percent of the model; their gradients are averaged once per step with one flat all-reduce). PEFT's own
+  are a few percent of the model; their gradients are averaged once per step with one flat all-reduce). They are
+  not registered with the module, so FSDP, verl's checkpoints and its base-weight sync never see them. PEFT's own
   ``"default"`` adapter stays in the model, switched off, so verl's PEFT-aware helpers (the base-weight sync, the
   reference policy) keep working.
 * **Routing.** A micro-batch's tokens are tagged with their slot (:class:`SlotRouting`, built from each row's slot and
@@ -17,7 +18,7 @@ backward, an optimizer step and a weight sync per slot. Here every slot stays in
   (:func:`slot_token_mean`), so slot ``k``'s gradient is the gradient it would get alone. One optimizer holds one
   parameter group per slot; :meth:`ResidentAdapters.optimizer_step` clips each slot by its own gradient norm, skips
   slots that had no rows (their gradients are dropped, so AdamW neither decays nor counts a step for them) and sets
-  each slot's learning rate from its own schedule position.
+  each slot's learning rate from its own schedule position (:meth:`ResidentAdapters.advance_schedule` moves it).
 
 :class:`ResidentAdapters` keeps the bank's interface (slots, versions, full PEFT state dicts, evolution plans,
 optimizer reset and copy, checksums) and writes the bank's file format, so a run saved by either layout resumes in
@@ -287,6 +288,7 @@ class ResidentAdapters:
         self._lambda, self._base_lr, self._sched_template = self._schedule_of(lr_scheduler, optimizer)
         self.optimizer: torch.optim.Optimizer | None = None
         self._meta: list[_SlotMeta] = []
+        self._stepped: set[int] = set()
         self._hooks: list[Any] = []
         self._reduce_group: Any = None
 
@@ -316,9 +318,10 @@ class ResidentAdapters:
             device, dtype = _local(wa).device, wa.dtype
             shapes = {"A": self._layer_shape(lname, "A"), "B": self._layer_shape(lname, "B")}
             for which, attr in (("A", SLOT_A), ("B", SLOT_B)):
-                plist = torch.nn.ParameterList(
-                    [torch.nn.Parameter(torch.zeros(shapes[which], device=device, dtype=dtype)) for _ in range(num_slots)])
-                setattr(layer, attr, plist)
+                # a plain list, not registered with the module: verl's FSDP wrapping, checkpoints, offload and
+                # base-weight sync never see the slots; they live in the resident files (the bank's format)
+                setattr(layer, attr, [torch.nn.Parameter(torch.zeros(shapes[which], device=device, dtype=dtype))
+                                      for _ in range(num_slots)])
             layer.lora_slots_scaling = float(layer.scaling[self.adapter_name])
             # PEFT's forward then runs the base layer alone; the hook adds the routed slots
             layer._disable_adapters = True
@@ -326,6 +329,7 @@ class ResidentAdapters:
                 p.requires_grad_(False)
             self._hooks.append(layer.register_forward_hook(_resident_hook))
         self._meta = [_SlotMeta() for _ in range(num_slots)]
+        self._stepped: set[int] = set()
         self.optimizer = None
         if self._opt_cls is not None:
             groups = [{"params": self.slot_parameters(k), "lr": self._lr_at(0)} for k in range(num_slots)]
@@ -540,9 +544,16 @@ class ResidentAdapters:
         for k in trained:
             if math.isfinite(norms[k]):
                 self._meta[k].updates += 1
-                self._meta[k].schedule_step += 1
+                self._stepped.add(k)
         self.zero_grad()
         return norms
+
+    def advance_schedule(self) -> None:
+        """One LR-scheduler step for every slot that took an optimizer step since the last call (verl steps its
+        scheduler once per update call, after all of the call's mini-batches)."""
+        for k in sorted(self._stepped):
+            self._meta[k].schedule_step += 1
+        self._stepped = set()
 
     def _all_reduce_grads(self, grads: list[torch.Tensor]) -> None:
         group = self._reduce_group

@@ -35,6 +35,7 @@ from verl.workers.engine_workers import ActorRolloutRefWorker
 from populora_verl.rollout.lora_registry import lora_int_id, lora_name
 from populora_verl.workers.fused import SEGMENTS_KEY, decode_segments, segment_bounds
 from populora_verl.workers.adapter_bank import AdapterBank, AdapterBankError, bank_file_for, bank_filename
+from populora_verl.workers.resident import LAYOUTS, ResidentAdapters
 
 logger = logging.getLogger(__name__)
 logger.setLevel(os.getenv("VERL_LOGGING_LEVEL", "WARN"))
@@ -126,11 +127,22 @@ def _merge_fused_outputs(outs: Sequence[tuple[int, TensorDict | None]], *, train
     return merged
 
 
+def _with_slot_rows(data: TensorDict, slots: Sequence[int]) -> TensorDict:
+    """``data`` with a per-row tensor naming each row's slot (resident adapters route tokens by it)."""
+    from populora_verl.workers.resident_engine import SLOT_FIELD
+
+    if len(slots) != int(data.batch_size[0]):
+        raise AdapterBankError(f"{len(slots)} slot tags for a batch of {int(data.batch_size[0])} rows")
+    data[SLOT_FIELD] = torch.tensor(list(slots), dtype=torch.long)
+    return data
+
+
 class PopuLoRAActorRolloutRefWorker(ActorRolloutRefWorker):
     """``ActorRolloutRefWorker`` with an adapter bank (one live PEFT adapter swapped per call)."""
 
     bank: AdapterBank | None = None
     _populora_pushed: dict[int, int] | None = None  # slot -> lora_int_id vLLM currently serves for it
+    _populora_signatures: dict[int, tuple[int, int]] | None = None  # resident: slot -> (version, updates) pushed
 
     # --- bank lifecycle --------------------------------------------------------------------------------------
 
@@ -139,23 +151,39 @@ class PopuLoRAActorRolloutRefWorker(ActorRolloutRefWorker):
             raise AdapterBankError("adapter bank not initialised: call populora_init_bank (or populora_load_bank) first")
         return self.bank
 
-    def _build_bank(self) -> AdapterBank:
+    def _build_bank(self, layout: str = "bank") -> AdapterBank | ResidentAdapters:
         if self.actor is None:
             raise AdapterBankError(f"role {self.role!r} has no actor: the adapter bank lives with the actor")
         strategy = self.config.actor.get("strategy", None) if hasattr(self.config, "actor") else None
         if strategy not in ("fsdp2", None):
             raise AdapterBankError(f"PopuLoRA needs actor.strategy=fsdp2 (per-adapter swaps of local shards), got {strategy!r}")
+        if layout not in LAYOUTS:
+            raise AdapterBankError(f"adapter layout must be one of {list(LAYOUTS)}, got {layout!r}")
         engine = self.actor.engine
-        return AdapterBank(engine.module, getattr(engine, "optimizer", None), getattr(engine, "lr_scheduler", None))
+        optimizer, scheduler = getattr(engine, "optimizer", None), getattr(engine, "lr_scheduler", None)
+        if layout == "bank":
+            return AdapterBank(engine.module, optimizer, scheduler)
+        from populora_verl.workers.resident_engine import install
+
+        store = ResidentAdapters(engine.module, optimizer, scheduler)
+        if torch.distributed.is_initialized() and engine.get_data_parallel_size() > 1:
+            store.set_reduce_group(engine.get_data_parallel_group())
+        install(engine, store)
+        return store
+
+    def _resident(self) -> bool:
+        return isinstance(self.bank, ResidentAdapters)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def populora_init_bank(self, num_slots: int, seed: int, from_live: bool = False,
-                           shared_a: bool = False) -> dict[str, Any]:
+                           shared_a: bool = False, layout: str = "bank") -> dict[str, Any]:
         """Create ``num_slots`` adapters (PEFT init from ``seed``, one lora_A for all if ``shared_a``, or copies of
-        the live adapter)."""
-        self.bank = self._build_bank()
+        the live adapter), swapped through one live adapter (``layout="bank"``) or all resident in the model."""
+        if self.bank is None or getattr(self.bank, "layout", "bank") != layout:
+            self.bank = self._build_bank(layout)
         self.bank.init_slots(int(num_slots), seed=seed, from_live=from_live, shared_a=shared_a)
         self._populora_pushed = {}
+        self._populora_signatures = {}
         if _accelerator_ready():
             # verl reports the worker's peak since the last reset: a new bank (a new population in a schedule)
             # starts its own figure.
@@ -209,12 +237,14 @@ class PopuLoRAActorRolloutRefWorker(ActorRolloutRefWorker):
         return path
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def populora_load_bank(self, directory: str) -> dict[str, Any]:
+    def populora_load_bank(self, directory: str, layout: str = "bank") -> dict[str, Any]:
+        """Restore this rank's slots from ``directory``: either layout reads a file written by either."""
         path = bank_file_for(directory, self.world_size, self.rank)  # refuses a bank of another world size
-        if self.bank is None:
-            self.bank = self._build_bank()
+        if self.bank is None or getattr(self.bank, "layout", "bank") != layout:
+            self.bank = self._build_bank(layout)
         self.bank.load(path)
         self._populora_pushed = {}  # vLLM must get every slot again (fresh ids after a restart)
+        self._populora_signatures = {}
         return self._bank_info()
 
     # --- per-adapter compute ---------------------------------------------------------------------------------
@@ -229,6 +259,8 @@ class PopuLoRAActorRolloutRefWorker(ActorRolloutRefWorker):
         slot = slot_from_batch(data, required=not base_only)
         if slot is None:
             return super().compute_log_prob(data)
+        if self._resident():
+            return super().compute_log_prob(_with_slot_rows(data, [slot] * int(data.batch_size[0])))
         with self._require_bank().active(slot, train=False):
             return super().compute_log_prob(data)
 
@@ -238,6 +270,8 @@ class PopuLoRAActorRolloutRefWorker(ActorRolloutRefWorker):
         if segments is not None:
             return self._fused(data, segments, train=True)
         slot = slot_from_batch(data, required=True)
+        if self._resident():
+            return self._resident_update(_with_slot_rows(data, [slot] * int(data.batch_size[0])))
         with self._require_bank().active(slot, train=True):
             return super().update_actor(data)
 
@@ -249,6 +283,14 @@ class PopuLoRAActorRolloutRefWorker(ActorRolloutRefWorker):
         """
         tu.pop(data, key=ADAPTER_KEY, default=None)
         bank = self._require_bank()
+        if self._resident():
+            # every slot's rows in one call: verl's body runs once, its micro-batches mix slots
+            rows = [seg_slot for seg_slot, start, end, _ in segment_bounds(int(data.batch_size[0]), segments)
+                    for _ in range(start, end)]
+            data = _with_slot_rows(data, rows)
+            if not train:
+                return ActorRolloutRefWorker.compute_log_prob(self, data)
+            return self._resident_update(data, fused=True)
         outs: list[tuple[int, TensorDict | None]] = []
         for slot, start, end, size in segment_bounds(int(data.batch_size[0]), segments):
             with torch.profiler.record_function("populora_select_slot_rows"):
@@ -263,6 +305,25 @@ class PopuLoRAActorRolloutRefWorker(ActorRolloutRefWorker):
                     outs.append((slot, ActorRolloutRefWorker.compute_log_prob(self, sub)))
         return _merge_fused_outputs(outs, train=train)
 
+    def _resident_update(self, data: TensorDict, *, fused: bool = False) -> TensorDict | None:
+        """One update for every slot of ``data`` (one mini-batch: the whole call), with per-slot metrics."""
+        n = int(data.batch_size[0]) * self._dp_size()
+        tu.assign_non_tensor(data, global_batch_size=n, mini_batch_size=n)
+        out = ActorRolloutRefWorker.update_actor(self, data)
+        engine = self.actor.engine
+        per_slot = engine.populora_slot_metrics()
+        if out is None:
+            return None
+        shared = dict(tu.get(out, "metrics") or {})
+        if not fused:
+            return out
+        metrics = {str(k): {**shared, **{f"{name}": v for name, v in m.items()}} for k, m in per_slot.items()}
+        return tu.get_tensordict(tensor_dict={}, non_tensor_dict={"metrics": {"populora_fused": metrics}})
+
+    def _dp_size(self) -> int:
+        engine = self.actor.engine
+        return int(engine.get_data_parallel_size()) if torch.distributed.is_initialized() else 1
+
     # --- weight sync -----------------------------------------------------------------------------------------
 
     def _lora_targets(self) -> list[tuple[int, int, str, list[int]]]:
@@ -276,6 +337,28 @@ class PopuLoRAActorRolloutRefWorker(ActorRolloutRefWorker):
             old = pushed.get(k)
             out.append((k, lid, lora_name(k, v), [old] if old is not None and old != lid else []))
         return out
+
+    async def _push_resident(self, pushed: dict[int, int], global_steps: int | None) -> None:
+        """Resident slots to vLLM: only those whose weights changed since their last push (trained or evolved)."""
+        from verl.utils.model import convert_weight_keys
+
+        bank = self.bank
+        peft_model = getattr(self.actor.engine.module, "_fsdp_wrapped_module", self.actor.engine.module)
+        peft_config = peft_model.peft_config["default"].to_dict()
+        signatures = self._populora_signatures if self._populora_signatures is not None else {}
+        for slot, lid, name, retire in self._lora_targets():
+            info = bank.slot_info(slot)
+            signature = (info["version"], info["updates"])
+            if pushed.get(slot) == lid and signatures.get(slot) == signature:
+                continue  # vLLM already serves these weights under this id
+            params = convert_weight_keys(bank.get_adapter_state(slot), peft_model)
+            await self.rollout.update_weights(
+                params.items(), peft_config=peft_config, base_sync_done=True, global_steps=global_steps,
+                lora_int_id=lid, lora_name=name, retire_lora_int_ids=retire,
+            )
+            pushed[slot] = lid
+            signatures[slot] = signature
+        self._populora_signatures = signatures
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
     async def update_weights(self, global_steps: int = None, mode: str = "auto"):
@@ -312,7 +395,9 @@ class PopuLoRAActorRolloutRefWorker(ActorRolloutRefWorker):
         self.rollout.sleep_level = 1  # adapters only: vLLM keeps the base weights across sleeps
 
         pushed = dict(self._populora_pushed or {})
-        for slot, lid, name, retire in self._lora_targets():
+        if self._resident():
+            await self._push_resident(pushed, global_steps)
+        for slot, lid, name, retire in ([] if self._resident() else self._lora_targets()):
             with bank.active(slot, train=False):
                 params, peft_config = self.actor.engine.get_per_tensor_param(
                     layered_summon=self.layered_summon, base_sync_done=True

@@ -98,6 +98,7 @@ def resident_step(model, res: ResidentAdapters, ids, mask, adv, slots, *, micro:
     grads = {k: {key: res._slot_param(k, n).grad.detach().clone() for n, key in res._keys.items()}
              for k in slot_tokens}
     res.optimizer_step(CLIP, trained=list(slot_tokens))
+    res.advance_schedule()
     return grads
 
 

@@ -1,0 +1,255 @@
+"""verl's FSDP engine with resident adapters: one forward and backward per micro-batch for every slot in it.
+
+:func:`install` turns a worker's engine (``FSDPEngineWithLMHead`` or any subclass) into a subclass of itself that
+mixes in :class:`ResidentEngineMixin`, once :class:`~populora_verl.workers.resident.ResidentAdapters` holds the
+slots. Each batch carries a per-row tensor ``populora_slot``; the mixin
+
+* tags each micro-batch's tokens with their slot before verl's forward (``forward_step``), and keeps the tag until
+  the next micro-batch, so gradient checkpointing recomputes the same routing in backward;
+* counts every slot's loss tokens and rows over the whole mini-batch on every data-parallel rank (one all-reduce),
+  and calls verl's loss once per slot present in a micro-batch, on that slot's rows, with the slot's own counts as
+  verl's ``batch_num_tokens`` / ``global_batch_size``: the sum is each slot's own token-mean loss;
+* replaces verl's optimizer step (one global clip) by the per-slot clip and step of the resident optimizer, and
+  verl's scheduler step by each trained slot's own schedule;
+* runs the reference policy (``disable_adapter``) as the base model alone.
+
+Per-slot loss metrics (``actor/pg_loss`` and the rest) are kept per slot for the worker
+(:meth:`ResidentEngineMixin.populora_slot_metrics`); verl's own metrics stream gets the summed loss.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from populora_verl.workers.adapter_bank import AdapterBankError
+from populora_verl.workers.resident import ResidentAdapters, SlotRouting, base_only, set_routing
+
+__all__ = ["SLOT_FIELD", "install", "ResidentEngineMixin", "row_token_counts", "select_rows", "per_slot_loss"]
+
+#: per-row tensor field naming each row's slot (added by the worker from the fused call's layout)
+SLOT_FIELD = "populora_slot"
+
+
+def row_token_counts(mask: torch.Tensor) -> torch.Tensor:
+    """Tokens per row of a jagged nested mask (or a padded ``(rows, tokens)`` one)."""
+    if not mask.is_nested:
+        return mask.reshape(mask.shape[0], -1).sum(-1)
+    vals, offs = mask.values(), mask.offsets()
+    csum = torch.cat([vals.new_zeros(1), vals.cumsum(0)])
+    return csum[offs[1:]] - csum[offs[:-1]]
+
+
+def select_rows(t: torch.Tensor, rows: list[int], offsets: torch.Tensor | None = None) -> torch.Tensor:
+    """Rows of a per-row output, keeping autograd: a jagged nested tensor (by its offsets), a packed
+    ``(1, tokens)``/``(tokens,)`` tensor (by ``offsets``, the micro-batch's sequence offsets) or a padded one."""
+    if t.is_nested:
+        vals, offs = t.values(), t.offsets()
+        parts = [vals[int(offs[i]):int(offs[i + 1])] for i in rows]
+        lengths = torch.tensor([p.shape[0] for p in parts], device=offs.device, dtype=offs.dtype)
+        new_offs = torch.cat([offs.new_zeros(1), lengths.cumsum(0)])
+        return torch.nested.nested_tensor_from_jagged(torch.cat(parts), new_offs)
+    if offsets is not None and t.dim() <= 2 and (t.dim() == 1 or t.shape[0] == 1):
+        flat = t.reshape(-1)
+        out = torch.cat([flat[int(offsets[i]):int(offsets[i + 1])] for i in rows])
+        return out.reshape(1, -1) if t.dim() == 2 else out
+    return t[torch.as_tensor(rows, device=t.device)]
+
+
+def _metric_parts(metrics: Mapping[str, Any]) -> dict[str, tuple[str, float]]:
+    """``name -> (aggregation, value)`` of one loss call's metrics (verl ``Metric`` objects or plain numbers)."""
+    out = {}
+    for name, m in metrics.items():
+        agg = getattr(getattr(m, "aggregation", None), "value", "mean")
+        values = getattr(m, "values", None)  # a verl Metric's list (a tensor's .values is a method)
+        if isinstance(values, list):
+            if not values:
+                continue
+            value = float(sum(values)) if agg == "sum" else float(sum(values) / len(values))
+        elif torch.is_tensor(m) and m.numel() == 1:
+            value = float(m.detach())
+        elif isinstance(m, (int, float)):
+            value = float(m)
+        else:
+            continue
+        out[name] = (agg, value)
+    return out
+
+
+def per_slot_loss(loss_fn: Callable, slot_tokens: Mapping[int, float], slot_rows: Mapping[int, int],
+                  record: Callable[[int, Mapping[str, Any]], None], *, model_output: Mapping[str, Any],
+                  data: Any, dp_group: Any = None) -> tuple[torch.Tensor, dict[str, Any]]:
+    """verl's loss once per slot of a micro-batch on that slot's rows, normalised by the slot's own mini-batch
+    tokens and rows; returns the sum and the last slot's metrics (each slot's go to ``record``)."""
+    from verl.utils import tensordict_utils as tu
+
+    slots = data[SLOT_FIELD].reshape(-1).tolist()
+    present = sorted(set(slots))
+    offsets = data["input_ids"].offsets() if data["input_ids"].is_nested else None
+    total, metrics = None, {}
+    for k in present:
+        rows = [i for i, s in enumerate(slots) if s == k]
+        if len(present) == 1:
+            sub, out = data, model_output
+        else:
+            sub = tu.index_select_tensor_dict(data, rows)
+            out = {name: (select_rows(v, rows, offsets) if torch.is_tensor(v) else v)
+                   for name, v in model_output.items()}
+        tu.assign_non_tensor(sub, batch_num_tokens=max(float(slot_tokens[k]), 1.0),
+                             global_batch_size=int(slot_rows[k]))
+        loss_k, metrics = loss_fn(model_output=out, data=sub, dp_group=dp_group)
+        record(k, metrics)
+        total = loss_k if total is None else total + loss_k
+    if len(present) > 1:  # the caller's data keeps the whole mini-batch's counts
+        tu.assign_non_tensor(data, batch_num_tokens=float(sum(slot_tokens.values())),
+                             global_batch_size=int(sum(slot_rows.values())))
+    return total, metrics
+
+
+class ResidentEngineMixin:
+    """Mixed in front of verl's FSDP language-model engine by :func:`install` (see the module docstring)."""
+
+    populora_resident: ResidentAdapters
+    _populora_counts: tuple[dict[int, float], dict[int, int]] | None = None
+    _populora_metrics: dict[int, dict[str, list[tuple[str, float]]]] | None = None
+    _populora_norms: dict[int, float] | None = None
+    _populora_trained: set[int] | None = None
+    _populora_base_only: bool = False
+
+    # --- batches -------------------------------------------------------------------------------------------------
+
+    def forward_backward_batch(self, data, loss_function, forward_only=False):
+        if self._populora_base_only:
+            return super().forward_backward_batch(data, loss_function, forward_only=forward_only)
+        if SLOT_FIELD not in data.keys():
+            raise AdapterBankError(f"resident adapters: the batch has no '{SLOT_FIELD}' rows (which slot each row is)")
+        store = self.populora_resident
+        n = store.num_slots
+        slots = data[SLOT_FIELD].reshape(-1).long()
+        if not forward_only and loss_function is not None:
+            device = data["loss_mask"].values().device if data["loss_mask"].is_nested else data["loss_mask"].device
+            counts = torch.zeros(2, n, dtype=torch.float64, device=device)
+            counts[0].index_add_(0, slots.to(device), row_token_counts(data["loss_mask"]).to(device, torch.float64))
+            counts[1].index_add_(0, slots.to(device), torch.ones_like(slots, dtype=torch.float64, device=device))
+            counts = counts.to(_comm_device())
+            if torch.distributed.is_initialized():
+                torch.distributed.all_reduce(counts, group=self.get_data_parallel_group())
+            tokens = {k: float(counts[0, k]) for k in range(n) if counts[1, k] > 0}
+            rows = {k: int(counts[1, k]) for k in range(n) if counts[1, k] > 0}
+            self._populora_counts = (tokens, rows)
+            self._populora_trained = set(rows)
+            self._populora_metrics = {k: {} for k in rows}
+            loss_function = functools.partial(per_slot_loss, loss_function, tokens, rows, self._record_slot_metrics)
+        try:
+            return super().forward_backward_batch(data, loss_function, forward_only=forward_only)
+        finally:
+            set_routing(None)
+
+    def forward_step(self, micro_batch, loss_function, forward_only):
+        if self._populora_base_only:
+            set_routing(None)
+            return super().forward_step(micro_batch, loss_function, forward_only)
+        ids = micro_batch["input_ids"]
+        if not ids.is_nested:
+            raise AdapterBankError("resident adapters need actor_rollout_ref.model.use_remove_padding=true")
+        lengths = ids.offsets().diff()
+        # kept until the next micro-batch: gradient checkpointing recomputes this forward during backward
+        set_routing(SlotRouting.from_rows(micro_batch[SLOT_FIELD].reshape(-1), lengths, self.populora_resident.num_slots,
+                                          device=_device_of(ids)))
+        return super().forward_step(micro_batch, loss_function, forward_only)
+
+    def _record_slot_metrics(self, slot: int, metrics: Mapping[str, Any]) -> None:
+        if self._populora_metrics is None:
+            return
+        bucket = self._populora_metrics.setdefault(slot, {})
+        for name, part in _metric_parts(metrics).items():
+            bucket.setdefault(name, []).append(part)
+
+    # --- optimizer -----------------------------------------------------------------------------------------------
+
+    def optimizer_zero_grad(self):
+        super().optimizer_zero_grad()
+        self.populora_resident.zero_grad()
+
+    def optimizer_step(self):
+        trained = sorted(self._populora_trained or ())
+        norms = self.populora_resident.optimizer_step(self.optimizer_config.clip_grad, trained)
+        self._populora_norms = norms
+        finite = [v for v in norms.values() if math.isfinite(v)]
+        return math.sqrt(sum(v * v for v in finite)) if finite else float("nan")
+
+    def lr_scheduler_step(self):
+        trained = sorted(self._populora_trained or ())
+        self.populora_resident.advance_schedule()
+        return self.populora_resident.learning_rate(trained[0]) if trained else 0.0
+
+    # --- reference policy ----------------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def disable_adapter(self):
+        self._populora_base_only = True
+        try:
+            with base_only():
+                yield
+        finally:
+            self._populora_base_only = False
+
+    # --- per-slot results ----------------------------------------------------------------------------------------
+
+    def populora_slot_metrics(self) -> dict[int, dict[str, float]]:
+        """Each slot of the last update: its loss metrics reduced over micro-batches and data-parallel ranks, its
+        gradient norm before clipping and the learning rate it trained with."""
+        local = self._populora_metrics or {}
+        names = sorted({(k, name) for k, bucket in local.items() for name in bucket})
+        reduced: dict[int, dict[str, float]] = {k: {} for k in local}
+        if names:
+            values = torch.tensor([_reduce(local[k][name]) for k, name in names], dtype=torch.float64)
+            if torch.distributed.is_initialized():
+                group = self.get_data_parallel_group()
+                world = torch.distributed.get_world_size(group)
+                values = values.to(_comm_device())
+                torch.distributed.all_reduce(values, group=group)
+                means = torch.tensor([local[k][name][0][0] != "sum" for k, name in names], device=values.device)
+                values = torch.where(means, values / world, values)
+            for (k, name), v in zip(names, values.tolist(), strict=True):
+                reduced[k][name] = v
+        for k, norm in (self._populora_norms or {}).items():
+            reduced.setdefault(k, {})["grad_norm"] = norm
+            reduced[k]["lr"] = self.populora_resident.learning_rate(k)
+        return reduced
+
+
+def _reduce(parts: list[tuple[str, float]]) -> float:
+    agg = parts[0][0]
+    vals = [v for _, v in parts]
+    return float(sum(vals)) if agg == "sum" else float(sum(vals) / len(vals))
+
+
+def _device_of(t: torch.Tensor) -> torch.device:
+    return t.values().device if t.is_nested else t.device
+
+
+def _comm_device() -> torch.device:
+    if torch.distributed.is_initialized() and torch.distributed.get_backend() == "gloo":
+        return torch.device("cpu")
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+@functools.lru_cache(maxsize=None)
+def _resident_class(cls: type) -> type:
+    return type(f"Resident{cls.__name__}", (ResidentEngineMixin, cls), {"__module__": __name__})
+
+
+def install(engine: Any, store: ResidentAdapters) -> Any:
+    """Give ``engine`` the resident behaviour (its class becomes a resident subclass of its own class)."""
+    if not isinstance(engine, ResidentEngineMixin):
+        engine.__class__ = _resident_class(type(engine))
+    engine.populora_resident = store
+    return engine

@@ -1,0 +1,249 @@
+"""The worker with resident adapters against the worker with the bank, through the same fused update call.
+
+verl's FSDP engine is GPU-only, so both workers run around a fake engine that follows its contract where the
+resident engine attaches: ``forward_backward_batch`` counts the batch's loss tokens into ``batch_num_tokens``, cuts
+micro-batches and calls ``forward_step``, which runs the model on the packed rows and calls the loss function with
+verl's keywords; ``optimizer_step`` clips by one global norm (verl's), and the scheduler steps once per call. The
+bank path runs that once per slot; the resident path once for all slots. Every slot's weights, optimizer state and
+schedule must come out the same."""
+
+from __future__ import annotations
+
+import asyncio
+import types
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+from omegaconf import OmegaConf  # noqa: E402
+from peft import LoraConfig, get_peft_model, get_peft_model_state_dict  # noqa: E402
+from tensordict import TensorDict  # noqa: E402
+
+from verl.utils import tensordict_utils as tu  # noqa: E402
+from verl.utils.metric.utils import AggregationType, Metric  # noqa: E402
+
+from populora_verl.workers.fused import SEGMENTS_KEY, encode_segments  # noqa: E402
+from populora_verl.workers.resident import ResidentAdapters  # noqa: E402
+from populora_verl.workers.worker import PopuLoRAActorRolloutRefWorker  # noqa: E402
+
+SEQ, VOCAB, CLIP, MICRO_ROWS = 8, 64, 0.05, 3
+
+
+def tiny_peft():
+    torch.manual_seed(0)
+    cfg = transformers.Qwen2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    return get_peft_model(transformers.Qwen2ForCausalLM(cfg),
+                          LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"]))
+
+
+def pg_loss(model_output, data, dp_group=None):
+    """verl's loss contract: a token mean over the mini-batch's ``batch_num_tokens`` (times dp_size)."""
+    logp = model_output["log_probs"].values()
+    mask = data["loss_mask"].values()
+    adv = torch.repeat_interleave(data["advantages"], data["loss_mask"].offsets().diff())
+    loss = -(adv * logp * mask).sum() / tu.get_non_tensor_data(data, "batch_num_tokens", None)
+    return loss, {"actor/pg_loss": Metric(AggregationType.SUM, loss.detach())}  # as verl's ppo_loss reports it
+
+
+class FakeEngine:
+    """verl's FSDP engine where the resident mixin attaches (one process, no FSDP)."""
+
+    is_param_offload_enabled = False
+
+    def __init__(self):
+        self.module = tiny_peft()
+        self.optimizer = torch.optim.AdamW(self.module.parameters(), lr=1e-2, weight_decay=0.01)
+        self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: min(1.0, (s + 1) / 5))
+        self.optimizer_config = types.SimpleNamespace(clip_grad=CLIP)
+
+    def get_data_parallel_group(self):
+        return None
+
+    def forward_backward_batch(self, data, loss_function, forward_only=False):
+        tu.assign_non_tensor(data, batch_num_tokens=float(data["loss_mask"].values().sum()))
+        n = int(data.batch_size[0])
+        outs = []
+        for start in range(0, n, MICRO_ROWS):
+            micro = tu.index_select_tensor_dict(data, list(range(start, min(n, start + MICRO_ROWS))))
+            loss, out = self.forward_step(micro, loss_function, forward_only)
+            if not forward_only:
+                loss.backward()
+            outs.append(out)
+        return outs
+
+    def forward_step(self, micro_batch, loss_function, forward_only):
+        ids = micro_batch["input_ids"]
+        rows = ids.values().reshape(-1, SEQ)  # equal lengths: the packed tokens are the rows one after another
+        logits = self.module(input_ids=rows).logits.float()
+        logp = torch.log_softmax(logits, -1).gather(-1, torch.roll(rows, -1, 1)[..., None]).squeeze(-1)
+        out = {"log_probs": torch.nested.nested_tensor_from_jagged(logp.reshape(-1), ids.offsets())}
+        loss, metrics = loss_function(model_output=out, data=micro_batch, dp_group=None)
+        return loss, {"metrics": metrics}
+
+    def optimizer_zero_grad(self):
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def optimizer_step(self):
+        norm = torch.nn.utils.clip_grad_norm_([p for p in self.module.parameters() if p.requires_grad], CLIP)
+        self.optimizer.step()
+        return float(norm)
+
+    def lr_scheduler_step(self):
+        self.lr_scheduler.step()
+        return self.lr_scheduler.get_last_lr()[0]
+
+    def disable_adapter(self):
+        return self.module.disable_adapter()
+
+    def get_per_tensor_param(self, layered_summon=False, base_sync_done=False):
+        return iter([("base.weight", torch.zeros(1))]), {"r": 4}
+
+    def to(self, *a, **k):
+        pass
+
+
+class FakeTrainingWorker:
+    def __init__(self):
+        self.engine = FakeEngine()
+
+    def train_mini_batch(self, data):
+        e = self.engine
+        e.optimizer_zero_grad()
+        outs = e.forward_backward_batch(data, pg_loss)
+        grad_norm = e.optimizer_step()
+        lr = e.lr_scheduler_step()
+        metrics = {"actor/pg_loss": [float(o["metrics"]["actor/pg_loss"].aggregate()) for o in outs], "grad_norm": grad_norm,
+                   "lr": lr}
+        return tu.get_tensordict(tensor_dict={}, non_tensor_dict={"metrics": metrics})
+
+
+class FakeRollout:
+    def __init__(self):
+        self.pushes = []
+        self.sleep_level = 2
+
+    async def resume(self, tags):
+        pass
+
+    async def update_weights(self, weights, **kwargs):
+        self.pushes.append(({k: v.clone() for k, v in weights}, kwargs))
+
+
+def make_worker():
+    w = PopuLoRAActorRolloutRefWorker.__new__(PopuLoRAActorRolloutRefWorker)
+    w.config = OmegaConf.create({"actor": {"strategy": "fsdp2"},
+                                 "rollout": {"checkpoint_engine": {"backend": "naive"}, "free_cache_engine": False}})
+    w.role = "actor_rollout"
+    w.actor = FakeTrainingWorker()
+    w.rollout = FakeRollout()
+    w.enable_routing_replay = False
+    w.base_sync_done = True
+    w.layered_summon = False
+    w.peft_merge = False
+    w._rank, w._world_size = 0, 1
+    return w
+
+
+def fused_batch(counts: dict[int, int], seed: int) -> TensorDict:
+    """A fused update call (one rank): each slot's rows one after another, the layout in the segments."""
+    g = torch.Generator().manual_seed(seed)
+    n = sum(counts.values())
+    ids = torch.randint(0, VOCAB, (n, SEQ), generator=g)
+    mask = (torch.rand(n, SEQ, generator=g) > 0.3).float()
+    mask[:, 0] = 1.0
+    td = TensorDict({
+        "input_ids": torch.nested.nested_tensor_from_jagged(ids.reshape(-1), torch.arange(n + 1) * SEQ),
+        "loss_mask": torch.nested.nested_tensor_from_jagged(mask.reshape(-1), torch.arange(n + 1) * SEQ),
+        "advantages": torch.randn(n, generator=g),
+    }, batch_size=[n])
+    segments = [{"slot": k, "rows": c, "size": c} for k, c in counts.items()]
+    tu.assign_non_tensor_data(td, SEGMENTS_KEY, encode_segments(segments))
+    return td
+
+
+def pair(num_slots: int):
+    bank, res = make_worker(), make_worker()
+    bank.populora_init_bank(num_slots, seed=3)
+    res.populora_init_bank(num_slots, seed=3, layout="resident")
+    assert isinstance(res.bank, ResidentAdapters)
+    return bank, res
+
+
+STEPS = [{0: 2, 1: 4, 3: 1}, {1: 2, 2: 3, 3: 2, 0: 1}, {2: 5, 0: 1}]
+
+
+def test_fused_update_trains_every_slot_as_the_bank_does():
+    bank, res = pair(4)
+    for i, counts in enumerate(STEPS):
+        out_b = bank.update_actor(fused_batch(counts, seed=i))
+        out_r = res.update_actor(fused_batch(counts, seed=i))
+        mb, mr = out_b["metrics"]["populora_fused"], out_r["metrics"]["populora_fused"]
+        assert mb.keys() == mr.keys() == {str(k) for k in counts}
+        for k in mb:
+            # the slot's own loss and gradient norm, as the bank's call of its own reports them
+            assert sum(mb[k]["actor/pg_loss"]) == pytest.approx(mr[k]["actor/pg_loss"], rel=1e-5, abs=1e-7)
+            assert mb[k]["grad_norm"] == pytest.approx(mr[k]["grad_norm"], rel=1e-4)
+        for k in range(4):
+            sb, sr = bank.populora_get_adapter(k), res.populora_get_adapter(k)
+            for n in sb:
+                torch.testing.assert_close(sb[n], sr[n], atol=1e-6, rtol=1e-5)
+        assert bank.populora_bank_info()["slots"] == res.populora_bank_info()["slots"]
+    # each slot's schedule moved once per call it trained in: slot 0 three times, the others twice
+    bank.bank.swap_out()
+    assert [res.bank.learning_rate(k) for k in range(4)] == pytest.approx([b.lrs[0] for b in bank.bank._slots])
+    assert [res.bank.learning_rate(k) for k in range(4)] == pytest.approx([0.8e-2, 0.6e-2, 0.6e-2, 0.6e-2])
+
+
+def test_a_slot_call_of_its_own_and_the_reference_pass_on_resident_adapters():
+    _, res = pair(2)
+    before = [res.populora_get_adapter(k) for k in range(2)]
+    data = fused_batch({1: 3}, seed=9)
+    tu.pop(data, key=SEGMENTS_KEY)
+    tu.assign_non_tensor_data(data, "populora_adapter", 1)
+    res.update_actor(data)
+    after = [res.populora_get_adapter(k) for k in range(2)]
+    assert all(torch.equal(before[0][n], after[0][n]) for n in before[0])
+    assert any(not torch.equal(before[1][n], after[1][n]) for n in before[1])
+    engine = res.actor.engine
+    with engine.disable_adapter():  # the reference policy: the base model, whatever the slots hold
+        ids = torch.randint(0, VOCAB, (1, SEQ))
+        base = engine.module(input_ids=ids).logits
+    with engine.module.disable_adapter():
+        assert torch.equal(engine.module(input_ids=ids).logits, base)
+
+
+def test_weight_sync_pushes_only_changed_slots_and_resumes_across_layouts(tmp_path):
+    bank, res = pair(3)
+    asyncio.run(res.update_weights(global_steps=1))
+    assert [kw["lora_int_id"] for _, kw in res.rollout.pushes] == [1000, 1001, 1002]
+    for k, (tensors, _) in enumerate(res.rollout.pushes):
+        ref = res.populora_get_adapter(k)
+        assert tensors.keys() == ref.keys() and all(torch.equal(tensors[n], ref[n]) for n in ref)
+    res.rollout.pushes.clear()
+    res.update_actor(fused_batch({2: 2}, seed=1))
+    asyncio.run(res.update_weights(global_steps=2))
+    assert [kw["lora_int_id"] for _, kw in res.rollout.pushes] == [1002]  # only the trained slot moved
+    res.rollout.pushes.clear()
+    res.populora_set_adapter(0, {n: t + 1 for n, t in res.populora_get_adapter(1).items()})
+    asyncio.run(res.update_weights(global_steps=3))
+    assert [(kw["lora_int_id"], kw["retire_lora_int_ids"]) for _, kw in res.rollout.pushes] == [(1003, [1000])]
+    # a resident save resumes as a bank and as resident adapters, slot for slot
+    res.populora_save_bank(str(tmp_path))
+    as_bank, as_res = make_worker(), make_worker()
+    info_b = as_bank.populora_load_bank(str(tmp_path))
+    info_r = as_res.populora_load_bank(str(tmp_path), layout="resident")
+    assert info_b["slots"] == info_r["slots"] == res.populora_bank_info()["slots"]
+    for k in range(3):
+        ref = res.populora_get_adapter(k)
+        for w in (as_bank, as_res):
+            got = w.populora_get_adapter(k)
+            assert all(torch.equal(got[n], ref[n]) for n in ref)
+
+
+def test_an_unknown_layout_is_refused_in_one_line():
+    w = make_worker()
+    with pytest.raises(Exception, match="adapter layout must be one of"):
+        w.populora_init_bank(2, seed=0, layout="stacked")
+
