@@ -107,12 +107,33 @@ def validate_verl_config(config: Any, pcfg: PopuLoRAConfig) -> None:
     if not (isinstance(max_cpu, int) and max_cpu >= max_loras):
         _bad(f"{ar}.rollout.engine_kwargs.vllm.max_cpu_loras", f"must be >= max_loras ({max_loras}), got {max_cpu!r}")
     _validate_overridden_keys(config, pcfg)
+    if pcfg.population.adapter_layout == "resident":
+        _validate_resident(config)
     poll_interval(config)
     if pcfg.rollout.max_loras is not None and pcfg.rollout.max_loras > max_loras:
         _bad("populora.rollout.max_loras",
              f"({pcfg.rollout.max_loras}) exceeds {ar}.rollout.engine_kwargs.vllm.max_loras ({max_loras}), "
              "which is what vLLM gets")
     parallel_layout(config, pcfg)
+
+
+def _validate_resident(config: Any) -> None:
+    """What resident adapters (populora.population.adapter_layout=resident) rely on in verl's actor."""
+    ar = "actor_rollout_ref"
+    checks = [
+        (f"{ar}.model.use_remove_padding", select(config, f"{ar}.model.use_remove_padding", False), lambda v: v is True,
+         "must be true with resident adapters (tokens are routed to their adapter in the packed layout)"),
+        (f"{ar}.actor.ulysses_sequence_parallel_size", select(config, f"{ar}.actor.ulysses_sequence_parallel_size", 1),
+         lambda v: v in (1, None), "must be 1 with resident adapters (a sequence split across ranks loses its routing)"),
+        (f"{ar}.actor.fsdp_config.optimizer_offload", select(config, f"{ar}.actor.fsdp_config.optimizer_offload", False),
+         lambda v: not v, "must be false with resident adapters (their optimizer state stays on the GPU)"),
+        (f"{ar}.actor.optim.lr_scheduler_type", select(config, f"{ar}.actor.optim.lr_scheduler_type", "constant"),
+         lambda v: v in ("constant", "cosine"),
+         "must be 'constant' or 'cosine' with resident adapters (each adapter follows the schedule's lambda)"),
+    ]
+    for key, value, ok, msg in checks:
+        if not ok(value):
+            _bad(key, f"{msg}, got {value!r}")
 
 
 def _validate_overridden_keys(config: Any, pcfg: PopuLoRAConfig) -> None:

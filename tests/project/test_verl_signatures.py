@@ -240,6 +240,15 @@ EXPECTED = {
     ("workers/engine_workers.py", "ActorRolloutRefWorker.init_model"): "self",
     ("workers/engine/fsdp/transformer_impl.py", "FSDPEngine.get_per_tensor_param"):
         "self, layered_summon=False, base_sync_done=False, **kwargs",
+    # the resident adapters' engine mixin (populora_verl.workers.resident_engine) overrides these
+    ("workers/engine/fsdp/transformer_impl.py", "FSDPEngine.forward_backward_batch"):
+        "self, data: TensorDict, loss_function: Callable, forward_only=False",
+    ("workers/engine/fsdp/transformer_impl.py", "FSDPEngineWithLMHead.forward_step"):
+        "self, micro_batch: TensorDict, loss_function, forward_only",
+    ("workers/engine/fsdp/transformer_impl.py", "FSDPEngine.optimizer_zero_grad"): "self",
+    ("workers/engine/fsdp/transformer_impl.py", "FSDPEngine.optimizer_step"): "self",
+    ("workers/engine/fsdp/transformer_impl.py", "FSDPEngine.lr_scheduler_step"): "self",
+    ("workers/engine/fsdp/transformer_impl.py", "FSDPEngine.disable_adapter"): "self",
     ("workers/rollout/vllm_rollout/vllm_rollout.py", "ServerAdapter.update_weights"):
         "self, weights: Generator[tuple[str, torch.Tensor], None, None], global_steps: int=None, "
         "wire_format: str='named_tensors', **kwargs",
@@ -280,6 +289,13 @@ EXPECTED_SOURCE = [
     ("workers/rollout/vllm_rollout/vllm_rollout.py", r"return f\"\{self\.config\.get\('name', 'vllm'\)\}_\""),
     ("workers/rollout/vllm_rollout/utils.py", r"self\.remove_lora\(VLLM_LORA_INT_ID\)"),
     ("experimental/agent_loop/single_turn_agent_loop.py", r"self\.server_manager\.generate\("),
+    # resident adapters: verl's loss reads the mini-batch's token and row counts from these non-tensor keys, and the
+    # engine hands the loss function the micro-batch with its model output by keyword
+    ("workers/utils/losses.py", r'config\.global_batch_info\["batch_num_tokens"\] = data\["batch_num_tokens"\]'),
+    ("workers/utils/losses.py", r'config\.global_batch_info\["global_batch_size"\] = data\["global_batch_size"\]'),
+    ("workers/engine/fsdp/transformer_impl.py",
+     r"loss_function\(\s*model_output=model_output, data=micro_batch, dp_group=self\.get_data_parallel_group\(\)"),
+    ("utils/model.py", r"def convert_weight_keys\(state_dict: dict\[str, torch\.Tensor\], model: PreTrainedModel\)"),
 ]
 
 

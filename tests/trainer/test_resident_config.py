@@ -1,0 +1,47 @@
+"""Start-up checks of the resident adapter layout: the recipes accept it, and each verl key it relies on is
+refused in one line naming the key."""
+
+from __future__ import annotations
+
+import pytest
+
+from populora_verl.config import ConfigError, load_config
+from populora_verl.trainer import verl_config
+
+from _shared import compose_recipe
+
+RESIDENT = "populora.population.adapter_layout=resident"
+
+
+@pytest.mark.parametrize("name", ["4t4s", "azr_single_agent", "qwen1.5b_1gpu_2t2s"])
+def test_recipes_pass_with_resident_adapters(name):
+    cfg = compose_recipe(name, [RESIDENT, "actor_rollout_ref.model.path=/m"])
+    pcfg = load_config(cfg.populora)
+    assert pcfg.population.adapter_layout == "resident"
+    verl_config.validate_verl_config(cfg, pcfg)
+
+
+BAD = [
+    ("actor_rollout_ref.model.use_remove_padding=false", "actor_rollout_ref.model.use_remove_padding"),
+    ("actor_rollout_ref.actor.ulysses_sequence_parallel_size=2", "actor_rollout_ref.actor.ulysses_sequence_parallel_size"),
+    ("actor_rollout_ref.actor.fsdp_config.optimizer_offload=true", "actor_rollout_ref.actor.fsdp_config.optimizer_offload"),
+    ("actor_rollout_ref.actor.optim.lr_scheduler_type=linear", "actor_rollout_ref.actor.optim.lr_scheduler_type"),
+]
+
+
+@pytest.mark.parametrize("override,key", BAD, ids=[k for _, k in BAD])
+def test_what_resident_adapters_rely_on_fails_in_one_line(override, key):
+    cfg = compose_recipe("qwen1.5b_1gpu_2t2s", ["actor_rollout_ref.model.path=/m", RESIDENT, override])
+    with pytest.raises(ConfigError) as e:
+        verl_config.validate_verl_config(cfg, load_config(cfg.populora))
+    msg = str(e.value)
+    assert msg.startswith(key + ":") and "\n" not in msg
+    # the bank layout does not depend on it (the optimizer offload and scheduler keys stay verl's business there)
+    if key.endswith(("optimizer_offload", "lr_scheduler_type")):
+        bank = compose_recipe("qwen1.5b_1gpu_2t2s", ["actor_rollout_ref.model.path=/m", override])
+        verl_config.validate_verl_config(bank, load_config(bank.populora))
+
+
+def test_an_unknown_layout_names_the_key():
+    with pytest.raises(ConfigError, match=r"^populora\.population\.adapter_layout: must be one of"):
+        load_config({"population": {"adapter_layout": "stacked"}})
