@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -36,6 +38,16 @@ class ExecutorPool:
         for ex in self._executors.values():
             ex.close()
         self._executors.clear()
+
+
+@pytest.fixture(scope="session")
+def ray_tmpdir():
+    """Where the tests' Ray clusters keep their sessions (ray.init's ``_temp_dir``, or ``RAY_TMPDIR`` for a child),
+    removed at the end: Ray's default, /tmp/ray, keeps every session folder. Not under pytest's numbered folders:
+    Ray's socket paths (``<dir>/session_<date>_<pid>/sockets/plasma_store``) must fit in 107 bytes."""
+    path = tempfile.mkdtemp(prefix="populora-ray-")
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

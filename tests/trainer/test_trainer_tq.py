@@ -28,7 +28,9 @@ from populora_verl.step import GenRequest, Sample  # noqa: E402
 from _shared import compose_recipe  # noqa: E402
 
 PARTITION = "train"
-START_TIMEOUT_S = 60.0
+# Only a hang ends the wait for the cluster (a gloo group left in this process once made ray.init hang for good):
+# its start takes 20 s on an idle 2-core machine and a few times that on a loaded one, far below this.
+START_TIMEOUT_S = 900.0
 # member id -> adapter slot (2 teachers, 2 students)
 SLOTS = {"t0": 0, "t1": 1, "s0": 2, "s1": 3}
 # samples per request: t0 odd so verl pads its slot's batch to the DP size (2) with a synthetic row in TQ
@@ -53,10 +55,10 @@ def _tq_config():
     return OmegaConf.create(OmegaConf.to_container(cfg.transfer_queue, resolve=True))
 
 
-def _start_cluster(conf, out: dict) -> None:
+def _start_cluster(conf, temp_dir: str, out: dict) -> None:
     try:
         # Above the physical count: TQ's controller + storage actors deadlock on a 2-CPU Ray budget.
-        ray.init(num_cpus=16, include_dashboard=False, log_to_driver=False,
+        ray.init(num_cpus=16, include_dashboard=False, log_to_driver=False, _temp_dir=temp_dir,
                  runtime_env={"env_vars": {"RAY_AUTH_MODE": "disabled"}})
         tq.init(conf)
         out["ok"] = True
@@ -74,14 +76,14 @@ def _unavailable(reason: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def tq_cluster():
+def tq_cluster(ray_tmpdir):
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     if ray.is_initialized():
         _unavailable("a Ray cluster is already running in this process; this module starts its own")
     conf = _tq_config()
     assert conf.backend.SimpleStorage.num_data_storage_units == 1
     out: dict = {}
-    th = threading.Thread(target=_start_cluster, args=(conf, out), daemon=True)
+    th = threading.Thread(target=_start_cluster, args=(conf, ray_tmpdir, out), daemon=True)
     th.start()
     th.join(START_TIMEOUT_S)
     if not out.get("ok"):
