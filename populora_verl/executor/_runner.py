@@ -370,7 +370,10 @@ def _setup_mounts(cfg: dict, notes: list[str]) -> dict[str, bool]:
             "no_sys": False, "masked_proc": False}
     try:
         _mount(None, "/", None, _MS_REC | _MS_PRIVATE)
-        _mount("proc", "/proc", "proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC)
+        try:  # the runner, the zygote and a run's init are root's: a program (the slot's uid) sees none of them
+            _mount("proc", "/proc", "proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, "hidepid=2")
+        except OSError:
+            _mount("proc", "/proc", "proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC)
         prot["private_proc"] = True
     except OSError as e:
         notes.append(f"proc: {e}")
@@ -605,36 +608,40 @@ def _make_user_namespace(uid: int, gid: int) -> int:
 
 
 def install_namespace_filter() -> str | None:
-    """Refuse, for this process and everything it starts, the creation of namespaces: a seccomp filter
-    that fails ``unshare``/``clone`` with any ``CLONE_NEW*`` flag (EPERM), ``clone3`` (ENOSYS: its flags are
-    out of the filter's reach; libc falls back to ``clone``) and any syscall of a foreign ABI (x32, i386).
+    """Refuse, for this process and everything it starts, the creation of namespaces and the use of keyrings:
+    a seccomp filter that fails ``unshare``/``clone`` with any ``CLONE_NEW*`` flag (EPERM), ``clone3``
+    (ENOSYS: its flags are out of the filter's reach; libc falls back to ``clone``), ``keyctl``, ``add_key``
+    and ``request_key`` (EPERM) and any syscall of a foreign ABI (x32, i386).
     None when installed, else why not. Needs ``no_new_privs`` (set here) or root; self-contained, the
     SandboxFusion script embeds this function's source.
     """
     import ctypes
     import os
 
-    table = {"x86_64": (0xC000003E, 272, 56, 435), "aarch64": (0xC00000B7, 97, 220, 435)}
+    table = {"x86_64": (0xC000003E, 272, 56, 435, 248, 249, 250), "aarch64": (0xC00000B7, 97, 220, 435, 217, 218, 219)}
     machine = os.uname().machine
     if machine not in table:
         return f"seccomp filter: no syscall table for {machine}"
-    arch, nr_unshare, nr_clone, nr_clone3 = table[machine]
+    arch, nr_unshare, nr_clone, nr_clone3, nr_add_key, nr_request_key, nr_keyctl = table[machine]
     new_ns = 0x00020000 | 0x02000000 | 0x04000000 | 0x08000000 | 0x10000000 | 0x20000000 | 0x40000000
     ld, jeq, jge, jset, ret = 0x20, 0x15, 0x35, 0x45, 0x06
     allow, eperm, enosys = 0x7FFF0000, 0x00050000 | 1, 0x00050000 | 38
     # seccomp_data: nr at 0, arch at 4, args[0] at 16 (its low 32 bits on these little-endian ABIs).
+    # Keyrings outlive processes (the persistent keyring even outlives every process of the uid): a channel
+    # between runs and calls that no cleanup reaches, and nothing an honest program needs.
     prog = [
-        (ld, 0, 0, 4), (jeq, 0, 12, arch),              # 0-1: foreign ABI -> 14
-        (ld, 0, 0, 0), (jge, 10, 0, 0x40000000),        # 2-3: x32 syscall numbers -> 14
-        (jeq, 10, 0, nr_clone3),                        # 4: -> 15
-        (jeq, 2, 0, nr_unshare), (jeq, 4, 0, nr_clone),  # 5-6: -> 8, -> 11
-        (ret, 0, 0, allow),                             # 7
-        (ld, 0, 0, 16), (jset, 4, 0, new_ns | 0x80),    # 8-9: unshare, CLONE_NEWTIME too -> 14
+        (ld, 0, 0, 4), (jeq, 0, 15, arch),              # 0-1: foreign ABI -> 17
+        (ld, 0, 0, 0), (jge, 13, 0, 0x40000000),        # 2-3: x32 syscall numbers -> 17
+        (jeq, 13, 0, nr_clone3),                        # 4: -> 18
+        (jeq, 5, 0, nr_unshare), (jeq, 7, 0, nr_clone),  # 5-6: -> 11, -> 14
+        (jeq, 9, 0, nr_add_key), (jeq, 8, 0, nr_request_key), (jeq, 7, 0, nr_keyctl),  # 7-9: -> 17
         (ret, 0, 0, allow),                             # 10
-        (ld, 0, 0, 16), (jset, 1, 0, new_ns),           # 11-12: clone (its low byte is the exit signal) -> 14
+        (ld, 0, 0, 16), (jset, 4, 0, new_ns | 0x80),    # 11-12: unshare, CLONE_NEWTIME too -> 17
         (ret, 0, 0, allow),                             # 13
-        (ret, 0, 0, eperm),                             # 14
-        (ret, 0, 0, enosys),                            # 15
+        (ld, 0, 0, 16), (jset, 1, 0, new_ns),           # 14-15: clone (its low byte is the exit signal) -> 17
+        (ret, 0, 0, allow),                             # 16
+        (ret, 0, 0, eperm),                             # 17
+        (ret, 0, 0, enosys),                            # 18
     ]
 
     class SockFilter(ctypes.Structure):
@@ -809,9 +816,9 @@ def plain_data_problem(value: object, max_items: int) -> str | None:
 def prepare_program(program: str) -> tuple[bool, object]:
     """``(True, code object)`` or ``(False, reason)``: the static check and the compilation of a program.
 
-    Done by the runner, once per distinct program (cached), before any fork: both runs of a call, and the
-    many calls of one program (code_f inputs, code_i answers), inherit the code object. Parsing and compiling
-    model text is no more trust than the host already gives it (it parses every program it is sent).
+    Done in the program's own process, under its limits and deadline, before anything of the program runs:
+    a program that makes the parser or compiler explode costs its own call only, and no compiled program
+    outlives the process that will run it.
     """
     reason = find_banned(program, _BANNED)
     if reason:
@@ -822,9 +829,12 @@ def prepare_program(program: str) -> tuple[bool, object]:
         return False, _short(e)
 
 
-def _evaluate(req: dict, first_run: bool, code: object) -> dict:
-    """Evaluate ``f(inputs)`` in this process with the runner-compiled ``code``. The first run also does AZR's
-    in-process double call (global counters, mutated defaults); the second run (another process) calls once."""
+def _evaluate(req: dict, first_run: bool) -> dict:
+    """Check, compile and evaluate ``f(inputs)`` in this process. The first run also does AZR's in-process
+    double call (global counters, mutated defaults); the second run (another process) calls once."""
+    ok, code = prepare_program(req["program"])
+    if not ok:
+        return {"ok": False, "output": None, "error": code}
     inputs = req["inputs"]
     try:
         call = compile(f"f(\n{inputs}\n)", INPUT_FILE, "eval")
@@ -863,24 +873,63 @@ def _evaluate(req: dict, first_run: bool, code: object) -> dict:
     return {"ok": True, "output": text, "error": None}
 
 
-def _child(req: dict, wfd: int, cfg: dict, workdir: str, role: str, code: object) -> None:
-    """Runs in the forked process: confine it, then evaluate (``role`` A: first run, B: second run).
+_PR_CAPBSET_DROP, _PR_SET_SECUREBITS, _PR_CAP_AMBIENT = 24, 28, 47
+# NOROOT and NO_CAP_AMBIENT_RAISE, both locked: an exec as uid 0 gains nothing back.
+_SECUREBITS = 0x01 | 0x02 | 0x40 | 0x80
 
-    Set-up that can be inherited (namespaces, keyrings, no_new_privs, the seccomp filter) is done once by
-    the runner: every page a child touches is a copy of the runner's. The only ctypes calls here enter the
-    slot's user namespace and clear its keyrings, which no fork can inherit."""
+
+def drop_capabilities(last_cap: int) -> None:
+    """Give up every capability for good: bounding set, ambient set, securebits, then the effective,
+    permitted and inheritable sets. Where the program keeps the runner's uid (a user namespace of one uid, or
+    no namespaces and no root), this is what keeps it from the runner's pipes and memory, from mounting
+    and from renaming the host."""
+    for cap in range(last_cap + 1):
+        try:
+            _libc_call("prctl", _PR_CAPBSET_DROP, cap, 0, 0, 0)
+        except OSError:
+            break  # no CAP_SETPCAP: nothing left to drop there
+    for call in ((_PR_CAP_AMBIENT, 4, 0, 0, 0), (_PR_SET_SECUREBITS, _SECUREBITS, 0, 0, 0)):
+        try:
+            _libc_call("prctl", *call)
+        except OSError:
+            pass
+    import ctypes
+
+    header = (ctypes.c_uint32 * 2)(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3, this process
+    _libc_call("capset", header, (ctypes.c_uint32 * 6)())
+
+
+def _read_request(fd: int) -> dict:
+    chunks = []
+    offset = 0
+    while chunk := os.pread(fd, 1 << 20, offset):
+        chunks.append(chunk)
+        offset += len(chunk)
+    os.close(fd)
+    return json.loads(b"".join(chunks))
+
+
+def _child(request_fd: int, wfd: int, cfg: dict) -> None:
+    """Runs in a process forked from the zygote: read the request, confine, then check, compile and evaluate.
+
+    The zygote has never held a program, an input or a result, so this process holds its own request only.
+    Its parent has set up the namespaces it is born in (the run's own pid and time namespaces); the rest of
+    the confinement is done here, before the program text is parsed."""
     try:
         os.setsid()
         null = os.open(os.devnull, os.O_RDWR)
         for fd in (0, 1, 2):
             os.dup2(null, fd)
         userns = cfg.get("userns_fd")
-        keep = sorted({wfd} | ({userns} if userns is not None else set()))
+        keep = sorted({wfd, request_fd} | ({userns} if userns is not None else set()))
         start = 3
         for fd in keep:
             os.closerange(start, fd)
             start = fd + 1
         os.closerange(start, 1 << 16)
+        req = _read_request(request_fd)
+        role = req["role"]
+        workdir = cfg["workdirs"][role]
         try:  # an out-of-memory kill in the slot's cgroup picks the program, never the runner
             fd = os.open("/proc/self/oom_score_adj", os.O_WRONLY)
             os.write(fd, b"1000")
@@ -914,19 +963,26 @@ def _child(req: dict, wfd: int, cfg: dict, workdir: str, role: str, code: object
             os.setresgid(gid, gid, gid)
             os.setresuid(uid, uid, uid)
             if userns is not None and cfg.get("keyrings"):
-                # The user keyrings belong to (user namespace, uid): ours outlive the call, so empty them
-                # before the program can read what an earlier call left there.
+                # Without the filter below, the user keyrings of (user namespace, uid) outlive the call:
+                # empty them before the program can read what an earlier call left there.
                 for spec in (_KEY_SPEC_USER, _KEY_SPEC_USER_SESSION):
                     _keyctl(_KEYCTL_CLEAR, spec)
+        else:
+            drop_capabilities(int(cfg.get("last_cap", 63)))
+        if cfg.get("namespace_filter"):
+            why = install_namespace_filter()
+            if why:
+                raise OSError(why)
         os.environ.clear()
         os.environ.update({"PATH": "/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8"})
         signal.signal(signal.SIGPIPE, signal.SIG_DFL)
         sys.setrecursionlimit(1000)
         pad = None
         if role == "B":
-            # Shift this process's heap against the first run's, so that id()/address-based results differ.
+            # Shift this process's heap against the first run's (before the program is compiled), so that
+            # results depending on the address of anything the program builds differ between the runs.
             pad = [bytearray(n) for n in range(1, 520, 4)]  # one more block in each small-object size class
-        result = _evaluate(req, role == "A", code)
+        result = _evaluate(req, role == "A")
         del pad
     except BaseException as e:  # noqa: BLE001
         result = {"ok": False, "output": None, "error": f"crashed: sandbox setup failed: {_short(e)}"}
@@ -1002,12 +1058,151 @@ def wipe_dir(path: str, max_passes: int = 1_000_000) -> None:
         os.close(top)
 
 
+# ----------------------------------------------------------------------------- the zygote
+ZYGOTE_SOCKET_FD = 3
+_ADDR_NO_RANDOMIZE = 0x0040000
+_PR_SET_DUMPABLE = 4
+_CLONE_NEWPID = 0x20000000
+# World-writable directories of the host that both runs share when there is no private /tmp.
+SHARED_DIRS = ("/tmp", "/var/tmp", "/dev/shm")
+
+
+def _random_clocks() -> None:
+    """Random offsets for the monotonic and boot clocks of the next child's time namespace: a run's clocks
+    (``/proc/uptime``, ``/proc/self/timens_offsets``) say nothing about which run it is, and differ between
+    the two runs of a call."""
+    shift = [86400 + int.from_bytes(os.urandom(4), "big") % (86400 * 3650) for _ in range(2)]
+    nanos = [int.from_bytes(os.urandom(4), "big") % 1_000_000_000 for _ in range(2)]
+    with open("/proc/self/timens_offsets", "w") as fh:
+        fh.write(f"monotonic {shift[0]} {nanos[0]}\nboottime {shift[1]} {nanos[1]}\n")
+
+
+def _launch(fds: list[int], cfg: dict, own_pid_ns: bool) -> None:
+    """In a process just forked by the zygote. In a run's own pid namespace this process is its init: it
+    forks the program's process and, when that one ends, passes its status on and exits, which kills
+    everything the program left in the namespace."""
+    request_fd, wfd = fds
+    if not own_pid_ns:
+        _child(request_fd, wfd, cfg)
+    code = 255
+    try:
+        pid = os.fork()
+        if pid == 0:
+            _child(request_fd, wfd, cfg)
+        os.closerange(0, 1 << 16)
+        while True:
+            reaped, status = os.waitpid(-1, 0)
+            if reaped == pid:
+                break
+        code = os.WEXITSTATUS(status) if os.WIFEXITED(status) else 128 + os.WTERMSIG(status)
+    finally:
+        os._exit(code)
+
+
+def zygote_main() -> None:
+    """The process every program of a slot is forked from. Started by an exec before the slot's first
+    request, it imports the warm modules, purges the banned ones and then only forks: it never receives a
+    program, an input or a result, so a program's process holds its own request and nothing else."""
+    import gc
+    import socket
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    sock = socket.socket(fileno=ZYGOTE_SOCKET_FD)
+    sock.send(b"up")
+    msg, fds, _, _ = socket.recv_fds(sock, 1 << 20, 1)
+    cfg = json.loads(msg)
+    cfg["userns_fd"] = fds[0] if fds else None
+    _load_libc()
+    for mod in WARM_MODULES + IMPORT_BEFORE_GUARD:
+        try:
+            __import__(mod)  # children import from memory, not from disk
+        except ImportError:
+            pass
+    _BANNED[:] = cfg.get("banned") or []
+    _BANNED_PATHS[:] = banned_module_paths(_BANNED)
+    purge_banned_modules(_BANNED)
+    try:
+        with open("/proc/sys/kernel/cap_last_cap") as fh:
+            cfg["last_cap"] = int(fh.read())
+    except (OSError, ValueError):
+        cfg["last_cap"] = 63
+    prot: dict[str, bool] = {}
+    notes: list[str] = []
+    try:
+        _libc_call("prctl", _PR_SET_DUMPABLE, 0, 0, 0, 0)
+    except OSError as e:
+        notes.append(f"zygote dumpable: {e}")
+    pid_ns = None
+    time_ns = False
+    if cfg.get("fresh_namespaces"):
+        try:  # started before the runner's own cgroup namespace: /proc/self/cgroup reads "/" here too
+            _libc_call("unshare", _CLONE_NEWCGROUP)
+        except OSError as e:
+            notes.append(f"cgroup namespace: {e}")
+        try:
+            pid_ns = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
+            _libc_call("unshare", _CLONE_NEWPID)
+            _libc_call("setns", pid_ns, _CLONE_NEWPID)
+        except OSError as e:
+            notes.append(f"pid namespace per run: {e}")
+            pid_ns = None
+        try:
+            _libc_call("unshare", _CLONE_NEWTIME)
+            _random_clocks()
+            time_ns = True
+        except OSError as e:
+            notes.append(f"time namespace per run: {e}")
+    prot["pid_namespace_per_run"] = pid_ns is not None
+    prot["time_namespace_second_run"] = time_ns
+    why = "namespace filter disabled"
+    if cfg.get("namespace_filter", True):
+        probe = os.fork()
+        if probe == 0:
+            os._exit(0 if install_namespace_filter() is None else 1)
+        _, status = os.waitpid(probe, 0)
+        why = None if status == 0 else install_namespace_filter.__name__ + ": cannot be installed here"
+    prot["namespace_filter"] = why is None
+    if why:
+        notes.append(why)
+    cfg["namespace_filter"] = why is None
+    # Keyrings outlive processes; the filter refuses the keyctl family (otherwise the user keyrings are
+    # emptied around every run, and the persistent keyring stays reachable).
+    prot["keyring_isolation"] = why is None or bool(cfg.get("keyrings"))
+    gc.collect()
+    gc.freeze()  # the collector in a child never walks (and so never copies) the zygote's objects
+    sock.send(json.dumps({"protections": prot, "notes": notes}).encode())
+    while True:
+        try:
+            msg, fds, _, _ = socket.recv_fds(sock, 16, 2)
+        except OSError:
+            return
+        if msg != b"run" or len(fds) != 2:
+            return  # the runner is gone (or confused): it starts a new zygote
+        if pid_ns is not None:
+            _libc_call("setns", pid_ns, _CLONE_NEWPID)
+            _libc_call("unshare", _CLONE_NEWPID)
+        if time_ns:
+            _libc_call("unshare", _CLONE_NEWTIME)
+            _random_clocks()
+        pid = os.fork()
+        if pid == 0:
+            _launch(fds, cfg, pid_ns is not None)
+        for fd in fds:
+            os.close(fd)
+        sock.send(str(pid).encode())
+        sock.recv(16)  # "reap" (or the runner's end): the pid stays ours until the runner has killed it
+        _, status = os.waitpid(pid, 0)
+        sock.send(str(status).encode())
+
+
 class Runner:
-    PROGRAM_CACHE = 64  # compiled programs kept (code_f: one program, many inputs; code_i: many answers)
+    """The slot's supervisor: sets up the slot's world once, starts the zygote, and for every run hands the
+    zygote a request descriptor and a result pipe, enforces the deadline and cleans up after the run. It
+    reads requests and results but never runs, parses or compiles a program, and no program is forked from it.
+    """
 
     def __init__(self, cfg: dict, ctl_in: int, ctl_out: int) -> None:
         self.cfg, self.ctl_in, self.ctl_out = cfg, ctl_in, ctl_out
-        self._programs: dict[str, tuple[bool, object]] = {}
         self.is_init = os.getpid() == 1
         self.notes: list[str] = []
         self.protections = {"pid_namespace": self.is_init}
@@ -1027,6 +1222,7 @@ class Runner:
                 fh.write("-1000")
         except OSError:
             pass
+        self._spawn_zygote()
         own_world = bool(cfg.get("setup_mounts"))
         self.protections.update(dict.fromkeys(("private_proc", "private_tmp", "readonly_fs", "private_dev", "no_sys",
                                                "masked_proc"), False))
@@ -1073,27 +1269,18 @@ class Runner:
             "fork_limit": cfg.get("uid") is not None,
         })
         self._setup_per_call_confinement()
-        for mod in WARM_MODULES + IMPORT_BEFORE_GUARD:
-            try:
-                __import__(mod)  # warm the fork parent: children import from memory, not from disk
-            except ImportError:
-                pass
-        _BANNED[:] = cfg.get("banned", [])
-        _BANNED_PATHS[:] = banned_module_paths(_BANNED)
-        purge_banned_modules(_BANNED)
-        # Last: every namespace this runner makes for itself exists by now.
-        why = install_namespace_filter() if cfg.get("namespace_filter", True) else "namespace filter disabled"
-        self.protections["namespace_filter"] = why is None
-        if why:
-            self.notes.append(why)
-        import gc
-
-        gc.collect()
-        gc.freeze()  # the collector in a child never walks (and so never copies) the runner's objects
+        try:  # a program that keeps our uid can neither read our memory nor borrow our descriptors
+            _libc_call("prctl", _PR_SET_DUMPABLE, 0, 0, 0, 0)
+            self.protections["runner_not_dumpable"] = True
+        except OSError as e:
+            self.protections["runner_not_dumpable"] = False
+            self.notes.append(f"not dumpable: {e}")
+        self._greet_zygote()
+        self.unix_sockets = self._count_unix_sockets()
 
     def _setup_per_call_confinement(self) -> None:
-        """What every run inherits or gets after it, set up once here: IPC cleanup, keyrings, the shifted
-        clocks of second runs, no_new_privs. Each is reported in ``protections``."""
+        """What every run inherits or gets after it, set up once here: IPC cleanup, keyrings, no_new_privs.
+        Each is reported in ``protections``."""
         # SysV IPC objects a run leaves are removed after it: all of them in our own IPC namespace, the slot
         # uid's otherwise. Without either we cannot tell them from the host's: left alone (reported).
         own_ipc = bool(self.cfg.get("setup_mounts"))
@@ -1112,19 +1299,6 @@ class Runner:
             except OSError as e:
                 self.notes.append(f"keyrings: {e.strerror or e}")
         self.protections["keyring_isolation"] = self.cfg["keyrings"]
-        self.time_fd = None
-        try:
-            self.time_orig_fd = os.open("/proc/self/ns/time", os.O_RDONLY | os.O_CLOEXEC)
-            _libc_call("unshare", _CLONE_NEWTIME)
-            shift = 86400 * (1 + os.getpid() % 97) + 12345
-            with open("/proc/self/timens_offsets", "w") as fh:
-                fh.write(f"monotonic {shift} 0\nboottime {shift} 0\n")
-            self.time_fd = os.open("/proc/self/ns/time_for_children", os.O_RDONLY | os.O_CLOEXEC)
-            _libc_call("setns", self.time_orig_fd, _CLONE_NEWTIME)  # our children start in the original one
-        except OSError as e:
-            self.notes.append(f"time namespace: {e.strerror or e}")
-            self.time_fd = None
-        self.protections["time_namespace_second_run"] = self.time_fd is not None
         try:
             _libc_call("prctl", 38, 1, 0, 0, 0)  # PR_SET_NO_NEW_PRIVS, inherited: no setuid binary regains root
         except OSError:
@@ -1164,13 +1338,77 @@ class Runner:
             os.chown(path, self.cfg["uid"], self.cfg["gid"])
         os.chmod(path, 0o700)
 
-    def _kill_all(self, child: int, reaped: bool) -> None:
-        """Kill every process the call left behind and reap them."""
-        if self.is_init:
+    def _spawn_zygote(self) -> None:
+        """Start the process every program is forked from: a fresh interpreter (an exec, not a fork of this
+        runner), with address randomisation off so that it is laid out the same in every slot, executor and
+        restart. Started before this runner covers the interpreter's folders (the exec needs them); it waits
+        for :meth:`_greet_zygote`, and is told only what is the same for every call: it never sees a request."""
+        import socket
+
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        pid = os.fork()
+        if pid == 0:
             try:
-                os.kill(-1, signal.SIGKILL)  # PID 1 of our own namespace: every descendant, never us
-            except ProcessLookupError:
-                pass
+                os.dup2(theirs.fileno(), ZYGOTE_SOCKET_FD)
+                os.closerange(ZYGOTE_SOCKET_FD + 1, 1 << 16)
+                os.set_inheritable(ZYGOTE_SOCKET_FD, True)  # dup2 onto itself keeps close-on-exec
+                try:
+                    _libc.personality(_libc.personality(0xFFFFFFFF) | _ADDR_NO_RANDOMIZE)
+                except Exception:  # noqa: BLE001 - the layout is then random, as any process's
+                    pass
+                os.execve(sys.executable, [sys.executable, "-s", "-S", "-P", "-B", os.path.abspath(__file__),
+                                           "--zygote"], dict(os.environ))
+            finally:
+                os._exit(127)
+        theirs.close()
+        self.zygote, self.zygote_pid = ours, pid
+        if ours.recv(16) != b"up":  # loaded before the folders it was loaded from are covered
+            raise RuntimeError("the zygote did not start")
+
+    def _greet_zygote(self) -> None:
+        import socket
+
+        keys = ("banned", "nproc", "fsize_mb", "uid", "gid", "keyrings")
+        setup = {k: self.cfg.get(k) for k in keys}
+        setup.update(workdirs=self.workdirs, namespace_filter=self.cfg.get("namespace_filter", True),
+                     fresh_namespaces=bool(self.cfg.get("setup_mounts")))
+        socket.send_fds(self.zygote, [json.dumps(setup).encode()], [] if self.userns_fd is None else [self.userns_fd])
+        hello = self.zygote.recv(1 << 16)
+        if not hello:
+            raise RuntimeError("the zygote did not start")
+        hello = json.loads(hello)
+        self.protections.update(hello["protections"])
+        self.notes.extend(n for n in hello["notes"] if n not in self.notes)
+        self.fresh_pid_ns = bool(hello["protections"].get("pid_namespace_per_run"))
+
+    def _reap_zygote(self) -> None:
+        try:
+            os.kill(self.zygote_pid, signal.SIGKILL)
+            os.waitpid(self.zygote_pid, 0)
+        except (ProcessLookupError, ChildProcessError):
+            pass
+
+    def _zygote_say(self, msg: bytes, fds: list[int] | None = None) -> bytes:
+        """One exchange with the zygote; its silence or death fails the slot (the host restarts it)."""
+        import socket
+
+        if fds is None:
+            self.zygote.send(msg)
+        else:
+            socket.send_fds(self.zygote, [msg], fds)
+        reply = self.zygote.recv(64)
+        if not reply:
+            raise RuntimeError("the zygote died")
+        return reply
+
+    def _kill_all(self, child: int, pidfd: int) -> None:
+        """Kill every process the run left behind; the zygote reaps ``child`` and tells its status."""
+        try:
+            signal.pidfd_send_signal(pidfd, signal.SIGKILL)  # in a run's own pid namespace: all of it
+        except ProcessLookupError:
+            pass
+        if self.fresh_pid_ns:
+            pass
         elif self.cfg.get("uid") is not None:
             helper = os.fork()
             if helper == 0:  # an unprivileged kill(-1) reaches exactly the processes of the slot uid
@@ -1182,21 +1420,20 @@ class Runner:
             os.waitpid(helper, 0)
         else:
             try:
-                os.killpg(child, signal.SIGKILL)  # best effort: a program can setsid away
+                os.killpg(child, signal.SIGKILL)  # best effort: a program can setsid away (documented)
             except (ProcessLookupError, PermissionError):
                 pass
-        if not reaped and not self.is_init:
+        status = int(self._zygote_say(b"reap"))
+        while True:  # orphans of runs without their own pid namespace come back to us (subreaper)
             try:
-                os.waitpid(child, 0)  # SIGKILLed above: returns promptly
-            except ChildProcessError:
-                pass
-        while True:
-            try:
-                pid, _ = os.waitpid(-1, 0 if self.is_init else os.WNOHANG)
+                pid, _ = os.waitpid(-1, os.WNOHANG)
             except ChildProcessError:
                 break
             if pid == 0:
                 break
+            if pid == self.zygote_pid:
+                raise RuntimeError("the zygote died")
+        return status
 
     def _clear_keyrings(self) -> None:
         uid = self.cfg.get("uid")
@@ -1219,22 +1456,23 @@ class Runner:
         finally:
             os.setresuid(0, 0, 0)
 
-    def _once(self, req: dict, role: str, deadline: float, code: object) -> dict:
-        """One confined process evaluating the request; everything it left behind is gone afterwards."""
+    def _once(self, req: dict, role: str, deadline: float) -> dict:
+        """One confined process, forked by the zygote, evaluating the request; everything it left behind is
+        gone afterwards."""
+        request = os.memfd_create("request", os.MFD_CLOEXEC)
+        data = json.dumps(dict(req, role=role)).encode()
+        view = memoryview(data)
+        while view:
+            view = view[os.write(request, view):]
         rfd, wfd = os.pipe()
-        shifted = role == "B" and self.time_fd is not None
-        if shifted:  # the second run sees other boot/monotonic clocks (/proc/uptime): time-dependent outputs differ
-            _libc_call("setns", self.time_fd, _CLONE_NEWTIME)
-        child = os.fork()
-        if shifted and child != 0:
-            _libc_call("setns", self.time_orig_fd, _CLONE_NEWTIME)  # our own clock again (deadlines)
-        if child == 0:
-            os.close(rfd)
-            _child(req, wfd, self.cfg, self.workdirs[role], role, code)
-        os.close(wfd)
+        try:
+            child = int(self._zygote_say(b"run", [request, wfd]))
+        finally:
+            os.close(request)
+            os.close(wfd)
         limit = 8 * int(req["max_output_chars"]) + (1 << 16)
-        buf, timed_out, status = bytearray(), False, None
-        pidfd = os.pidfd_open(child)
+        buf, timed_out, exited = bytearray(), False, False
+        pidfd = os.pidfd_open(child)  # the zygote reaps it only when told: the pid cannot be reused before
         watch = [rfd, pidfd]
         try:
             while True:
@@ -1246,12 +1484,12 @@ class Runner:
                 if rfd in ready:
                     chunk = os.read(rfd, 1 << 16)
                     if not chunk:
-                        watch.remove(rfd)  # all writers gone; wait for the exit status
+                        watch.remove(rfd)  # all writers gone; wait for the exit
                     buf += chunk
                     if len(buf) > limit or _complete(buf):
                         break  # a lingering grandchild may hold the pipe open: don't wait for EOF
                 if pidfd in ready:
-                    _, status = os.waitpid(child, 0)
+                    exited = True
                     os.set_blocking(rfd, False)
                     try:  # whatever the child wrote before exiting
                         while len(buf) <= limit and (chunk := os.read(rfd, 1 << 16)):
@@ -1259,31 +1497,60 @@ class Runner:
                     except BlockingIOError:
                         pass
                     break
+            status = self._kill_all(child, pidfd)
         finally:
             os.close(rfd)
             os.close(pidfd)
-        self._kill_all(child, reaped=status is not None)
+        if self.fresh_pid_ns and os.WIFEXITED(status) and os.WEXITSTATUS(status) > 128:
+            status = os.WEXITSTATUS(status) - 128  # the run's init passes on the program's fatal signal
         self._remove_ipc()
         self._clear_keyrings()
+        self._remove_left_in_shared_dirs()
         self._fresh_workdir(self.workdirs[role])
-        return self._interpret(buf, timed_out, status, deadline, limit, int(req["max_output_chars"]))
+        return self._interpret(buf, timed_out, status if exited else None, deadline, limit,
+                               int(req["max_output_chars"]))
+
+    def _remove_left_in_shared_dirs(self) -> None:
+        """Without a private /tmp the host's world-writable directories are shared by both runs of a call and
+        by every call: what the slot's uid left there is removed after each run (a random value written by
+        the first run must not reach the second)."""
+        uid = self.cfg.get("uid")
+        if self.protections.get("private_tmp") or uid is None:
+            return
+        own = set(self.workdirs.values())
+        for top in SHARED_DIRS:
+            try:
+                entries = list(os.scandir(top))
+            except OSError:
+                continue
+            for entry in entries:
+                try:
+                    if entry.path in own or entry.stat(follow_symlinks=False).st_uid != uid:
+                        continue
+                    if entry.is_dir(follow_symlinks=False):
+                        wipe_dir(entry.path)
+                        os.rmdir(entry.path)
+                    else:
+                        os.unlink(entry.path)
+                except FileNotFoundError:
+                    continue
+
+    @staticmethod
+    def _count_unix_sockets() -> int | None:
+        try:
+            with open("/proc/net/unix") as fh:
+                return sum(1 for _ in fh)
+        except OSError:
+            return None
 
     def run(self, req: dict) -> dict:
         """Both runs of a request: the first (with AZR's in-process double call), then, when it succeeded and
-        determinism is checked, a second independent process (shifted heap and clocks) whose repr must match."""
+        determinism is checked, a second independent process (shifted heap, other clocks) whose repr must match."""
         start = _now()
         deadline = start + float(req["timeout_s"])
-        program = req["program"]
-        prepared = self._programs.pop(program, None) or prepare_program(program)
-        self._programs[program] = prepared  # most recently used last
-        if len(self._programs) > self.PROGRAM_CACHE:
-            del self._programs[next(iter(self._programs))]
-        ok, code = prepared
-        if not ok:
-            return {"ok": False, "output": None, "error": code, "duration_s": _now() - start}
-        first = self._once(req, "A", deadline, code)
+        first = self._once(req, "A", deadline)
         if first["ok"] and req["check_determinism"]:
-            second = self._once(req, "B", deadline, code)
+            second = self._once(req, "B", deadline)
             if not second["ok"]:
                 kind = str(second["error"]).split(":", 1)[0]
                 if kind in ("timeout", "memory"):
@@ -1295,6 +1562,10 @@ class Runner:
                 first = {"ok": False, "output": None,
                          "error": "nondeterministic: two processes gave different results"}
         first["duration_s"] = _now() - start
+        if self.cfg.get("setup_mounts") and self._count_unix_sockets() != self.unix_sockets:
+            # Sockets kept alive by passing each other (no process holds them) outlive every kill: their names
+            # are a channel and their buffers stay charged to the slot. A fresh slot has none.
+            raise RuntimeError("unix sockets outlived the call")
         return first
 
     @staticmethod
@@ -1333,7 +1604,9 @@ class Runner:
         return {"ok": False, "output": None, "error": "crashed: no result"}
 
     def serve(self) -> None:
-        _write_msg(self.ctl_out, {"ready": True, "protections": self.protections, "notes": self.notes})
+        _write_msg(self.ctl_out, {"ready": True, "protections": self.protections, "notes": self.notes,
+                                  "workdirs": [] if self.protections.get("private_tmp") else
+                                  sorted(set(self.workdirs.values()))})
         while True:
             msg = _read_msg(self.ctl_in)
             if msg is None:
@@ -1355,6 +1628,9 @@ class Runner:
 
 
 def main() -> None:
+    if sys.argv[1:] == ["--zygote"]:
+        zygote_main()
+        return
     # Move the control pipe off fds 0/1 so children can't inherit it by accident, then detach stdio.
     ctl_in, ctl_out = os.dup(0), os.dup(1)
     null = os.open(os.devnull, os.O_RDWR)

@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass, field
 
 # The wire format and its reader are the runner's (one definition for both ends of the pipe).
-from populora_verl.executor._runner import _HDR, _read_exact
+from populora_verl.executor._runner import _HDR, WipeError, _read_exact, wipe_dir
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +87,7 @@ class Worker:
         self.proc: subprocess.Popen | None = None
         self.protections: dict[str, bool] = {}
         self.notes: list[str] = []
+        self.workdirs: list[str] = []
         self.restarts = 0
 
     def start(self) -> None:
@@ -109,6 +110,7 @@ class Worker:
             raise RuntimeError(f"executor worker {self.slot} failed to start: {(hello or {}).get('error', 'no reply')}")
         self.protections = dict(hello["protections"])
         self.notes = list(hello.get("notes", []))
+        self.workdirs = [d for d in hello.get("workdirs", []) if _is_work_folder(d)]
         if self.protections.get("memory_cgroup"):
             try:  # the runner's own footprint (interpreter, warm imports) plus what one call may use
                 limit = self.cgroups.usage(self.slot) + (int(self.settings["memory_mb"]) << 20) + (8 << 20)
@@ -200,9 +202,25 @@ class Worker:
         except subprocess.TimeoutExpired:
             logger.error("executor worker %d did not exit after SIGKILL", self.slot)
         self.proc = None
+        # Without a private /tmp the runner's work folders are in the host's: they go with the runner.
+        for path in self.workdirs:
+            try:
+                wipe_dir(path)
+                os.rmdir(path)
+            except (OSError, WipeError) as e:
+                logger.warning("executor worker %d: cannot remove %s: %s", self.slot, path, e)
+        self.workdirs = []
 
 
 _INSTANCES = itertools.count()
+
+
+def _is_work_folder(path: str) -> bool:
+    """Whether ``path``, named by a runner, is one of the work folders runners make (nothing else is removed)."""
+    import tempfile
+
+    return (isinstance(path, str) and os.path.dirname(path) == tempfile.gettempdir()
+            and os.path.basename(path).startswith("populora_exec_"))
 
 
 def default_uid_base() -> int:
