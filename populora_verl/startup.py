@@ -92,6 +92,15 @@ def _check_gpus(config: Any) -> None:
                           f"set trainer.n_gpus_per_node={have}")
 
 
+def _check_vllm() -> None:
+    """verl imports vLLM in the rollout workers, after Ray and the workers have started."""
+    from populora_verl.checks import vllm_missing
+
+    missing = vllm_missing()
+    if missing:
+        raise ConfigError(f"actor_rollout_ref.rollout.name: {missing}")
+
+
 ENV_VARS_KEY = "ray_kwargs.ray_init.runtime_env.env_vars"
 COMPILE_CACHE_KEY = f"{ENV_VARS_KEY}.VLLM_DISABLE_COMPILE_CACHE"
 #: the first torch that writes inductor artifacts atomically; before it, engines compiling at once could leave a
@@ -160,6 +169,10 @@ def preflight(config: Any, *, check_gpus: bool = True) -> None:
     from populora_verl.trainer.schedule import scheduled_configs
 
     scheduled_configs(config)  # a population schedule (benchmarks): every entry valid before Ray starts
+    from populora_verl.checks import check_device, check_population_inputs
+
+    check_population_inputs(pcfg)  # operator names and the seed file: used only minutes in, at their first use
+    check_device(_select(config, "trainer.device", "cuda"))
     _check_model_path(config)
     _check_fused_kernels(config)
     _check_liger(config)
@@ -168,8 +181,9 @@ def preflight(config: Any, *, check_gpus: bool = True) -> None:
     from populora_verl.plugin import check_registrations
 
     check_registrations()
-    if check_gpus:
+    if check_gpus:  # what this machine has: GPUs, and the vLLM every PopuLoRA rollout runs on
         _check_gpus(config)
+        _check_vllm()
 
 
 RUN_DIR_KEY = "trainer.default_local_dir"

@@ -63,6 +63,7 @@ def test_gpus_and_keys_are_checked(model_dir, monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     with pytest.raises(ConfigError, match=r"8 GPUs requested but 2 visible.*trainer\.n_gpus_per_node=2"):
         preflight(cfg)
+    monkeypatch.setattr("populora_verl.checks.vllm_missing", lambda: None)  # this CPU machine has no vLLM
     preflight(compose_recipe("2t2s", [f"actor_rollout_ref.model.path={model_dir}", "trainer.n_gpus_per_node=2"]))
     with pytest.raises(ConfigError, match=r"^actor_rollout_ref\.rollout\.name: must be 'populora_vllm'"):
         preflight(compose_recipe("2t2s", [f"actor_rollout_ref.model.path={model_dir}",
@@ -70,6 +71,41 @@ def test_gpus_and_keys_are_checked(model_dir, monkeypatch):
     with pytest.raises(ConfigError, match=r"^populora\.pbt\.cull_fraction: must be in \(0, 1\)"):
         preflight(compose_recipe("2t2s", [f"actor_rollout_ref.model.path={model_dir}",
                                           "populora.pbt.cull_fraction=1.5"]))
+
+
+def test_names_the_config_refers_to_are_checked_before_ray(model_dir, tmp_path):
+    """An unknown operator or a missing seed file used to pass, to fail minutes in at their first use."""
+    args = [f"actor_rollout_ref.model.path={model_dir}"]
+    with pytest.raises(ConfigError, match=r"^populora\.pbt\.operators\.nosuchop: unknown operator; known: \["):
+        preflight(compose_recipe("smoke_0.5b", args + ["populora.pbt.operators={nosuchop:1.0}"]), check_gpus=False)
+    with pytest.raises(ConfigError, match=r"^populora\.pbt\.operator_params\.neftune\.eps: neftune does not accept"):
+        preflight(compose_recipe("smoke_0.5b", args + ["++populora.pbt.operator_params={neftune:{eps:1}}"]),
+                  check_gpus=False)
+    missing = tmp_path / "seeds.jsonl"
+    with pytest.raises(ConfigError, match=rf"^populora\.buffer\.seed_file: no such file '{missing}'"):
+        preflight(compose_recipe("smoke_0.5b", args + [f"++populora.buffer.seed_file={missing}"]), check_gpus=False)
+    # another run's seed set, awaited at the first step (bench.learning_run's arms)
+    preflight(compose_recipe("smoke_0.5b", args + [f"++populora.buffer.seed_file={missing}",
+                                                   "++populora.buffer.seed_file_wait_s=60"]), check_gpus=False)
+    missing.write_text('{"input": "1"}\n')
+    with pytest.raises(ConfigError, match=r"^populora\.buffer\.seed_file: .*seeds\.jsonl:1: bad seed line"):
+        preflight(compose_recipe("smoke_0.5b", args + [f"++populora.buffer.seed_file={missing}"]), check_gpus=False)
+    missing.write_text('{"program": "def f(x):\\n    return x", "input": "1", "output": "1"}\n')
+    preflight(compose_recipe("smoke_0.5b", args + [f"++populora.buffer.seed_file={missing}"]), check_gpus=False)
+
+
+def test_a_cpu_device_and_a_missing_vllm_stop_before_ray(model_dir, monkeypatch):
+    """trainer.device=cpu started Ray and hung; a missing vLLM showed only once the rollout workers imported it."""
+    import torch
+
+    args = [f"actor_rollout_ref.model.path={model_dir}"]
+    with pytest.raises(ConfigError, match=r"^trainer\.device: .* use `python -m populora_verl\.local`$"):
+        preflight(compose_recipe("smoke_0.5b", args + ["trainer.device=cpu"]), check_gpus=False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: None)
+    with pytest.raises(ConfigError, match=r"^actor_rollout_ref\.rollout\.name: vLLM is not installed: "
+                                          r"pip install 'verl\[vllm\]==0\.9\.1'"):
+        preflight(compose_recipe("smoke_0.5b", args))
 
 
 def test_verl_main_stops_in_one_line_before_ray(tmp_path):
@@ -129,6 +165,16 @@ def test_small_teacher_groups_warn_at_start_up_and_learning_recipes_do_not(model
     for recipe in ("qwen1.5b_1gpu_2t2s", "qwen1.5b_1gpu_single"):
         preflight(compose_recipe(recipe, [f"actor_rollout_ref.model.path={model_dir}"]), check_gpus=False)
         assert "warning" not in capsys.readouterr().err
+
+
+def test_a_plan_not_matched_per_adapter_stops_at_start_up_naming_the_keys(model_dir):
+    """3 students cannot share 2 teachers' matches equally: one line naming the keys, before Ray starts."""
+    args = [f"actor_rollout_ref.model.path={model_dir}"]
+    with pytest.raises(ConfigError, match=r"^populora\.population\.num_students: .*matchmaking\.students_per_problem"):
+        preflight(compose_recipe("2t2s", args + ["populora.population.num_students=3"]), check_gpus=False)
+    with pytest.raises(ConfigError, match=r"^populora\.rollout\.buffer_task_n: "):
+        preflight(compose_recipe("2t2s", args + ["populora.rollout.buffer_task_n=1"]), check_gpus=False)
+    preflight(compose_recipe("2t2s", args + ["populora.population.num_teachers=4"]), check_gpus=False)
 
 
 def test_compile_cache_is_on_in_recipes_and_refused_where_torch_writes_it_unsafely(model_dir, monkeypatch):
