@@ -153,9 +153,9 @@ def _check_liger(config: Any) -> None:
 
 
 def preflight(config: Any, *, check_gpus: bool = True) -> None:
-    """Every check that needs no worker: the ``populora.*`` section, the verl keys PopuLoRA depends on, the
-    plugin's registrations, the model path and the GPUs. Raises :class:`ConfigError` (or ``RuntimeError`` for a
-    broken install) with one line."""
+    """Every check that needs no worker: the ``populora.*`` section and what it names (operators, the seed file),
+    the verl keys PopuLoRA depends on, the plugin's registrations, the model path, the GPUs and vLLM. Raises
+    :class:`ConfigError` (or ``RuntimeError`` for a broken install) with one line."""
     from populora_verl.config import load_config
     from populora_verl.trainer.verl_config import validate_verl_config
 
