@@ -176,7 +176,7 @@ def lora_delta(x: torch.Tensor, r: SlotRouting, lora_a: Sequence[torch.Tensor], 
     """
     if x.shape[0] != r.num_tokens:
         raise AdapterBankError(f"a LoRA linear got {x.shape[0]} tokens but the routing has {r.num_tokens}")
-    xs = x if r.perm is None else x.index_select(0, r.perm)
+    xs = x if r.perm is None else x.index_select(0, r.perm.to(x.device))
     present = r.present
     if not present:
         return x.new_zeros(x.shape[0], lora_b[0].shape[0])
@@ -195,7 +195,7 @@ def lora_delta(x: torch.Tensor, r: SlotRouting, lora_a: Sequence[torch.Tensor], 
         parts = [(seg @ lora_a[k].to(seg.dtype).t()) @ lora_b[k].to(seg.dtype).t() for seg, k in zip(segs, present)]
         y = parts[0] if len(parts) == 1 else torch.cat(parts)
     y = y * scaling
-    return y if r.inverse is None else y.index_select(0, r.inverse)
+    return y if r.inverse is None else y.index_select(0, r.inverse.to(y.device))
 
 
 def _resident_hook(module: torch.nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:

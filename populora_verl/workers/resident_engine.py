@@ -90,6 +90,7 @@ def per_slot_loss(loss_fn: Callable, slot_tokens: Mapping[int, float], slot_rows
 
     slots = data[SLOT_FIELD].reshape(-1).tolist()
     present = sorted(set(slots))
+    whole = {key: tu.get_non_tensor_data(data, key, None) for key in ("batch_num_tokens", "global_batch_size")}
     offsets = data["input_ids"].offsets() if data["input_ids"].is_nested else None
     total, metrics = None, {}
     for k in present:
@@ -105,9 +106,7 @@ def per_slot_loss(loss_fn: Callable, slot_tokens: Mapping[int, float], slot_rows
         loss_k, metrics = loss_fn(model_output=out, data=sub, dp_group=dp_group)
         record(k, metrics)
         total = loss_k if total is None else total + loss_k
-    if len(present) > 1:  # the caller's data keeps the whole mini-batch's counts
-        tu.assign_non_tensor(data, batch_num_tokens=float(sum(slot_tokens.values())),
-                             global_batch_size=int(sum(slot_rows.values())))
+    tu.assign_non_tensor(data, **whole)  # the caller's micro-batch keeps the whole mini-batch's counts
     return total, metrics
 
 
@@ -159,8 +158,9 @@ class ResidentEngineMixin:
             raise AdapterBankError("resident adapters need actor_rollout_ref.model.use_remove_padding=true")
         lengths = ids.offsets().diff()
         # kept until the next micro-batch: gradient checkpointing recomputes this forward during backward
+        # built where the forward runs (verl moves the micro-batch to the accelerator inside its forward_step)
         set_routing(SlotRouting.from_rows(micro_batch[SLOT_FIELD].reshape(-1), lengths, self.populora_resident.num_slots,
-                                          device=_device_of(ids)))
+                                          device=_compute_device()))
         return super().forward_step(micro_batch, loss_function, forward_only)
 
     def _record_slot_metrics(self, slot: int, metrics: Mapping[str, Any]) -> None:
@@ -230,8 +230,10 @@ def _reduce(parts: list[tuple[str, float]]) -> float:
     return float(sum(vals)) if agg == "sum" else float(sum(vals) / len(vals))
 
 
-def _device_of(t: torch.Tensor) -> torch.device:
-    return t.values().device if t.is_nested else t.device
+def _compute_device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def _comm_device() -> torch.device:
