@@ -161,6 +161,9 @@ def preflight(config: Any, *, check_gpus: bool = True) -> None:
 
     pcfg = load_config(_select(config, "populora"))
     validate_verl_config(config, pcfg)
+    from populora_verl.step.compute import check_compute_plan
+
+    check_compute_plan(pcfg)  # every adapter of a role trains alike on every step (docs/tasks-and-rewards.md)
     from populora_verl.step.metrics import small_group_warning
 
     warning = small_group_warning(pcfg)

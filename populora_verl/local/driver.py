@@ -23,7 +23,7 @@ from populora_verl.evolution.pbt import trim_events
 from populora_verl.local.config import LocalConfig
 from populora_verl.local.hf_engine import HFEngine, seed_for, slot_name
 from populora_verl.local.progress import step_line
-from populora_verl.step import PopulationStep, StepResult
+from populora_verl.step import PopulationStep, StepResult, check_compute_plan
 from populora_verl.step.engine import Phase, evolve, seed_buffers, seed_file
 from populora_verl.step.records import BASE_POLICY, SEED, STUDENT, TEACHER, GenRequest, GenResponse
 
@@ -112,6 +112,7 @@ class LocalDriver:
 
     def _start(self, cfg: PopuLoRAConfig, local: LocalConfig, model: Any, tokenizer: Any, model_path: str | None,
                gguf: str | None, resume: bool, executor: Any) -> None:
+        check_compute_plan(cfg)  # the verl trainer's start-up check: a plan not matched per adapter never starts
         ckpt = latest_checkpoint(self.run_dir)
         if resume and ckpt is None:
             # Starting fresh here would silently throw away what the user meant to continue.

@@ -7,9 +7,12 @@ probability that the student beats the teacher:
 - ``hard``: w = 1 - p, students likely to lose face this teacher more often;
 - ``uniform``: w = 1.
 
-Students are drawn without replacement from a pool that refills once every student has been drawn, so over a
-few steps every student meets some teacher even when teachers are fewer. The pool persists across steps (it is
-part of the saved state); a newborn student is in the pool at once.
+Every step feeds every student alike: the step's ``teachers x students_per_problem`` matches are shared so that each
+student meets ``⌊matches / S⌋`` or ``⌈matches / S⌉`` teachers, and PFSP chooses who meets whom within those quotas.
+When the matches do not divide, the students that get the one extra match are drawn from a pool that refills once
+every student has had one, so over a few steps every student gets as many. The pool persists across steps (it is
+part of the saved state); a newborn student is in the pool at once. A student's trained batch is a fixed number of
+tasks per matched teacher, so equal matches are equal compute (``populora_verl.step.compute``).
 """
 
 from __future__ import annotations
@@ -63,7 +66,7 @@ class Matchmaker:
         self.cfg = cfg if cfg is not None else MatchmakingConfig()
         self.seed = int(seed)
         self._rng = np.random.Generator(np.random.PCG64(self.seed))
-        self._drawn: set[str] = set()  # students drawn in the current pool cycle
+        self._drawn: set[str] = set()  # students that had their extra match in the current pool cycle
 
     def weight_of(self, population: "Population", teacher_id: str, student_id: str) -> float:
         if self.cfg.method == "uniform":
@@ -72,7 +75,8 @@ class Matchmaker:
 
     def pairs(self, population: "Population", step: int) -> list[tuple[str, str]]:
         """``[(teacher_id, student_id), ...]``: each teacher (by slot) with ``students_per_problem`` distinct
-        students (fewer only when there are fewer students). The single agent is paired with itself."""
+        students (fewer only when there are fewer students), each student in ``⌊T·k / S⌋`` or ``⌈T·k / S⌉`` pairs.
+        The single agent is paired with itself."""
         teachers = [m.id for m in population.teachers()]
         students = [m.id for m in population.students()]
         if not teachers or not students:
@@ -83,22 +87,37 @@ class Matchmaker:
         if self.cfg.method == "round_robin":
             return [(t, students[(i * k + j + step) % len(students)]) for i, t in enumerate(teachers) for j in range(k)]
 
-        alive = set(students)
-        self._drawn &= alive  # dead students leave the pool cycle
+        quota = self._quotas(students, len(teachers) * k)
         out: list[tuple[str, str]] = []
-        for t in teachers:
-            chosen: list[str] = []
-            for _ in range(k):
-                candidates = [s for s in students if s not in self._drawn and s not in chosen]
-                if not candidates:  # every student drawn this cycle: refill the pool
-                    self._drawn = set(chosen)
-                    candidates = [s for s in students if s not in chosen]
+        for i, t in enumerate(teachers):
+            left = len(teachers) - i  # teachers still to match, this one included
+            # A student with as many matches left as there are teachers left must meet every one of them, this one
+            # first; otherwise the last teachers would have to draw it twice, or leave its quota unfilled.
+            chosen = [s for s in students if quota[s] == left]
+            while len(chosen) < k:
+                candidates = [s for s in students if quota[s] > 0 and s not in chosen]
                 weights = [self.weight_of(population, t, s) for s in candidates]
-                s = candidates[_draw(self._rng, weights)]
-                chosen.append(s)
-                self._drawn.add(s)
+                chosen.append(candidates[_draw(self._rng, weights)])
+            for s in chosen:
+                quota[s] -= 1
             out.extend((t, s) for s in chosen)
         return out
+
+    def _quotas(self, students: Sequence[str], matches: int) -> dict[str, int]:
+        """Matches per student this step: ``⌊matches / S⌋`` each, one more for ``matches mod S`` students from
+        the pool (a student is never given two extras in one step, also when the pool refills mid-step)."""
+        base, extra = divmod(matches, len(students))
+        self._drawn &= set(students)  # dead students leave the pool cycle
+        lucky: list[str] = []
+        while len(lucky) < extra:
+            pool = [s for s in students if s not in self._drawn and s not in lucky]
+            if not pool:  # every student has had its extra this cycle: a new cycle, without this step's picks
+                self._drawn = set()
+                continue
+            s = pool[_draw(self._rng, [1.0] * len(pool))]
+            lucky.append(s)
+            self._drawn.add(s)
+        return {s: base + (s in lucky) for s in students}
 
     # --- persistence --------------------------------------------------------------------------------------
 

@@ -1,37 +1,20 @@
-"""What the population step logs and how its compute is accounted: per-step metrics from the step's records and
-samples, the trajectories each adapter was trained on (realised) next to what a config plans, and the TRR++ group
-size check behind the start-up warning. Pure functions of their arguments."""
+"""What the population step logs: per-step metrics from the step's records and samples, and the TRR++ group size
+check behind the start-up warning (compute per adapter: :mod:`populora_verl.step.compute`). Pure functions of their
+arguments."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
+
 import numpy as np
 
 from populora_verl.config import PopuLoRAConfig
 from populora_verl.diagnostics.metrics import reward_metrics, validity_metrics
+from populora_verl.step.compute import planned_trajectories, realised_compute  # noqa: F401  (callers import them from here)
 from populora_verl.step.records import STUDENT, Sample, TeacherRecord
 
 __all__ = ["realised_compute", "planned_trajectories", "proposal_outcome_metrics", "proposal_validity_metrics",
            "sample_metrics", "teacher_group_size", "small_group_warning", "MIN_TEACHER_GROUP"]
-
-
-def realised_compute(updates: Mapping[str, Sequence[Sample]], generated: Mapping[str, int],
-                    updates_per_step: int = 1) -> dict[str, float]:
-    """What each adapter was trained on this step (the compute-matching rule, docs/tasks-and-rewards.md):
-    ``populora/compute/<member>/{trajectories,tokens,updates,generated}`` and their ``member_mean``.
-
-    trajectories: samples in its update; tokens: their response tokens; updates: optimizer steps (0 when it had
-    nothing to train on); generated: every completion sampled with it, estimation-only answers included."""
-    out: dict[str, float] = {}
-    rows = []
-    for m, xs in updates.items():
-        row = {"trajectories": float(len(xs)), "tokens": float(sum(max(1, s.length) for s in xs)),
-               "updates": float(updates_per_step if xs else 0), "generated": float(generated.get(m, 0))}
-        rows.append(row)
-        out.update({f"populora/compute/{m}/{k}": v for k, v in row.items()})
-    for k in ("trajectories", "tokens", "updates", "generated"):
-        out[f"populora/compute/member_mean/{k}"] = float(np.mean([r[k] for r in rows])) if rows else 0.0
-    return out
 
 
 def _valid_counts(records: Sequence[TeacherRecord], key: str) -> dict[str, tuple[int, int]]:
@@ -96,24 +79,6 @@ def sample_metrics(samples: Sequence[Sample], answer_format_errors: Sequence[boo
     if correct:
         out["populora/student/accuracy"] = float(np.mean(correct))
     return out
-
-
-def planned_trajectories(cfg: PopuLoRAConfig) -> float:
-    """Trained trajectories per adapter per step that ``cfg`` plans, averaged over members, when every proposal is
-    valid. Under ``student_mix=fallback`` with ``buffer_task_n`` = ``student_n`` (the default) and estimation
-    answers trained, the count does not depend on validity; the single-agent recipe (``max_new``, estimation not
-    trained) does not either. ``azr_single_agent`` is set so that this equals the population recipes' value."""
-    r, rw = cfg.rollout, cfg.rewards
-    proposals = r.teacher_n * r.proposals_per_type * len(cfg.tasks.types)
-    n_buf = r.buffer_task_n or r.student_n
-    solver = proposals * (r.student_n if rw.train_on_estimation_rollouts else 0)
-    if cfg.buffer.student_mix == "max_new":
-        solver += proposals * n_buf
-    if cfg.population.mode == "single_agent":
-        return float(proposals + solver)
-    nt, ns = cfg.population.num_teachers, cfg.population.num_students
-    spp = cfg.matchmaking.students_per_problem
-    return float(nt * proposals + nt * spp * solver) / (nt + ns)
 
 
 #: TRR++ whitens each group's rewards; below this many teacher samples a group is mostly all-invalid at the start of

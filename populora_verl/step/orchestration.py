@@ -44,13 +44,8 @@ from populora_verl.advantage import group_keys, trrpp_advantages
 from populora_verl.config import PopuLoRAConfig, load_config
 from populora_verl.diagnostics.metrics import evolution_metrics, merge_metrics, pair_metrics
 from populora_verl.reward.levels import solve_rate, teacher_reward
-from populora_verl.step.metrics import (
-    planned_trajectories,
-    proposal_outcome_metrics,
-    proposal_validity_metrics,
-    realised_compute,
-    sample_metrics,
-)
+from populora_verl.step.compute import compare_to_plan, compute_plan, realised_compute
+from populora_verl.step.metrics import proposal_outcome_metrics, proposal_validity_metrics, sample_metrics
 from populora_verl.step.records import (
     BASE_POLICY,
     SEED,
@@ -364,8 +359,14 @@ class PopulationStep:
         for resp, _ in items:
             generated[resp.request.adapter] = generated.get(resp.request.adapter, 0) + 1
         metrics.update(realised_compute(updates, generated, self.updates_per_step))
-        # The plan next to what happened: matchmaking can give one student every task for a step.
-        metrics["populora/compute/planned_trajectories"] = planned_trajectories(self.cfg)
+        # The plan next to what happened, per adapter: a mean on plan can hide one student trained twice and another
+        # not at all.
+        plan = compute_plan(self.cfg)
+        metrics["populora/compute/planned_trajectories"] = plan.mean
+        against_plan, off_plan = compare_to_plan(plan, {m.id: m.role for m in self.population.members}, updates)
+        metrics.update(against_plan)
+        if off_plan:
+            logger.warning("populora: step %d: %s", self._current, off_plan)
         metrics.update(self._pending_metrics)
         self._pending_metrics = {}
         self.recent_rewards = {m: float(np.mean([x.reward for x in xs])) for m, xs in updates.items() if xs}

@@ -109,6 +109,7 @@ def test_update_moves_only_the_active_adapter(tmp_path):
     ("populora.pbt.bogus=1", "populora.pbt.bogus"),
     ("local.lr=-1", "local.lr"),
     ("local.nope=1", "local.nope"),
+    ("populora.population.num_students=3", "populora.population.num_students"),  # not compute-matched per adapter
 ])
 def test_cli_rejects_bad_config_with_one_line(tmp_path, capsys, override, key):
     assert main(["--run-dir", str(tmp_path), override]) == 2

@@ -315,6 +315,10 @@ def test_single_agent_recipe_rule_matches_a_population_member_on_logged_counts(t
     traj = {k.split("/")[2]: v for k, v in pop.items() if k.startswith("populora/compute/") and
             k.endswith("/trajectories")}
     assert traj == {"t0": 2.0, "t1": 2.0, "s0": 6.0, "s1": 6.0, "member_mean": 4.0}
+    for m, planned in (("t0", 2.0), ("t1", 2.0), ("s0", 6.0), ("s1", 6.0)):  # the plan per adapter, as realised
+        assert pop[f"populora/compute/{m}/planned"] == pop[f"populora/compute/{m}/realised"] == planned
+    assert one["populora/compute/a0/planned"] == one["populora/compute/a0/realised"] == 4.0
+    assert pop["populora/compute/max_plan_deviation"] == one["populora/compute/max_plan_deviation"] == 0.0
     assert planned_trajectories(pop_cfg) == planned_trajectories(one_cfg) == 4.0
     assert one["populora/compute/a0/trajectories"] == pop["populora/compute/member_mean/trajectories"] == 4.0
     assert one["populora/compute/a0/updates"] == pop["populora/compute/member_mean/updates"] == 1.0
