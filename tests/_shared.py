@@ -59,3 +59,38 @@ def answer_with(requests, fn):
     from populora_verl.step import GenResponse
 
     return [GenResponse(r, [fn(r, k) for k in range(r.n)], lengths=[5] * r.n) for r in requests]
+
+
+class FakeRollout:
+    """The worker's rollout side without vLLM: records every weight push."""
+
+    def __init__(self):
+        self.pushes = []
+        self.sleep_level = 2
+
+    async def resume(self, tags):
+        pass
+
+    async def update_weights(self, weights, **kwargs):
+        self.pushes.append(({k: v.clone() for k, v in weights}, kwargs))
+
+
+def bare_worker(training_worker, *, base_sync_done: bool = False):
+    """PopuLoRA's actor worker built with ``__new__`` around a fake verl training worker (verl's FSDP engine and
+    vLLM are GPU-only), with a :class:`FakeRollout`."""
+    from omegaconf import OmegaConf
+
+    from populora_verl.workers.worker import PopuLoRAActorRolloutRefWorker
+
+    w = PopuLoRAActorRolloutRefWorker.__new__(PopuLoRAActorRolloutRefWorker)
+    w.config = OmegaConf.create({"actor": {"strategy": "fsdp2"},
+                                 "rollout": {"checkpoint_engine": {"backend": "naive"}, "free_cache_engine": False}})
+    w.role = "actor_rollout"
+    w.actor = training_worker
+    w.rollout = FakeRollout()
+    w.enable_routing_replay = False
+    w.base_sync_done = base_sync_done
+    w.layered_summon = False
+    w.peft_merge = False
+    w._rank, w._world_size = 0, 1
+    return w

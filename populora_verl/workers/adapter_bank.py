@@ -33,7 +33,8 @@ from typing import Any
 import torch
 
 __all__ = ["AdapterBank", "AdapterBankError", "PlanEntry", "peft_key", "bank_filename", "bank_file_for",
-           "BANK_FORMAT_VERSION", "default_lora_init", "shard_like", "apply_evolution_plan"]
+           "BANK_FORMAT_VERSION", "default_lora_init", "shard_like", "apply_evolution_plan", "validate_adapter_state",
+           "check_saved_bank", "save_atomically"]
 
 BANK_FORMAT_VERSION = 1
 
@@ -465,21 +466,7 @@ class AdapterBank:
             self._active, self._dirty = None, False
 
     def _validate_state(self, state: Mapping[str, torch.Tensor], what: str) -> None:
-        if not isinstance(state, Mapping):
-            raise AdapterBankError(f"{what}: adapter state must be a mapping of PEFT keys to tensors")
-        keys = set(state)
-        expected = set(self._by_key)
-        if keys != expected:
-            missing, extra = sorted(expected - keys), sorted(keys - expected)
-            raise AdapterBankError(f"{what}: adapter keys differ: missing {missing[:3]}, unexpected {extra[:3]}")
-        for k, v in state.items():
-            p = self._params[self._by_key[k]]
-            if not torch.is_tensor(v):
-                raise AdapterBankError(f"{what}: {k} is {type(v).__name__}, not a tensor")
-            if tuple(v.shape) != tuple(p.shape):
-                raise AdapterBankError(f"{what}: {k} has shape {tuple(v.shape)}, expected {tuple(p.shape)}")
-            if not torch.isfinite(v).all():
-                raise AdapterBankError(f"{what}: {k} has non-finite values")
+        validate_adapter_state(state, {k: tuple(self._params[n].shape) for k, n in self._by_key.items()}, what)
 
     def apply_plan(self, entries: Sequence[PlanEntry | Mapping[str, Any]], operators: Mapping[str, Any] | None = None) -> list[int]:
         """Write evolution children into their slots; returns the child slots (:func:`apply_evolution_plan`)."""
@@ -514,16 +501,7 @@ class AdapterBank:
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        if state.get("format_version") != BANK_FORMAT_VERSION:
-            raise AdapterBankError(f"bank format {state.get('format_version')!r} != {BANK_FORMAT_VERSION}")
-        if list(state.get("param_names", [])) != list(self._params):
-            raise AdapterBankError("saved bank was made for different adapter parameters (model or LoRA config changed)")
-        for n, p in self._params.items():
-            if list(state["local_shapes"][n]) != list(_local(p).shape):
-                raise AdapterBankError(
-                    f"saved shard of {n} has shape {state['local_shapes'][n]}, this rank holds {list(_local(p).shape)}"
-                    " (world size or sharding changed)"
-                )
+        check_saved_bank(state, {n: tuple(_local(p).shape) for n, p in self._params.items()})
         slots = []
         for raw in state["slots"]:
             params = {n: self._cpu_copy(t) for n, t in raw["params"].items()}
@@ -541,15 +519,49 @@ class AdapterBank:
 
     def save(self, path: str) -> None:
         """``torch.save`` the bank (this rank's shards) to ``path``, atomically."""
-        import os
-
-        tmp = f"{path}.tmp"
-        torch.save(self.state_dict(), tmp)
-        os.replace(tmp, path)
+        save_atomically(self.state_dict(), path)
 
     def load(self, path: str) -> None:
         self.load_state_dict(torch.load(path, map_location="cpu", weights_only=False))
 
+def validate_adapter_state(state: Mapping[str, torch.Tensor], shapes: Mapping[str, tuple[int, ...]], what: str) -> None:
+    """A full PEFT adapter state dict must have exactly ``shapes``' keys, those shapes and finite values."""
+    if not isinstance(state, Mapping):
+        raise AdapterBankError(f"{what}: adapter state must be a mapping of PEFT keys to tensors")
+    keys, expected = set(state), set(shapes)
+    if keys != expected:
+        missing, extra = sorted(expected - keys), sorted(keys - expected)
+        raise AdapterBankError(f"{what}: adapter keys differ: missing {missing[:3]}, unexpected {extra[:3]}")
+    for k, v in state.items():
+        if not torch.is_tensor(v):
+            raise AdapterBankError(f"{what}: {k} is {type(v).__name__}, not a tensor")
+        if tuple(v.shape) != tuple(shapes[k]):
+            raise AdapterBankError(f"{what}: {k} has shape {tuple(v.shape)}, expected {tuple(shapes[k])}")
+        if not torch.isfinite(v).all():
+            raise AdapterBankError(f"{what}: {k} has non-finite values")
+
+
+def check_saved_bank(state: Mapping[str, Any], local_shapes: Mapping[str, tuple[int, ...]]) -> None:
+    """A saved bank (either layout) fits this rank: format, adapter parameters and this rank's shard shapes."""
+    if state.get("format_version") != BANK_FORMAT_VERSION:
+        raise AdapterBankError(f"bank format {state.get('format_version')!r} != {BANK_FORMAT_VERSION}")
+    if list(state.get("param_names", [])) != list(local_shapes):
+        raise AdapterBankError("saved bank was made for different adapter parameters (model or LoRA config changed)")
+    for n, shape in local_shapes.items():
+        if list(state["local_shapes"][n]) != list(shape):
+            raise AdapterBankError(
+                f"saved shard of {n} has shape {state['local_shapes'][n]}, this rank holds {list(shape)}"
+                " (world size or sharding changed)"
+            )
+
+
+def save_atomically(state: Mapping[str, Any], path: str) -> None:
+    """``torch.save`` to ``path`` through a temporary file, so a crash never leaves half a file under its name."""
+    import os
+
+    tmp = f"{path}.tmp"
+    torch.save(state, tmp)
+    os.replace(tmp, path)
 
 
 def default_lora_init(name: str, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:

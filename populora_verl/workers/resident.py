@@ -44,9 +44,12 @@ from populora_verl.workers.adapter_bank import (
     _is_dtensor,
     _local,
     apply_evolution_plan,
+    check_saved_bank,
     default_lora_init,
     peft_key,
+    save_atomically,
     shard_like,
+    validate_adapter_state,
 )
 
 __all__ = ["ResidentAdapters", "SlotRouting", "routing", "current_routing", "lora_delta", "slot_token_mean",
@@ -431,20 +434,7 @@ class ResidentAdapters:
             self.reset_optimizer(slot)
 
     def _validate_state(self, state: Mapping[str, torch.Tensor], what: str) -> None:
-        if not isinstance(state, Mapping):
-            raise AdapterBankError(f"{what}: adapter state must be a mapping of PEFT keys to tensors")
-        keys, expected = set(state), set(self._by_key)
-        if keys != expected:
-            missing, extra = sorted(expected - keys), sorted(keys - expected)
-            raise AdapterBankError(f"{what}: adapter keys differ: missing {missing[:3]}, unexpected {extra[:3]}")
-        for k, v in state.items():
-            p = self._default[self._by_key[k]]
-            if not torch.is_tensor(v):
-                raise AdapterBankError(f"{what}: {k} is {type(v).__name__}, not a tensor")
-            if tuple(v.shape) != tuple(p.shape):
-                raise AdapterBankError(f"{what}: {k} has shape {tuple(v.shape)}, expected {tuple(p.shape)}")
-            if not torch.isfinite(v).all():
-                raise AdapterBankError(f"{what}: {k} has non-finite values")
+        validate_adapter_state(state, {k: tuple(self._default[n].shape) for k, n in self._by_key.items()}, what)
 
     def reset_optimizer(self, slot: int, *, reset_scheduler: bool = True) -> None:
         """Give ``slot`` a fresh optimizer (zero moments, step 0) and, by default, restart its LR schedule."""
@@ -616,15 +606,7 @@ class ResidentAdapters:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore from a bank or resident file of this rank (same adapter parameters and world size)."""
-        if state.get("format_version") != BANK_FORMAT_VERSION:
-            raise AdapterBankError(f"bank format {state.get('format_version')!r} != {BANK_FORMAT_VERSION}")
-        if list(state.get("param_names", [])) != list(self._params):
-            raise AdapterBankError("saved bank was made for different adapter parameters (model or LoRA config changed)")
-        for n, p in self._default.items():
-            if list(state["local_shapes"][n]) != list(_local(p).shape):
-                raise AdapterBankError(
-                    f"saved shard of {n} has shape {state['local_shapes'][n]}, this rank holds {list(_local(p).shape)}"
-                    " (world size or sharding changed)")
+        check_saved_bank(state, {n: tuple(_local(p).shape) for n, p in self._default.items()})
         raw_slots = list(state["slots"])
         self._allocate(len(raw_slots))
         with torch.no_grad():
@@ -651,15 +633,11 @@ class ResidentAdapters:
                                           schedule_step=int(sched.get("last_epoch", 0) or 0))
 
     def save(self, path: str) -> None:
-        import os
-
-        tmp = f"{path}.tmp"
-        torch.save(self.state_dict(), tmp)
-        os.replace(tmp, path)
+        """``torch.save`` this rank's share to ``path``, atomically."""
+        save_atomically(self.state_dict(), path)
 
     def load(self, path: str) -> None:
         self.load_state_dict(torch.load(path, map_location="cpu", weights_only=False))
-
 
 def _full(p: torch.Tensor) -> torch.Tensor:
     """The full tensor behind a (possibly FSDP2-sharded) parameter, detached."""

@@ -20,7 +20,6 @@ import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
-from omegaconf import OmegaConf  # noqa: E402
 from peft import LoraConfig, get_peft_model, get_peft_model_state_dict  # noqa: E402
 from tensordict import TensorDict  # noqa: E402
 
@@ -32,7 +31,7 @@ from populora_verl.rollout.lora_registry import lora_int_id  # noqa: E402
 from populora_verl.workers.adapter_bank import AdapterBankError  # noqa: E402
 from populora_verl.workers.worker import ADAPTER_KEY, PopuLoRAActorRolloutRefWorker  # noqa: E402
 
-from _shared import REPO  # noqa: E402
+from _shared import REPO, bare_worker  # noqa: E402
 
 VERL = Path(importlib.util.find_spec("verl").submodule_search_locations[0])
 
@@ -115,31 +114,8 @@ class FakeTrainingWorker:
         return TensorDict({}, batch_size=[])
 
 
-class FakeRollout:
-    def __init__(self):
-        self.pushes = []
-        self.sleep_level = 2
-
-    async def resume(self, tags):
-        pass
-
-    async def update_weights(self, weights, **kwargs):
-        self.pushes.append(({k: v.clone() for k, v in weights}, kwargs))
-
-
 def make_worker():
-    w = PopuLoRAActorRolloutRefWorker.__new__(PopuLoRAActorRolloutRefWorker)
-    w.config = OmegaConf.create({"actor": {"strategy": "fsdp2"},
-                                 "rollout": {"checkpoint_engine": {"backend": "naive"}, "free_cache_engine": False}})
-    w.role = "actor_rollout"
-    w.actor = FakeTrainingWorker()
-    w.rollout = FakeRollout()
-    w.enable_routing_replay = False
-    w.base_sync_done = False
-    w.layered_summon = False
-    w.peft_merge = False
-    w._rank, w._world_size = 0, 1
-    return w
+    return bare_worker(FakeTrainingWorker())
 
 
 def batch(slot=None, **extra):

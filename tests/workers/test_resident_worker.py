@@ -16,8 +16,7 @@ import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
-from omegaconf import OmegaConf  # noqa: E402
-from peft import LoraConfig, get_peft_model, get_peft_model_state_dict  # noqa: E402
+from peft import LoraConfig, get_peft_model  # noqa: E402
 from tensordict import TensorDict  # noqa: E402
 
 from verl.utils import tensordict_utils as tu  # noqa: E402
@@ -25,7 +24,8 @@ from verl.utils.metric.utils import AggregationType, Metric  # noqa: E402
 
 from populora_verl.workers.fused import SEGMENTS_KEY, encode_segments  # noqa: E402
 from populora_verl.workers.resident import ResidentAdapters  # noqa: E402
-from populora_verl.workers.worker import PopuLoRAActorRolloutRefWorker  # noqa: E402
+
+from _shared import bare_worker  # noqa: E402
 
 SEQ, VOCAB, CLIP, MICRO_ROWS = 8, 64, 0.05, 3
 
@@ -119,31 +119,8 @@ class FakeTrainingWorker:
         return tu.get_tensordict(tensor_dict={}, non_tensor_dict={"metrics": metrics})
 
 
-class FakeRollout:
-    def __init__(self):
-        self.pushes = []
-        self.sleep_level = 2
-
-    async def resume(self, tags):
-        pass
-
-    async def update_weights(self, weights, **kwargs):
-        self.pushes.append(({k: v.clone() for k, v in weights}, kwargs))
-
-
 def make_worker():
-    w = PopuLoRAActorRolloutRefWorker.__new__(PopuLoRAActorRolloutRefWorker)
-    w.config = OmegaConf.create({"actor": {"strategy": "fsdp2"},
-                                 "rollout": {"checkpoint_engine": {"backend": "naive"}, "free_cache_engine": False}})
-    w.role = "actor_rollout"
-    w.actor = FakeTrainingWorker()
-    w.rollout = FakeRollout()
-    w.enable_routing_replay = False
-    w.base_sync_done = True
-    w.layered_summon = False
-    w.peft_merge = False
-    w._rank, w._world_size = 0, 1
-    return w
+    return bare_worker(FakeTrainingWorker(), base_sync_done=True)
 
 
 def fused_batch(counts: dict[int, int], seed: int) -> TensorDict:
