@@ -87,10 +87,17 @@ def _writable_dir(d: Path) -> bool:
     return True
 
 
+def _check_link(p: Path, path: str | os.PathLike, flag: str) -> None:
+    # A link to nothing "does not exist", yet cannot be created either: mkdir would fail with a bare errno.
+    if p.is_symlink() and not p.exists():
+        raise UsageError(f"{flag} {path}: a link to {os.readlink(p)}, which does not exist")
+
+
 def check_output_dir(path: str | os.PathLike, flag: str) -> Path:
     """A folder this run will create or write into: an existing folder must be writable; a new one must be
     creatable (its nearest existing parent a writable folder). Creates nothing; raises :class:`UsageError`."""
     p = Path(path).expanduser()
+    _check_link(p, path, flag)
     if p.exists():
         if not p.is_dir():
             raise UsageError(f"{flag} {path}: is a file, not a folder")
@@ -109,6 +116,7 @@ def check_run_dir(path: str | os.PathLike, flag: str = "--run-dir", *, must_exis
     """A run directory: ``must_exist`` for one that is read or resumed, else like :func:`check_output_dir`."""
     p = Path(path).expanduser()
     if must_exist:
+        _check_link(p, path, flag)
         if not p.exists():
             raise UsageError(f"{flag} {path}: no such directory")
         if not p.is_dir():

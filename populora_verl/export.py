@@ -16,9 +16,24 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-__all__ = ["export_member", "find_member_population", "main"]
+__all__ = ["NotInRun", "export_member", "find_member_population", "checkpoint_steps", "main"]
 
 ADAPTER_FILES = ("adapter_model.safetensors", "adapter_config.json")
+
+
+class NotInRun(FileNotFoundError):
+    """A step or member the run does not have; the message lists what it has (bad input, not a failure)."""
+
+
+def checkpoint_steps(run_dir: str | Path) -> list[int]:
+    """Steps with a population checkpoint, CPU-driver (``checkpoints/step_N``) or verl layout."""
+    run = Path(run_dir)
+    steps = set()
+    for ck in [*run.glob("checkpoints/step_*"), *run.glob("global_step_*/populora/checkpoints/step_*")]:
+        suffix = ck.name.removeprefix("step_")
+        if suffix.isdigit() and (ck / "population" / "population.json").is_file():
+            steps.add(int(suffix))
+    return sorted(steps)
 
 
 def find_member_population(run_dir: str | Path, step: int | None = None) -> Path:
@@ -37,8 +52,12 @@ def find_member_population(run_dir: str | Path, step: int | None = None) -> Path
         ck = root / "checkpoints" / f"step_{step}" if step is not None else latest_checkpoint(root)
         if ck is not None and (ck / "population" / "population.json").is_file():
             return ck / "population"
-    what = f"step {step}" if step is not None else "a complete checkpoint"
-    raise FileNotFoundError(f"no population checkpoint ({what}) under {run}")
+    steps = checkpoint_steps(run)
+    if step is not None:
+        raise NotInRun(f"--step {step}: no population checkpoint of that step under {run}; steps with one: "
+                       f"{steps or 'none'}")
+    raise NotInRun(f"no complete population checkpoint under {run}" + (
+        f"; steps with one: {steps} (pass --step)" if steps else " (not a PopuLoRA run, or none saved yet)"))
 
 
 def export_member(run_dir: str | Path, member: str, out: str | Path, *, step: int | None = None,
@@ -51,7 +70,7 @@ def export_member(run_dir: str | Path, member: str, out: str | Path, *, step: in
     if not (src / ADAPTER_FILES[0]).is_file():
         alive = sorted(p.name for p in (pop_dir / "adapters").iterdir()) if (pop_dir / "adapters").is_dir() else []
         why = "was replaced before this checkpoint" if member in lineage else "is not a member of this run"
-        raise FileNotFoundError(f"member {member!r} {why} ({pop_dir.parent.name}); members with an adapter: {alive}")
+        raise NotInRun(f"member {member!r} {why} ({pop_dir.parent.name}); members with an adapter: {alive}")
     config = json.loads((src / "adapter_config.json").read_text(encoding="utf-8"))
     if base_model is not None:
         config["base_model_name_or_path"] = base_model
@@ -106,8 +125,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if Path(args.out).exists() and not args.overwrite:
             raise UsageError(f"out {args.out}: exists; choose another folder or pass --overwrite")
         check_output_dir(Path(args.out).absolute().parent, "out's parent folder")
-        out = export_member(args.run_dir, args.member, args.out, step=args.step, base_model=args.base_model,
-                            overwrite=args.overwrite)
+        try:
+            out = export_member(args.run_dir, args.member, args.out, step=args.step, base_model=args.base_model,
+                                overwrite=args.overwrite)
+        except NotInRun as e:
+            raise UsageError(str(e)) from None
         print(f"wrote {out}/ (adapter_model.safetensors, adapter_config.json, populora_member.json)")
         print(f"serve it: {serve_command(out, args.member)}")
         return 0

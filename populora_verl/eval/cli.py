@@ -51,6 +51,11 @@ def resolve_benchmarks(spec: str, data_dir: str | None, lcb_path: str | None) ->
     if unknown:
         raise SystemExit(f"unknown benchmarks {unknown}; known: {sorted(BENCHMARKS)} or all/code/math")
     for n in names:  # before any model is loaded
+        if n == "livecodebench" and not has_file(n):
+            from populora_verl.cli_errors import UsageError
+
+            raise UsageError("--benchmarks livecodebench: no LiveCodeBench file; pass --lcb-path (the release "
+                             "jsonl, docs/evaluation.md) or put it under <--data-dir>/livecodebench/")
         if n != "livecodebench" and not has_file(n):
             raise FileNotFoundError(f"{n}: no benchmark file found; pass --data-dir or set POPULORA_BENCHMARKS "
                                     "(layout in docs/evaluation.md)")
@@ -101,16 +106,44 @@ def members_from_args(args: argparse.Namespace, *, with_adapters_file: bool = Tr
     return members
 
 
+def _check_args(args: argparse.Namespace) -> None:
+    """The flags' values and what they need on this machine, each a one-line error naming the flag (exit status
+    2), before the benchmarks are read or any model loads: found after loading, they would cost the load."""
+    from populora_verl.cli_errors import UsageError
+
+    if args.limit is not None and args.limit < 1:
+        raise UsageError(f"--limit must be >= 1 (the first N items of each benchmark), got {args.limit}; drop it "
+                         "for every item")
+    if args.max_new_tokens < 1:
+        raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.lcb_path is not None and not Path(args.lcb_path).is_file():
+        raise UsageError(f"--lcb-path {args.lcb_path}: no such file")
+    if args.warm_cache:
+        return  # no model, no backend
+    if args.kv_cache_gib is not None and args.kv_cache_gib <= 0:
+        raise UsageError(f"--kv-cache-gib must be > 0, got {args.kv_cache_gib:g}")
+    if args.backend == "vllm":
+        from populora_verl.checks import vllm_missing
+
+        missing = vllm_missing()
+        if missing:
+            raise UsageError(f"--backend vllm: {missing}; or use --backend hf")
+    if args.wait is not None:
+        _check_wait_args(args)
+
+
 def _check_wait_args(args: argparse.Namespace) -> None:
     """--wait's needs, each a one-line error naming the flag, before anything loads."""
+    from populora_verl.cli_errors import UsageError
+
     if not args.adapters_file:
-        raise SystemExit("--wait needs --adapters-file (the file awaited)")
+        raise UsageError("--wait needs --adapters-file (the file awaited)")
     if args.wait <= 0:
-        raise SystemExit(f"--wait must be > 0 seconds, got {args.wait:g}")
+        raise UsageError(f"--wait must be > 0 seconds, got {args.wait:g}")
     if not args.model:
-        raise SystemExit("--wait needs --model (the adapters that would name it are not there yet)")
+        raise UsageError("--wait needs --model (the adapters that would name it are not there yet)")
     if args.backend == "vllm" and (not args.max_loras or not args.max_lora_rank):
-        raise SystemExit("--wait with --backend vllm needs --max-loras and --max-lora-rank (the engine's LoRA slots "
+        raise UsageError("--wait with --backend vllm needs --max-loras and --max-lora-rank (the engine's LoRA slots "
                          "are fixed when it starts)")
 
 
@@ -148,20 +181,25 @@ def eval_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-loras", type=int, help="vllm: LoRA slots of an engine started before its adapters (--wait)")
     p.add_argument("--max-lora-rank", type=int, help="vllm: largest LoRA rank such an engine accepts (--wait)")
     p.add_argument("--baseline", help="baseline adapter folder (e.g. the AZR single agent)")
-    p.add_argument("--baseline-name", default="baseline")
+    p.add_argument("--baseline-name", default="baseline", help="the baseline's row name (default: baseline)")
     p.add_argument("--no-base", action="store_true", help="skip the base model row")
     p.add_argument("--benchmarks", default="all", help="all | code | math | comma list of names")
     p.add_argument("--data-dir", help="benchmark directory (default: $POPULORA_BENCHMARKS, then the package's own "
-                   "copy, then ../shared/data/benchmarks)")
+                   "copy)")
     p.add_argument("--lcb-path", help="LiveCodeBench release jsonl (private tests as JSON, see docs)")
-    p.add_argument("--lcb-on-pickle", choices=("error", "public_only"), default="error")
-    p.add_argument("--limit", type=int, help="first N items per benchmark (smoke runs)")
-    p.add_argument("--max-new-tokens", type=int, default=1024)
-    p.add_argument("--backend", choices=("vllm", "hf"), default="hf")
-    p.add_argument("--batch-size", type=int, default=8, help="HF backend batch size")
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--tensor-parallel-size", type=int, default=1)
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    p.add_argument("--lcb-on-pickle", choices=("error", "public_only"), default="error",
+                   help="LiveCodeBench items whose private tests are pickled: refuse the file, or grade those on "
+                        "their public tests only (default: error)")
+    p.add_argument("--limit", type=int, help="first N items per benchmark, N >= 1 (smoke runs; default: all)")
+    p.add_argument("--max-new-tokens", type=int, default=1024, help="tokens generated per answer (default: 1024)")
+    p.add_argument("--backend", choices=("vllm", "hf"), default="hf",
+                   help="hf: transformers + PEFT, CPU or GPU; vllm: multi-LoRA serving on a GPU (default: hf)")
+    p.add_argument("--batch-size", type=int, default=8, help="HF backend batch size (default: 8)")
+    p.add_argument("--dtype", default="auto", help="model dtype, e.g. bfloat16 or float32 (default: auto, the "
+                   "model's own)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, help="vllm: GPUs per engine (default: 1)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.85,
+                   help="vllm: share of the GPU's memory the engine takes (default: 0.85)")
     p.add_argument("--max-model-len", type=int)
     p.add_argument("--kv-cache-gib", type=float,
                    help="vllm: a KV cache of this size instead of one sized by profiling the card's free memory, "
@@ -189,6 +227,7 @@ def _warm(args: argparse.Namespace) -> int:
     from populora_verl.cli_errors import check_output_dir
     from populora_verl.eval.evaluate import default_cache_dir, warm_expected_cache
 
+    _check_args(args)
     cache = check_output_dir(args.cache_dir or default_cache_dir(), "--cache-dir")
     benches = resolve_benchmarks(args.benchmarks, args.data_dir, args.lcb_path)
     n = warm_expected_cache(benches, data_dir=args.data_dir, limit=args.limit, cache_dir=cache,
@@ -204,19 +243,17 @@ def _eval(args: argparse.Namespace) -> int:
     from populora_verl.eval.report import markdown_table, population_table, write_table
     from populora_verl.eval.sandbox import SandboxLimits
 
-    # Every path before the benchmarks are read and the model loads: a mistake found after generating and grading
-    # would throw the whole evaluation away.
+    # Every flag and path before the benchmarks are read and the model loads: a mistake found after generating and
+    # grading would throw the whole evaluation away.
+    _check_args(args)
     if args.run_dir:
         check_run_dir(args.run_dir, "--run-dir", must_exist=True)
     out = check_output_dir(args.out or (Path(args.run_dir) / "eval" if args.run_dir else "populora_eval"),
                            "--out")
     if args.model:
         check_model_path(args.model, "--model")
-    if args.kv_cache_gib is not None and args.kv_cache_gib <= 0:
-        raise SystemExit(f"--kv-cache-gib must be > 0, got {args.kv_cache_gib:g}")
     benches = resolve_benchmarks(args.benchmarks, args.data_dir, args.lcb_path)
     if args.wait is not None:
-        _check_wait_args(args)
         # the members known now (base, baseline); the adapters file's come after the model is up
         members = members_from_args(args, with_adapters_file=False, allow_empty=True)
         model = args.model
@@ -257,11 +294,40 @@ def _eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_is_run(run: Path) -> None:
+    """A folder with none of a run's files would get an empty report and exit 0, as if all were well."""
+    from populora_verl.cli_errors import UsageError
+    from populora_verl.diagnostics.lineage import find_population_dir
+
+    if not (run / "metrics.jsonl").is_file() and not (run / "eval" / "results.json").is_file() \
+            and find_population_dir(run) is None:
+        raise UsageError(f"run directory {run}: not a PopuLoRA run (no metrics.jsonl, population checkpoint or "
+                         "eval/results.json)")
+
+
+def _read_json(path: str, flag: str) -> object:
+    """A JSON file a flag names: a missing or garbled one is named with the flag, not as a bare errno."""
+    from populora_verl.cli_errors import UsageError
+
+    p = Path(path)
+    if not p.is_file():
+        raise UsageError(f"{flag} {path}: no such file")
+    try:
+        return json.loads(p.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise UsageError(f"{flag} {path}: not valid JSON ({e.msg}, line {e.lineno})") from None
+    except UnicodeDecodeError:
+        raise UsageError(f"{flag} {path}: not a UTF-8 JSON file") from None
+    except OSError as e:
+        raise UsageError(f"{flag} {path}: cannot read it ({e.strerror or e})") from None
+
+
 def report_main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="populora-report", description="Markdown report of a PopuLoRA run: evaluation "
                                 "table, training-dynamics plots, ratings and the lineage tree; or, with --compare, "
                                 "several runs drawn together (one figure per quantity).")
-    p.add_argument("run_dir", nargs="?")
+    p.add_argument("run_dir", nargs="?", help="the run directory to report on (a CPU-driver --run-dir or a verl "
+                   "trainer.default_local_dir); the report goes to <run_dir>/report unless --out")
     p.add_argument("--compare", nargs="+", metavar="RUN_DIR", help="draw these runs on shared axes instead")
     p.add_argument("--labels", nargs="+", help="--compare: one legend label per run (default: folder names)")
     p.add_argument("--out", help="output folder (default: <run_dir>/report, or ./populora_compare)")
@@ -288,8 +354,10 @@ def report_main(argv: Sequence[str] | None = None) -> int:
         from populora_verl.cli_errors import check_output_dir, check_run_dir
 
         check_run_dir(args.run_dir, "run directory", must_exist=True)
+        if not args.eval_results:  # with --eval, the evaluation alone makes a report
+            _check_is_run(Path(args.run_dir))
         check_output_dir(args.out or Path(args.run_dir) / "report", "--out")
-        results = json.loads(Path(args.eval_results).read_text(encoding="utf-8")) if args.eval_results else None
+        results = _read_json(args.eval_results, "--eval") if args.eval_results else None
         path = build_run_report(args.run_dir, args.out, eval_results=results)
         print(path)
         return 0

@@ -1,9 +1,8 @@
 """Offline benchmark loaders: every benchmark reads from a local path, never from a hub.
 
-Data directory (first that applies): the ``data_dir`` argument / ``--data-dir``, env ``POPULORA_BENCHMARKS``, the
-package's own copy (``populora_verl/eval/benchmark_data``: HumanEval+, MBPP+, GSM8K, MATH-500, AIME24/25, AMC23; see
-its MANIFEST.md), then ``../shared/data/benchmarks`` next to the repository checkout for the rest. Layout and formats
-are the EvalPlus releases and the AZR / Qwen2.5-Math ``math_eval`` files;
+Data directory (first that applies): the ``data_dir`` argument / ``--data-dir``, env ``POPULORA_BENCHMARKS``, else
+the package's own copy (``populora_verl/eval/benchmark_data``: HumanEval+, MBPP+, GSM8K, MATH-500, AIME24/25, AMC23;
+see its MANIFEST.md); the rest comes through the first two. Layout and formats are the EvalPlus releases and the AZR / Qwen2.5-Math ``math_eval`` files;
 LiveCodeBench is read from a user-supplied release jsonl (see :mod:`populora_verl.eval.lcb`).
 """
 
@@ -158,9 +157,9 @@ PACKAGE_DATA = Path(__file__).resolve().with_name("benchmark_data")
 
 
 def resolve_data_dir(data_dir: str | os.PathLike | None = None, name: str | None = None) -> Path:
-    """The benchmark directory: ``data_dir``, else ``$POPULORA_BENCHMARKS``, else the package's own copy, else
-    ``<repo>/../shared/data/benchmarks``. With ``name``, the last two are searched for that benchmark's file (the
-    package ships only the benchmarks whose licences allow it)."""
+    """The benchmark directory: ``data_dir``, else ``$POPULORA_BENCHMARKS``, else the package's own copy, which
+    ships only the benchmarks whose licences allow it: with ``name``, a benchmark it lacks is an error naming the
+    ways to give one."""
     if data_dir is not None:
         p = Path(data_dir)
         if not p.is_dir():
@@ -172,14 +171,11 @@ def resolve_data_dir(data_dir: str | os.PathLike | None = None, name: str | None
         if not p.is_dir():
             raise FileNotFoundError(f"POPULORA_BENCHMARKS={env} is not a directory")
         return p
-    shared = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "benchmarks"
-    candidates = [d for d in (PACKAGE_DATA, shared) if d.is_dir()]
-    for d in candidates:
-        if name is None or find_benchmark_file(name, d) is not None:
-            return d
+    if PACKAGE_DATA.is_dir() and (name is None or find_benchmark_file(name, PACKAGE_DATA) is not None):
+        return PACKAGE_DATA
     what = f"no {name} file" if name else "no benchmark data"
-    raise FileNotFoundError(f"{what} in {', '.join(map(str, candidates)) or PACKAGE_DATA}: pass --data-dir or set "
-                            "POPULORA_BENCHMARKS (layout in docs/evaluation.md)")
+    raise FileNotFoundError(f"{what} in {PACKAGE_DATA}: pass --data-dir or set POPULORA_BENCHMARKS (layout in "
+                            "docs/evaluation.md)")
 
 
 def find_benchmark_file(name: str, data_dir: Path) -> Path | None:

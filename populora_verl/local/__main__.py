@@ -94,20 +94,24 @@ def build_configs(args: argparse.Namespace) -> tuple[PopuLoRAConfig, LocalConfig
     files = []
     saved = Path(args.run_dir) / "config.yaml"
     if args.resume and saved.is_file():
-        files.append(saved)
+        files.append((saved, "--resume: the run's saved config"))  # not the user's --config: say which file
     if args.config:
-        files.append(Path(args.config))
-    for path in files:
+        files.append((Path(args.config), "--config"))
+    for path, what in files:
         if not path.is_file():
-            raise ConfigError(f"--config: no such file {path}")
+            raise ConfigError(f"{what}: no such file {path}")
         try:
-            data = yaml.safe_load(path.read_text()) or {}
+            data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
         except yaml.YAMLError as e:
             mark = getattr(e, "problem_mark", None)
             where = f" (line {mark.line + 1})" if mark is not None else ""
-            raise ConfigError(f"--config: {path} is not valid YAML{where}: {getattr(e, 'problem', None) or e}") from e
+            raise ConfigError(f"{what}: {path} is not valid YAML{where}: {getattr(e, 'problem', None) or e}") from e
+        except UnicodeDecodeError:
+            raise ConfigError(f"{what}: {path} is not a UTF-8 text file") from None
+        except OSError as e:
+            raise ConfigError(f"{what}: cannot read {path}: {e.strerror or e}") from None
         if not isinstance(data, Mapping):
-            raise ConfigError(f"--config: {path} must hold a mapping with populora: / local: sections")
+            raise ConfigError(f"{what}: {path} must hold a mapping with populora: / local: sections")
         unknown = set(data) - {"populora", "local"}
         if unknown:
             raise ConfigError(f"{sorted(unknown)[0]}: unknown top-level section in {path} (known: populora, local)")
@@ -141,9 +145,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 def resume_cmd(args: argparse.Namespace) -> str:
     import shlex
 
-    # The model is a flag, not part of the saved config: the resumed run must be given the same one.
+    # The model is a flag, not part of the saved config: the resumed run must be given the same one. So is a
+    # --steps given on a resume (the saved config keeps the first start's): without it, the run would end at once.
     model = f" --model {shlex.quote(args.model)}" if args.model else f" --gguf {shlex.quote(args.gguf)}" if args.gguf else ""
-    return f"python -m populora_verl.local --run-dir {shlex.quote(str(args.run_dir))}{model} --resume"
+    steps = f" --steps {args.steps}" if args.steps is not None else ""
+    return f"python -m populora_verl.local --run-dir {shlex.quote(str(args.run_dir))}{model}{steps} --resume"
 
 
 def interrupted_message(run_dir: str | Path, resume: str) -> str:
@@ -157,19 +163,25 @@ def interrupted_message(run_dir: str | Path, resume: str) -> str:
 
 def check_paths(args: argparse.Namespace) -> None:
     """Every path flag, before any model loads or anything is written; :class:`UsageError` names the flag."""
-    from populora_verl.cli_errors import UsageError, check_model_path, check_run_dir
+    from populora_verl.cli_errors import UsageError, check_model_path, check_output_dir, check_run_dir
 
     if args.model and args.gguf:
         raise UsageError("--model and --gguf are exclusive")
-    if args.resume and not Path(args.run_dir).exists():
+    if args.resume and not Path(args.run_dir).exists() and not Path(args.run_dir).is_symlink():
         raise UsageError(f"--resume: no run directory {args.run_dir}; drop --resume to start a new run there")
     check_run_dir(args.run_dir, "--run-dir", must_exist=args.resume)
+    if args.resume:  # a resumed run writes into it: its lock, metrics and checkpoints
+        check_output_dir(args.run_dir, "--run-dir")
     if args.model:
         check_model_path(args.model, "--model", hub=False)  # the CPU driver loads local folders only
     if args.gguf and not Path(args.gguf).is_file():
         raise UsageError(f"--gguf {args.gguf}: no such file")
     if args.config and not Path(args.config).is_file():
         raise UsageError(f"--config {args.config}: no such file")
+    if args.single_agent:  # one adapter in both roles: a count would be ignored, yet saved with the run
+        for flag, value in (("--teachers", args.teachers), ("--students", args.students)):
+            if value is not None:
+                raise UsageError(f"{flag}: --single-agent is one adapter in both roles; drop {flag} or --single-agent")
 
 
 def _default_population(args: argparse.Namespace) -> bool:
@@ -193,6 +205,9 @@ def _run(args: argparse.Namespace) -> int:
 
     check_paths(args)
     cfg, local = build_configs(args)
+    from populora_verl.checks import check_population_inputs
+
+    check_population_inputs(cfg)  # operator names and the seed file, before the model loads
     # Our own notes at INFO; other libraries only when they warn (matplotlib's first-run font cache note is noise).
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     logging.getLogger("populora_verl").setLevel(logging.INFO)

@@ -24,7 +24,7 @@ from populora_verl.local.config import LocalConfig
 from populora_verl.local.hf_engine import HFEngine, seed_for, slot_name
 from populora_verl.local.progress import step_line
 from populora_verl.step import PopulationStep, StepResult, check_compute_plan
-from populora_verl.step.engine import Phase, evolve, seed_buffers, seed_file
+from populora_verl.step.engine import EvolutionResult, Phase, evolve, seed_buffers, seed_file
 from populora_verl.step.records import BASE_POLICY, SEED, STUDENT, TEACHER, GenRequest, GenResponse
 
 __all__ = ["LocalDriver", "LocalEngine", "load_model"]
@@ -252,7 +252,9 @@ class LocalDriver:
             for k, v in stats.items():
                 metrics[f"populora/train/{m.id}/{k}"] = v
         t4 = time.perf_counter()
-        evolution = evolve(ps, step, self.pop_engine, self.run_dir)
+        # RUN/STOP, as in the verl trainer: a safe step ends the run, with no evolution and a checkpoint.
+        self.stopping = self._stop_due(step)
+        evolution = EvolutionResult() if self.stopping else evolve(ps, step, self.pop_engine, self.run_dir)
         self.last_plan = evolution.plan  # for the step line, which names the replacements
         metrics.update(evolution.metrics)
         for line in evolution.lines:  # the verl trainer's lines, with the tie-break notes the step line leaves out
@@ -262,9 +264,23 @@ class LocalDriver:
                         "populora/time/step_s": time.perf_counter() - t0})
         return result, metrics
 
+    def _stop_due(self, step: int) -> bool:
+        from populora_verl.trainer import stop
+
+        request = stop.read_request(str(self.run_dir / "STOP"))
+        if request is None:
+            return False
+        ages = [int(m.age) for m in self.population.members]
+        window = self.population.age_window if self.step_obj.pbt is not None else None
+        return stop.due(request, step, min(ages) if ages else None, window)
+
     def run(self, steps: int | None = None) -> list[dict[str, float]]:
-        """Run up to step ``steps`` (total, counting resumed ones); checkpoint, log, plot at the end."""
+        """Run up to step ``steps`` (total, counting resumed ones), or to the first safe step once ``RUN/STOP``
+        exists; checkpoint, log, plot at the end."""
         total = self.local.steps if steps is None else int(steps)
+        if (self.run_dir / "STOP").exists():  # a stop file left from an earlier run would end this one early
+            log.info("stop file %s exists: the run ends at its first safe step (remove it to run on)",
+                     self.run_dir / "STOP")
         self.step_obj.set_total_steps(total)  # no evolution in the last pbt.final_quiet_steps steps
         bar = None
         if self.local.progress:
@@ -281,13 +297,17 @@ class LocalDriver:
                 line = step_line(step, total, result, metrics, self.population, self.last_plan)
                 bar.write(line) if bar is not None else print(line, flush=True)
                 every = self.local.save_every
-                if (every and step % every == 0) or step == total:
+                if (every and step % every == 0) or step == total or self.stopping:
                     self.save(step)
                 if bar is not None:
                     bar.update(1)
                     bar.set_postfix(valid=f"{metrics.get('populora/validity/mean', 0):.2f}",
                                     acc=f"{metrics.get('populora/student/accuracy', 0):.2f}",
                                     evo=int(metrics.get("populora/evolution/events", 0)))
+                if self.stopping:
+                    log.info("step %d: stop file %s found; no evolution, checkpoint, then the run ends", step,
+                             self.run_dir / "STOP")
+                    break
         finally:
             if bar is not None:
                 bar.close()

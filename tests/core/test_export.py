@@ -79,6 +79,21 @@ def test_export_errors(run, tmp_path, capsys):
                                                "is a file, not a folder")
 
 
+def test_an_unknown_member_or_step_is_bad_input_that_lists_what_the_run_has(run, tmp_path, capsys):
+    run_dir, driver = run
+    alive = sorted(m.id for m in driver.population.members)
+    assert main([str(run_dir), "x9", str(tmp_path / "o")]) == 2
+    assert capsys.readouterr().err.strip() == (f"populora-export: error: member 'x9' is not a member of this run "
+                                               f"(step_1); members with an adapter: {alive}")
+    assert main([str(run_dir), "t0", str(tmp_path / "o"), "--step", "99"]) == 2
+    assert capsys.readouterr().err.strip() == (f"populora-export: error: --step 99: no population checkpoint of that "
+                                               f"step under {run_dir}; steps with one: [1]")
+    (tmp_path / "empty").mkdir()
+    assert main([str(tmp_path / "empty"), "t0", str(tmp_path / "o")]) == 2
+    assert "(not a PopuLoRA run, or none saved yet)" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+
+
 def test_verl_layout_is_found(run, tmp_path):
     """A verl run keeps the population under global_step_N/populora/checkpoints/step_N."""
     import shutil

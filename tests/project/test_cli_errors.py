@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from populora_verl.checks import VLLM_INSTALL
 from populora_verl.eval.cli import eval_main, report_main
 from populora_verl.local.__main__ import main as local_main
 
@@ -147,6 +148,7 @@ def test_report_and_compare_check_their_folders(tmp_path, capsys):
     f.write_text("x")
     run = tmp_path / "run"
     run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 1}\n')
     assert report_main([str(run), "--out", str(f)]) == 2
     assert _one_line(capsys) == f"populora-report: error: --out {f}: is a file, not a folder"
     assert report_main(["--compare", str(run), str(tmp_path / "nope")]) == 2
@@ -188,3 +190,130 @@ def test_models_join_checks_the_sha256_and_leaves_no_tmp(tmp_path, capsys, monke
     assert models.main(["join", "fake", str(tmp_path / "out" / "g.gguf")]) == 1
     assert "sha256" in _one_line(capsys)
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["f.gguf"]  # no g.gguf, no g.gguf.tmp
+
+
+# --- what the config and the flags name is checked before any model loads -----------------------------------------
+
+
+@pytest.fixture
+def no_model(monkeypatch):
+    """Fails the test if a model loads: every check here must come first."""
+    import populora_verl.eval.backends as backends
+    import populora_verl.local.driver as driver_mod
+
+    monkeypatch.setattr(driver_mod, "load_model", lambda *a, **kw: pytest.fail("a model was loaded"))
+    monkeypatch.setattr(backends, "build_backend", lambda *a, **kw: pytest.fail("a model was loaded"))
+
+
+def test_local_checks_operators_seed_file_and_single_agent_flags_first(tmp_path, capsys, no_model):
+    run = str(tmp_path / "r")
+    assert local_main(["--run-dir", run, "populora.pbt.operators={nosuchop: 1.0}"]) == 2
+    assert _one_line(capsys).startswith("populora-local: error: populora.pbt.operators.nosuchop: unknown operator; "
+                                        "known: [")
+    seeds = tmp_path / "seeds.jsonl"
+    assert local_main(["--run-dir", run, f"populora.buffer.seed_file={seeds}"]) == 2
+    assert _one_line(capsys).startswith(f"populora-local: error: populora.buffer.seed_file: no such file '{seeds}'")
+    seeds.write_text("not json\n")
+    assert local_main(["--run-dir", run, f"populora.buffer.seed_file={seeds}"]) == 2
+    assert _one_line(capsys).startswith(f"populora-local: error: populora.buffer.seed_file: {seeds}:1: bad seed line")
+    # one adapter in both roles: a count would be ignored, yet saved with the run
+    assert local_main(["--run-dir", run, "--single-agent", "--teachers", "3"]) == 2
+    assert _one_line(capsys) == ("populora-local: error: --teachers: --single-agent is one adapter in both roles; "
+                                 "drop --teachers or --single-agent")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["seeds.jsonl"]  # no run directory from a refused start
+
+
+def test_local_resume_names_the_saved_config_a_dangling_link_and_an_unwritable_run(tmp_path, capsys, monkeypatch,
+                                                                                     no_model):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text("populora: [unclosed\n")
+    assert local_main(["--run-dir", str(run), "--resume"]) == 2
+    assert _one_line(capsys).startswith("populora-local: error: --resume: the run's saved config: "
+                                        f"{run / 'config.yaml'} is not valid YAML")
+    link = tmp_path / "link"
+    link.symlink_to(tmp_path / "gone")
+    for extra in ([], ["--resume"]):
+        assert local_main(["--run-dir", str(link), *extra]) == 2
+        assert _one_line(capsys) == f"populora-local: error: --run-dir {link}: a link to {tmp_path / 'gone'}, which " \
+                                    "does not exist"
+    import populora_verl.cli_errors as ce
+
+    # root writes anywhere, so stand in for a read-only folder by making the real write probe fail
+    monkeypatch.setattr(ce.tempfile, "mkstemp", lambda **kw: (_ for _ in ()).throw(PermissionError(13, "denied")))
+    assert local_main(["--run-dir", str(run), "--resume"]) == 2
+    assert _one_line(capsys) == f"populora-local: error: --run-dir {run}: the folder is not writable"
+
+
+def test_local_ctrl_c_on_a_resume_that_extends_the_run_keeps_its_steps(tmp_path, capsys, monkeypatch):
+    """The saved config keeps the first start's --steps: a hint without --steps 10 would resume to a run that is
+    already over, train nothing and exit 0."""
+    import populora_verl.local.driver as driver_mod
+
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step_5").mkdir(parents=True)
+    (run / "checkpoints" / "step_5" / "COMPLETE").write_text("")
+
+    class Interrupted:
+        def __init__(self, *a, **kw):
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(driver_mod, "LocalDriver", Interrupted)
+    assert local_main(["--run-dir", str(run), "--resume", "--steps", "10"]) == 130
+    assert _one_line(capsys).endswith(f"continue with: python -m populora_verl.local --run-dir {run} --steps 10 "
+                                      "--resume")
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--benchmarks", "livecodebench"], "--benchmarks livecodebench: no LiveCodeBench file; pass --lcb-path"),
+    (["--lcb-path", "/missing.jsonl"], "--lcb-path /missing.jsonl: no such file"),
+    (["--limit", "0"], "--limit must be >= 1"),
+    (["--limit", "-1"], "--limit must be >= 1"),
+    (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1, got 0"),
+    (["--backend", "vllm"], "--backend vllm: vLLM is not installed: pip install 'verl[vllm]==0.9.1'"),
+])
+def test_eval_flags_and_what_they_need_are_checked_before_the_model(tmp_path, capsys, monkeypatch, no_model, flags,
+                                                                    message):
+    monkeypatch.setattr("populora_verl.checks.vllm_missing", lambda: "vLLM is not installed: " + VLLM_INSTALL)
+    assert eval_main(["--benchmarks", "humaneval_plus", "--adapters", str(tmp_path / "a"), "--out",
+                      str(tmp_path / "o"), *flags]) == 2
+    err = _one_line(capsys)
+    assert err.startswith("populora-eval: error: ") and message in err
+    assert not (tmp_path / "o").exists()
+
+
+def test_eval_warm_cache_checks_its_flags_too(tmp_path, capsys):
+    assert eval_main(["--warm-cache", "--limit", "0", "--cache-dir", str(tmp_path / "c")]) == 2
+    assert "--limit must be >= 1" in _one_line(capsys)
+
+
+def test_report_refuses_a_folder_that_is_not_a_run_and_names_a_bad_eval_file(tmp_path, capsys):
+    plain = tmp_path / "photos"
+    plain.mkdir()
+    assert report_main([str(plain)]) == 2
+    assert _one_line(capsys) == (f"populora-report: error: run directory {plain}: not a PopuLoRA run (no "
+                                 "metrics.jsonl, population checkpoint or eval/results.json)")
+    assert not (plain / "report").exists()
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 1}\n')
+    assert report_main([str(run), "--eval", str(tmp_path / "none.json")]) == 2
+    assert _one_line(capsys) == f"populora-report: error: --eval {tmp_path / 'none.json'}: no such file"
+    (tmp_path / "bad.json").write_text('{"scores": ')
+    assert report_main([str(run), "--eval", str(tmp_path / "bad.json")]) == 2
+    assert _one_line(capsys) == (f"populora-report: error: --eval {tmp_path / 'bad.json'}: not valid JSON "
+                                 "(Expecting value, line 1)")
+
+
+def test_help_texts_give_the_defaults(capsys):
+    from populora_verl.eval.cli import eval_parser
+
+    text = " ".join(eval_parser().format_help().split())
+    for flag, default in (("--max-new-tokens", "1024"), ("--backend", "hf"), ("--dtype", "auto"),
+                          ("--baseline-name", "baseline")):
+        start = text.index(flag + " ", text.index("options:"))
+        assert f"(default: {default}" in text[start:text.index(" --", start + len(flag) + 1)], flag
+    assert "shared" not in text
+    with pytest.raises(SystemExit):
+        report_main(["--help"])
+    assert "<run_dir>/report" in capsys.readouterr().out
