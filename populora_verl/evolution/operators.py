@@ -10,7 +10,7 @@ A child keeps its first parent's keys, order, shapes, dtypes and devices; parent
 generator state gives the same child (on the same device). Noise is drawn in fp32 on the generator's device and
 the child is cast back to the parent's dtype (bf16 adapters work). Crossover parents are ordered fittest first.
 
-Candidate set (formulas and defaults: lucidrains/populora, see /work/shared/reference/paper-and-azr.md §6; two
+Candidate set (formulas and defaults: the lucidrains/populora reference implementation; two
 defaults are ours, recalibrated on trained adapters so a mutation keeps its parent's skill: M3 ρ = 0.05 instead of
 0.3 and M5 α = 1 instead of 10, see ``populora_verl.bench.retention_real`` and BENCHMARKS.md):
 
