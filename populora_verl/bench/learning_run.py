@@ -14,8 +14,8 @@ the background):
 2. With ``--stop-at-step N`` each arm ends at step N (the first safe step from N on). ``M`` minutes after the start
    (whichever comes first) it writes each running arm's stop file (:mod:`populora_verl.trainer.stop`): an arm
    ends at its first step where no member is younger than the final quiet window, with a checkpoint.
-3. Meanwhile ``populora-eval --warm-cache`` computes the benchmarks' expected outputs on spare CPUs. When every arm
-   has ended: ``populora-eval`` (vLLM, greedy, HumanEval+ and MBPP+) on the base model and every arm's living
+3. Once every arm trains, ``populora-eval --warm-cache`` computes the benchmarks' expected outputs on spare CPUs.
+   When every arm has ended (and its spent stop file is removed): ``populora-eval`` (vLLM, greedy, HumanEval+ and MBPP+) on the base model and every arm's living
    members, all at the last step every arm has a checkpoint for (the same number of steps), into ``<ROOT>/eval``
    (with ``--gpus``, one evaluation per benchmark, side by side); then ``populora-report --compare`` of the arms into
    ``<ROOT>/compare``. With ``--stop-at-step`` and a GPU per arm, each arm is instead evaluated on its own GPU as
@@ -351,6 +351,15 @@ def _launch(arm: str, model: str, root: Path, seed_file: str | None, extra: Sequ
     return proc
 
 
+def last_line(log: Path) -> str:
+    """The last non-empty line of an arm's log: a failed start's one-line reason (``populora: <key>: ...``)."""
+    try:
+        lines = [ln.strip() for ln in log.read_text(encoding="utf-8", errors="replace").splitlines() if ln.strip()]
+    except OSError:
+        return "no log"
+    return lines[-1][:300] if lines else "an empty log"
+
+
 def group_pids(pgid: int) -> list[int]:
     """Every live process of a process group (an arm: its trainer and all it spawned), from /proc."""
     pids = []
@@ -473,11 +482,13 @@ def run(args: argparse.Namespace) -> int:
                                       gpu_of[arm], own.get(parse_arm(arm)[0], []))
     write_progress(root, state="training", seed_file=seed_file, launched={a: time.time() for a in procs})
     warm = None
-    if not args.no_eval:  # low priority: the arms' executors come first
-        with open(root / "warm_cache.log", "w") as f:
-            warm = subprocess.Popen(warm_cache_command(args.data_dir), stdout=f, stderr=subprocess.STDOUT,
+
+    def start_warm_cache() -> subprocess.Popen:
+        with open(root / "warm_cache.log", "w") as f:  # low priority: the arms' executors come first
+            proc = subprocess.Popen(warm_cache_command(args.data_dir), stdout=f, stderr=subprocess.STDOUT,
                                     start_new_session=True, preexec_fn=lambda: os.nice(10))
-        _CHILDREN["warm_cache"] = warm
+        _CHILDREN["warm_cache"] = proc
+        return proc
     stopped: set[str] = set()
     hung: dict[str, int] = {}  # arm -> its last logged step, for arms killed for making no progress
     seeding = arm_dir(first)
@@ -491,12 +502,17 @@ def run(args: argparse.Namespace) -> int:
         the seeding arm ending without its seed set leaves the others waiting for nothing."""
         for arm, p in procs.items():
             if p.poll() not in (None, 0) and not population_rows(root / arm):
-                return f"{arm} ended (rc {p.returncode}) before its first step; see {root / arm / 'train.log'}"
+                log = root / arm / "train.log"
+                return f"{arm} ended (rc {p.returncode}) before its first step: {last_line(log)} (whole log: {log})"
         if rest and procs[seeding].poll() is not None and not Path(seed_file).exists():
             return f"{seeding} ended (rc {procs[seeding].returncode}) before writing its seed set {seed_file}"
         return None
 
     while any(p.poll() is None for p in procs.values()) and not early_failure():
+        # The expected-output cache (on the order of 100 MB) is written once every arm trains: a run that fails at
+        # start-up (a config mistake, a machine without GPUs) leaves none behind.
+        if warm is None and not args.no_eval and all(population_rows(root / a) for a in procs):
+            warm = start_warm_cache()
         if early is not None:  # an arm that reached --stop-at-step frees its GPU for its own evaluation
             for arm, p in procs.items():
                 if p.poll() is None and early.prestart_due(arm):
@@ -528,6 +544,8 @@ def run(args: argparse.Namespace) -> int:
                     _kill(p)
         time.sleep(POLL_S)
     reason = early_failure()
+    for arm in procs:  # spent: left behind, a stop file would end the arm's next start (a resume) at once
+        (root / arm / "STOP").unlink(missing_ok=True)
     if reason:
         for p in [*procs.values(), *([warm] if warm is not None else [])]:
             _kill(p)

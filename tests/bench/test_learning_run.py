@@ -94,7 +94,10 @@ def test_driver_seeds_once_stops_both_arms_and_evaluates_at_the_common_step(tmp_
     assert launched == [("2t2s", None), ("single", str(root / "2t2s" / "seed_tasks.jsonl"))]
     prog = json.loads((root / "progress.json").read_text())
     assert prog["state"] == "finished" and prog["rcs"] == {"2t2s": 0, "single": 0} and prog["eval_rc"] == 0
-    assert (root / "2t2s" / "STOP").exists() and (root / "single" / "STOP").exists()
+    out = capsys.readouterr().out
+    assert "2t2s: stop file written" in out and "single: stop file written" in out
+    # spent once the arms ended: left behind, a stop file would end a resumed arm at once
+    assert not (root / "2t2s" / "STOP").exists() and not (root / "single" / "STOP").exists()
     # both arms ended at an even (checkpointed) step; the eval compares them at the last step both have
     steps = {a: lr.checkpoint_steps(root / a) for a in ("2t2s", "single")}
     common = max(set(steps["2t2s"]) & set(steps["single"]))
@@ -134,17 +137,23 @@ def test_an_arm_failing_at_start_up_stops_the_others(tmp_path, monkeypatch):
     script = tmp_path / "fake_trainer.py"
     script.write_text(FAKE_TRAINER)
 
+    refusal = "populora: trainer.n_gpus_per_node: 1 GPU(s) requested but no GPU is visible"
+
     def cmd(arm, model, root, seed_file, extra):
-        if arm == "single":
-            return [sys.executable, "-c", "import sys; sys.exit(2)"]
+        if arm == "single":  # what a CPU machine answers
+            return [sys.executable, "-c", f"import sys; print('ray: noise'); print({refusal!r}); sys.exit(2)"]
         return [sys.executable, str(script), str(root / arm), "seed"]
 
     monkeypatch.setattr(lr, "arm_command", cmd)
     monkeypatch.setattr(lr, "POLL_S", 0.05)
+    monkeypatch.setattr(lr, "warm_cache_command", lambda data_dir: pytest.fail("a cache for a run that never ran"))
     root = tmp_path / "learn"
-    assert lr.main(["--out", str(root), "--model", "/m", "--stop-after-min", "5"]) == 1
+    assert lr.main(["--out", str(root), "--model", "/m", "--stop-after-min", "5", "--stop-at-step", "100"]) == 1
     prog = json.loads((root / "progress.json").read_text())
-    assert prog["state"] == "failed" and prog["reason"].startswith("single ended (rc 2) before its first step")
+    # the reason is the arm's own one line, not only where its log is
+    assert prog["state"] == "failed" and prog["reason"] == (
+        f"single ended (rc 2) before its first step: {refusal} (whole log: {root / 'single' / 'train.log'})")
+    assert not (root / "2t2s" / "STOP").exists() and not (root / "single" / "STOP").exists()
     rows = lr.population_rows(root / "2t2s")
     assert len(rows) < 200  # the population arm was stopped long before its 200 steps
 
