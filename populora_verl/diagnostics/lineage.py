@@ -52,8 +52,12 @@ def find_population_dir(run_dir: str | Path) -> Path | None:
 
 
 def read_population(pop_dir: str | Path) -> dict[str, Any]:
-    with open(Path(pop_dir) / "population.json", encoding="utf-8") as f:
-        state = json.load(f)
+    path = Path(pop_dir) / "population.json"
+    with open(path, encoding="utf-8") as f:
+        try:
+            state = json.load(f)
+        except json.JSONDecodeError as e:  # the same error, naming the damaged file
+            raise json.JSONDecodeError(f"{path}: {e.msg}", e.doc, e.pos) from None
     if not isinstance(state, dict) or not isinstance(state.get("lineage", []), list):
         raise ValueError(f"{pop_dir}/population.json: expected an object with a 'lineage' list")
     return state

@@ -76,6 +76,7 @@ def test_eval_errors_are_one_line(tmp_path, capsys):
     assert eval_main(["--run-dir", str(run), "--benchmarks", "gsm8k"]) == 1
     err = _one_line(capsys)
     assert err.startswith("populora-eval: error: ") and "--debug" in err
+    assert f"{run}/checkpoints/step_1/population/population.json: Expecting value" in err  # names the file
     assert eval_main(["--benchmarks", "gsm8k", "--data-dir", str(tmp_path / "nope")]) == 1
     assert "--data-dir: benchmark directory" in _one_line(capsys)
     with pytest.raises(json.JSONDecodeError):
