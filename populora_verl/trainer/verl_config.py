@@ -174,10 +174,13 @@ class ParallelLayout:
     replicas: int
     max_loras: int  # adapters resident per replica (engine_kwargs.vllm.max_loras)
     adapters: int
+    adapter_layout: str = "bank"
 
     def describe(self) -> str:
-        return (f"{self.n_gpus} GPU(s) on {self.nnodes} node(s); actor: {self.actor_dp} data-parallel rank(s), every "
-                f"adapter sharded over {self.fsdp_size}; rollout: {self.replicas} vLLM replica(s) x "
+        held = ("every adapter resident and replicated on each rank" if self.adapter_layout == "resident"
+                else f"one live adapter sharded over {self.fsdp_size}, the others banked")
+        return (f"{self.n_gpus} GPU(s) on {self.nnodes} node(s); actor: {self.actor_dp} data-parallel rank(s), "
+                f"{held}; rollout: {self.replicas} vLLM replica(s) x "
                 f"{self.rollout_world} GPU(s) (TP {self.rollout_tp}), each serving all {self.adapters} adapters "
                 f"(max_loras {self.max_loras})")
 
@@ -221,7 +224,7 @@ def parallel_layout(config: Any, pcfg: PopuLoRAConfig) -> ParallelLayout:
         n_gpus=n_gpus, nnodes=nnodes, actor_dp=n_gpus // sp,
         fsdp_size=fsdp_size if 0 < fsdp_size < n_gpus else n_gpus, rollout_tp=tp, rollout_world=rollout_world,
         replicas=n_gpus // rollout_world, max_loras=int(select(ek, "max_loras", 0) or 0),
-        adapters=pcfg.population.num_adapters,
+        adapters=pcfg.population.num_adapters, adapter_layout=pcfg.population.adapter_layout,
     )
 
 

@@ -45,3 +45,11 @@ def test_what_resident_adapters_rely_on_fails_in_one_line(override, key):
 def test_an_unknown_layout_names_the_key():
     with pytest.raises(ConfigError, match=r"^populora\.population\.adapter_layout: must be one of"):
         load_config({"population": {"adapter_layout": "stacked"}})
+
+
+def test_the_layout_line_says_where_the_adapters_live():
+    for layout, words in (("bank", "one live adapter sharded over 1, the others banked"),
+                          ("resident", "every adapter resident and replicated on each rank")):
+        cfg = compose_recipe("qwen1.5b_1gpu_2t2s", ["actor_rollout_ref.model.path=/m",
+                                                    f"populora.population.adapter_layout={layout}"])
+        assert words in verl_config.parallel_layout(cfg, load_config(cfg.populora)).describe()
