@@ -178,8 +178,14 @@ def acquire_run_lock(run_dir: str | os.PathLike, *, command: str | None = None, 
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             flocked = _try_flock(fd)
+            holder = _parse(_read_fd(fd)) if flocked is False else None
+            while flocked is False and not holder:
+                # The holder writes its record just after taking the lock: a start racing it reads an empty file.
+                # Wait for the record, or for the lock to come free (a holder that died in between).
+                time.sleep(0.01)
+                flocked = _try_flock(fd)
+                holder = _parse(_read_fd(fd)) if flocked is False else None
             if flocked is False:
-                holder = _parse(_read_fd(fd))
                 raise RunDirInUse(f"{what} {run_dir} is in use by {_describe(holder)}: wait for that run to end, or "
                                   f"choose another {what}")
             if not _same_file(path, fd):

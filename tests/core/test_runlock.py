@@ -128,6 +128,24 @@ def test_cpu_driver_refuses_a_run_dir_in_use_before_loading_a_model(tmp_path, ca
         p.wait()
 
 
+def test_a_start_between_the_holders_lock_and_its_record_still_names_the_holder(tmp_path, monkeypatch):
+    """The holder writes its record just after taking the lock: a start in between waits for the record (here the
+    holder writes it while the start waits) instead of naming "another process"."""
+    import fcntl
+
+    import populora_verl.runlock as rl
+
+    fd = os.open(tmp_path / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # locked, its record not written yet
+    record = {"pid": 4242, "host": "elsewhere", "started": 0, "command": "holder"}
+    monkeypatch.setattr(rl.time, "sleep", lambda s: os.pwrite(fd, json.dumps(record).encode(), 0))
+    try:
+        with pytest.raises(RunDirInUse, match=r"is in use by pid 4242 on elsewhere .*\(holder\)"):
+            acquire_run_lock(tmp_path)
+    finally:
+        os.close(fd)
+
+
 def test_two_cpu_runs_started_together_leave_one_intact_run(tmp_path):
     """Two runs into one directory at the same moment: one runs, the other stops at start-up in one line, and the
     run directory holds every step once."""
