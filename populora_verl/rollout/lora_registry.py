@@ -43,6 +43,10 @@ __all__ = [
     "decode_lora_int_id",
     "parse_lora_name",
     "lora_spec_from_prompt",
+    "LoraTarget",
+    "lora_targets",
+    "tag_adapter_tensors",
+    "split_adapter_tensors",
 ]
 
 LORA_ID_BASE = 1000
@@ -129,6 +133,66 @@ def lora_spec_from_prompt(populora: Any) -> dict[str, Any]:
         raise PopuLoRARoutingError(str(e)) from None
     name = populora.get("lora_name")
     return {"lora_int_id": lid, "lora_name": None if name is None else str(name)}
+
+
+# --- several adapters in one weight transfer ---------------------------------------------------------------------
+
+#: tensor names of a several-adapter transfer: ``populora_adapter/<lora_int_id>/<PEFT key>``
+ADAPTER_TAG = "populora_adapter/"
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraTarget:
+    """One adapter of a weight transfer: the id and name it is served under, and the ids it retires."""
+
+    lora_int_id: int
+    lora_name: str
+    retire: tuple[int, ...] = ()
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"lora_int_id": self.lora_int_id, "lora_name": self.lora_name, "retire": list(self.retire)}
+
+
+def lora_targets(raw: Iterable[Mapping[str, Any] | LoraTarget]) -> list[LoraTarget]:
+    """Checked targets of a several-adapter transfer: PopuLoRA ids and names, each id once."""
+    out: list[LoraTarget] = []
+    for t in raw:
+        t = t if isinstance(t, LoraTarget) else LoraTarget(
+            lora_int_id=_nonneg_int(t.get("lora_int_id"), "lora_int_id"), lora_name=str(t.get("lora_name")),
+            retire=tuple(_nonneg_int(r, "retired lora_int_id") for r in (t.get("retire") or ())))
+        if t.lora_int_id < LORA_ID_BASE:
+            raise ValueError(f"lora_int_id {t.lora_int_id} is below {LORA_ID_BASE}: not a PopuLoRA id")
+        parse_lora_name(t.lora_name)
+        out.append(t)
+    ids = [t.lora_int_id for t in out]
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"a weight transfer names lora_int_id twice: {ids}")
+    return out
+
+
+def tag_adapter_tensors(lora_id: int, items: Iterable[tuple[str, Any]]) -> Iterable[tuple[str, Any]]:
+    """One adapter's ``(name, tensor)`` pairs named for a several-adapter transfer."""
+    lora_id = _nonneg_int(lora_id, "lora_int_id")
+    for name, t in items:
+        yield f"{ADAPTER_TAG}{lora_id}/{name}", t
+
+
+def split_adapter_tensors(items: Iterable[tuple[str, Any]], lora_ids: Iterable[int]) -> dict[int, dict[str, Any]]:
+    """The tensors of a several-adapter transfer, per adapter; an untagged or unexpected tensor, or an adapter with
+    none, is an error (an adapter must never be served with another's weights or with half of its own)."""
+    want = [int(i) for i in lora_ids]
+    out: dict[int, dict[str, Any]] = {i: {} for i in want}
+    for name, t in items:
+        if not name.startswith(ADAPTER_TAG):
+            raise ValueError(f"tensor {name!r} of a several-adapter transfer names no adapter")
+        lid, _, key = name[len(ADAPTER_TAG):].partition("/")
+        if not lid.isdigit() or int(lid) not in out or not key:
+            raise ValueError(f"tensor {name!r} names an adapter outside this transfer {want}")
+        out[int(lid)][key] = t
+    empty = [i for i, d in out.items() if not d]
+    if empty:
+        raise ValueError(f"adapters {empty} got no tensors in this transfer")
+    return out
 
 
 @dataclasses.dataclass(frozen=True)

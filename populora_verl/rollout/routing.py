@@ -9,6 +9,7 @@ CPU tests. It relies only on the server attributes ``engine`` (vLLM ``AsyncLLM``
 from __future__ import annotations
 
 import contextvars
+import copy
 from typing import Any, Callable
 
 from populora_verl.rollout.lora_registry import (
@@ -16,6 +17,7 @@ from populora_verl.rollout.lora_registry import (
     LoraCapacity,
     PopuLoRARoutingError,
     lora_spec_from_prompt,
+    lora_targets,
 )
 
 __all__ = ["LoraRoutingEngine", "PopuLoRAServerMixin", "current_lora_request"]
@@ -97,6 +99,8 @@ class PopuLoRAServerMixin:
     ):
         kwargs = dict(kwargs or {})
         lora_id = kwargs.get("lora_int_id")
+        if method == "update_weights_from_ipc" and kwargs.get("lora_targets") is not None:
+            return await self._populora_update_several(method, timeout, args, kwargs)
         if method != "update_weights_from_ipc" or lora_id is None:
             return await super().collective_rpc(method, timeout=timeout, args=args, kwargs=kwargs)
         registry = self._registry()
@@ -107,6 +111,29 @@ class PopuLoRAServerMixin:
             registry.abort_update(int(lora_id))
             raise
         registry.commit_update(int(lora_id))
+        return result
+
+    async def _populora_update_several(self, method: str, timeout: float | None, args: tuple,
+                                       kwargs: dict[str, Any]) -> Any:
+        """Several adapters in one weight transfer: every id out of service until all of them have arrived."""
+        registry = self._registry()
+        targets = lora_targets(kwargs["lora_targets"])
+        probe = copy.deepcopy(registry)  # a transfer the registry refuses never starts and changes nothing
+        for t in targets:
+            probe.begin_update(t.lora_int_id, t.lora_name, t.retire)
+        begun: list[int] = []
+        try:
+            for t in targets:
+                registry.begin_update(t.lora_int_id, t.lora_name, t.retire)
+                begun.append(t.lora_int_id)
+            kwargs["lora_targets"] = [t.as_dict() for t in targets]
+            result = await super().collective_rpc(method, timeout=timeout, args=args, kwargs=kwargs)
+        except BaseException:
+            for lid in begun:
+                registry.abort_update(lid)
+            raise
+        for lid in begun:
+            registry.commit_update(lid)
         return result
 
     async def populora_retire_loras(self, lora_int_ids: list[int]) -> None:

@@ -12,7 +12,7 @@ import logging
 from verl.utils.vllm import TensorLoRARequest
 from verl.workers.rollout.vllm_rollout.utils import VLLM_LORA_PATH, vLLMColocateWorkerExtension
 
-from populora_verl.rollout.lora_registry import LORA_ID_BASE, parse_lora_name
+from populora_verl.rollout.lora_registry import LORA_ID_BASE, lora_targets, parse_lora_name, split_adapter_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -26,6 +26,7 @@ class PopuLoRAWorkerExtension(vLLMColocateWorkerExtension):
     """
 
     _populora_target: tuple[int, str] | None = None
+    _populora_targets: list | None = None  # several adapters in one transfer (LoraTarget)
 
     def update_weights_from_ipc(
         self,
@@ -35,7 +36,10 @@ class PopuLoRAWorkerExtension(vLLMColocateWorkerExtension):
         lora_int_id: int | None = None,
         lora_name: str | None = None,
         retire_lora_int_ids: list[int] | tuple[int, ...] = (),
+        lora_targets: list[dict] | None = None,
     ):
+        if lora_targets is not None:
+            return self._populora_receive_several(peft_config, base_sync_done, use_shm, lora_targets)
         if lora_int_id is None:
             if peft_config and base_sync_done:
                 # verl's path would load the adapter as id 123, which no PopuLoRA request names.
@@ -57,11 +61,35 @@ class PopuLoRAWorkerExtension(vLLMColocateWorkerExtension):
         finally:
             self._populora_target = None
 
+    def _populora_receive_several(self, peft_config, base_sync_done, use_shm, raw_targets):
+        """Every changed adapter of a step in one transfer; tensors are named per adapter
+        (:func:`populora_verl.rollout.lora_registry.tag_adapter_tensors`)."""
+        if not (peft_config and base_sync_done):
+            raise ValueError("lora_targets is only meaningful for an adapter sync (peft_config and base_sync_done)")
+        targets = lora_targets(raw_targets)
+        for t in targets:  # cache room first, then the ids to replace (add_lora is a no-op for a cached id)
+            for rid in t.retire:
+                self.remove_lora(int(rid))
+        for t in targets:
+            self.remove_lora(t.lora_int_id)
+        self._populora_targets = targets
+        try:
+            return super().update_weights_from_ipc(peft_config=peft_config, base_sync_done=base_sync_done, use_shm=use_shm)
+        finally:
+            self._populora_targets = None
+
     def _update_weights(self, weights, peft_config: dict, base_sync_done: bool):
+        if self._populora_targets is not None and peft_config and base_sync_done:
+            groups = split_adapter_tensors(weights, [t.lora_int_id for t in self._populora_targets])
+            for t in self._populora_targets:
+                self._populora_add(t.lora_int_id, t.lora_name, groups[t.lora_int_id].items(), peft_config)
+            return
         target = self._populora_target
         if target is None or not (peft_config and base_sync_done):
             return super()._update_weights(weights, peft_config=peft_config, base_sync_done=base_sync_done)
-        lora_id, name = target
+        self._populora_add(*target, weights, peft_config)
+
+    def _populora_add(self, lora_id: int, name: str, weights, peft_config: dict) -> None:
         # Clone: vLLM keeps the tensors (and may scale lora_B in place); the IPC bucket buffer is reused.
         tensors = {n: t.clone() for n, t in weights}
         request = TensorLoRARequest(

@@ -339,23 +339,35 @@ class PopuLoRAActorRolloutRefWorker(ActorRolloutRefWorker):
         return out
 
     async def _push_resident(self, pushed: dict[int, int], global_steps: int | None) -> None:
-        """Resident slots to vLLM: only those whose weights changed since their last push (trained or evolved)."""
+        """Resident slots to vLLM in one transfer: those whose weights changed since their last push (trained or
+        evolved), each tensor named for its adapter, every id's retirement in the same call."""
         from verl.utils.model import convert_weight_keys
+
+        from populora_verl.rollout.lora_registry import LoraTarget, tag_adapter_tensors
 
         bank = self.bank
         peft_model = getattr(self.actor.engine.module, "_fsdp_wrapped_module", self.actor.engine.module)
         peft_config = peft_model.peft_config["default"].to_dict()
         signatures = self._populora_signatures if self._populora_signatures is not None else {}
+        targets, changed = [], []
         for slot, lid, name, retire in self._lora_targets():
             info = bank.slot_info(slot)
             signature = (info["version"], info["updates"])
             if pushed.get(slot) == lid and signatures.get(slot) == signature:
                 continue  # vLLM already serves these weights under this id
-            params = convert_weight_keys(bank.get_adapter_state(slot), peft_model)
-            await self.rollout.update_weights(
-                params.items(), peft_config=peft_config, base_sync_done=True, global_steps=global_steps,
-                lora_int_id=lid, lora_name=name, retire_lora_int_ids=retire,
-            )
+            targets.append(LoraTarget(lora_int_id=lid, lora_name=name, retire=tuple(retire)))
+            changed.append((slot, lid, signature))
+        if not targets:
+            return
+
+        def tensors():
+            for t, (slot, _, _) in zip(targets, changed, strict=True):
+                yield from tag_adapter_tensors(t.lora_int_id, convert_weight_keys(bank.get_adapter_state(slot),
+                                                                                  peft_model).items())
+
+        await self.rollout.update_weights(tensors(), peft_config=peft_config, base_sync_done=True,
+                                          global_steps=global_steps, lora_targets=[t.as_dict() for t in targets])
+        for slot, lid, signature in changed:
             pushed[slot] = lid
             signatures[slot] = signature
         self._populora_signatures = signatures

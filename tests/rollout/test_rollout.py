@@ -23,6 +23,9 @@ from populora_verl.rollout.lora_registry import (
     decode_lora_int_id,
     lora_int_id,
     lora_name,
+    lora_targets,
+    split_adapter_tensors,
+    tag_adapter_tensors,
     lora_spec_from_prompt,
     parse_lora_name,
 )
@@ -175,7 +178,11 @@ class FakeVerlServer:
         self.rpcs.append((method, dict(kwargs or {})))
         if self.fail_rpc:
             raise RuntimeError("IPC failed")
-        if method == "update_weights_from_ipc":
+        if method == "update_weights_from_ipc" and kwargs.get("lora_targets") is not None:
+            for t in kwargs["lora_targets"]:
+                self.engine.loaded -= set(t["retire"])
+                self.engine.loaded.add(t["lora_int_id"])
+        elif method == "update_weights_from_ipc":
             self.engine.loaded -= set(kwargs.get("retire_lora_int_ids") or ())
             self.engine.loaded.add(kwargs["lora_int_id"])
 
@@ -263,6 +270,57 @@ async def test_retire_removes_from_registry_and_engine():
     assert s.rpcs[-1] == ("populora_remove_loras", {"lora_int_ids": [lora_int_id(0, 0, 4)]})
     with pytest.raises(StaleLoraError):
         await s.generate([1], {}, "x", populora_lora={"lora_int_id": lora_int_id(0, 0, 4)})
+
+
+async def sync_several(s: Server, targets):
+    await s.collective_rpc("update_weights_from_ipc", kwargs={
+        "peft_config": {}, "base_sync_done": True,
+        "lora_targets": [{"lora_int_id": lora_int_id(slot, v, 4), "lora_name": lora_name(slot, v),
+                          "retire": list(retire)} for slot, v, retire in targets]})
+
+
+async def test_several_adapters_in_one_transfer_go_live_together():
+    s = await launched()
+    await sync_several(s, [(slot, 0, ()) for slot in range(4)])
+    assert len(s.rpcs) == 1
+    for slot in range(4):
+        out = await s.generate([1], {}, f"r{slot}", populora_lora={"lora_int_id": lora_int_id(slot, 0, 4)})
+        assert out[2] == (lora_name(slot, 0), lora_int_id(slot, 0, 4))
+    # evolution of slot 2 and training of slot 1 in one transfer: the old id of slot 2 is retired by it
+    await sync_several(s, [(1, 0, ()), (2, 1, (lora_int_id(2, 0, 4),))])
+    with pytest.raises(StaleLoraError):
+        await s.generate([1], {}, "x", populora_lora={"lora_int_id": lora_int_id(2, 0, 4)})
+    await s.generate([1], {}, "y", populora_lora={"lora_int_id": lora_int_id(2, 1, 4)})
+    # a transfer that names one id twice, or forgets to retire a slot's old version, never starts
+    with pytest.raises(ValueError, match="twice"):
+        await sync_several(s, [(3, 0, ()), (3, 0, ())])
+    with pytest.raises(LoraMismatchError):
+        await sync_several(s, [(0, 0, ()), (3, 1, ())])
+    state = await s.populora_live_loras()
+    assert state["pending"] == {} and lora_int_id(0, 0, 4) in state["live"]  # the refused transfer rolled back
+
+
+async def test_a_failed_several_adapter_transfer_leaves_every_id_unservable():
+    s = await launched(fail_rpc=True)
+    with pytest.raises(RuntimeError, match="IPC failed"):
+        await sync_several(s, [(0, 0, ()), (1, 0, ())])
+    state = await s.populora_live_loras()
+    assert state["live"] == {} and state["pending"] == {}
+
+
+def test_tagged_tensors_split_back_per_adapter_and_refuse_strays():
+    a = [("m.lora_A.weight", 1), ("m.lora_B.weight", 2)]
+    b = [("m.lora_A.weight", 3), ("m.lora_B.weight", 4)]
+    items = list(tag_adapter_tensors(1000, a)) + list(tag_adapter_tensors(1001, b))
+    assert split_adapter_tensors(items, [1000, 1001]) == {1000: dict(a), 1001: dict(b)}
+    with pytest.raises(ValueError, match="got no tensors"):
+        split_adapter_tensors(items, [1000, 1001, 1002])
+    with pytest.raises(ValueError, match="outside this transfer"):
+        split_adapter_tensors(items, [1000])
+    with pytest.raises(ValueError, match="names no adapter"):
+        split_adapter_tensors(a, [1000])
+    with pytest.raises(ValueError, match="below"):
+        lora_targets([{"lora_int_id": 5, "lora_name": "0@v0"}])
 
 
 # --- verl registration and the agent loop -------------------------------------------------------------------

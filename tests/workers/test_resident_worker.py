@@ -22,6 +22,7 @@ from tensordict import TensorDict  # noqa: E402
 from verl.utils import tensordict_utils as tu  # noqa: E402
 from verl.utils.metric.utils import AggregationType, Metric  # noqa: E402
 
+from populora_verl.rollout.lora_registry import split_adapter_tensors  # noqa: E402
 from populora_verl.workers.fused import SEGMENTS_KEY, encode_segments  # noqa: E402
 from populora_verl.workers.resident import ResidentAdapters  # noqa: E402
 
@@ -191,21 +192,33 @@ def test_a_slot_call_of_its_own_and_the_reference_pass_on_resident_adapters():
         assert torch.equal(engine.module(input_ids=ids).logits, base)
 
 
-def test_weight_sync_pushes_only_changed_slots_and_resumes_across_layouts(tmp_path):
+def pushed(w):
+    """Each weight transfer of the worker: ``{lora_int_id: tensors}`` and its targets (id, retired ids)."""
+    out = []
+    for tensors, kw in w.rollout.pushes:
+        targets = kw["lora_targets"]
+        groups = split_adapter_tensors(tensors.items(), [t["lora_int_id"] for t in targets])
+        out.append((groups, [(t["lora_int_id"], t["retire"]) for t in targets]))
+    return out
+
+
+def test_weight_sync_sends_the_changed_slots_in_one_transfer_and_resumes_across_layouts(tmp_path):
     bank, res = pair(3)
     asyncio.run(res.update_weights(global_steps=1))
-    assert [kw["lora_int_id"] for _, kw in res.rollout.pushes] == [1000, 1001, 1002]
-    for k, (tensors, _) in enumerate(res.rollout.pushes):
+    (groups, targets), = pushed(res)  # one transfer for every adapter
+    assert targets == [(1000, []), (1001, []), (1002, [])]
+    for k, lid in enumerate((1000, 1001, 1002)):
         ref = res.populora_get_adapter(k)
-        assert tensors.keys() == ref.keys() and all(torch.equal(tensors[n], ref[n]) for n in ref)
+        assert groups[lid].keys() == ref.keys() and all(torch.equal(groups[lid][n], ref[n]) for n in ref)
     res.rollout.pushes.clear()
-    res.update_actor(fused_batch({2: 2}, seed=1))
     asyncio.run(res.update_weights(global_steps=2))
-    assert [kw["lora_int_id"] for _, kw in res.rollout.pushes] == [1002]  # only the trained slot moved
-    res.rollout.pushes.clear()
+    assert res.rollout.pushes == []  # nothing changed: nothing sent
+    res.update_actor(fused_batch({2: 2}, seed=1))
     res.populora_set_adapter(0, {n: t + 1 for n, t in res.populora_get_adapter(1).items()})
     asyncio.run(res.update_weights(global_steps=3))
-    assert [(kw["lora_int_id"], kw["retire_lora_int_ids"]) for _, kw in res.rollout.pushes] == [(1003, [1000])]
+    (groups, targets), = pushed(res)  # the trained slot and the evolved one, the old id of the latter retired
+    assert targets == [(1003, [1000]), (1002, [])]
+    assert all(torch.equal(groups[1003][n], t) for n, t in res.populora_get_adapter(0).items())
     # a resident save resumes as a bank and as resident adapters, slot for slot
     res.populora_save_bank(str(tmp_path))
     as_bank, as_res = make_worker(), make_worker()
