@@ -116,6 +116,9 @@ _VARLEN_NOCOMPILE = [*_VARLEN, _NO_COMPILE]
 # varlen_wide_keep_liger without vLLM's torch.compile pass: beside varlen_wide_keep_liger, the compilation's share of
 # the start-up (cold caches) and its price in generation speed.
 _VARLEN_WIDE_KEEP_LIGER_NOCOMPILE = [*_VARLEN_WIDE_KEEP_LIGER, _NO_COMPILE]
+# varlen_wide_keep_liger with every adapter resident in the trainer (docs/resident-adapters.md): one forward and
+# backward per micro-batch for all adapters, one optimizer step, one weight transfer. The A/B of the adapter layout.
+_VARLEN_WIDE_KEEP_LIGER_RESIDENT = [*_VARLEN_WIDE_KEEP_LIGER, "populora.population.adapter_layout=resident"]
 PROFILES: dict[str, list[str]] = {
     "fast": _FAST,
     "varlen": _VARLEN,
@@ -127,6 +130,7 @@ PROFILES: dict[str, list[str]] = {
     "varlen_wide_peft": _VARLEN_WIDE,
     "varlen_nocompile": _VARLEN_NOCOMPILE,
     "varlen_wide_keep_liger_nocompile": _VARLEN_WIDE_KEEP_LIGER_NOCOMPILE,
+    "varlen_wide_keep_liger_resident": _VARLEN_WIDE_KEEP_LIGER_RESIDENT,
     "verl_logprobs": _VARLEN,
     "fused": _FUSED,
     "baseline": ["actor_rollout_ref.rollout.enforce_eager=true",
@@ -144,6 +148,7 @@ PROFILE_ENV: dict[str, dict[str, str]] = {
     "varlen_wide_keep_liger": {"POPULORA_LORA_FORWARD": "lean"},
     "varlen_wide_keep_uni": {"POPULORA_LORA_FORWARD": "lean"},
     "varlen_wide_keep_liger_nocompile": {"POPULORA_LORA_FORWARD": "lean"},
+    "varlen_wide_keep_liger_resident": {"POPULORA_LORA_FORWARD": "lean"},
     "baseline": {"POPULORA_LOGPROBS": "verl", "POPULORA_LORA_FORWARD": "peft"},
 }
 # verl's console logger line, possibly behind Ray's "(TaskRunnerV1 pid=...)" prefix.
