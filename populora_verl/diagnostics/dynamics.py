@@ -176,9 +176,16 @@ def summarise(run: Mapping[str, Any], window: int = 5) -> dict[str, Any]:
     members = sorted({k.split("/")[2] for r in rows.values() for k in r
                       if k.startswith(f"{P}compute/") and k.endswith("/trajectories") and "/member_mean/" not in k})
     totals = {m: float(series(rows, f"{P}compute/{m}/trajectories")[1].sum()) for m in members}
+    _, deviation = series(rows, f"{P}compute/max_plan_deviation")
+    # a step on which a member that trained before trains nothing: the matchmaking defect this check was made for
+    idle = [st for st, r in rows.items()
+            if any(r.get(f"{P}compute/{m}/trajectories") == 0 for m in members)]
     out["compute"] = {"planned_per_step": float(plan[0]) if len(plan) else None,
                       "realised_mean_per_step": float(real.mean()) if len(real) else None,
-                      "per_member_total": totals}
+                      "per_member_total": totals,
+                      "steps_with_an_idle_member": idle,
+                      "steps_off_plan": int((deviation > 0.10).sum()) if len(deviation) else None,
+                      "max_plan_deviation": float(deviation.max()) if len(deviation) else None}
     step_s = [d.get("timing_s/step") for d in verl.values()]
     execs = [(d.get("timing_s/populora_validate", 0.0) + d.get("timing_s/populora_score", 0.0)) / d["timing_s/step"]
              for d in verl.values() if d.get("timing_s/step")]
@@ -241,6 +248,11 @@ def markdown(summary: Mapping[str, Any], window: int = 5) -> str:
     lines.append(f"- compute: planned {_f(comp['planned_per_step'], 1)} trained trajectories per adapter and step, "
                  f"realised {_f(comp['realised_mean_per_step'], 1)} (member mean); totals per member: "
                  + ", ".join(f"{m} {v:.0f}" for m, v in comp["per_member_total"].items()))
+    off = ("per-adapter plan not logged" if comp["steps_off_plan"] is None else
+           f"{comp['steps_off_plan']} of {s['steps']} steps with an adapter more than 10 % off its plan "
+           f"(largest deviation {comp['max_plan_deviation']:.0%})")
+    lines.append(f"- compute per adapter as realised: {off}; a member trained nothing on "
+                 f"{len(comp['steps_with_an_idle_member'])} steps")
     sp = s["speed"]
     pct = {k: None if sp[k] is None else 100 * sp[k] for k in ("executor_share_median", "executor_share_max")}
     lines.append(f"- speed: median step {_f(sp['median_step_s'], 1)} s; executor (validate + score) "

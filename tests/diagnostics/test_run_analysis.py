@@ -29,6 +29,9 @@ def _write_run(tmp_path, slope: float, steps: int = 20, name: str = "single-seed
                 "populora/task_type/code_f/fail/blocks": 0.0,
                 "populora/compute/t0/trajectories": 20.0, "populora/compute/s0/trajectories": 40.0,
                 "populora/compute/member_mean/trajectories": 30.0, "populora/compute/planned_trajectories": 30.0,
+                # steps 7 and 8 starve s1 (the matchmaking defect's signature) and put it 100 % off its plan
+                "populora/compute/s1/trajectories": 0.0 if s in (7, 8) else 40.0,
+                "populora/compute/max_plan_deviation": 1.0 if s in (7, 8) else 0.05,
             }) + "\n")
         f.write('{"step": 21, "populora/validity')  # a line cut by a killed run is skipped
     with open(run / "verl_metrics.jsonl", "w") as f:
@@ -49,10 +52,13 @@ def test_dynamics_summary_reads_what_was_logged(tmp_path):
     assert slope == pytest.approx(-0.05, abs=0.005) and lo < slope < hi < 0  # a clear fall: interval below 0
     assert s["pairs"]["t0->s0"]["sign_changes"] == (18, 19)  # changes direction at every chance
     assert s["per_type"]["code_f"]["no task, by reason (run mean)"] == {"input_count": 1.0}  # zero reasons dropped
-    assert s["compute"]["per_member_total"] == {"s0": 800.0, "t0": 400.0}
+    assert s["compute"]["per_member_total"] == {"s0": 800.0, "s1": 720.0, "t0": 400.0}
+    assert s["compute"]["steps_with_an_idle_member"] == [7, 8] and s["compute"]["steps_off_plan"] == 2
     assert s["speed"]["executor_share_median"] == pytest.approx(0.02)
     text = dyn.markdown(s)
     assert "[tie-break]" in text and "slope -0.05" in text and "2.0 % of the step" in text
+    assert "2 of 20 steps with an adapter more than 10 % off its plan (largest deviation 100%)" in text
+    assert "a member trained nothing on 2 steps" in text
     (tmp_path / "b").mkdir()
     flat = dyn.summarise(dyn.load_run(_write_run(tmp_path / "b", slope=0.0)))
     _, lo, hi = flat["complexity"]["slope"]
