@@ -318,7 +318,8 @@ class ResidentAdapters:
         self._hooks = []
         for lname, layer in self._layers.items():
             wa = layer.lora_A[self.adapter_name].weight
-            device, dtype = _local(wa).device, wa.dtype
+            # on the accelerator even when verl offloads the (sharded) base parameters to the host between calls
+            device, dtype = _slot_device(_local(wa).device), wa.dtype
             shapes = {"A": self._layer_shape(lname, "A"), "B": self._layer_shape(lname, "B")}
             for which, attr in (("A", SLOT_A), ("B", SLOT_B)):
                 # a plain list, not registered with the module: verl's FSDP wrapping, checkpoints, offload and
@@ -638,6 +639,12 @@ class ResidentAdapters:
 
     def load(self, path: str) -> None:
         self.load_state_dict(torch.load(path, map_location="cpu", weights_only=False))
+
+def _slot_device(param_device: torch.device) -> torch.device:
+    if param_device.type == "cpu" and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return param_device
+
 
 def _full(p: torch.Tensor) -> torch.Tensor:
     """The full tensor behind a (possibly FSDP2-sharded) parameter, detached."""
