@@ -6,14 +6,17 @@ process killed at any moment leaves either the previous complete save or the new
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import tempfile
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-__all__ = ["fsync_dir", "write_json", "write_text_atomic", "swap_dir"]
+__all__ = ["fsync_dir", "write_json", "write_text_atomic", "swap_dir", "staged_dir"]
 
 
 def fsync_dir(path: str | os.PathLike) -> None:
@@ -62,3 +65,18 @@ def swap_dir(tmp: str | os.PathLike, final: str | os.PathLike) -> None:
     fsync_dir(final.parent)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def staged_dir(final: str | os.PathLike) -> Iterator[Path]:
+    """A private folder next to ``final`` to write into; it becomes ``final`` (:func:`swap_dir`) when the block
+    ends without an error, and is removed otherwise. Next to it, not in /tmp: the move is a rename on the same
+    filesystem, never a second copy of a folder of many GB."""
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
+    try:
+        yield tmp
+        swap_dir(tmp, final)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

@@ -10,6 +10,11 @@ Usage::
 
     python -m populora_verl.models join qwen2.5-coder-0.5b-instruct ~/models/qwen.gguf
     python -m populora_verl.models convert ~/models/qwen.gguf ~/models/qwen-coder-0.5b --dtype bfloat16
+
+``random`` writes a random-weight model of a named shape with a real tokenizer and prints the trainer command that
+runs a recipe on it (:mod:`populora_verl.random_model`): a check of a node before staging real weights::
+
+    python -m populora_verl.models random qwen2.5-coder-7b ~/models/random-7b --tokenizer-from ~/models/qwen-coder-1.5b
 """
 
 from __future__ import annotations
@@ -20,9 +25,7 @@ import copy
 import hashlib
 import importlib.util
 import os
-import shutil
 import sys
-import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -163,8 +166,9 @@ class _DequantizeAhead:
 def dequantize_workers() -> int:
     """Threads for the GGUF dequantisation: this process's CPUs, at most 16 (past that the loader's own serial work,
     not the dequantisation, sets the pace)."""
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, min(16, cpus))
+    from populora_verl.random_model import available_cpus
+
+    return min(16, available_cpus())
 
 
 @contextlib.contextmanager
@@ -254,18 +258,11 @@ def gguf_to_hf(gguf_file: str | os.PathLike, out_dir: str | os.PathLike, dtype: 
     missing = [n for n, p in fresh.named_parameters() if p.is_meta]
     if missing:
         raise RuntimeError(f"weights missing after GGUF conversion: {missing[:5]}")
-    # Written next to the destination and renamed into place: never a half-written model folder, and no second copy
-    # of several GB (the folder used to be copied out of a temporary directory).
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+    from populora_verl.fsutil import staged_dir
+
+    with staged_dir(out) as tmp:  # never a half-written model folder
         fresh.save_pretrained(tmp, safe_serialization=True)
         tok.save_pretrained(tmp)
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 
@@ -281,11 +278,22 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     c.add_argument("--workers", type=int, default=None,
                    help="threads that dequantise (default: this machine's CPUs, at most 16; 1: one at a time)")
+    from populora_verl.random_model import add_random_parser, run_random
+
+    add_random_parser(sub)
     ap.add_argument("--debug", action="store_true", help="show the full traceback of an error")
-    args = ap.parse_args(argv)
+    # hydra overrides may follow the options of ``random`` (argparse takes a trailing positional list only before them)
+    args, extra = ap.parse_known_args(argv)
+    flags = [x for x in extra if x.startswith("-")]
+    if flags or (extra and args.cmd != "random"):
+        ap.error(f"unrecognized arguments: {' '.join(flags or extra)}")
+    if extra:
+        args.overrides = [*args.overrides, *extra]
     from populora_verl.cli_errors import UsageError, check_output_dir, run_cli
 
     def run() -> int:
+        if args.cmd == "random":
+            return run_random(args)
         if args.cmd == "join":
             print(join_offline_model(args.name, args.out_file))
             return 0

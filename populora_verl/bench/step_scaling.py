@@ -151,6 +151,10 @@ PROFILE_ENV: dict[str, dict[str, str]] = {
     "varlen_wide_keep_liger_resident": {"POPULORA_LORA_FORWARD": "lean"},
     "baseline": {"POPULORA_LOGPROBS": "verl", "POPULORA_LORA_FORWARD": "peft"},
 }
+# What a trainer process needs on the GPU image (scripts/gpu/env.sh sets the same): vLLM's workers spawned, not
+# forked, after CUDA is up; no FlashInfer sampler (not in the image); Ray without its token check.
+TRAINER_ENV: dict[str, str] = {"VLLM_WORKER_MULTIPROC_METHOD": "spawn", "VLLM_USE_FLASHINFER_SAMPLER": "0",
+                               "RAY_AUTH_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
 # verl's console logger line, possibly behind Ray's "(TaskRunnerV1 pid=...)" prefix.
 _STEP_LINE = re.compile(r"(?:^|\s)step:(\d+) - ")
 _METRIC = re.compile(r"([\w/@.\-]+):([-+0-9.eE]+|nan|inf)")
@@ -401,12 +405,13 @@ class GpuMemoryPoller:
         self._watch()
 
 
-def plan_overrides(profile: str, answer_tokens: int | None, force_length: bool) -> list[str]:
-    """The hydra overrides every configuration of a run shares (besides the model and the configuration)."""
-    if profile not in PROFILES:
+def plan_overrides(profile: str | None, answer_tokens: int | None, force_length: bool) -> list[str]:
+    """The hydra overrides every configuration of a run shares (besides the model and the configuration); with
+    ``profile`` None, the recipe's own settings with only the seeding and the lengths changed."""
+    if profile is not None and profile not in PROFILES:
         raise ValueError(f"unknown profile {profile!r}; known: {sorted(PROFILES)}")
     # The seeding phase runs once before step 1 (and after every schedule switch): not a per-step cost.
-    out = [*PROFILES[profile], "populora.buffer.seed_programs=0"]
+    out = [*PROFILES.get(profile, []), "populora.buffer.seed_programs=0"]
     # Ray's workers get the profile's environment from the runtime env too, not only by inheritance from the driver
     out += [f"++ray_kwargs.ray_init.runtime_env.env_vars.{k}={v}" for k, v in PROFILE_ENV.get(profile, {}).items()]
     if answer_tokens:
@@ -431,9 +436,7 @@ def run_one(model: str, name: str, steps: int, out_dir: Path, extra: list[str], 
             warmup: int = 1) -> RunResult:
     metrics = out_dir / f"{name}.metrics.jsonl"
     metrics.unlink(missing_ok=True)  # a rerun must not read the previous run's rows
-    env = dict(os.environ, VLLM_WORKER_MULTIPROC_METHOD="spawn", VLLM_USE_FLASHINFER_SAMPLER="0",
-               RAY_AUTH_MODE="disabled", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1",
-               VERL_FILE_LOGGER_PATH=str(metrics))
+    env = dict(os.environ, **TRAINER_ENV, VERL_FILE_LOGGER_PATH=str(metrics))
     log = out_dir / f"{name}.log"
     t0 = time.time()
     with GpuMemoryPoller(watch=metrics) as poller, open(log, "w") as f:
@@ -507,9 +510,7 @@ def run_schedule(model: str, names: Sequence[str], steps: int, out_dir: Path, ex
     """All configurations in one trainer process; ``(per-configuration results, exit code)``."""
     metrics = out_dir / "schedule.metrics.jsonl"
     metrics.unlink(missing_ok=True)
-    env = dict(os.environ, VLLM_WORKER_MULTIPROC_METHOD="spawn", VLLM_USE_FLASHINFER_SAMPLER="0",
-               RAY_AUTH_MODE="disabled", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1",
-               VERL_FILE_LOGGER_PATH=str(metrics))
+    env = dict(os.environ, **TRAINER_ENV, VERL_FILE_LOGGER_PATH=str(metrics))
     t0 = time.time()
     with GpuMemoryPoller(watch=metrics) as poller, open(out_dir / "schedule.log", "w") as f:
         proc = subprocess.Popen(schedule_command(model, names, steps, out_dir, extra), stdout=f,
