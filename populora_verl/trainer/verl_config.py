@@ -178,7 +178,7 @@ class ParallelLayout:
 
     def describe(self) -> str:
         held = ("every adapter resident and replicated on each rank" if self.adapter_layout == "resident"
-                else f"one live adapter sharded over {self.fsdp_size}, the others banked")
+                else f"every adapter sharded over {self.fsdp_size}")
         return (f"{self.n_gpus} GPU(s) on {self.nnodes} node(s); actor: {self.actor_dp} data-parallel rank(s), "
                 f"{held}; rollout: {self.replicas} vLLM replica(s) x "
                 f"{self.rollout_world} GPU(s) (TP {self.rollout_tp}), each serving all {self.adapters} adapters "

@@ -48,7 +48,7 @@ def test_an_unknown_layout_names_the_key():
 
 
 def test_the_layout_line_says_where_the_adapters_live():
-    for layout, words in (("bank", "one live adapter sharded over 1, the others banked"),
+    for layout, words in (("bank", "every adapter sharded over 1"),
                           ("resident", "every adapter resident and replicated on each rank")):
         cfg = compose_recipe("qwen1.5b_1gpu_2t2s", ["actor_rollout_ref.model.path=/m",
                                                     f"populora.population.adapter_layout={layout}"])
