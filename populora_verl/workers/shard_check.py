@@ -34,15 +34,12 @@ from typing import Any
 
 import torch
 
-__all__ = ["Check", "PRELOAD", "layouts", "layout_name", "run_rank", "check_results", "main", "NUM_SLOTS", "TRAIN_ORDER"]
+__all__ = ["Check", "layouts", "layout_name", "run_rank", "check_results", "main", "NUM_SLOTS", "TRAIN_ORDER"]
 
 LR = 1e-2
 NUM_SLOTS = 3
 TRAIN_ORDER = (0, 1, 0, 2, 1)  # interleaved, so every swap crosses slots that have live optimizer state
 VOCAB, SEQ = 96, 10
-#: Modules every rank imports (a fork server can load them once for all ranks).
-PRELOAD = ("populora_verl.workers.shard_check", "peft", "transformers.models.qwen2.modeling_qwen2",
-           "verl.utils.fsdp_utils")
 #: Sharded vs one-process AdamW results: the gradient mean over ranks is the same sum in another order.
 RTOL, ATOL = 1e-4, 1e-5
 

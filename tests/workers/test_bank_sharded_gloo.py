@@ -31,19 +31,15 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def checks(tmp_path_factory) -> dict[str, shard_check.Check]:
-    import multiprocessing
-
     import torch.multiprocessing as mp
 
     outdir = str(tmp_path_factory.mktemp("gloo_bank"))
-    # A fork server imports torch, peft, transformers and verl once and forks both ranks from that clean process
-    # (no Ray or pytest threads in it), instead of each spawned rank paying the imports again.
-    method = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
-    if method == "forkserver":
-        multiprocessing.get_context(method).set_forkserver_preload(list(shard_check.PRELOAD))
+    # Spawned ranks, not forks of a fork server that preloaded torch, transformers and verl: on a loaded machine a
+    # rank forked from that server once aborted at start ("malloc(): unaligned tcache chunk detected"), the mark
+    # of a fork taken while a thread of those imports held the allocator's lock. Each rank pays the imports instead.
     # Ranks record their own failures; a crash shows up as a missing result file, named by check_results.
     mp.start_processes(shard_check.run_rank, args=(WORLD, outdir, "gloo", _free_port()), nprocs=WORLD,
-                       join=True, start_method=method)
+                       join=True, start_method="spawn")
     return {c.name: c for c in shard_check.check_results(shard_check.load_results(outdir, WORLD))}
 
 
