@@ -1,4 +1,5 @@
-"""Standalone sandbox worker: one per executor slot, forks a fresh child per program.
+"""Standalone sandbox worker: one per executor slot; its zygote (this file run with ``--zygote``) forks a
+fresh child per program.
 
 This file must stay importable and runnable with the standard library only: it is started as
 ``python -s -S -P -B _runner.py`` (no site, no torch, no populora_verl) so that a forked child costs a

@@ -2,8 +2,8 @@
 
 Each slot is one long-lived runner started as ``unshare --pid --net --mount --ipc --uts ... python -s -S -P -B
 _runner.py`` with a clean environment. The runner is PID 1 of its own PID namespace, has no network, sees a
-read-only filesystem with a private /tmp, /proc and /dev and no /sys, and forks one child per program that
-applies rlimits and drops to the slot's own unprivileged uid (uid 1000 inside the slot's user namespace, the
+read-only filesystem with a private /tmp, /proc and /dev and no /sys, and has its zygote (an exec'd interpreter
+that never sees a request) fork one child per program, in the run's own pid and time namespaces, that applies rlimits and drops to the slot's own unprivileged uid (uid 1000 inside the slot's user namespace, the
 same in every slot). Where namespaces are forbidden (containers) the same runner runs without them and the
 missing protections are reported as off.
 """
