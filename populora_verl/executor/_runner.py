@@ -1382,13 +1382,6 @@ class Runner:
         self.notes.extend(n for n in hello["notes"] if n not in self.notes)
         self.fresh_pid_ns = bool(hello["protections"].get("pid_namespace_per_run"))
 
-    def _reap_zygote(self) -> None:
-        try:
-            os.kill(self.zygote_pid, signal.SIGKILL)
-            os.waitpid(self.zygote_pid, 0)
-        except (ProcessLookupError, ChildProcessError):
-            pass
-
     def _zygote_say(self, msg: bytes, fds: list[int] | None = None) -> bytes:
         """One exchange with the zygote; its silence or death fails the slot (the host restarts it)."""
         import socket
@@ -1402,15 +1395,13 @@ class Runner:
             raise RuntimeError("the zygote died")
         return reply
 
-    def _kill_all(self, child: int, pidfd: int) -> None:
+    def _kill_all(self, child: int, pidfd: int) -> int:
         """Kill every process the run left behind; the zygote reaps ``child`` and tells its status."""
         try:
             signal.pidfd_send_signal(pidfd, signal.SIGKILL)  # in a run's own pid namespace: all of it
         except ProcessLookupError:
             pass
-        if self.fresh_pid_ns:
-            pass
-        elif self.cfg.get("uid") is not None:
+        if not self.fresh_pid_ns and self.cfg.get("uid") is not None:
             helper = os.fork()
             if helper == 0:  # an unprivileged kill(-1) reaches exactly the processes of the slot uid
                 try:
@@ -1419,7 +1410,7 @@ class Runner:
                 finally:
                     os._exit(0)
             os.waitpid(helper, 0)
-        else:
+        elif not self.fresh_pid_ns:
             try:
                 os.killpg(child, signal.SIGKILL)  # best effort: a program can setsid away (documented)
             except (ProcessLookupError, PermissionError):
