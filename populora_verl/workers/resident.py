@@ -110,15 +110,6 @@ class SlotRouting:
             raise AdapterBankError(f"{slots.numel()} row slots for {lengths.numel()} row lengths")
         return cls.from_tokens(torch.repeat_interleave(slots, lengths), num_slots)
 
-    @property
-    def bounds(self) -> list[tuple[int, int]]:
-        """``(start, end)`` of each slot's tokens in slot-sorted order."""
-        out, start = [], 0
-        for c in self.counts:
-            out.append((start, start + c))
-            start += c
-        return out
-
 
 class _Current:
     routing: SlotRouting | None = None
@@ -360,18 +351,6 @@ class ResidentAdapters:
     def num_slots(self) -> int:
         return len(self._meta)
 
-    @property
-    def active_slot(self) -> None:
-        return None  # every slot is live
-
-    @property
-    def param_names(self) -> list[str]:
-        return list(self._params)
-
-    @property
-    def peft_keys(self) -> list[str]:
-        return [self._keys[n] for n in self._params]
-
     def _check_slot(self, slot: int) -> None:
         if not isinstance(slot, int) or isinstance(slot, bool) or not 0 <= slot < len(self._meta):
             raise AdapterBankError(f"slot {slot!r} out of range: the model holds {len(self._meta)} resident slots")
@@ -390,12 +369,6 @@ class ResidentAdapters:
             return 0
         steps = [float(st["step"]) for p in self.slot_parameters(slot) if "step" in (st := self.optimizer.state.get(p, {}))]
         return int(max(steps)) if steps else 0
-
-    @contextlib.contextmanager
-    def active(self, slot: int, *, train: bool = True) -> Iterator[int]:
-        """The bank's per-slot context, for callers that run one slot at a time: routes every token to ``slot``."""
-        self._check_slot(slot)
-        yield slot
 
     # --- slots ---------------------------------------------------------------------------------------------------
 
