@@ -1499,6 +1499,11 @@ class Runner:
         self._clear_keyrings()
         self._remove_left_in_shared_dirs()
         self._fresh_workdir(self.workdirs[role])
+        if self.cfg.get("setup_mounts") and self._count_unix_sockets() != self.unix_sockets:
+            # Sockets kept alive by passing each other (no process holds them) outlive every kill: their names
+            # would tell the second run what the first chose, and their buffers stay charged to the slot. A
+            # fresh slot has none; checked after each run, not each call, so the second run never sees them.
+            raise RuntimeError("unix sockets outlived the run")
         return self._interpret(buf, timed_out, status if exited else None, deadline, limit,
                                int(req["max_output_chars"]))
 
@@ -1554,10 +1559,6 @@ class Runner:
                 first = {"ok": False, "output": None,
                          "error": "nondeterministic: two processes gave different results"}
         first["duration_s"] = _now() - start
-        if self.cfg.get("setup_mounts") and self._count_unix_sockets() != self.unix_sockets:
-            # Sockets kept alive by passing each other (no process holds them) outlive every kill: their names
-            # are a channel and their buffers stay charged to the slot. A fresh slot has none.
-            raise RuntimeError("unix sockets outlived the call")
         return first
 
     @staticmethod

@@ -120,7 +120,7 @@ class Executor:
         check_determinism: default for ``run``: call ``f`` twice in one process (AZR), then once more in a second,
             independent process (other pid, heap layout, clocks, random state); reject differing results.
         banned_modules: AZR's banned-module policy (static AST check + runtime import guard in the child).
-        truncate_output: whether ``store_output`` applies AZR's 400-char middle truncation.
+        truncate_output: whether ``store_output`` applies AZR's 400-char middle truncation (prompts only).
         backend: ``local`` (namespaced workers on this host) or ``sandbox_fusion`` (remote HTTP service).
         sandbox_fusion_url: the ``run_code`` endpoint for ``backend="sandbox_fusion"``.
         isolation: ``auto`` (namespaces when allowed) or ``rlimits`` (no namespaces; for containers/tests).
@@ -271,7 +271,8 @@ class Executor:
         return out  # type: ignore[return-value]
 
     def store_output(self, result: ExecResult) -> str | None:
-        """The output as AZR stores it for a task (middle-truncated to 400 chars if ``truncate_output``)."""
+        """The output as a prompt shows it (AZR's 400-char middle truncation if ``truncate_output``); tasks
+        keep the full output and are judged on it."""
         if result.output is None:
             return None
         return truncate_middle(result.output) if self.truncate_output else result.output

@@ -55,7 +55,8 @@ def encode_prompt(tokenizer: Any, prompt: str | Sequence[Mapping[str, str]]) -> 
 def _references(refs: Sequence[Task], t: Mapping[str, str]) -> str:
     if not refs:
         return "(none yet)"
-    return "\n\n".join(t["reference"].format(index=i + 1, program=r.program.rstrip(), input=r.input, output=r.output)
+    return "\n\n".join(t["reference"].format(index=i + 1, program=r.program.rstrip(), input=r.input,
+                                           output=r.shown(r.output))
                        for i, r in enumerate(refs))
 
 
@@ -85,9 +86,9 @@ def solver_prompt(task: Task, cfg: TasksConfig | None = None) -> str:
     if task.type == "code_o":
         return t["solve_code_o"].format(program=task.program.rstrip(), input=task.input)
     if task.type == "code_i":
-        return t["solve_code_i"].format(program=task.program.rstrip(), output=task.output)
+        return t["solve_code_i"].format(program=task.program.rstrip(), output=task.shown(task.output))
     if task.type == "code_f":
-        pairs = "\n\n".join(t["pair"].format(index=i + 1, input=a, output=b)
+        pairs = "\n\n".join(t["pair"].format(index=i + 1, input=a, output=task.shown(b))
                              for i, (a, b) in enumerate(task.visible_pairs))
         return t["solve_code_f"].format(pairs=pairs or "(No examples are shown for this task.)",
                                         message=task.message, num_visible=task.num_visible)

@@ -48,6 +48,10 @@ class Task:
     teacher: str = ""
     step: int = -1
     id: str = ""
+    #: Outputs longer than this are shown middle-truncated in prompts (``executor.truncate_output``, AZR's 400);
+    #: 0 shows them whole. Answers are always judged on the full outputs held in ``output``/``outputs``: a
+    #: truncated gold would accept any answer whose output shares its two ends.
+    prompt_chars: int = 0
 
     def __post_init__(self) -> None:
         if self.type not in TASK_TYPES:
@@ -69,6 +73,10 @@ class Task:
     @property
     def visible_pairs(self) -> list[tuple[str, str]]:
         return self.pairs[: self.num_visible]
+
+    def shown(self, output: str) -> str:
+        """``output`` as a prompt shows it (see ``prompt_chars``)."""
+        return truncate_output(output, self.prompt_chars) if self.prompt_chars else output
 
     @property
     def hidden_pairs(self) -> list[tuple[str, str]]:

@@ -21,7 +21,7 @@ from populora_verl.config import PopuLoRAConfig
 from populora_verl.executor.core import literal_problem, safe_text
 from populora_verl.reward.levels import student_reward
 from populora_verl.tasks import parsing as P
-from populora_verl.tasks.task import Task, truncate_output
+from populora_verl.tasks.task import TRUNCATE_CHARS, Task
 
 __all__ = [
     "ExecutorLike",
@@ -54,8 +54,9 @@ def banned_names(cfg: PopuLoRAConfig) -> list[str]:
     return list(dict.fromkeys(list(cfg.tasks.banned_keywords) + list(cfg.executor.banned_modules)))
 
 
-def _maybe_truncate(text: str, cfg: PopuLoRAConfig) -> str:
-    return truncate_output(text) if cfg.executor.truncate_output else text
+def _prompt_chars(cfg: PopuLoRAConfig) -> int:
+    # Truncation is for prompts only: a task keeps its full outputs and is judged on them.
+    return TRUNCATE_CHARS if cfg.executor.truncate_output else 0
 
 
 def values_equal(executor: ExecutorLike | None, pairs: Sequence[tuple[str, str, bool]]) -> list[bool]:
@@ -184,9 +185,18 @@ def _proposal_blocks(answer: str, task_type: str, *, num_inputs: int, code_f_rul
     raise _BlockError(f"unknown task type {task_type!r}")
 
 
+# What Python raises on values built from model text (deep nesting, huge literals, ints past the int-to-str
+# digit limit, unencodable strings): a verdict on that text, never an error of the caller.
+_TEXT_ERRORS = (RecursionError, MemoryError, UnicodeError, ValueError, OverflowError, TypeError)
+
+
 def _args_key(text: str) -> str:
-    # Distinctness of inputs by their values, so "1,2" and "1, 2" count once (inputs are literals).
-    return repr(P.literal_args(text))
+    # Distinctness of inputs by their values, so "1,2" and "1, 2" count once (inputs are literals). A value
+    # whose repr Python refuses (an int past the int-to-str digit limit, written in hex) keeps its own text.
+    try:
+        return repr(P.literal_args(text))
+    except (ValueError, OverflowError, RecursionError, MemoryError):
+        return "\0" + text
 
 
 def validate_proposal(response: str, task_type: str, executor: ExecutorLike, cfg: PopuLoRAConfig, *,
@@ -199,7 +209,7 @@ def validate_proposal(response: str, task_type: str, executor: ExecutorLike, cfg
     try:
         return _validate_proposal(response, task_type, executor, cfg, program=program, teacher=teacher, step=step,
                                   think_prefilled=think_prefilled)
-    except (RecursionError, MemoryError, UnicodeError) as e:
+    except _TEXT_ERRORS as e:
         return ProposalResult("invalid", reason=f"unparsable: {type(e).__name__}", code="unparsable")
 
 
@@ -233,8 +243,8 @@ def _check_program(response: str, task_type: str, executor: ExecutorLike, cfg: P
 
     code_i / code_o: the program must pass :func:`~populora_verl.tasks.parsing.check_program` (one top-level
     function, renamed ``f``; no banned names; no ``input(``), its input must be an argument list, and
-    ``f(input)`` must run deterministically in the executor; the output (``repr``) is the gold answer, cut
-    to 400 characters when ``executor.truncate_output``.
+    ``f(input)`` must run deterministically in the executor; the output (``repr``) is the gold answer, kept
+    whole (``executor.truncate_output`` cuts it to 400 characters in prompts only).
     code_f: ``program`` is the buffered task whose program the proposer saw; each proposed input is run on it.
     ``tasks.code_f_rule=azr``: all ``num_inputs`` inputs must parse and run (deterministically), else the proposal
     is invalid. ``lenient``: valid distinct ones are kept, at least ``tasks.min_valid_inputs`` are needed. The first
@@ -265,8 +275,8 @@ def _check_program(response: str, task_type: str, executor: ExecutorLike, cfg: P
         why = literal_problem(res.output)  # the executor checks it too; a remote or fake one may not
         if why:
             return ProposalResult("invalid", reason=f"output is not plain data: {why}", code="output")
-        task = Task(type=task_type, program=checked.code, input=inp, output=_maybe_truncate(res.output, cfg),
-                    teacher=teacher, step=step)
+        task = Task(type=task_type, program=checked.code, input=inp, output=res.output,
+                    teacher=teacher, step=step, prompt_chars=_prompt_chars(cfg))
         return ProposalResult("valid", task=task)
 
     # code_f
@@ -303,13 +313,14 @@ def _check_program(response: str, task_type: str, executor: ExecutorLike, cfg: P
             if literal_problem(r.output) is not None:
                 return ProposalResult("invalid", reason=f"input {inp[:40]!r}: output {literal_problem(r.output)}",
                                       code="output")
-    pairs = [(inp, _maybe_truncate(r.output, cfg)) for inp, r in zip(kept, results)
+    pairs = [(inp, r.output) for inp, r in zip(kept, results)
              if r.ok and r.output is not None and literal_problem(r.output) is None]
     if not strict and len(pairs) < tcfg.min_valid_inputs:
         return ProposalResult("invalid", reason=f"{len(pairs)} valid distinct inputs, need {tcfg.min_valid_inputs}",
                               code="min_inputs")
     task = Task(type="code_f", program=program.program, inputs=[a for a, _ in pairs], outputs=[b for _, b in pairs],
-                message=prop.message, num_visible=len(pairs) // 2, teacher=teacher, step=step)
+                message=prop.message, num_visible=len(pairs) // 2, teacher=teacher, step=step,
+                prompt_chars=_prompt_chars(cfg))
     return ProposalResult("valid", task=task)
 
 
@@ -349,7 +360,7 @@ def _judge(task: Task, payload: str, executor: ExecutorLike, cfg: PopuLoRAConfig
         if not res.ok or res.output is None:
             return False, f"f(input) failed: {res.error}"
         # The produced output comes from the teacher's program, so it is as trusted as the gold.
-        ok = values_equal(executor, [(task.output, _maybe_truncate(res.output, cfg), False)])[0]
+        ok = values_equal(executor, [(task.output, res.output, False)])[0]
         return ok, "" if ok else "f(input) differs from the output"
     # code_f: the solver's own function must reproduce every hidden pair.
     try:
@@ -364,7 +375,7 @@ def _judge(task: Task, payload: str, executor: ExecutorLike, cfg: PopuLoRAConfig
     if not all(r.ok and r.output is not None for r in results):
         return False, "program failed on a hidden input"
     # The solver's program controls the output text, so it is compared as an untrusted value.
-    same = values_equal(executor, [(gold, _maybe_truncate(r.output, cfg), True) for (_, gold), r in zip(hidden, results)])
+    same = values_equal(executor, [(gold, r.output, True) for (_, gold), r in zip(hidden, results)])
     n_ok = sum(same)
     return n_ok == len(hidden), f"{n_ok}/{len(hidden)} hidden pairs"
 
@@ -384,7 +395,7 @@ def score_answer(task: Task, response: str, executor: ExecutorLike, cfg: PopuLoR
         return AnswerScore("format_error", student_reward("format_error", cfg.rewards), reason=str(e))
     try:
         ok, why = _judge(task, payload, executor, cfg)
-    except (RecursionError, MemoryError, UnicodeError) as e:  # pathological text: a wrong answer, not a crash
+    except _TEXT_ERRORS as e:  # pathological text: a wrong answer, not a crash
         ok, why = False, f"unparsable: {type(e).__name__}"
     status = "correct" if ok else "wrong"
     return AnswerScore(status, student_reward(status, cfg.rewards), reason=why, payload=payload)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import random
 import re
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -186,13 +187,16 @@ def test_code_o_round_trip(ex, cfg):
     assert (s.status, s.reward) == ("format_error", r.format_error)
 
 
-def test_code_o_gold_truncated_like_azr(ex, cfg):
+def test_long_outputs_truncated_like_azr_in_prompts_only(ex, cfg):
     res = validate_proposal(io_proposal("def f(n):\n    return 'ab' * n", "1000"), "code_o", ex, cfg)
     assert res.valid
-    assert len(res.task.output) == TRUNCATE_CHARS and "..." in res.task.output
+    assert len(res.task.output) == 2002  # the gold is whole: answers are judged on it
+    shown = res.task.shown(res.task.output)
+    assert len(shown) == TRUNCATE_CHARS and "..." in shown
+    assert shown in solver_prompt(replace(res.task, type="code_i"))
     no_trunc = load_config({"executor": {"truncate_output": False}})
     res2 = validate_proposal(io_proposal("def f(n):\n    return 'ab' * n", "1000"), "code_o", ex, no_trunc)
-    assert len(res2.task.output) == 2002
+    assert len(res2.task.output) == 2002 and res2.task.shown(res2.task.output) == res2.task.output
 
 
 @pytest.mark.parametrize("program, inp, status", [
