@@ -207,9 +207,14 @@ def test_worker_rejects_fsdp1():
 
 # --- signature drift ----------------------------------------------------------------------------------------
 
-# Every verl method we override, call with extra kwargs, or whose behaviour we depend on, as ``ast.unparse`` of its
-# arguments in verl 0.9.1. A change here means our subclass may silently stop matching verl: re-read the method.
+# Every public verl method we override, call with extra kwargs, or whose behaviour we depend on, as ``ast.unparse``
+# of its arguments in verl 0.9.1. A change here means our subclass may silently stop matching verl: re-read the
+# method. Private names (methods included) are pinned from populora_verl/verl_private.py further down.
 EXPECTED = {
+    # the trainer's public overrides (PopuLoRATrainer replaces the step wholesale)
+    ("trainer/ppo/v1/trainer_base.py", "PPOTrainer.step"): "self, metrics: dict, timing_raw: dict",
+    ("trainer/ppo/v1/trainer_base.py", "PPOTrainer.init"): "self",
+    ("trainer/ppo/v1/trainer_base.py", "PPOTrainer.on_step_end"): "self",
     ("workers/engine_workers.py", "ActorRolloutRefWorker.compute_log_prob"): "self, data: TensorDict",
     ("workers/engine_workers.py", "ActorRolloutRefWorker.update_actor"): "self, data: TensorDict",
     ("workers/engine_workers.py", "ActorRolloutRefWorker.update_weights"): "self, global_steps: int=None, mode: str='auto'",
@@ -228,7 +233,6 @@ EXPECTED = {
     ("workers/rollout/vllm_rollout/vllm_rollout.py", "ServerAdapter.update_weights"):
         "self, weights: Generator[tuple[str, torch.Tensor], None, None], global_steps: int=None, "
         "wire_format: str='named_tensors', **kwargs",
-    ("workers/rollout/vllm_rollout/vllm_rollout.py", "ServerAdapter._get_server_name_prefix"): "self",
     ("workers/rollout/vllm_rollout/vllm_async_server.py", "vLLMHttpServer.generate"):
         "self, prompt_ids: list[int], sampling_params: dict[str, Any], request_id: str, "
         "image_data: Optional[list[Any]]=None, video_data: Optional[list[Any]]=None, "
@@ -238,17 +242,14 @@ EXPECTED = {
         "self, method: str | Callable, timeout: float | None=None, args: tuple=(), kwargs: dict[str, Any] | None=None",
     ("workers/rollout/vllm_rollout/vllm_async_server.py", "vLLMHttpServer.run_server"): "self, args: argparse.Namespace",
     ("workers/rollout/vllm_rollout/vllm_async_server.py", "vLLMHttpServer.run_headless"): "self, args: argparse.Namespace",
-    ("workers/rollout/vllm_rollout/vllm_async_server.py", "vLLMHttpServer._preprocess_engine_kwargs"):
-        "self, engine_kwargs: dict",
-    ("workers/rollout/vllm_rollout/vllm_async_server.py", "vLLMHttpServer._get_worker_extension_cls"): "self",
     ("workers/rollout/vllm_rollout/vllm_async_server.py", "vLLMReplica.__init__"):
         "self, replica_rank: int, config: RolloutConfig, model_config: HFModelConfig, gpus_per_node: int=8, "
         "is_reward_model: bool=False, is_teacher_model: bool=False, name_suffix: str=''",
-    ("workers/rollout/vllm_rollout/vllm_async_server.py", "vLLMReplica._get_server_name_prefix"): "self",
     ("workers/rollout/vllm_rollout/utils.py", "vLLMColocateWorkerExtension.update_weights_from_ipc"):
         "self, peft_config: dict=None, base_sync_done=False, use_shm: bool=False",
-    ("workers/rollout/vllm_rollout/utils.py", "vLLMColocateWorkerExtension._update_weights"):
-        "self, weights: list[tuple[str, torch.Tensor]], peft_config: dict, base_sync_done: bool",
+    ("experimental/agent_loop/agent_loop.py", "AgentLoopBase.ct_build_initial_tokens"):
+        "self, messages: list[dict], tools: list[dict]=None, images: list[Image.Image]=None, "
+        "videos: list[tuple[torch.Tensor, dict]]=None, audios: list[Any]=None, mm_inputs_out: dict[str, Any]=None",
     ("experimental/agent_loop/single_turn_agent_loop.py", "SingleTurnAgentLoop.run"):
         "self, sampling_params: dict[str, Any], priority: int=0, **kwargs",
     ("workers/rollout/llm_server.py", "LLMServerClient.generate"):
@@ -259,6 +260,9 @@ EXPECTED = {
 
 # Source facts our subclasses rely on (regexes over verl's files).
 EXPECTED_SOURCE = [
+    # why PopuLoRATrainer resets trainer_mode to "sync" and rebuilds its replay buffer
+    ("trainer/ppo/v1/trainer_base.py", r"self\.trainer_mode = self\.config\.trainer\.v1\.trainer_mode"),
+    ("trainer/ppo/v1/trainer_base.py", r'ReplayBuffer if self\.trainer_mode == "sync" else ReplayBufferAsync'),
     ("workers/rollout/vllm_rollout/vllm_async_server.py", r'"max_loras": 1,'),  # why run_server re-sets it
     ("workers/rollout/vllm_rollout/vllm_async_server.py", r"self\.engine\.generate\(\s*prompt=prompt,.*?lora_request=lora_request"),
     ("workers/rollout/vllm_rollout/vllm_rollout.py", r'"update_weights_from_ipc",\s*non_block=True,\s*kwargs=\{\*\*kwargs'),
@@ -310,6 +314,302 @@ def test_runtime_signatures_of_importable_overrides():
     # ray.remote(cls) (the trainer tests build one) injects a `_ray_trace_ctx` keyword into the class's methods
     params = [p for name, p in sig.parameters.items() if name != "_ray_trace_ctx"]
     assert str(sig.replace(parameters=params)) == "(self, global_steps: int = None, mode: str = 'auto')"
+
+
+# --- private verl names: one list (populora_verl/verl_private.py), pinned and proved complete ---------------------
+
+from populora_verl import verl_private  # noqa: E402
+
+PACKAGE = REPO / "populora_verl"
+# Classes our code mixes into a verl class at run time (invisible to a static scan of base classes).
+DYNAMIC_BASES = {
+    # resident_engine.install: engine.__class__ = type(..., (ResidentEngineMixin, type(engine)), ...)
+    "populora_verl.workers.resident_engine:ResidentEngineMixin":
+        ["verl.workers.engine.fsdp.transformer_impl:FSDPEngineWithLMHead"],
+}
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def _module_of(root: Path, path: Path) -> tuple[str, bool]:
+    parts = list(path.relative_to(root.parent).with_suffix("").parts)
+    is_pkg = parts[-1] == "__init__"
+    return ".".join(parts[:-1] if is_pkg else parts), is_pkg
+
+
+def _imports(tree: ast.Module, module: str, is_pkg: bool) -> dict[str, str]:
+    """Local name -> ``dotted.module`` (a module) or ``dotted.module:Name`` (a name), from every import."""
+    out: dict[str, str] = {}
+    package = module if is_pkg else module.rpartition(".")[0]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                out[a.asname or a.name.split(".")[0]] = a.name if a.asname else a.name.split(".")[0]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                base = ".".join(parts[: len(parts) - node.level + 1] + ([node.module] if node.module else []))
+            for a in node.names:
+                out[a.asname or a.name] = f"{base}:{a.name}"
+    return out
+
+
+def _verl_relpath(dotted: str) -> str | None:
+    base = VERL.parent.joinpath(*dotted.split("."))
+    for p in (base.with_suffix(".py"), base / "__init__.py"):
+        if p.is_file():
+            return str(p.relative_to(VERL))
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _verl_parsed(relpath: str):
+    tree = ast.parse((VERL / relpath).read_text(encoding="utf-8"))
+    module, is_pkg = _module_of(VERL, VERL / relpath)
+    return tree, _imports(tree, module, is_pkg)
+
+
+def _base(expr: ast.expr, imports: dict[str, str], module: str) -> str | None:
+    if isinstance(expr, ast.Name):
+        return imports.get(expr.id, f"{module}:{expr.id}")
+    if isinstance(expr, ast.Attribute) and isinstance(expr.value, ast.Name) and expr.value.id in imports:
+        return f"{imports[expr.value.id].replace(':', '.')}:{expr.attr}"
+    return None
+
+
+def _class_own(node: ast.ClassDef) -> set[str]:
+    names = set()
+    for item in node.body:
+        if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(item.name)
+        elif isinstance(item, ast.Assign):
+            names |= {t.id for t in item.targets if isinstance(t, ast.Name)}
+        elif isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name):
+            names.add(item.target.id)
+    for sub in ast.walk(node):
+        if isinstance(sub, ast.Attribute) and isinstance(sub.ctx, ast.Store) and \
+                isinstance(sub.value, ast.Name) and sub.value.id in ("self", "cls"):
+            names.add(sub.attr)
+    return names
+
+
+@functools.lru_cache(maxsize=None)
+def verl_members(target: str) -> dict[str, str]:
+    """``verl.mod:Class`` -> {member: ``relpath:Class`` defining it}: methods, class attributes and ``self.x``
+    assignments, through its verl base classes (the most derived definition wins)."""
+    dotted, cls = target.split(":")
+    relpath = _verl_relpath(dotted)
+    if relpath is None:
+        return {}
+    tree, imports = _verl_parsed(relpath)
+    node = next((n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls), None)
+    if node is None:  # re-exported by this module: follow the import
+        fwd = imports.get(cls)
+        return verl_members(fwd) if fwd and fwd.startswith("verl.") and fwd != target else {}
+    out: dict[str, str] = {}
+    for base in reversed(node.bases):
+        b = _base(base, imports, dotted)
+        if b and b.startswith("verl."):
+            out.update(verl_members(b))
+    out.update({n: f"{relpath}:{cls}" for n in _class_own(node)})
+    return out
+
+
+def _module_names(tree: ast.Module) -> set[str]:
+    names = set()
+    for n in tree.body:
+        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(n.name)
+        elif isinstance(n, ast.Assign):
+            names |= {t.id for t in n.targets if isinstance(t, ast.Name)}
+        elif isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name):
+            names.add(n.target.id)
+    return names
+
+
+def _defined(trees) -> set[str]:
+    """Every name the trees define anywhere: functions, classes, assigned names and assigned attributes."""
+    names = set()
+    for tree in trees:
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(node.name)
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                names.add(node.attr)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                names.add(node.id)
+    return names
+
+
+@functools.lru_cache(maxsize=None)
+def _all_verl_private() -> frozenset[str]:
+    trees = []
+    for p in VERL.rglob("*.py"):
+        if "tests" not in p.relative_to(VERL).parts:
+            try:
+                trees.append(ast.parse(p.read_text(encoding="utf-8")))
+            except (SyntaxError, UnicodeDecodeError):
+                continue
+    return frozenset(n for n in _defined(trees) if _private(n))
+
+
+def scan_private_uses(package: Path = PACKAGE) -> set[tuple[str, str, str, str]]:
+    """(kind, name, plugin module, owner) for every private verl name the package's source names.
+
+    * ``override``: a method of a class with a verl ancestor (or of a mixin combined with one) that replaces a
+      private member of that ancestor;
+    * ``use``: ``self.x`` / ``cls.x`` in such a class where verl's ancestor defines ``x``; ``Name.x`` where ``Name``
+      is imported from verl; any other ``obj.x`` where verl defines ``x`` somewhere and our package nowhere (owner
+      ``?``: the object's class is not known statically);
+    * ``import``: a private name imported from a verl module.
+    """
+    files = {}
+    for p in package.rglob("*.py"):
+        module, is_pkg = _module_of(package, p)
+        tree = ast.parse(p.read_text(encoding="utf-8"))
+        files[module] = (tree, _imports(tree, module, is_pkg))
+    classes = {f"{m}:{n.name}": (m, n) for m, (tree, _) in files.items() for n in ast.walk(tree)
+               if isinstance(n, ast.ClassDef)}
+    ours = _defined(tree for tree, _ in files.values())
+
+    @functools.lru_cache(maxsize=None)
+    def ancestors(key: str) -> tuple[frozenset[str], frozenset[str]]:
+        module, node = classes[key]
+        plugin, verl = {key}, set(DYNAMIC_BASES.get(key, ()))
+        for base in node.bases:
+            b = _base(base, files[module][1], module)
+            if b is not None and b.startswith("verl."):
+                verl.add(b)
+            elif b in classes:
+                p, v = ancestors(b)
+                plugin, verl = plugin | p, verl | v
+        return frozenset(plugin), frozenset(verl)
+
+    family: dict[str, set[str]] = {k: set() for k in classes}
+    for key in classes:
+        plugin, verl = ancestors(key)
+        for a in plugin:  # a mixin answers for every verl class it is combined with
+            family[a] |= verl
+    found = set()
+    for module, (tree, imports) in files.items():
+        on_self = set()
+        for key, (m, node) in classes.items():
+            members: dict[str, str] = {}
+            for b in sorted(family[key]):
+                for name, owner in verl_members(b).items():
+                    members.setdefault(name, owner)
+            if m != module or not members:
+                continue
+            for item in node.body:
+                if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)) and _private(item.name) and \
+                        item.name in members:
+                    found.add(("override", item.name, module, members[item.name]))
+            for sub in ast.walk(node):
+                if isinstance(sub, ast.Attribute) and isinstance(sub.value, ast.Name) and \
+                        sub.value.id in ("self", "cls"):
+                    on_self.add(id(sub))
+                    if _private(sub.attr) and sub.attr in members:
+                        found.add(("use", sub.attr, module, members[sub.attr]))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("verl"):
+                found |= {("import", a.name, module, _verl_relpath(node.module) or "?")
+                          for a in node.names if _private(a.name)}
+            elif isinstance(node, ast.Attribute) and _private(node.attr) and id(node) not in on_self:
+                target = imports.get(node.value.id) if isinstance(node.value, ast.Name) else None
+                if target is not None and target.startswith("verl."):
+                    if ":" in target:
+                        owner = verl_members(target).get(node.attr, "?")
+                    else:
+                        rel = _verl_relpath(target)
+                        owner = rel if rel and node.attr in _module_names(_verl_parsed(rel)[0]) else "?"
+                    found.add(("use", node.attr, module, owner))
+                elif node.attr not in ours and node.attr in _all_verl_private():
+                    found.add(("use", node.attr, module, "?"))
+    return found
+
+
+def _listed() -> set[tuple[str, str, str, str]]:
+    return {(kind, e.name, module, e.owner) for e in verl_private.PRIVATE for kind, module in e.uses}
+
+
+def test_private_list_is_complete_and_current():
+    scanned = scan_private_uses()
+    listed = {x for x in _listed() if x[0] != "relies"}
+    # A use whose owner the scan cannot know statically matches any listed owner of that name.
+    unknown = {(k, n, m) for k, n, m, o in scanned if o == "?"}
+    missing = sorted(x for x in scanned if x[3] != "?" and x not in listed)
+    missing += sorted(x for x in unknown if not any(y[:3] == x for y in listed))
+    stale = sorted(x for x in listed if x not in scanned and x[:3] not in unknown)
+    assert not missing, ("private verl names used but not listed in populora_verl/verl_private.py "
+                         "(add them, with why and the patch that removes them):\n" + "\n".join(map(str, missing)))
+    assert not stale, "listed in populora_verl/verl_private.py but no longer used:\n" + "\n".join(map(str, stale))
+
+
+def test_private_list_entries_are_well_formed():
+    patches = {p.name for p in (REPO / "patches").glob("*.patch")}
+    seen = set()
+    for e in verl_private.PRIVATE:
+        assert (e.name, e.owner) not in seen, f"{e.name} at {e.owner} listed twice"
+        seen.add((e.name, e.owner))
+        assert _private(e.name) and e.uses and e.why
+        assert all(kind in ("override", "use", "import", "relies") for kind, _ in e.uses), e
+        assert e.removed_by in patches or e.removed_by == "", f"{e.name}: no patch {e.removed_by!r} in patches/"
+    for rp in verl_private.RUNTIME_PATCHES:
+        assert (PACKAGE.parent / (rp.module.replace(".", "/") + ".py")).is_file(), rp.module
+        assert rp.removed_by in patches or rp.removed_by == "", f"{rp.module}: no patch {rp.removed_by!r}"
+
+
+def _owner_node(owner: str):
+    relpath, _, cls = owner.partition(":")
+    assert (VERL / relpath).is_file(), f"verl no longer has {relpath}"
+    tree = _verl_parsed(relpath)[0]
+    if not cls:
+        return tree, None
+    node = next((n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls), None)
+    assert node is not None, f"verl no longer defines class {cls} in {relpath}"
+    return tree, node
+
+
+@pytest.mark.parametrize("entry", verl_private.PRIVATE, ids=[f"{e.owner.rpartition(':')[2] or e.owner}.{e.name}"
+                                                            for e in verl_private.PRIVATE])
+def test_private_name_unchanged(entry):
+    tree, node = _owner_node(entry.owner)
+    if node is None:
+        assert entry.name in _module_names(tree), f"verl no longer defines {entry.name} in {entry.owner}"
+        return
+    assert entry.name in _class_own(node), (
+        f"verl {verl_private.VERL_VERSION} defined {entry.name} in {entry.owner}; it is gone: "
+        f"re-read our use ({entry.why})")
+    if entry.signature is not None:
+        fn = next(i for i in node.body if isinstance(i, (ast.FunctionDef, ast.AsyncFunctionDef)) and i.name == entry.name)
+        assert ast.unparse(fn.args) == entry.signature, f"verl changed {entry.owner}.{entry.name}: review our use"
+
+
+def test_scan_catches_a_new_private_override(tmp_path):
+    # The completeness check is only as good as the scan: a planted override, a read through an imported verl class
+    # and an imported private name are each reported with their verl owner.
+    pkg = tmp_path / "plugin"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "mixin.py").write_text("class M:\n    def _compute_advantage(self, batch, metrics):\n        return batch\n")
+    (pkg / "t.py").write_text(
+        "from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync\n"
+        "from verl.workers.rollout.replica import RolloutReplicaRegistry\n"
+        "from verl.workers.rollout.base import _ROLLOUT_REGISTRY\n"
+        "from plugin.mixin import M\n"
+        "class T(M, PPOTrainerSync):\n"
+        "    def _mine(self):\n        return self._mine_too, self.config\n"
+        "def f(wg):\n    return RolloutReplicaRegistry._registry, wg._dispatch_info, wg._ours\n")
+    got = scan_private_uses(pkg)
+    assert got == {
+        ("override", "_compute_advantage", "plugin.mixin", "trainer/ppo/v1/trainer_base.py:PPOTrainer"),
+        ("use", "_registry", "plugin.t", "workers/rollout/replica.py:RolloutReplicaRegistry"),
+        ("use", "_dispatch_info", "plugin.t", "?"),
+        ("import", "_ROLLOUT_REGISTRY", "plugin.t", "workers/rollout/base.py"),
+    }
 
 
 # --- upstream patches ---------------------------------------------------------------------------------------

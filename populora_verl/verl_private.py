@@ -1,0 +1,183 @@
+"""Every private verl name the plugin relies on, and every runtime patch it applies: the one list.
+
+Three checks read it (pure data: importing this module imports nothing):
+
+* ``tests/project/test_verl_signatures.py`` pins each :data:`PRIVATE` entry against the installed verl (the name is
+  still defined where recorded; a method keeps its recorded arguments) and scans the package source to prove the list
+  complete: every method of a verl subclass that overrides a private verl member, every private attribute read,
+  written or called on a verl class or object, and every private name imported from verl must be listed here, and
+  nothing listed may be gone from the code. A verl upgrade therefore fails in one place that names them all.
+* ``tests/project/test_verl_integration_doc.py`` checks that docs/verl-integration.md lists exactly the names and
+  runtime patches here, each with the patch of ``patches/`` that removes it.
+* ``removed_by`` must name a file of ``patches/`` (or be empty: no upstream change proposed yet).
+
+``owner`` is the defining file relative to the ``verl`` package, with ``:Class`` for a class member.
+``uses`` pairs a kind with the plugin module: ``override`` (a method of a verl subclass replaces verl's), ``use``
+(an attribute read, written or called), ``import`` (a private module-level name imported) or ``relies`` (not named in
+our code, but our code depends on it: kept in the list so that the drift test pins it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["PrivateName", "RuntimePatch", "PRIVATE", "RUNTIME_PATCHES", "VERL_VERSION"]
+
+#: The verl release the names and signatures below were recorded against.
+VERL_VERSION = "0.9.1"
+
+TRAINER = "trainer/ppo/v1/trainer_base.py:PPOTrainer"
+VLLM_SERVER = "workers/rollout/vllm_rollout/vllm_async_server.py:vLLMHttpServer"
+
+
+@dataclass(frozen=True)
+class PrivateName:
+    name: str
+    owner: str
+    uses: tuple[tuple[str, str], ...]
+    why: str
+    removed_by: str = ""
+    #: ``ast.unparse`` of the method's arguments in verl (methods only).
+    signature: str | None = None
+
+
+@dataclass(frozen=True)
+class RuntimePatch:
+    #: plugin module that applies it
+    module: str
+    #: what it changes at run time
+    target: str
+    why: str
+    removed_by: str = ""
+    #: on in a default run (False: opt-in through an environment variable or a config key)
+    default: bool = True
+
+
+PRIVATE: tuple[PrivateName, ...] = (
+    # --- trainer (PopuLoRATrainer over verl's V1 PPOTrainerSync) ------------------------------------------------
+    PrivateName("_build_replay_buffer", TRAINER,
+                (("override", "populora_verl.trainer.trainer"), ("use", "populora_verl.trainer.trainer")),
+                "rebuilt after trainer_mode is reset to sync (verl built the async buffer for the unknown mode name), "
+                "and its poll interval set from trainer.populora_poll_interval_s (verl hard-codes 2 s)",
+                "", "self"),
+    PrivateName("_init_resource_pool_mgr", TRAINER, (("override", "populora_verl.trainer.trainer"),),
+                "swaps the actor role's worker class for PopuLoRAActorRolloutRefWorker (verl hard-codes "
+                "ray.remote(ActorRolloutRefWorker))", "0004-trainer-worker-class-from-config.patch", "self"),
+    PrivateName("_init_dataloader", TRAINER, (("override", "populora_verl.trainer.trainer"),),
+                "no dataset: the population step makes every prompt; sets the step counts verl derives from it", "",
+                "self"),
+    PrivateName("_validate", TRAINER, (("override", "populora_verl.trainer.trainer"),),
+                "no validation set (members are evaluated with populora-eval)", "", "self"),
+    PrivateName("_get_required_batch_multiple", TRAINER, (("override", "populora_verl.trainer.trainer"),),
+                "one PPO mini-batch is a slot's whole batch, so only the data-parallel split needs divisibility", "",
+                "self, dp_size: int"),
+    PrivateName("_add_prompts_to_generate", TRAINER, (("override", "populora_verl.trainer.generation"),),
+                "verl's refill hook resubmits the phase's evicted groups instead of reading a dataloader", "",
+                "self, num_prompts: int"),
+    PrivateName("_submit_batch_to_rollout", TRAINER, (("use", "populora_verl.trainer.generation"),),
+                "puts each phase's prompt rows into TransferQueue the way verl's loop does", "",
+                "self, batch: TensorDict"),
+    PrivateName("_balance_batch", TRAINER, (("use", "populora_verl.trainer.training"),),
+                "balances each slot's batch over the data-parallel ranks as verl would", "",
+                "self, batch: KVBatchMeta, metrics, logging_prefix='global_seqlen', keep_minibatch=False"),
+    PrivateName("_compute_old_log_prob", TRAINER, (("use", "populora_verl.trainer.training"),),
+                "verl's old-log-prob pass (with its bypass mode), run on the slots' batch", "",
+                "self, batch: KVBatchMeta, metrics: dict"),
+    PrivateName("_update_actor", TRAINER,
+                (("override", "populora_verl.trainer.training"), ("use", "populora_verl.trainer.training")),
+                "one PPO mini-batch per slot: repeats verl's extra_info block with the slot's size as the mini-batch",
+                "", "self, batch: KVBatchMeta, metrics: dict"),
+    PrivateName("_save_checkpoint", TRAINER, (("override", "populora_verl.trainer.hooks"),),
+                "fit() saves before on_step_end; the save is deferred until after evolution, then the bank and "
+                "population are written before verl's own save", "", "self"),
+    PrivateName("_load_checkpoint", TRAINER, (("override", "populora_verl.trainer.hooks"),),
+                "initialises the adapter bank, picks the newest checkpoint that passes its checks, then restores the "
+                "bank and population after verl's load", "", "self"),
+    PrivateName("_pending_sync_metrics", TRAINER,
+                (("use", "populora_verl.trainer.hooks"), ("use", "populora_verl.trainer.trainer")),
+                "evolution's metrics ride on the row verl logs after the weight sync"),
+    PrivateName("_dispatch_info", "single_controller/base/worker_group.py:WorkerGroup",
+                (("use", "populora_verl.trainer.training"),),
+                "the actor mesh's data-parallel size, to lay out the fused update's rows as verl's dispatch splits "
+                "them"),
+    PrivateName("_query_dispatch_info", "single_controller/base/worker.py:Worker",
+                (("use", "populora_verl.trainer.training"),),
+                "fills _dispatch_info when no dispatch has run yet (called on the worker group)", "",
+                "self, mesh_name: str"),
+    # --- rollout: registries ------------------------------------------------------------------------------------
+    PrivateName("_ROLLOUT_REGISTRY", "workers/rollout/base.py",
+                (("import", "populora_verl.plugin"), ("import", "populora_verl.rollout")),
+                "registers the trainer-side ServerAdapter of the populora_vllm backend (verl has no register "
+                "function for it) and checks the registration", ""),
+    PrivateName("_registry", "workers/rollout/replica.py:RolloutReplicaRegistry",
+                (("use", "populora_verl.plugin"), ("use", "populora_verl.rollout")),
+                "checks that populora_vllm is registered (RolloutReplicaRegistry has register and get only)",
+                ""),
+    PrivateName("_agent_loop_registry", "experimental/agent_loop/agent_loop.py",
+                (("import", "populora_verl.plugin"), ("import", "populora_verl.rollout"),
+                 ("use", "populora_verl.rollout")),
+                "checks whether populora_agent is registered (verl's register overwrites silently)",
+                ""),
+    # --- rollout: the populora_vllm backend -----------------------------------------------------------------------
+    PrivateName("_preprocess_engine_kwargs", VLLM_SERVER, (("override", "populora_verl.rollout.routing"),),
+                "reads max_loras / max_cpu_loras before verl forces max_loras=1, and builds the live-adapter "
+                "registry", "0001-vllm-configurable-max-loras.patch", "self, engine_kwargs: dict"),
+    PrivateName("_get_worker_extension_cls", VLLM_SERVER, (("override", "populora_verl.rollout.vllm_server"),),
+                "loads PopuLoRAWorkerExtension (per-id weight sync) into vLLM's workers",
+                "0003-vllm-multi-adapter-weight-sync.patch", "self"),
+    PrivateName("_disaggregation_role", VLLM_SERVER, (("use", "populora_verl.rollout.vllm_server"),),
+                "refuses prefill/decode disaggregation, whose path would drop the request's adapter",
+                "0002-vllm-per-request-lora.patch"),
+    PrivateName("_get_server_name_prefix", "workers/rollout/vllm_rollout/vllm_async_server.py:vLLMReplica",
+                (("override", "populora_verl.rollout.vllm_server"),),
+                "verl's ServerAdapter finds the server as '<rollout.name>_server...' while vLLMReplica names it "
+                "'vllm_...'; a backend under its own name must rename its servers",
+                "0002-vllm-per-request-lora.patch", "self"),
+    PrivateName("_get_server_name_prefix", "workers/rollout/vllm_rollout/vllm_rollout.py:ServerAdapter",
+                (("relies", "populora_verl.rollout.vllm_server"),),
+                "the trainer side's half of the server name above", "0002-vllm-per-request-lora.patch", "self"),
+    PrivateName("_update_weights", "workers/rollout/vllm_rollout/utils.py:vLLMColocateWorkerExtension",
+                (("override", "populora_verl.rollout.vllm_extension"),),
+                "loads each adapter under its own LoRA id instead of verl's fixed id 123",
+                "0003-vllm-multi-adapter-weight-sync.patch",
+                "self, weights: list[tuple[str, torch.Tensor]], peft_config: dict, base_sync_done: bool"),
+    PrivateName("_cap_text_prompt_length", "experimental/agent_loop/agent_loop.py:AgentLoopBase",
+                (("use", "populora_verl.rollout.agent_loop"),),
+                "a plain-text prompt (prompt_format=text) is capped to the prompt length as verl caps a chat prompt",
+                "", "self, prompt_ids: list[int]"),
+    # --- reward manager -------------------------------------------------------------------------------------------
+    PrivateName("_class_initialized", "experimental/reward_loop/reward_manager/base.py:RewardManagerBase",
+                (("use", "populora_verl.reward.manager"),),
+                "verl's own pattern for init_class (its managers do the same); reset_class clears it for tests"),
+)
+
+
+RUNTIME_PATCHES: tuple[RuntimePatch, ...] = (
+    RuntimePatch("populora_verl.workers.logprobs",
+                 "logprobs_from_logits in verl.utils.torch_functional and verl.workers.engine.fsdp.transformer_impl",
+                 "without flash-attn verl falls back to a per-token Python loop (27x slower per micro-batch); the "
+                 "worker module rebinds the name to a chunked computation, only where verl would take that loop "
+                 "(POPULORA_LOGPROBS=verl keeps verl's)", ""),
+    RuntimePatch("populora_verl.rollout.routing", "vLLMHttpServer.engine (wrapped in LoraRoutingEngine)",
+                 "verl's generate sends the fixed LoRA id 123; the wrapper substitutes the request's adapter",
+                 "0002-vllm-per-request-lora.patch"),
+    RuntimePatch("populora_verl.rollout.agent_loop", "AgentLoopBase.server_manager (wrapped in LoraInjectingClient)",
+                 "verl's single-turn loop does not forward a prompt field to generate; the wrapper adds the "
+                 "prompt's adapter", "0002-vllm-per-request-lora.patch"),
+    RuntimePatch("populora_verl.rollout.weight_sync", "the VERL_RAY_JOB_ID environment variable of the vLLM server",
+                 "verl names the weight-sync socket after the Ray job id, which every fresh local Ray cluster "
+                 "numbers alike; trainers with their own clusters on one host shared a socket and hung",
+                 "0005-weight-sync-socket-unique-per-host.patch"),
+    RuntimePatch("populora_verl.rollout.server_adapter", "ServerAdapter.zmq_handle (the trainer's socket path)",
+                 "the sender's half of the same fix", "0005-weight-sync-socket-unique-per-host.patch"),
+    RuntimePatch("populora_verl.trainer.trainer", "PPOTrainer.trainer_mode (reset to 'sync' after __init__)",
+                 "verl treats every trainer_mode other than 'sync' as async (async replay buffer, TransferQueue "
+                 "checkpoints, generation batch 1), so a registered sync trainer must rename its mode",
+                 ""),
+    RuntimePatch("populora_verl.workers.resident_engine",
+                 "the class of verl's FSDP engine instance (engine.__class__ becomes a subclass)",
+                 "resident adapters (adapter_layout=resident) route each micro-batch's rows to their slot's LoRA "
+                 "inside verl's forward, backward and optimizer step", "", default=False),
+    RuntimePatch("populora_verl.workers.lora_forward", "peft.tuners.lora.Linear.forward",
+                 "a leaner LoRA forward for benchmarks (POPULORA_LORA_FORWARD); PEFT, not verl", "", default=False),
+)

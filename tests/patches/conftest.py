@@ -1,0 +1,66 @@
+"""Behavioural tests of the upstream patches (patches/*.patch) against the installed verl, on CPU.
+
+Each test copies the installed ``verl`` package into a temporary folder, applies one patch there (or none), and runs a
+check in a fresh interpreter with that copy first on ``sys.path``, so the copy's modules, not the installed ones, are
+imported. Every check runs twice: on the pristine copy it must fail (the patch fixes something real), on the patched
+copy it must pass.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from _shared import REPO
+
+VERL = Path(importlib.util.find_spec("verl").submodule_search_locations[0])
+PATCHES = REPO / "patches"
+
+
+def verl_copy(dest: Path, *patches: str) -> Path:
+    """A copy of the installed verl under ``dest`` with ``patches`` (file names in patches/) applied in order."""
+    shutil.copytree(VERL, dest / "verl", ignore=shutil.ignore_patterns("__pycache__"))
+    for name in patches:
+        res = subprocess.run(["patch", "-p1", "--forward", "-s", "-i", str(PATCHES / name)], cwd=dest,
+                             capture_output=True, text=True)
+        assert res.returncode == 0, f"{name} does not apply: {res.stdout}{res.stderr}"
+    return dest
+
+
+def run_check(root: Path, code: str, timeout: int = 240) -> subprocess.CompletedProcess:
+    """Run ``code`` in a fresh interpreter that imports verl from ``root``; asserts it imported the copy."""
+    prelude = textwrap.dedent(f"""
+        import sys, warnings
+        warnings.simplefilter("ignore")
+        sys.path.insert(0, {str(root)!r})
+        import verl
+        assert verl.__file__.startswith({str(root)!r}), verl.__file__
+    """)
+    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1", "RAY_DEDUP_LOGS": "0"}
+    return subprocess.run([sys.executable, "-c", prelude + textwrap.dedent(code)], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture
+def fails_without_passes_with(tmp_path):
+    """``check(patch, code)``: ``code`` fails against pristine verl and passes with ``patch`` applied."""
+    if shutil.which("patch") is None:
+        pytest.skip("`patch` not installed")
+
+    def check(patch: str, code: str, *, expect_without: str | None = None) -> str:
+        pristine = run_check(verl_copy(tmp_path / "pristine"), code)
+        assert pristine.returncode != 0, f"passes without {patch}: the check does not test the patch\n{pristine.stdout}"
+        if expect_without is not None:
+            assert expect_without in pristine.stderr + pristine.stdout, pristine.stderr[-3000:]
+        patched = run_check(verl_copy(tmp_path / "patched", patch), code)
+        assert patched.returncode == 0, f"fails with {patch}:\n{patched.stdout[-2000:]}\n{patched.stderr[-4000:]}"
+        return patched.stdout
+
+    return check
