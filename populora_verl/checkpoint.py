@@ -139,6 +139,17 @@ def _write_json(path: Path, data: Any) -> None:
     write_json(path, data, sort_keys=True)
 
 
+def _owner_only(folder: Path) -> None:
+    """Folders 0700 and files 0600 under ``folder``, so that a copy moved out of the private parent stays private."""
+    os.chmod(folder, 0o700)
+    for dirpath, dirnames, filenames in os.walk(folder):
+        for name in dirnames:
+            os.chmod(os.path.join(dirpath, name), 0o700)
+        for name in filenames:
+            if not os.path.islink(os.path.join(dirpath, name)):
+                os.chmod(os.path.join(dirpath, name), 0o600)
+
+
 def save_checkpoint(run_dir: str | os.PathLike, step: int, *, population: Any,
                     adapters: Mapping[str, Mapping[str, torch.Tensor]], lora_config: Mapping[str, Any] | None,
                     optimizers: Mapping[str, Mapping[str, Any]], step_state: Mapping[str, Any],
@@ -150,11 +161,15 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, *, population: Any,
     """
     root = Path(run_dir) / CHECKPOINTS
     root.mkdir(parents=True, exist_ok=True)
+    # The buffers hold code_f's hidden golds: a program running as another uid must not read them, whatever
+    # the umask (the sandbox also hides the trainer's working directory and home where it can).
+    for folder in (Path(run_dir), root):
+        os.chmod(folder, 0o700)
     final = root / f"step_{step}"
     tmp = root / f"step_{step}.tmp"
     if tmp.exists():
         shutil.rmtree(tmp)  # leftovers of a save that crashed
-    tmp.mkdir()
+    tmp.mkdir(mode=0o700)
 
     population.save(tmp / "population", adapters=dict(adapters), lora_config=dict(lora_config) if lora_config else None)
     (tmp / "optimizer").mkdir()
@@ -176,6 +191,7 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, *, population: Any,
         "optimizers": sorted(optimizers),
     })
     (tmp / COMPLETE).write_text(f"step_{step}\n")
+    _owner_only(tmp)
 
     swap_dir(tmp, final)  # re-saving a step (e.g. after a resume) replaces it whole
     write_text_atomic(root / LATEST, f"step_{step}\n")

@@ -360,6 +360,41 @@ def _expose(paths: list[str], notes: list[str]) -> None:
         notes.append(f"exposed {path} over a tmpfs on {closed}")
 
 
+# Never covered: the system's own folders and the mount points the sandbox replaces itself.
+_NEVER_HIDDEN = frozenset({"/", "/usr", "/lib", "/lib32", "/lib64", "/bin", "/sbin", "/etc", "/var", "/run", "/boot",
+                           "/proc", "/sys", "/dev", "/tmp"})
+
+
+def _hide(paths: list[str], expose: list[str], notes: list[str]) -> None:
+    """Cover each of ``paths`` with an empty tmpfs (read-only with every other mount later).
+
+    These are the trainer's working directory and home, where run folders and their saved golds live: where a
+    program keeps the trainer's uid (the user-namespace mode) their modes do not keep it out. What ``expose``
+    needs below one of them (the interpreter's standard library) is bound aside and back."""
+    for i, path in enumerate(paths):
+        path = os.path.realpath(path)
+        if path in _NEVER_HIDDEN or not os.path.isdir(path) or any(
+                p == path or p.startswith(path + "/") for p in ("/proc", "/sys", "/dev", "/tmp")):
+            continue
+        keep = [os.path.realpath(e) for e in expose]
+        if path in keep:
+            continue
+        keep = [e for e in keep if e.startswith(path + "/")]
+        stages = []
+        for j, kept in enumerate(keep):
+            stage = f"/tmp/.populora_keep{i}_{j}"
+            os.makedirs(stage, exist_ok=True)
+            _mount(kept, stage, None, _MS_BIND | _MS_REC)
+            stages.append((stage, kept))
+        _mount("tmpfs", path, "tmpfs", _MS_NOSUID | _MS_NODEV, "size=1m,nr_inodes=1024,mode=755")
+        for stage, kept in stages:
+            os.makedirs(kept, mode=0o755, exist_ok=True)
+            _mount(stage, kept, None, _MS_BIND | _MS_REC)
+            _umount(stage)
+            os.rmdir(stage)
+        notes.append(f"hidden {path}")
+
+
 def _setup_mounts(cfg: dict, notes: list[str]) -> dict[str, bool]:
     """Private /proc and /tmp, interpreter readable, every other mount read-only; the same minimal world in
     every slot: a /dev of harmless nodes, no /sys, fixed views of host-wide /proc files.
@@ -383,6 +418,13 @@ def _setup_mounts(cfg: dict, notes: list[str]) -> dict[str, bool]:
         prot["private_tmp"] = True
     except OSError as e:
         notes.append(f"tmp: {e}")
+    prot["hidden_paths"] = False
+    if prot["private_tmp"]:
+        try:
+            _hide(cfg.get("hide", []), cfg.get("expose", []), notes)
+            prot["hidden_paths"] = True
+        except OSError as e:
+            notes.append(f"hide: {e}")
     try:
         _expose(cfg.get("expose", []), notes)
     except OSError as e:
@@ -1226,7 +1268,7 @@ class Runner:
         self._spawn_zygote()
         own_world = bool(cfg.get("setup_mounts"))
         self.protections.update(dict.fromkeys(("private_proc", "private_tmp", "readonly_fs", "private_dev", "no_sys",
-                                               "masked_proc"), False))
+                                               "masked_proc", "hidden_paths"), False))
         if own_world:
             self.protections.update(_setup_mounts(cfg, self.notes))
         # After joining the slot's cgroup: /proc/self/cgroup then reads "/" in every slot.

@@ -130,6 +130,8 @@ class Executor:
             where the host allows it (else RLIMIT_AS only; the start-up log says which).
         plain_data: outputs must be plain data (literals of builtin types, see :func:`literal_problem`);
             anything else is the error "not plain data". Checked in the sandbox and again here.
+        hidden_paths: folders the sandbox covers with an empty one (default: this process's working directory
+            and home, where run folders and their saved golds live); needs the namespaces.
     """
 
     def __init__(self, timeout_s: float = 10.0, memory_mb: int = 512, *, max_workers: int | None = None,
@@ -137,7 +139,7 @@ class Executor:
                  banned_modules: Iterable[str] = AZR_BANNED, truncate_output: bool = True, backend: str = "local",
                  sandbox_fusion_url: str | None = None, isolation: str = "auto", max_processes: int = 16,
                  file_size_mb: int = 16, tmp_mb: int = 64, grace_s: float = 5.0, memory_cgroup: bool = True,
-                 plain_data: bool = True) -> None:
+                 plain_data: bool = True, hidden_paths: Iterable[str] | None = None) -> None:
         for key, why in executor_limit_problems(timeout_s, memory_mb).items():
             raise ValueError(f"{key} {why}")
         if isolation not in ("auto", "rlimits"):
@@ -154,6 +156,8 @@ class Executor:
 
             settings = {"banned": self.banned_modules, "nproc": int(max_processes), "fsize_mb": int(file_size_mb),
                         "tmp_mb": int(tmp_mb), "memory_mb": self.memory_mb}
+            if hidden_paths is not None:
+                settings["hide"] = [os.path.realpath(p) for p in hidden_paths]
             self._backend = LocalBackend(num_workers=workers, settings=settings, isolation=isolation,
                                          grace_s=grace_s, memory_cgroup=memory_cgroup)
         elif backend == "sandbox_fusion":

@@ -98,7 +98,8 @@ class Worker:
         if cgroup is not None:
             self.cgroups.set_limit(self.slot, 1 << 62)  # no limit while the runner starts (restarts too)
         cfg = dict(self.settings, uid=self.uid, gid=self.uid, setup_mounts=self.plan.namespaces != "none",
-                   expose=[os.path.dirname(os.__file__)], cgroup=cgroup,
+                   expose=[os.path.dirname(os.__file__)], hide=self.settings.get("hide", default_hidden_paths()),
+                   cgroup=cgroup,
                    user_namespace=self.plan.namespaces == "user")
         try:
             self._send(cfg)
@@ -213,6 +214,13 @@ class Worker:
 
 
 _INSTANCES = itertools.count()
+
+
+def default_hidden_paths() -> list[str]:
+    """What the sandbox covers with an empty folder: the trainer's working directory and home, where run
+    folders (buffers, hidden golds) are written."""
+    paths = [os.getcwd(), os.path.expanduser("~")]
+    return list(dict.fromkeys(os.path.realpath(p) for p in paths if p and os.path.isabs(p)))
 
 
 def _is_work_folder(path: str) -> bool:

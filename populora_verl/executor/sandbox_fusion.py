@@ -2,9 +2,10 @@
 
 Each evaluation is one self-contained Python script, a supervisor: it runs ``f(<inputs>)`` in a fresh
 interpreter process (which also calls ``f`` twice, as AZR does) and, for the determinism check, once more in
-a second, independent process; both with the hash seed fixed, a clean environment, a work directory of their
-own, the runtime import guard and the namespace filter of the local backend, and no handle on the
-supervisor's output. The supervisor compares the two results and prints one JSON line behind a marker whose
+a second, independent process; both with the hash seed fixed, a clean environment, a work directory and (where
+the service allows a mount namespace) a /tmp of their own, a uid of their own when the service runs as root,
+the runtime import guard and the namespace filter of the local backend, and no handle on the supervisor's
+output. Whatever a run started is killed by its uid and by descent (the supervisor is a subreaper), setsid or not. The supervisor compares the two results and prints one JSON line behind a marker whose
 secret half, a per-call nonce, reaches it on stdin and never appears in the script (which the program can
 read). The response's ``run_result`` is mapped onto the executor's result; the banned-module check runs
 locally before anything is sent, and the host checks every reply again (size, plain data).
@@ -27,7 +28,9 @@ from populora_verl.executor import _runner
 logger = logging.getLogger(__name__)
 
 MARKER_PREFIX = "@@populora-"
-NOBODY = 65534
+# Uids the supervisor gives its runs when the service runs as root: one drawn at random per run, unused by
+# any account, so that killing by uid reaches that run's processes and nothing else.
+RUN_UIDS = (1 << 30, 1 << 28)
 
 # The process that runs the program: reads its request on stdin, writes one length-prefixed JSON result to
 # the descriptor named in argv, and nothing else (its stdout and stderr go nowhere).
@@ -107,7 +110,7 @@ _main()
 '''
 
 _SUPERVISOR = '''\
-import json, os, select, shutil, signal, struct, subprocess, sys, tempfile, time
+import ctypes, json, os, secrets, select, shutil, signal, struct, subprocess, sys, tempfile, time
 
 _NONCE = sys.stdin.readline().strip()  # the marker's secret half: never in this file
 _PROGRAM = $program
@@ -118,7 +121,9 @@ _TIMEOUT = $timeout
 _MEMORY_MB = $memory_mb
 _BANNED = $banned
 _CHILD = $child
-_NOBODY = $nobody
+_UID_RANGE = $uid_range
+_LIBC = ctypes.CDLL(None, use_errno=True)
+_ROOT = os.geteuid() == 0
 
 $install_namespace_filter
 
@@ -126,16 +131,111 @@ $install_namespace_filter
 def _not_dumpable():
     # Our /proc files (memory, fds: the nonce and the real stdout) become unreadable to the programs.
     try:
-        import ctypes
-        ctypes.CDLL(None).prctl(4, ctypes.c_ulong(0), ctypes.c_ulong(0), ctypes.c_ulong(0), ctypes.c_ulong(0))
-    except (OSError, AttributeError):
+        _LIBC.prctl(4, ctypes.c_ulong(0), ctypes.c_ulong(0), ctypes.c_ulong(0), ctypes.c_ulong(0))
+    except AttributeError:
         pass
 
 
 _SIGNALS = {signal.SIGKILL: "memory: killed (SIGKILL, likely out of memory)", signal.SIGXCPU: "timeout: CPU time limit"}
 
 
-def _once(double, deadline):
+def _private_tmp(workdir, owner):
+    # A mount namespace of the run's own with fresh tmpfs on /tmp, /var/tmp and /dev/shm: the service's shared
+    # folders are out of the run's reach, so a value the first run leaves there cannot reach the second.
+    if _ROOT:
+        ok = _LIBC.unshare(0x00020000) == 0
+    else:
+        uid, gid = os.geteuid(), os.getegid()
+        ok = _LIBC.unshare(0x10000000 | 0x00020000) == 0
+        if ok:
+            for name, text in (("setgroups", "deny"), ("uid_map", "0 %d 1" % uid), ("gid_map", "0 %d 1" % gid)):
+                with open("/proc/self/" + name, "w") as fh:
+                    fh.write(text)
+    if not ok or _LIBC.mount(None, b"/", None, (1 << 14) | (1 << 18), None) != 0:  # MS_REC | MS_PRIVATE
+        raise OSError(ctypes.get_errno(), "no mount namespace")
+    for d in ("/tmp", "/var/tmp", "/dev/shm"):
+        if os.path.isdir(d) and _LIBC.mount(b"tmpfs", d.encode(), b"tmpfs", 2 | 4, b"size=64m,mode=1777") != 0:
+            if d == "/tmp":
+                raise OSError(ctypes.get_errno(), "no tmpfs on /tmp")
+    os.makedirs(workdir, 0o700)
+    if owner is not None:
+        os.chown(workdir, owner, owner)
+    os.chdir(workdir)
+
+
+def _confine(workdir, owner, private):
+    # Runs in the program's process before the interpreter starts: its own /tmp, then its own uid (root), then
+    # the namespace filter (after the mounts, which need a new namespace).
+    if private:
+        _private_tmp(workdir, owner)
+    else:
+        os.chdir(workdir)
+    if owner is not None:
+        os.setgroups([])
+        os.setresgid(owner, owner, owner)
+        os.setresuid(owner, owner, owner)
+    install_namespace_filter()
+
+
+def _probe_private_tmp():
+    pid = os.fork()
+    if pid == 0:
+        try:
+            _private_tmp("/tmp/populora_probe", None)  # made inside the probe's own /tmp only
+            os._exit(0)
+        except BaseException:
+            os._exit(1)
+    return os.waitpid(pid, 0)[1] == 0
+
+
+def _descendants():
+    # Every process below us: orphans of the run come back to us (subreaper), setsid or not.
+    parents = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open("/proc/%s/stat" % name) as fh:
+                    parents[int(name)] = int(fh.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                pass
+    mine, grew = {os.getpid()}, True
+    while grew:
+        more = {p for p, pp in parents.items() if pp in mine and p not in mine}
+        mine |= more
+        grew = bool(more)
+    return mine - {os.getpid()}
+
+
+def _kill_run(owner):
+    # Everything the run started dies: by its uid where it has one of its own (kill(-1) as that uid reaches
+    # exactly its processes), and by descent from us in every case; then reaped, so nothing outlives the call.
+    for _ in range(100):
+        if owner is not None:
+            helper = os.fork()
+            if helper == 0:
+                try:
+                    os.setresuid(owner, owner, owner)
+                    os.kill(-1, signal.SIGKILL)
+                finally:
+                    os._exit(0)
+            os.waitpid(helper, 0)
+        left = _descendants()
+        for pid in left:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        while True:
+            try:
+                if os.waitpid(-1, os.WNOHANG)[0] == 0:
+                    break
+            except ChildProcessError:
+                break
+        if not left:
+            return
+
+
+def _once(double, deadline, private):
     workdir = tempfile.mkdtemp(prefix="populora_")
     os.chmod(workdir, 0o700)
     env = {"PATH": "/usr/bin:/bin", "PYTHONHASHSEED": "0", "LANG": "C.UTF-8", "HOME": workdir, "TMPDIR": workdir}
@@ -144,19 +244,23 @@ def _once(double, deadline):
                       "memory_mb": _MEMORY_MB, "cpu_s": int(_TIMEOUT) + 1}).encode()
     r, w = os.pipe()
     proc = None
+    # A uid of the run's own (root only): its processes can be told from every other run's and killed by uid.
+    owner = _UID_RANGE[0] + secrets.randbelow(_UID_RANGE[1]) if _ROOT else None
+    if private:
+        os.rmdir(workdir)  # its name only: made again inside the run's own /tmp
     try:
-        drop = os.geteuid() == 0
         while proc is None:
-            kw = {"user": _NOBODY, "group": _NOBODY, "extra_groups": []} if drop else {}
-            os.chown(workdir, _NOBODY if drop else os.geteuid(), _NOBODY if drop else os.getegid())
+            if not private and owner is not None:
+                os.chown(workdir, owner, owner)
             try:
                 proc = subprocess.Popen(cmd + [str(w)], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
-                                        stderr=subprocess.DEVNULL, pass_fds=(w,), cwd=workdir, env=env,
-                                        start_new_session=True, **kw)
-            except (PermissionError, OSError):
-                if not drop:
+                                        stderr=subprocess.DEVNULL, pass_fds=(w,), cwd="/", env=env,
+                                        start_new_session=True,
+                                        preexec_fn=lambda: _confine(workdir, owner, private))
+            except (PermissionError, OSError, subprocess.SubprocessError):
+                if owner is None:
                     raise
-                drop = False  # the interpreter is out of the unprivileged user's reach: run as we are
+                owner = None  # the interpreter is out of an unprivileged uid's reach: run as we are
         os.close(w)
         w = None
         try:
@@ -180,10 +284,11 @@ def _once(double, deadline):
             if len(buf) > limit or (len(buf) >= 4 and len(buf) >= 4 + struct.unpack(">I", buf[:4])[0]):
                 break
         try:
-            os.killpg(proc.pid, signal.SIGKILL)  # the program's own processes too
+            proc.kill()
         except OSError:
             pass
         status = proc.wait()
+        _kill_run(owner)
     finally:
         if w is not None:
             os.close(w)
@@ -210,14 +315,12 @@ def _once(double, deadline):
 
 def _main():
     _not_dumpable()
-    try:
-        install_namespace_filter()
-    except Exception:  # best effort: the service's own sandbox stays the boundary
-        pass
+    _LIBC.prctl(36, ctypes.c_ulong(1), ctypes.c_ulong(0), ctypes.c_ulong(0), ctypes.c_ulong(0))  # subreaper
+    private = _probe_private_tmp()
     deadline = time.monotonic() + _TIMEOUT
-    first = _once(_DET, deadline)
+    first = _once(_DET, deadline, private)
     if first["ok"] and _DET:
-        second = _once(False, deadline)
+        second = _once(False, deadline, private)
         if not second["ok"]:
             if second["error"].split(":", 1)[0] in ("timeout", "memory"):
                 first = second
@@ -226,6 +329,7 @@ def _main():
                          "error": ("nondeterministic: a second process failed: " + second["error"])[:300]}
         elif second["output"] != first["output"]:
             first = {"ok": False, "output": None, "error": "nondeterministic: two processes gave different results"}
+    first["private_tmp"] = private
     return first
 
 
@@ -248,7 +352,7 @@ def build_script(program: str, inputs: str, *, check_determinism: bool, max_outp
     return string.Template(_SUPERVISOR).substitute(
         program=repr(program), inputs=repr(inputs), cap=int(max_output_chars), det=bool(check_determinism),
         timeout=float(timeout_s), memory_mb=int(memory_mb), banned=repr([str(b) for b in banned]),
-        child=repr(child), nobody=NOBODY, marker_prefix=MARKER_PREFIX,
+        child=repr(child), uid_range=repr(RUN_UIDS), marker_prefix=MARKER_PREFIX,
         install_namespace_filter=_source(_runner.install_namespace_filter))
 
 
@@ -271,7 +375,10 @@ def parse_response(resp: dict, marker: str, timeout_s: float) -> dict:
     if lines:
         try:
             res = json.loads(lines[0][len(marker):])
-            return {"ok": bool(res["ok"]), "output": res.get("output"), "error": res.get("error")}
+            out = {"ok": bool(res["ok"]), "output": res.get("output"), "error": res.get("error")}
+            if "private_tmp" in res:  # whether the script could give each run a /tmp of its own
+                out["private_tmp"] = res["private_tmp"] is True
+            return out
         except (ValueError, KeyError, TypeError):
             return {"ok": False, "output": None, "error": "crashed: malformed result from sandbox_fusion"}
     api_status = resp.get("status")
@@ -303,7 +410,10 @@ class SandboxFusionBackend:
         self.max_retries, self.retry_delay_s, self.request_timeout_s = max_retries, retry_delay_s, request_timeout_s
         self.protections = {"remote_sandbox": True, "cross_process_determinism": True, "fixed_hash_seed": True,
                             "private_result_channel": True}
-        self.notes = [f"programs run remotely at {url}"]
+        self.notes = [f"programs run remotely at {url}; each run gets a /tmp of its own only where the service "
+                      "lets the script make a mount namespace (root or user namespaces): elsewhere determinism "
+                      "through files in the service's /tmp is not checked (warned on the first such reply)"]
+        self._warned_shared_tmp = False
 
     def _post(self, payload: dict, timeout: float) -> dict:
         data = json.dumps(payload).encode()
@@ -338,6 +448,10 @@ class SandboxFusionBackend:
         try:
             resp = self._post(payload, timeout + 1 + self.request_timeout_s)
             res = parse_response(resp, marker, timeout)
+            if res.get("private_tmp") is False and not self._warned_shared_tmp:
+                self._warned_shared_tmp = True
+                logger.warning("sandbox_fusion at %s: the service gives the script no mount namespace, so both runs "
+                               "of a call share its /tmp: determinism through files there is not checked", self.url)
         except ConnectionError as e:
             res = {"ok": False, "output": None, "error": f"crashed: sandbox_fusion request failed: {e}"[:300]}
         res["duration_s"] = time.monotonic() - start

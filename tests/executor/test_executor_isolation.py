@@ -41,7 +41,7 @@ def _runnable_by_anyone(path: str) -> bool:
 
 
 # SandboxFusion runs scripts as root and its interpreter is one an unprivileged user can start: the script
-# then runs the programs as nobody. Use such an interpreter when this machine has one.
+# then runs the programs as a uid of their own. Use such an interpreter when this machine has one.
 SF_PYTHON = next((p for p in (sys.executable, "/usr/bin/python3") if _runnable_by_anyone(p)), sys.executable)
 
 

@@ -164,3 +164,172 @@ def test_an_input_python_cannot_print_is_a_verdict_not_an_exception(ex, rule):
     for task, answer in ((seed, fence("input", HUGE)), (replace(seed, type="code_o"), fence("output", HUGE)),
                          (identity_code_f_task(), fence("python", f"def f(a):\n    return {HUGE}"))):
         assert score_answer(task, wrap(answer), ex, cfg).status == "wrong"
+
+
+# --- SandboxFusion: the service's /tmp and processes that call setsid ---------------------------------------------
+def _runnable_by_anyone(path: str) -> bool:
+    real = os.path.realpath(path)
+    parts = real.split("/")
+    dirs = ["/".join(parts[:i]) or "/" for i in range(1, len(parts))]
+    return os.path.isfile(real) and all(os.stat(p).st_mode & 0o001 for p in [*dirs, real])
+
+
+SF_PYTHON = next((p for p in (sys.executable, "/usr/bin/python3") if _runnable_by_anyone(p)), sys.executable)
+
+
+def _run_like_sandbox_fusion(self, payload: dict, timeout: float) -> dict:
+    """SandboxFusion's ``run_code`` in a local process (the code in a file, stdin from the request)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
+    with tempfile.TemporaryDirectory() as tmp:
+        script = os.path.join(tmp, "main.py")
+        with open(script, "w") as fh:
+            fh.write(payload["code"])
+        proc = subprocess.run([SF_PYTHON, script], input=payload["stdin"], capture_output=True, text=True,
+                              timeout=payload["run_timeout"] + 5, cwd=tmp, env=env)
+    run = {"status": "Finished", "return_code": proc.returncode, "stdout": proc.stdout, "stderr": proc.stderr}
+    return {"status": "Success" if proc.returncode == 0 else "Failed", "message": "", "run_result": run}
+
+
+@pytest.fixture(scope="module")
+def sf():
+    from populora_verl.executor.sandbox_fusion import SandboxFusionBackend
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(SandboxFusionBackend, "_post", _run_like_sandbox_fusion)
+        with Executor(backend="sandbox_fusion", sandbox_fusion_url="http://sandbox-fusion.invalid/run_code",
+                      timeout_s=TIMEOUT, memory_mb=MEMORY_MB, max_workers=1) as executor:
+            yield executor
+
+
+def _mount_namespaces_here() -> bool:
+    """Whether a process like the service's may make a mount namespace (as root, or in a user namespace)."""
+    cmd = ["unshare", "--mount", "true"] if ROOT else ["unshare", "--user", "--map-root-user", "--mount", "true"]
+    try:
+        return subprocess.run(cmd, capture_output=True).returncode == 0
+    except OSError:
+        return False
+
+
+# Run A leaves a random value in the service's /tmp, run B returns it: a random gold.
+SHARED_TMP = """import os
+def f(x):
+    path = '/tmp/populora-sf-shared-gold'
+    try:
+        with open(path) as fh:
+            return fh.read()
+    except OSError:
+        value = os.urandom(8).hex()
+        with open(path, 'w') as fh:
+            fh.write(value)
+        return value
+"""
+
+
+def test_sandbox_fusion_runs_do_not_share_the_services_tmp(sf):
+    if not _mount_namespaces_here():
+        pytest.skip("no mount namespace for the script here: determinism through /tmp is not checked (documented)")
+    res = sf.run(SHARED_TMP, "1")
+    assert not res.ok and res.error_kind == "nondeterministic", res
+    assert not os.path.exists("/tmp/populora-sf-shared-gold")
+    assert sf._backend.run(sf._prepare("def f(x):\n    return x", "1", False, None))["private_tmp"] is True
+
+
+# A grandchild that leaves the program's process group (setsid) and lives on: it outlived the call.
+SETSID = """import os
+def f(x):
+    r, w = os.pipe()
+    if os.fork() == 0:
+        os.setsid()
+        if os.fork() == 0:
+            os.write(w, str(os.getpid()).encode())
+            while True:
+                pass
+        os._exit(0)
+    return int(os.read(r, 32))
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
+def test_sandbox_fusion_leaves_no_process_behind(sf):
+    res = sf.run(SETSID, "1", check_determinism=False)
+    assert res.ok, res
+    pid = int(res.output)
+    alive = _alive(pid)
+    if alive:
+        os.kill(pid, 9)
+    assert not alive, "a setsid grandchild outlived the call"
+
+
+# --- saved golds ---------------------------------------------------------------------------------------------------
+# A code_f student that can open the run's buffers.json reads every hidden gold.
+def _peek(path: str) -> str:
+    return (f"def f(x):\n    try:\n        with open({path!r}) as fh:\n            return 'read ' + str(len(fh.read()))\n"
+            "    except OSError as e:\n        return type(e).__name__")
+
+
+@pytest.fixture
+def saved_run(ex):
+    """A checkpoint under a world-readable folder outside /tmp (the sandbox has its own /tmp), like a run folder
+    in a project directory."""
+    import torch
+
+    from populora_verl.checkpoint import save_checkpoint
+    from populora_verl.step import PopulationStep
+
+    if not os.path.isdir("/var/tmp"):
+        pytest.skip("no /var/tmp")
+    parent = tempfile.mkdtemp(prefix="populora-run-", dir="/var/tmp")
+    os.chmod(parent, 0o755)
+    cfg = load_config({"population": {"num_teachers": 1, "num_students": 1},
+                       "diagnostics": {"cvt_cells": 8, "cvt_samples": 500}})
+    ps = PopulationStep(cfg, executor=ex, seed=0)
+    run = os.path.join(parent, "run")
+    adapters = {i: {"m.lora_A.weight": torch.zeros(4, 8), "m.lora_B.weight": torch.zeros(8, 4)}
+                for i in ps.population.ids()}
+    save_checkpoint(run, 1, population=ps.population, adapters=adapters,
+                    lora_config={"r": 4, "lora_alpha": 8, "target_modules": ["m"]}, optimizers={},
+                    step_state=ps.state_dict())
+    try:
+        yield parent, os.path.join(run, "checkpoints", "step_1", "buffers.json")
+    finally:
+        subprocess.run(["rm", "-rf", parent], check=False)
+
+
+def test_saved_buffers_are_the_owners_alone(ex, saved_run):
+    _, buffers = saved_run
+    assert "1001101100010001" in open(buffers).read()  # the code_f seed's hidden gold is in there
+    assert stat.S_IMODE(os.stat(buffers).st_mode) == 0o600
+    for folder in (os.path.dirname(os.path.dirname(os.path.dirname(buffers))), os.path.dirname(buffers)):
+        assert stat.S_IMODE(os.stat(folder).st_mode) == 0o700, folder
+    if ex.protections.get("uid_drop"):
+        res = ex.run(_peek(buffers), "1")
+        assert res.ok and res.output == "'PermissionError'", res
+
+
+def test_the_run_folder_is_hidden_where_programs_keep_the_trainers_uid(saved_run):
+    from populora_verl.executor.local import _NS_FLAGS, LocalBackend, SandboxPlan
+
+    parent, buffers = saved_run
+    plan = SandboxPlan(("unshare", "--user", "--map-root-user", *_NS_FLAGS), "user", False)
+    settings = {"banned": [], "nproc": 16, "fsize_mb": 16, "tmp_mb": 64, "memory_mb": MEMORY_MB, "hide": [parent]}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("populora_verl.executor.local.detect_sandbox", lambda isolation="auto": plan)
+        try:
+            backend = LocalBackend(num_workers=1, settings=settings, memory_cgroup=False)
+        except RuntimeError as e:
+            pytest.skip(f"unprivileged user namespaces not available: {e}")
+    try:
+        req = {"program": _peek(buffers), "inputs": "1", "timeout_s": TIMEOUT, "memory_mb": MEMORY_MB,
+               "max_output_chars": 10_000, "plain_data": True, "check_determinism": False}
+        res = backend.run_batch([req])[0]
+        assert res["ok"] and res["output"] == "'FileNotFoundError'", res
+        assert backend.protections.get("hidden_paths")
+    finally:
+        backend.close()
