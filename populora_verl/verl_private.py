@@ -59,7 +59,7 @@ PRIVATE: tuple[PrivateName, ...] = (
                 (("override", "populora_verl.trainer.trainer"), ("use", "populora_verl.trainer.trainer")),
                 "rebuilt after trainer_mode is reset to sync (verl built the async buffer for the unknown mode name), "
                 "and its poll interval set from trainer.populora_poll_interval_s (verl hard-codes 2 s)",
-                "", "self"),
+                "0007-trainer-declares-async.patch", "self"),
     PrivateName("_init_resource_pool_mgr", TRAINER, (("override", "populora_verl.trainer.trainer"),),
                 "swaps the actor role's worker class for PopuLoRAActorRolloutRefWorker (verl hard-codes "
                 "ray.remote(ActorRolloutRefWorker))", "0004-trainer-worker-class-from-config.patch", "self"),
@@ -108,16 +108,16 @@ PRIVATE: tuple[PrivateName, ...] = (
     PrivateName("_ROLLOUT_REGISTRY", "workers/rollout/base.py",
                 (("import", "populora_verl.plugin"), ("import", "populora_verl.rollout")),
                 "registers the trainer-side ServerAdapter of the populora_vllm backend (verl has no register "
-                "function for it) and checks the registration", ""),
+                "function for it) and checks the registration", "0006-rollout-register-helper.patch"),
     PrivateName("_registry", "workers/rollout/replica.py:RolloutReplicaRegistry",
                 (("use", "populora_verl.plugin"), ("use", "populora_verl.rollout")),
                 "checks that populora_vllm is registered (RolloutReplicaRegistry has register and get only)",
-                ""),
+                "0006-rollout-register-helper.patch"),
     PrivateName("_agent_loop_registry", "experimental/agent_loop/agent_loop.py",
                 (("import", "populora_verl.plugin"), ("import", "populora_verl.rollout"),
                  ("use", "populora_verl.rollout")),
                 "checks whether populora_agent is registered (verl's register overwrites silently)",
-                ""),
+                "0006-rollout-register-helper.patch"),
     # --- rollout: the populora_vllm backend -----------------------------------------------------------------------
     PrivateName("_preprocess_engine_kwargs", VLLM_SERVER, (("override", "populora_verl.rollout.routing"),),
                 "reads max_loras / max_cpu_loras before verl forces max_loras=1, and builds the live-adapter "
@@ -173,7 +173,7 @@ RUNTIME_PATCHES: tuple[RuntimePatch, ...] = (
     RuntimePatch("populora_verl.trainer.trainer", "PPOTrainer.trainer_mode (reset to 'sync' after __init__)",
                  "verl treats every trainer_mode other than 'sync' as async (async replay buffer, TransferQueue "
                  "checkpoints, generation batch 1), so a registered sync trainer must rename its mode",
-                 ""),
+                 "0007-trainer-declares-async.patch"),
     RuntimePatch("populora_verl.workers.resident_engine",
                  "the class of verl's FSDP engine instance (engine.__class__ becomes a subclass)",
                  "resident adapters (adapter_layout=resident) route each micro-batch's rows to their slot's LoRA "
