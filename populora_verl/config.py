@@ -405,6 +405,9 @@ class DiagnosticsConfig:
 class PopuLoRAConfig:
     """The whole ``populora`` section."""
 
+    # verl only: true turns a verl config into a PopuLoRA run; the start-up callback then sets the verl keys the
+    # population needs (populora_verl.trainer.enable, docs/from-grpo.md). The CPU driver ignores it.
+    enable: bool = False
     population: PopulationConfig = field(default_factory=PopulationConfig)
     matchmaking: MatchmakingConfig = field(default_factory=MatchmakingConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)

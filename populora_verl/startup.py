@@ -3,8 +3,10 @@
 ``python -m verl.trainer.main_ppo`` starts Ray, TransferQueue and the workers before our trainer class is built,
 so a missing model or a machine without GPUs used to show up minutes later, or as a silent hang. The recipes
 declare :class:`PreflightCallback` as a Hydra callback (``hydra.callbacks.populora_preflight`` in
-``recipes/populora/populora_base.yaml``); Hydra calls its ``on_job_start`` with the composed config before
-verl's ``main``, and a failed check ends the command with one line naming the key (exit status 2).
+``recipes/populora/populora_base.yaml``; a verl config of one's own adds the same key, docs/from-grpo.md). Hydra
+calls its ``on_run_start`` with the composed config, where ``populora.enable=true`` sets the verl keys a
+PopuLoRA run needs, then its ``on_job_start`` before verl's ``main``; a failed check ends the command with one
+line naming the key (exit status 2).
 """
 
 from __future__ import annotations
@@ -229,24 +231,56 @@ def _remove_hydra_output_dir(config: Any) -> None:
         parent = os.path.dirname(parent)
 
 
+def _stop(e: BaseException, config: Any = None) -> None:
+    print(f"populora: {e}", file=sys.stderr, flush=True)
+    if config is not None:
+        _remove_hydra_output_dir(config)
+    raise SystemExit(2) from None
+
+
 class PreflightCallback(Callback):
-    """Hydra callback: :func:`preflight` before the task function (verl's ``main``) runs, then the run directory's
-    lock, held by this process (which waits for the whole run) until the job ends."""
+    """Hydra callback. ``on_run_start``: with ``populora.enable=true``, set the verl keys a PopuLoRA run needs
+    (:mod:`populora_verl.trainer.enable`) on the composed config, which Hydra then hands to verl's ``main``.
+    ``on_job_start``: :func:`preflight` before verl's ``main`` runs, then the run directory's lock, held by this
+    process (which waits for the whole run) until the job ends. A config that is not a PopuLoRA run (no
+    ``populora.enable``, trainer mode not ``populora``) passes through both untouched: it runs as plain verl."""
 
     def __init__(self, check_gpus: bool = True) -> None:
         self.check_gpus = check_gpus
         self.lock: Any = None
 
-    def on_job_start(self, config: Any, **kwargs: Any) -> None:
-        from populora_verl.runlock import RunDirInUse
+    def on_run_start(self, config: Any, **kwargs: Any) -> None:
+        # Hydra deep-copies this config for the task function only after on_run_start, so what is set here is what
+        # verl's main, its validate_config, Ray and the trainer read. (on_job_start's config is not: the copy is
+        # made before it runs.)
+        from populora_verl.trainer.enable import apply_populora_settings, describe, is_enabled
 
         try:
+            if not is_enabled(config):
+                return
+            changes = apply_populora_settings(config)
+        except ConfigError as e:
+            _stop(e)
+        if changes:
+            print(describe(changes), flush=True)
+
+    def on_job_start(self, config: Any, **kwargs: Any) -> None:
+        from populora_verl.runlock import RunDirInUse
+        from populora_verl.trainer.enable import ENABLE_KEY, apply_populora_settings, describe, is_enabled
+
+        try:
+            if not is_enabled(config):
+                return
+            pending = apply_populora_settings(config, dry_run=True)
+            if pending:
+                # Only on_run_start can change what verl's main gets, and Hydra's --multirun never calls it.
+                raise ConfigError(f"{ENABLE_KEY}: these keys were not set before the job started (hydra "
+                                  f"--multirun skips the callback that sets them); put them in the config: "
+                                  f"{describe(pending).split(': ', 1)[1]}")
             preflight(config, check_gpus=self.check_gpus)
             self.lock = claim_trainer_run_dir(config)
         except (ConfigError, RuntimeError, RunDirInUse) as e:
-            print(f"populora: {e}", file=sys.stderr, flush=True)
-            _remove_hydra_output_dir(config)
-            raise SystemExit(2) from None
+            _stop(e, config)
 
     def on_job_end(self, config: Any, job_return: Any = None, **kwargs: Any) -> None:
         if self.lock is not None:

@@ -59,6 +59,18 @@ def validate_verl_config(config: Any, pcfg: PopuLoRAConfig) -> None:
     checks: list[tuple[str, Any, Any, str]] = [
         # key, value, predicate, message
         ("trainer.use_v1", select(config, "trainer.use_v1"), lambda v: v is True, "must be true (the V1 trainer)"),
+        # What makes it a PopuLoRA run at all: without these verl runs its own trainer, loop, rewards and
+        # advantages and the populora section is silently ignored (populora.enable sets all four).
+        ("trainer.v1.trainer_mode", select(config, "trainer.v1.trainer_mode"), lambda v: v == "populora",
+         "must be 'populora' (the population trainer)"),
+        (f"{ar}.rollout.agent.default_agent_loop", select(config, f"{ar}.rollout.agent.default_agent_loop"),
+         lambda v: v == "populora_agent", "must be 'populora_agent' (each prompt goes to its member's adapter)"),
+        ("reward.reward_manager.name", select(config, "reward.reward_manager.name"), lambda v: v == "populora_code",
+         "must be 'populora_code' (rewards from running the population's programs)"),
+        ("reward.reward_manager.source", select(config, "reward.reward_manager.source", "register"),
+         lambda v: v == "register", "must be 'register' (populora_code is a registered reward manager)"),
+        ("algorithm.adv_estimator", select(config, "algorithm.adv_estimator"), lambda v: v == "populora_trrpp",
+         "must be 'populora_trrpp' (TRR++ per adapter, task and role)"),
         (f"{ar}.actor.strategy", select(config, f"{ar}.actor.strategy"), lambda v: v == "fsdp2",
          "must be 'fsdp2' (FSDP1 flat params break per-adapter swaps)"),
         (f"{ar}.rollout.name", select(config, f"{ar}.rollout.name"), lambda v: v == "populora_vllm",

@@ -97,10 +97,13 @@ def test_every_populora_key_is_in_the_base_recipe_with_its_default():
     from populora_verl.config import PopuLoRAConfig
 
     cfg = compose_recipe("4t4s")
-    expected = PopuLoRAConfig()
+    expected = PopuLoRAConfig(enable=True)  # a PopuLoRA run (docs/from-grpo.md)
     expected.buffer.seed_programs = 256  # AZR: 64 x 4 base-model programs before step 1
     assert load_config(cfg.populora) == expected
+    assert cfg.populora.enable is True
     for section in dataclasses.fields(expected):
+        if not dataclasses.is_dataclass(getattr(expected, section.name)):
+            continue  # populora.enable, checked above
         keys = {f.name for f in dataclasses.fields(getattr(expected, section.name)) if not f.name.startswith("_")}
         assert keys <= set(cfg.populora[section.name]), (section.name, keys - set(cfg.populora[section.name]))
     for override in ["populora.pbt.min_age=0", "populora.pbt.final_quiet_steps=0", "populora.rollout.max_loras=16",
