@@ -214,3 +214,46 @@ def test_the_settings_name_the_plugin_s_registrations():
     assert values["reward.reward_manager.name"] == registered["reward_manager"]
     assert values["actor_rollout_ref.rollout.name"] == registered["rollout"]
     assert values["actor_rollout_ref.rollout.agent.default_agent_loop"] == registered["agent_loop"]
+
+
+def _run(args, cwd, **kw):
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, RAY_AUTH_MODE="disabled", PYTHONWARNINGS="ignore",
+               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    env.pop("HF_HUB_OFFLINE", None)
+    return subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300, **kw)
+
+
+def test_what_the_callback_sets_is_what_the_task_function_gets(tmp_path):
+    """Through Hydra itself, not the compose API: verl's main is a ``@hydra.main`` task function on
+    ``ppo_trainer``, and gets the config Hydra copies after ``on_run_start``."""
+    app = tmp_path / "app.py"
+    app.write_text(
+        "import hydra\n"
+        "@hydra.main(config_path='pkg://verl.trainer.config', config_name='ppo_trainer', version_base=None)\n"
+        "def main(cfg):\n"
+        "    print('task:', cfg.trainer.v1.trainer_mode, cfg.algorithm.adv_estimator,\n"
+        "          cfg.actor_rollout_ref.rollout.agent.default_agent_loop, cfg.reward.reward_manager.name,\n"
+        "          cfg.actor_rollout_ref.rollout.n, cfg.populora.rollout.student_n)\n"
+        "main()\n")
+    r = _run([str(app), *with_diff(["+hydra.callbacks.populora_preflight.check_gpus=false"])], tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = r.stdout.strip().splitlines()
+    assert sum(line.startswith("set for PopuLoRA: ") for line in lines) == 1, r.stdout
+    assert "task: populora populora_trrpp populora_agent populora_code 1 5" in lines, r.stdout
+
+
+def test_verl_main_prints_the_settings_once_then_stops_before_ray_on_a_bad_key(tmp_path):
+    """The real command: the callback comes from the command line, sets and prints before any check, and a
+    failed check still ends it in one line before Ray starts."""
+    r = _run(["-m", "verl.trainer.main_ppo", *with_diff(["actor_rollout_ref.model.path=/nonexistent/model"])],
+             tmp_path)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert sum(line.startswith("set for PopuLoRA: ") for line in r.stdout.splitlines()) == 1, r.stdout
+    assert r.stderr.strip().splitlines()[-1] == ("populora: actor_rollout_ref.model.path: no such directory "
+                                                 "'/nonexistent/model'")
+    assert "ray init" not in r.stdout.lower() and "Traceback" not in r.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # no Hydra outputs/ folder, no run directory
