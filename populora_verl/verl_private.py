@@ -89,7 +89,7 @@ PRIVATE: tuple[PrivateName, ...] = (
                 "", "self, batch: KVBatchMeta, metrics: dict"),
     PrivateName("_save_checkpoint", TRAINER, (("override", "populora_verl.trainer.hooks"),),
                 "fit() saves before on_step_end; the save is deferred until after evolution, then the bank and "
-                "population are written before verl's own save", "", "self"),
+                "population are written before verl's own save", "0008-trainer-pre-save-hook.patch", "self"),
     PrivateName("_load_checkpoint", TRAINER, (("override", "populora_verl.trainer.hooks"),),
                 "initialises the adapter bank, picks the newest checkpoint that passes its checks, then restores the "
                 "bank and population after verl's load", "", "self"),

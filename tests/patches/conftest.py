@@ -2,8 +2,8 @@
 
 Each test copies the installed ``verl`` package into a temporary folder, applies one patch there (or none), and runs a
 check in a fresh interpreter with that copy first on ``sys.path``, so the copy's modules, not the installed ones, are
-imported. Every check runs twice: on the pristine copy it must fail (the patch fixes something real), on the patched
-copy it must pass.
+imported. Every check runs three times: on the pristine copy it must fail (the patch fixes something real); with the
+patch alone, and with the whole series applied in order, it must pass.
 """
 
 from __future__ import annotations
@@ -48,11 +48,23 @@ def run_check(root: Path, code: str, timeout: int = 240) -> subprocess.Completed
                           capture_output=True, text=True, timeout=timeout)
 
 
-@pytest.fixture
-def fails_without_passes_with(tmp_path):
-    """``check(patch, code)``: ``code`` fails against pristine verl and passes with ``patch`` applied."""
+def series() -> list[str]:
+    """Every patch of patches/, in order (they apply one after another as well as each on its own)."""
+    return sorted(p.name for p in PATCHES.glob("*.patch"))
+
+
+@pytest.fixture(scope="session")
+def series_copy(tmp_path_factory):
+    """verl with the whole series applied, shared by the tests."""
     if shutil.which("patch") is None:
         pytest.skip("`patch` not installed")
+    return verl_copy(tmp_path_factory.mktemp("series"), *series())
+
+
+@pytest.fixture
+def fails_without_passes_with(tmp_path, series_copy):
+    """``check(patch, code)``: ``code`` fails against pristine verl, and passes with ``patch`` applied alone and with
+    the whole series applied."""
 
     def check(patch: str, code: str, *, expect_without: str | None = None) -> str:
         pristine = run_check(verl_copy(tmp_path / "pristine"), code)
@@ -61,6 +73,8 @@ def fails_without_passes_with(tmp_path):
             assert expect_without in pristine.stderr + pristine.stdout, pristine.stderr[-3000:]
         patched = run_check(verl_copy(tmp_path / "patched", patch), code)
         assert patched.returncode == 0, f"fails with {patch}:\n{patched.stdout[-2000:]}\n{patched.stderr[-4000:]}"
+        together = run_check(series_copy, code)
+        assert together.returncode == 0, f"fails with the series:\n{together.stdout[-2000:]}\n{together.stderr[-4000:]}"
         return patched.stdout
 
     return check
