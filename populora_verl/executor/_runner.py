@@ -1453,11 +1453,23 @@ class Runner:
                     os._exit(0)
             os.waitpid(helper, 0)
         elif not self.fresh_pid_ns:
-            try:
-                os.killpg(child, signal.SIGKILL)  # best effort: a program can setsid away (documented)
-            except (ProcessLookupError, PermissionError):
-                pass
+            # Neither a pid namespace nor a uid of the slot's own: by descent. Orphans come back to us (we are a
+            # subreaper), so a program that calls setsid stays below us; repeated until a pass finds none.
+            for _ in range(100):
+                left = self._descendants() - {self.zygote_pid}
+                for pid in left:
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except (ProcessLookupError, PermissionError):
+                        pass
+                if not left:
+                    break
+                self._reap_orphans()
         status = int(self._zygote_say(b"reap"))
+        self._reap_orphans()
+        return status
+
+    def _reap_orphans(self) -> None:
         while True:  # orphans of runs without their own pid namespace come back to us (subreaper)
             try:
                 pid, _ = os.waitpid(-1, os.WNOHANG)
@@ -1467,7 +1479,23 @@ class Runner:
                 break
             if pid == self.zygote_pid:
                 raise RuntimeError("the zygote died")
-        return status
+
+    @staticmethod
+    def _descendants() -> set[int]:
+        parents = {}
+        for name in os.listdir("/proc"):
+            if name.isdigit():
+                try:
+                    with open(f"/proc/{name}/stat") as fh:
+                        parents[int(name)] = int(fh.read().rsplit(")", 1)[1].split()[1])
+                except (OSError, ValueError, IndexError):
+                    continue
+        mine, grew = {os.getpid()}, True
+        while grew:
+            more = {p for p, pp in parents.items() if pp in mine and p not in mine}
+            mine |= more
+            grew = bool(more)
+        return mine - {os.getpid()}
 
     def _clear_keyrings(self) -> None:
         uid = self.cfg.get("uid")

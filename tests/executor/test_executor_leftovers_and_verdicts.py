@@ -333,3 +333,27 @@ def test_the_run_folder_is_hidden_where_programs_keep_the_trainers_uid(saved_run
         assert backend.protections.get("hidden_paths")
     finally:
         backend.close()
+
+
+def test_without_namespaces_or_a_uid_of_its_own_no_process_outlives_the_call():
+    """The local backend's weakest mode (no namespaces, not root): cleanup by descent from the runner, not by
+    process group, so a setsid grandchild dies with the call too."""
+    from populora_verl.executor.local import LocalBackend, SandboxPlan
+
+    plan = SandboxPlan((), "none", False)
+    settings = {"banned": [], "nproc": 16, "fsize_mb": 16, "tmp_mb": 64, "memory_mb": MEMORY_MB}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("populora_verl.executor.local.detect_sandbox", lambda isolation="auto": plan)
+        backend = LocalBackend(num_workers=1, settings=settings, memory_cgroup=False)
+    try:
+        req = {"program": SETSID, "inputs": "1", "timeout_s": TIMEOUT, "memory_mb": MEMORY_MB,
+               "max_output_chars": 10_000, "plain_data": True, "check_determinism": False}
+        res = backend.run_batch([req])[0]
+        assert res["ok"], res
+        pid = int(res["output"])
+        alive = _alive(pid)
+        if alive:
+            os.kill(pid, 9)
+        assert not alive, "a setsid grandchild outlived the call"
+    finally:
+        backend.close()
