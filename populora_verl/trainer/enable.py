@@ -108,6 +108,10 @@ def is_enabled(config: Any) -> bool:
         return False
     if not isinstance(enable, bool):
         raise ConfigError(f"{ENABLE_KEY}: must be true or false, got {enable!r}")
+    if not enable and _select(config, "trainer.v1.trainer_mode") == "populora":
+        # The population trainer would run anyway, without the start-up checks that enable turns on.
+        raise ConfigError(f"{ENABLE_KEY}: false, but trainer.v1.trainer_mode is 'populora': set {ENABLE_KEY}=true, "
+                          "or another trainer mode for plain verl")
     return enable
 
 

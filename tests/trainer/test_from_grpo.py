@@ -157,6 +157,13 @@ def test_a_populora_section_without_enable_stops_instead_of_being_ignored(capsys
     assert capsys.readouterr().err.startswith("populora: populora.enable: the config has a populora section")
 
 
+def test_enable_false_on_the_population_trainer_stops(capsys):
+    cfg = compose_recipe("smoke_0.5b", ["actor_rollout_ref.model.path=/m", "populora.enable=false"], hydra_config=True)
+    with pytest.raises(SystemExit):
+        PreflightCallback(check_gpus=False).on_run_start(cfg)
+    assert capsys.readouterr().err.startswith("populora: populora.enable: false, but trainer.v1.trainer_mode")
+
+
 def test_user_values_above_the_population_s_needs_stay():
     cfg = compose_verl(with_diff(["+actor_rollout_ref.rollout.engine_kwargs.vllm.max_loras=32",
                                   "data.max_prompt_length=8192", "+populora.rollout.student_n=5"]))
