@@ -157,7 +157,7 @@ RUNTIME_PATCHES: tuple[RuntimePatch, ...] = (
                  "logprobs_from_logits in verl.utils.torch_functional and verl.workers.engine.fsdp.transformer_impl",
                  "without flash-attn verl falls back to a per-token Python loop (27x slower per micro-batch); the "
                  "worker module rebinds the name to a chunked computation, only where verl would take that loop "
-                 "(POPULORA_LOGPROBS=verl keeps verl's)", ""),
+                 "(POPULORA_LOGPROBS=verl keeps verl's)", "0010-chunked-logprob-fallback.patch"),
     RuntimePatch("populora_verl.rollout.routing", "vLLMHttpServer.engine (wrapped in LoraRoutingEngine)",
                  "verl's generate sends the fixed LoRA id 123; the wrapper substitutes the request's adapter",
                  "0002-vllm-per-request-lora.patch"),
