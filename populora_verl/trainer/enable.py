@@ -41,6 +41,8 @@ class Setting:
     #: ``(_ANY,)``: every value. Anything else stops the run.
     replaces: tuple[Any, ...]
     why: str
+    #: a floor rather than a value: a user integer at least this large stays as it is
+    floor: int | None = None
 
     def accepts(self, current: Any) -> bool:
         return current == self.value or _ANY in self.replaces or current in self.replaces
@@ -137,29 +139,26 @@ def populora_settings(config: Any, pcfg: PopuLoRAConfig) -> list[Setting]:
     # tokens each: 6,144 for six, 2,048 for two); verl left-truncates a longer prompt, cutting its instructions.
     # A larger value of the user's stays.
     need = PROMPT_TOKENS_PER_REFERENCE * max(pcfg.tasks.num_references, 1)
-    out.append(Setting("data.max_prompt_length", need, (_ANY,), "the proposer prompt's reference programs"))
+    out.append(Setting("data.max_prompt_length", need, (_ANY,), "the proposer prompt's reference programs",
+                       floor=need))
     # vLLM must hold every member's adapter at once (max_loras) and the ids evolution retires while the new ones
     # load (max_cpu_loras); a value the user set stays if it is large enough (validate_verl_config checks it).
     size = pcfg.population.num_adapters
     max_loras = pcfg.rollout.max_loras or size
     ek = f"{AR}.rollout.engine_kwargs.vllm"
-    out.append(Setting(f"{ek}.max_loras", max_loras, (None,), "every member's adapter on each replica"))
+    out.append(Setting(f"{ek}.max_loras", max_loras, (None,), "every member's adapter on each replica",
+                       floor=max_loras))
     mine = _select(config, f"{ek}.max_loras")
     capacity = mine if isinstance(mine, int) and mine >= max_loras else max_loras
     out.append(Setting(f"{ek}.max_cpu_loras", max(pcfg.rollout.max_cpu_loras or 2 * size, capacity), (None,),
-                       "evolved members' new ids load before the old ones retire"))
+                       "evolved members' new ids load before the old ones retire", floor=capacity))
     return out
 
 
-#: Keys whose value is a floor: a larger user value stays.
-_FLOORS = ("data.max_prompt_length", f"{AR}.rollout.engine_kwargs.vllm.max_loras",
-           f"{AR}.rollout.engine_kwargs.vllm.max_cpu_loras")
-
-
 def _user_keeps(setting: Setting, current: Any) -> bool:
-    """A user value the plugin leaves as it is: more than the population needs of a floor."""
-    return (setting.key in _FLOORS and isinstance(current, int) and not isinstance(current, bool)
-            and current >= setting.value)
+    """A user value the plugin leaves as it is: at least a floor's worth."""
+    return (setting.floor is not None and isinstance(current, int) and not isinstance(current, bool)
+            and current >= setting.floor)
 
 
 def apply_populora_settings(config: Any, *, dry_run: bool = False) -> list[tuple[str, Any]]:

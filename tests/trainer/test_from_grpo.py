@@ -129,6 +129,8 @@ CONTRADICTIONS = [
     ("critic.enable=true", "critic.enable"),
     ("algorithm.filter_groups.enable=true", "algorithm.filter_groups.enable"),
     ("+actor_rollout_ref.rollout.engine_kwargs.vllm.max_loras=3", "actor_rollout_ref.rollout.engine_kwargs.vllm.max_loras"),
+    ("+actor_rollout_ref.rollout.engine_kwargs.vllm.max_cpu_loras=4",
+     "actor_rollout_ref.rollout.engine_kwargs.vllm.max_cpu_loras"),
     # two values for one shape: GRPO's group size and PopuLoRA's answers per task
     ("+populora.rollout.student_n=8", "actor_rollout_ref.rollout.n"),
     ("+populora.enable=yes", "populora.enable"),
@@ -171,6 +173,10 @@ def test_user_values_above_the_population_s_needs_stay():
     assert cfg.actor_rollout_ref.rollout.engine_kwargs.vllm.max_loras == 32 and cfg.data.max_prompt_length == 8192
     assert cfg.actor_rollout_ref.rollout.engine_kwargs.vllm.max_cpu_loras == 32  # >= max_loras
     assert "populora.rollout.student_n" not in changes and cfg.actor_rollout_ref.rollout.n == 1
+    # a cache smaller than the default's twice the population, but no smaller than max_loras, is the user's call
+    cfg = compose_verl(with_diff(["+actor_rollout_ref.rollout.engine_kwargs.vllm.max_cpu_loras=10"]))
+    enable.apply_populora_settings(cfg)
+    assert cfg.actor_rollout_ref.rollout.engine_kwargs.vllm.max_cpu_loras == 10
 
 
 NOT_POPULORA = [
