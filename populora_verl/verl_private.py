@@ -57,9 +57,9 @@ PRIVATE: tuple[PrivateName, ...] = (
     # --- trainer (PopuLoRATrainer over verl's V1 PPOTrainerSync) ------------------------------------------------
     PrivateName("_build_replay_buffer", TRAINER,
                 (("override", "populora_verl.trainer.trainer"), ("use", "populora_verl.trainer.trainer")),
-                "rebuilt after trainer_mode is reset to sync (verl built the async buffer for the unknown mode name), "
-                "and its poll interval set from trainer.populora_poll_interval_s (verl hard-codes 2 s)",
-                "0007-trainer-declares-async.patch", "self"),
+                "rebuilt after trainer_mode is reset to sync (verl built the async buffer for the unknown mode name; "
+                "0007 removes this use), and its poll interval set from trainer.populora_poll_interval_s (verl "
+                "hard-codes 2 s; no patch yet, so the override stays)", "", "self"),
     PrivateName("_init_resource_pool_mgr", TRAINER, (("override", "populora_verl.trainer.trainer"),),
                 "swaps the actor role's worker class for PopuLoRAActorRolloutRefWorker (verl hard-codes "
                 "ray.remote(ActorRolloutRefWorker))", "0004-trainer-worker-class-from-config.patch", "self"),
