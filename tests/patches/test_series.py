@@ -11,6 +11,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import yaml
 
 from _shared import REPO
 
@@ -28,4 +29,9 @@ def test_series_applies_in_order(tmp_path):
         assert res.returncode == 0 and "fuzz" not in res.stdout.lower(), f"{name} after its predecessors:\n{res.stdout}"
         touched |= set(re.findall(r"^\+\+\+ b/(\S+)", (PATCHES / name).read_text(), re.M))
     for rel in sorted(touched):
-        ast.parse((tmp_path / rel).read_text())
+        text = (tmp_path / rel).read_text()
+        if rel.endswith(".py"):
+            ast.parse(text)
+        else:
+            assert rel.endswith(".yaml"), rel
+            yaml.safe_load(text)

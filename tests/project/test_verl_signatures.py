@@ -640,10 +640,21 @@ def test_patch_applies_to_installed_verl(patch_file, tmp_path):
     res = subprocess.run(["patch", "-p1", "--dry-run", "-i", str(patch_file)], cwd=tmp_path, capture_output=True, text=True)
     assert res.returncode == 0, res.stdout + res.stderr
     assert "fuzz" not in res.stdout.lower() and "offset" not in res.stdout.lower(), res.stdout
-    # Applied for real, the patched modules still parse.
+    # Applied for real, the patched modules and configs still parse.
     subprocess.run(["patch", "-p1", "-s", "-i", str(patch_file)], cwd=tmp_path, check=True)
     for t in targets:
-        ast.parse((tmp_path / t).read_text())
+        _parses(tmp_path / t)
+
+
+def _parses(path: Path) -> None:
+    if path.suffix == ".py":
+        ast.parse(path.read_text())
+    elif path.suffix == ".yaml":
+        import yaml
+
+        yaml.safe_load(path.read_text())
+    else:
+        raise AssertionError(f"a patch touches {path.name}: add a parse check for its kind")
 
 
 def test_worker_module_imports_without_vllm():
