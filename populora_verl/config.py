@@ -267,7 +267,9 @@ class ExecutorConfig:
     memory_mb: int = 512
     max_workers: int | None = None  # None: os.cpu_count()
     max_output_chars: int = 100_000  # hard cap on a result's repr (bigger => error "output too large")
-    truncate_output: bool = True  # AZR parity: stored gold outputs cut to 400 chars with "..." in the middle
+    # AZR parity in what prompts show: outputs cut to 400 chars with "..." in the middle; answers are judged on the
+    # whole output, so a wrong answer sharing a long prefix is never scored correct
+    truncate_output: bool = True
     check_determinism: bool = True
     banned_modules: list[str] = field(default_factory=lambda: list(AZR_BANNED_MODULES))
     sandbox_fusion_url: str | None = None
