@@ -624,6 +624,17 @@ def test_patches_exist_and_are_documented():
         assert p.name in readme, f"{p.name} missing from patches/README.md"
     for issue in ("#7909", "#4421", "#7495"):
         assert issue in readme
+    for target in re.findall(r"\]\(([^)#]+)", readme):  # relative links resolve
+        assert (REPO / "patches" / target).exists(), f"patches/README.md links to a missing file: {target}"
+    # each patch's row names its behavioural test under tests/patches/ (which exists and tests that patch), or says
+    # why it has none
+    rows = {line.split("`")[1]: line for line in readme.splitlines() if line.startswith("| `0")}
+    assert sorted(rows) == [p.name for p in PATCHES]
+    for name, row in rows.items():
+        tests = re.findall(r"`(tests/patches/test_\w+\.py)", row)
+        assert tests or "applies and parses only" in row, f"{name}: no test named in patches/README.md"
+        for t in tests:
+            assert f'PATCH = "{name}"' in (REPO / t).read_text(), f"{t} does not test {name}"
 
 
 @pytest.mark.skipif(shutil.which("patch") is None, reason="`patch` not installed")
