@@ -45,7 +45,7 @@ from populora_verl.diagnostics.metrics import read_metrics
 from populora_verl.recipes import recipes_dir
 
 RECIPES = recipes_dir()  # a checkout's recipes/populora, else the installed copy
-ARMS = {"2t2s": "qwen1.5b_1gpu_2t2s", "single": "qwen1.5b_1gpu_single"}
+ARMS = {"2t2s": "qwen1.5b_1gpu_2t2s", "4t4s": "qwen1.5b_1gpu_4t4s", "single": "qwen1.5b_1gpu_single"}
 # What the status line shows of an arm's last metrics row.
 WATCH = ("populora/validity/mean", "populora/role/teacher/format_error_rate", "populora/role/student/format_error_rate",
          "populora/student/accuracy", "populora/role/teacher/reward_mean", "populora/role/student/reward_mean",

@@ -5,6 +5,10 @@
 #   bash scripts/gpu/learning_run_4gpu.sh [minutes before the stop files, default 24]
 #   ARMS=2t2s@1,2t2s@2,2t2s@3,2t2s@4 bash scripts/gpu/learning_run_4gpu.sh   # other arms, one per GPU
 #   ARMS=2t2s@3,2t2s@4 GPUS=0,1 bash scripts/gpu/learning_run_4gpu.sh         # two GPUs, the others left free
+#   ARMS=4t4s@1,4t4s@2,single@1,single@2 bash scripts/gpu/learning_run_4gpu.sh  # the paper's 4T4S (qwen1.5b_1gpu_4t4s)
+# Four seeds per arm (the fewest for which the permutation across seeds can reach p < 0.05: 4 + 4 give 1/35) take two
+# nodes' runs: seeds 1-2 on one, 3-4 on the other, with the same SEEDS file. A 4T4S step trains twice the 2T2S work
+# (about 1.7x its step time), so 40 of them need about 25 min beside the start-up: more than this script's deadline.
 # The minutes are a safety net: an arm stopped by them ends at its next safe step, short of STOP_AT. With 6.3 min of
 # start-up and 14.7-16 min for 40 population steps on an H200, 24 leaves the stop step to STOP_AT.
 # Every arm ends at step STOP_AT (default 40) or at the deadline; an arm that reaches STOP_AT is evaluated at once on
@@ -26,5 +30,6 @@ exec bash scripts/gpu/learning_run.sh start --model "$MODEL" --seed-file "$ROOT/
   --arms "${ARMS:-2t2s@1,2t2s@2,single@1,single@2}" --gpus "${GPUS:-0,1,2,3}" \
   --stop-after-min "$minutes" --grace-min 4 --stop-at-step "${STOP_AT:-40}" \
   --arm-override 2t2s:populora.rollout.proposals_per_type=4 \
+  --arm-override 4t4s:populora.rollout.proposals_per_type=4 \
   --arm-override single:populora.rollout.proposals_per_type=5 \
   populora.rollout.student_n=4 trainer.save_freq="${SAVE_FREQ:-20}"

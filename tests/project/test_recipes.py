@@ -10,8 +10,8 @@ from populora_verl.config import load_config  # noqa: E402
 
 from _shared import compose_recipe  # noqa: E402
 
-NAMES = ["1t1s", "2t2s", "4t4s", "8t8s", "azr_single_agent", "smoke_0.5b", "qwen1.5b_1gpu_2t2s", "qwen1.5b_1gpu_single",
-         "qwen1.5b_4gpu_4t4s"]
+NAMES = ["1t1s", "2t2s", "4t4s", "8t8s", "azr_single_agent", "smoke_0.5b", "qwen1.5b_1gpu_2t2s", "qwen1.5b_1gpu_4t4s",
+         "qwen1.5b_1gpu_single", "qwen1.5b_4gpu_4t4s"]
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -37,7 +37,7 @@ def test_recipe_composes_and_validates(name):
 def test_paper_recipes_share_per_adapter_budget():
     """Compute matching by what is trained (docs/tasks-and-rewards.md): the single agent trains on as many
     trajectories per step as the mean population member, with one update and the same generation limits."""
-    from populora_verl.step import planned_trajectories
+    from populora_verl.step import check_compute_plan, planned_trajectories
 
     single = compose_recipe("azr_single_agent")
     base = load_config(single.populora)
@@ -67,12 +67,16 @@ def test_one_gpu_learning_run_arms_are_compute_matched():
     """The learning-run arms: same per-adapter trained trajectories (90), generation limits, LoRA, optimizer and seed
     source; the population evolves every 5 steps and checkpoints at every step a run may stop at; LoRA lr 1e-4 and
     teacher groups of >= 4 (settings that learned; 1e-5 or groups of 2 did not)."""
-    from populora_verl.step import planned_trajectories
+    from populora_verl.step import check_compute_plan, planned_trajectories
     from populora_verl.step.metrics import small_group_warning, teacher_group_size
 
     single, pop = compose_recipe("qwen1.5b_1gpu_single"), compose_recipe("qwen1.5b_1gpu_2t2s")
     ps, pp = load_config(single.populora), load_config(pop.populora)
-    assert planned_trajectories(ps) == planned_trajectories(pp) == 90.0
+    p4 = load_config(compose_recipe("qwen1.5b_1gpu_4t4s").populora)
+    assert planned_trajectories(ps) == planned_trajectories(pp) == planned_trajectories(p4) == 90.0
+    assert (p4.population.num_teachers, p4.population.num_students) == (4, 4)
+    plan = check_compute_plan(p4)  # raises where a role's adapters could train unequal batches
+    assert (plan.teacher, plan.student) == (30, 150)
     assert single.actor_rollout_ref.actor.optim.lr == 1e-4
     assert teacher_group_size(ps) == 15 and teacher_group_size(pp) == 10
     assert small_group_warning(ps) is None and small_group_warning(pp) is None
@@ -123,7 +127,8 @@ def test_the_short_learning_run_overrides_stay_compute_matched():
     single = load_config(compose_recipe("qwen1.5b_1gpu_single",
                                         [*common, "populora.rollout.proposals_per_type=5"]).populora)
     pop = load_config(compose_recipe("qwen1.5b_1gpu_2t2s", [*common, "populora.rollout.proposals_per_type=4"]).populora)
-    assert planned_trajectories(single) == planned_trajectories(pop) == 30.0
+    four = load_config(compose_recipe("qwen1.5b_1gpu_4t4s", [*common, "populora.rollout.proposals_per_type=4"]).populora)
+    assert planned_trajectories(single) == planned_trajectories(pop) == planned_trajectories(four) == 30.0
     assert small_group_warning(single) is None and small_group_warning(pop) is None
     small = load_config(compose_recipe("qwen1.5b_1gpu_2t2s", ["populora.rollout.proposals_per_type=2"]).populora)
     assert "has 2 sample(s)" in small_group_warning(small)
