@@ -650,6 +650,25 @@ def _make_user_namespace(uid: int, gid: int) -> int:
         os.waitpid(pid, 0)
 
 
+def process_descendants():
+    # Every process below this one, setsid or not (orphans come back to a subreaper). No annotations and no
+    # f-string: SandboxFusion's supervisor script carries this source to whatever Python the service runs.
+    parents = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open("/proc/%s/stat" % name) as fh:
+                    parents[int(name)] = int(fh.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+    mine, grew = {os.getpid()}, True
+    while grew:
+        more = {p for p, pp in parents.items() if pp in mine and p not in mine}
+        mine |= more
+        grew = bool(more)
+    return mine - {os.getpid()}
+
+
 def install_namespace_filter() -> str | None:
     """Refuse, for this process and everything it starts, the creation of namespaces and the use of keyrings:
     a seccomp filter that fails ``unshare``/``clone`` with any ``CLONE_NEW*`` flag (EPERM), ``clone3``
@@ -1456,7 +1475,7 @@ class Runner:
             # Neither a pid namespace nor a uid of the slot's own: by descent. Orphans come back to us (we are a
             # subreaper), so a program that calls setsid stays below us; repeated until a pass finds none.
             for _ in range(100):
-                left = self._descendants() - {self.zygote_pid}
+                left = process_descendants() - {self.zygote_pid}
                 for pid in left:
                     try:
                         os.kill(pid, signal.SIGKILL)
@@ -1479,23 +1498,6 @@ class Runner:
                 break
             if pid == self.zygote_pid:
                 raise RuntimeError("the zygote died")
-
-    @staticmethod
-    def _descendants() -> set[int]:
-        parents = {}
-        for name in os.listdir("/proc"):
-            if name.isdigit():
-                try:
-                    with open(f"/proc/{name}/stat") as fh:
-                        parents[int(name)] = int(fh.read().rsplit(")", 1)[1].split()[1])
-                except (OSError, ValueError, IndexError):
-                    continue
-        mine, grew = {os.getpid()}, True
-        while grew:
-            more = {p for p, pp in parents.items() if pp in mine and p not in mine}
-            mine |= more
-            grew = bool(more)
-        return mine - {os.getpid()}
 
     def _clear_keyrings(self) -> None:
         uid = self.cfg.get("uid")

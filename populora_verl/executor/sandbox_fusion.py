@@ -188,23 +188,7 @@ def _probe_private_tmp():
     return os.waitpid(pid, 0)[1] == 0
 
 
-def _descendants():
-    # Every process below us: orphans of the run come back to us (subreaper), setsid or not.
-    parents = {}
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                with open("/proc/%s/stat" % name) as fh:
-                    parents[int(name)] = int(fh.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                pass
-    mine, grew = {os.getpid()}, True
-    while grew:
-        more = {p for p, pp in parents.items() if pp in mine and p not in mine}
-        mine |= more
-        grew = bool(more)
-    return mine - {os.getpid()}
-
+$process_descendants
 
 def _kill_run(owner):
     # Everything the run started dies: by its uid where it has one of its own (kill(-1) as that uid reaches
@@ -219,7 +203,7 @@ def _kill_run(owner):
                 finally:
                     os._exit(0)
             os.waitpid(helper, 0)
-        left = _descendants()
+        left = process_descendants()
         for pid in left:
             try:
                 os.kill(pid, signal.SIGKILL)
@@ -353,7 +337,8 @@ def build_script(program: str, inputs: str, *, check_determinism: bool, max_outp
         program=repr(program), inputs=repr(inputs), cap=int(max_output_chars), det=bool(check_determinism),
         timeout=float(timeout_s), memory_mb=int(memory_mb), banned=repr([str(b) for b in banned]),
         child=repr(child), uid_range=repr(RUN_UIDS), marker_prefix=MARKER_PREFIX,
-        install_namespace_filter=_source(_runner.install_namespace_filter))
+        install_namespace_filter=_source(_runner.install_namespace_filter),
+        process_descendants=_source(_runner.process_descendants))
 
 
 def new_marker() -> tuple[str, str]:
