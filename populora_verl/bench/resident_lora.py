@@ -19,21 +19,37 @@ its ratio to ``bank``, and the largest per-token difference between the two resi
 
 Attention, norms and the LM head are left out: they cost the same in every arm, so the ratios here are upper bounds
 of what the LoRA layout changes in a whole update.
+
+``--count-ops`` times nothing: it counts what one micro-batch's forward and backward of one decoder layer's seven
+LoRA linears (Qwen2.5-1.5B's shapes, ``--micro-tokens`` tokens, LoRA rank ``--rank``) dispatch, at full size on
+shape-only (``meta``) tensors, so it runs on a CPU in seconds and its figures are a GPU's: the aten ops that launch a
+kernel (views and allocations excluded) and the bytes their outputs write, for the base linears alone, the bank's
+lean forward (one live adapter, :mod:`populora_verl.workers.lora_forward`) and the resident forward hook with 1, 8
+and 16 slots present, tokens sorted by slot or rows interleaved::
+
+    python -m populora_verl.bench.resident_lora --count-ops --rank 16
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import contextlib
+import dataclasses
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+import types
+from collections.abc import Iterator, Sequence
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
+from populora_verl.workers import resident
 from populora_verl.workers.resident import SlotRouting, grouped_mm_available, lora_delta
 
-__all__ = ["Stack", "parse_tokens", "main"]
+__all__ = ["Stack", "parse_tokens", "OpCount", "count_layer_ops", "main"]
 
 QWEN_1_5B = {"layers": 28, "hidden": 1536, "intermediate": 8960, "kv": 256}
 ARMS = ("bank", "resident_loop", "resident_grouped")
@@ -187,6 +203,158 @@ def kernel_error(x: torch.Tensor, slot_of_token: torch.Tensor, a: Sequence[torch
                 for name, g in (("loop", False), ("grouped", True))}
 
 
+# --- op counts ----------------------------------------------------------------------------------------------------
+
+#: ops that allocate without writing (no kernel on a GPU)
+_ALLOC_ONLY = {"empty", "empty_strided", "new_empty", "new_empty_strided", "empty_like"}
+
+
+@dataclasses.dataclass
+class OpCount:
+    """Kernels one phase dispatched: how many, how many wrote an activation-sized tensor, and the bytes written."""
+
+    ops: int = 0
+    full_ops: int = 0
+    bytes: int = 0
+    names: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+
+
+class _Counter(TorchDispatchMode):
+    """Counts the aten ops that run a kernel and the bytes of what they write (a view or a bare allocation runs
+    none); ``full`` is the element count from which a written tensor counts as activation-sized."""
+
+    def __init__(self, full: int) -> None:
+        super().__init__()
+        self.full = full
+        self.phase = OpCount()
+
+    def __torch_dispatch__(self, func, types_, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        if func.is_view or name in _ALLOC_ONLY or name in ("_unsafe_view", "detach", "alias", "lift_fresh"):
+            return out
+        written = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        nbytes = sum(t.numel() * t.element_size() for t in written)
+        self.phase.ops += 1
+        self.phase.full_ops += int(any(t.numel() >= self.full for t in written))
+        self.phase.bytes += nbytes
+        self.phase.names[name] += 1
+        return out
+
+
+def _meta_routing(r: SlotRouting) -> SlotRouting:
+    """``r`` with its tensors on the meta device (on a GPU the routing is built where the activations are)."""
+    return dataclasses.replace(r, **{f.name: getattr(r, f.name).to("meta") for f in dataclasses.fields(r)
+                                     if isinstance(getattr(r, f.name), torch.Tensor)})
+
+
+@contextlib.contextmanager
+def _kernel(grouped: bool) -> Iterator[None]:
+    """The resident hook picks the grouped kernel on a Hopper GPU; on meta tensors it is told which to count."""
+    saved = resident.grouped_mm_available
+    resident.grouped_mm_available = lambda x: grouped
+    try:
+        yield
+    finally:
+        resident.grouped_mm_available = saved
+
+
+def count_layer_ops(arm: str, *, slots: int = 1, interleaved: bool = False, tokens: int = 16384, rank: int = 16,
+                    dims: dict[str, int] | None = None, grouped: bool = True, row_tokens: int = 512,
+                    ) -> tuple[OpCount, OpCount]:
+    """(forward, backward) kernels of one decoder layer's seven LoRA linears for one micro-batch of ``tokens``.
+
+    ``arm``: ``base`` (the frozen linears alone), ``bank`` (the lean forward: ``addmm(base(x), x A^T, B^T,
+    alpha=s)`` with bf16 weights, as FSDP's mixed precision hands them over) or ``resident`` (the forward hook with
+    ``slots`` fp32 slots present, each on ``tokens / slots`` tokens in rows of ``row_tokens``: slot after slot, or
+    the rows' slots interleaved). Every weight already holds a gradient, as from an earlier micro-batch, so the
+    backward includes the accumulation a later micro-batch pays.
+    """
+    dims = dims or QWEN_1_5B
+    h, i, kv = dims["hidden"], dims["intermediate"], dims["kv"]
+    shapes = {"q": (h, h), "k": (h, kv), "v": (h, kv), "o": (h, h), "gate": (h, i), "up": (h, i), "down": (i, h)}
+    meta, bf16 = "meta", torch.bfloat16
+    scaling = 2.0
+    n_rows = max(1, tokens // row_tokens)
+    row_slots = [j * slots // n_rows for j in range(n_rows)] if not interleaved else [j % slots for j in range(n_rows)]
+    lengths = [tokens // n_rows + (1 if j < tokens % n_rows else 0) for j in range(n_rows)]
+    r = _meta_routing(SlotRouting.from_rows(row_slots, lengths, slots))
+
+    def leaf(*shape, dtype=bf16):
+        t = torch.empty(*shape, device=meta, dtype=dtype, requires_grad=True)
+        t.grad = torch.empty_like(t)  # an earlier micro-batch's: the backward accumulates
+        return t
+
+    layers = {}
+    for name, (fan_in, fan_out) in shapes.items():
+        base = torch.empty(fan_out, fan_in, device=meta, dtype=bf16)
+        if arm == "bank":
+            layers[name] = (base, leaf(rank, fan_in), leaf(fan_out, rank))
+        elif arm == "resident":
+            layers[name] = (base, types.SimpleNamespace(
+                lora_slots_A=[leaf(rank, fan_in, dtype=torch.float32) for _ in range(slots)],
+                lora_slots_B=[leaf(fan_out, rank, dtype=torch.float32) for _ in range(slots)],
+                lora_slots_scaling=scaling))
+        elif arm == "base":
+            layers[name] = (base,)
+        else:
+            raise ValueError(f"unknown arm {arm!r}")
+
+    def lin(name: str, x: torch.Tensor) -> torch.Tensor:
+        base, *lora = layers[name]
+        out = torch.nn.functional.linear(x, base)
+        if arm == "bank":  # lora_forward.lean_lora_forward's short path
+            a, b = lora
+            xa = torch.nn.functional.linear(x.reshape(-1, x.shape[-1]), a)
+            return torch.addmm(out.reshape(-1, out.shape[-1]), xa, b.t(), alpha=scaling).view(out.shape)
+        if arm == "resident":
+            return resident._resident_hook(lora[0], (x,), out)
+        return out
+
+    # the layer's four distinct inputs, as the hidden states that reach them (they require grad)
+    x_attn, attn_out, x_mlp = (torch.empty(1, tokens, h, device=meta, dtype=bf16, requires_grad=True) for _ in range(3))
+    mid = torch.empty(1, tokens, i, device=meta, dtype=bf16, requires_grad=True)
+    counter = _Counter(full=tokens * 128)
+    with _kernel(grouped), resident.routing(r if arm == "resident" else None), counter:
+        outs = [lin(n, x_attn) for n in ("q", "k", "v")] + [lin("o", attn_out)]
+        outs += [lin(n, x_mlp) for n in ("gate", "up")] + [lin("down", mid)]
+        fwd, counter.phase = counter.phase, OpCount()
+        grads = [torch.empty(o.shape, device=meta, dtype=o.dtype) for o in outs]  # dense, as a real upstream grad
+        torch.autograd.backward(outs, grads)
+        bwd = counter.phase
+    return fwd, bwd
+
+
+def print_op_counts(*, tokens: int, rank: int, grouped: bool, verbose: bool = False) -> list[dict]:
+    """The table of ``--count-ops``; returns its rows."""
+    rows = []
+    arms = [("base", 1, False), ("bank", 1, False)] + [("resident", n, False) for n in (1, 8, 16)] \
+        + [("resident", n, True) for n in (8, 16)]
+    for arm, n, inter in arms:
+        fwd, bwd = count_layer_ops(arm, slots=n, interleaved=inter, tokens=tokens, rank=rank, grouped=grouped)
+        rows.append({"arm": arm, "slots": n if arm == "resident" else 1, "interleaved": inter, "fwd": fwd, "bwd": bwd})
+    base = rows[0]
+    mib = 2 ** 20
+    print(f"op counts: one decoder layer's 7 LoRA linears per micro-batch, {tokens} tokens, "
+          f"dims {QWEN_1_5B}, rank {rank}, bf16 activations, {'grouped' if grouped else 'loop'} kernel; "
+          f"kernels = aten ops that write (views and bare allocations excluded), full = writing >= tokens x 128 "
+          f"elements; LoRA = minus the base linears; gradient checkpointing runs the forward twice")
+    print(f"  {'arm':28s} {'fwd ops':>8s} {'bwd ops':>8s} {'full fwd':>9s} {'full bwd':>9s} {'MiB fwd':>9s} "
+          f"{'MiB bwd':>9s} {'LoRA ops':>9s} {'LoRA MiB':>9s}")
+    for row in rows:
+        fwd, bwd = row["fwd"], row["bwd"]
+        label = row["arm"] if row["arm"] != "resident" else \
+            f"resident {row['slots']} slot{'s' if row['slots'] > 1 else ''}{' interleaved' if row['interleaved'] else ''}"
+        lora_ops = fwd.ops + bwd.ops - base["fwd"].ops - base["bwd"].ops
+        lora_mib = (fwd.bytes + bwd.bytes - base["fwd"].bytes - base["bwd"].bytes) / mib
+        print(f"  {label:28s} {fwd.ops:8d} {bwd.ops:8d} {fwd.full_ops:9d} {bwd.full_ops:9d} {fwd.bytes / mib:9.0f} "
+              f"{bwd.bytes / mib:9.0f} {lora_ops:9d} {lora_mib:9.0f}")
+        if verbose:
+            for phase, c in (("fwd", fwd), ("bwd", bwd)):
+                print(f"      {phase}: " + ", ".join(f"{k} {v}" for k, v in sorted(c.names.items(), key=lambda kv: -kv[1])))
+    return rows
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m populora_verl.bench.resident_lora", description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
@@ -197,7 +365,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--layers", type=int, default=None, help="decoder layers (default: 28 on cuda, 2 on cpu)")
     ap.add_argument("--micro-tokens", type=int, default=16384, help="tokens per micro-batch (default: 16384)")
     ap.add_argument("--rounds", type=int, default=5, help="measured rounds after one warm-up (default: 5)")
+    ap.add_argument("--count-ops", action="store_true",
+                    help="count kernels and bytes written per micro-batch at full size on meta tensors (no timing)")
+    ap.add_argument("--kernel", choices=("grouped", "loop"), default="grouped",
+                    help="--count-ops: the resident kernel to count (default: grouped, a Hopper GPU's)")
+    ap.add_argument("--verbose", action="store_true", help="--count-ops: each arm's ops by name")
     args = ap.parse_args(argv)
+    if args.count_ops:
+        print_op_counts(tokens=args.micro_tokens, rank=args.rank, grouped=args.kernel == "grouped",
+                        verbose=args.verbose)
+        return 0
     cuda = args.device.startswith("cuda")
     if cuda and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device is visible")
