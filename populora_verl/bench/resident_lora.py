@@ -47,7 +47,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from populora_verl.workers import resident
-from populora_verl.workers.resident import SlotRouting, grouped_mm_available, lora_delta
+from populora_verl.workers.resident import SlotRouting, grouped_mm_available, lora_add, lora_delta
 
 __all__ = ["Stack", "parse_tokens", "OpCount", "count_layer_ops", "main"]
 
@@ -100,7 +100,7 @@ class Stack:
             base, a, b = layer[name]
             if only is not None:
                 a, b = [a[only]], [b[only]]
-            return inp @ base.t() + lora_delta(inp, r, a, b, self.scaling, grouped=grouped)
+            return lora_add(inp @ base.t(), inp, r, a, b, self.scaling, grouped=grouped)
 
         for layer in self.layers:
             q, k, v, o = (lin(n, layer, x) for n in ("q", "k", "v", "o"))
@@ -221,11 +221,12 @@ class OpCount:
 
 class _Counter(TorchDispatchMode):
     """Counts the aten ops that run a kernel and the bytes of what they write (a view or a bare allocation runs
-    none); ``full`` is the element count from which a written tensor counts as activation-sized."""
+    none); a written tensor is activation-sized when one of its dims is the micro-batch's ``tokens`` and it holds at
+    least 128 elements per token (a rank-wide ``x A^T`` does not)."""
 
-    def __init__(self, full: int) -> None:
+    def __init__(self, tokens: int) -> None:
         super().__init__()
-        self.full = full
+        self.tokens = tokens
         self.phase = OpCount()
 
     def __torch_dispatch__(self, func, types_, args=(), kwargs=None):
@@ -236,7 +237,7 @@ class _Counter(TorchDispatchMode):
         written = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
         nbytes = sum(t.numel() * t.element_size() for t in written)
         self.phase.ops += 1
-        self.phase.full_ops += int(any(t.numel() >= self.full for t in written))
+        self.phase.full_ops += int(any(self.tokens in t.shape and t.numel() >= 128 * self.tokens for t in written))
         self.phase.bytes += nbytes
         self.phase.names[name] += 1
         return out
@@ -275,7 +276,8 @@ def count_layer_ops(arm: str, *, slots: int = 1, interleaved: bool = False, toke
     shapes = {"q": (h, h), "k": (h, kv), "v": (h, kv), "o": (h, h), "gate": (h, i), "up": (h, i), "down": (i, h)}
     meta, bf16 = "meta", torch.bfloat16
     scaling = 2.0
-    n_rows = max(1, tokens // row_tokens)
+    # interleaved: at least two rows per slot, so that each slot's tokens are split
+    n_rows = max(1, tokens // row_tokens, 2 * slots if interleaved else 1)
     row_slots = [j * slots // n_rows for j in range(n_rows)] if not interleaved else [j % slots for j in range(n_rows)]
     lengths = [tokens // n_rows + (1 if j < tokens % n_rows else 0) for j in range(n_rows)]
     r = _meta_routing(SlotRouting.from_rows(row_slots, lengths, slots))
@@ -314,7 +316,7 @@ def count_layer_ops(arm: str, *, slots: int = 1, interleaved: bool = False, toke
     # the layer's four distinct inputs, as the hidden states that reach them (they require grad)
     x_attn, attn_out, x_mlp = (torch.empty(1, tokens, h, device=meta, dtype=bf16, requires_grad=True) for _ in range(3))
     mid = torch.empty(1, tokens, i, device=meta, dtype=bf16, requires_grad=True)
-    counter = _Counter(full=tokens * 128)
+    counter = _Counter(tokens)
     with _kernel(grouped), resident.routing(r if arm == "resident" else None), counter:
         outs = [lin(n, x_attn) for n in ("q", "k", "v")] + [lin("o", attn_out)]
         outs += [lin(n, x_mlp) for n in ("gate", "up")] + [lin("down", mid)]
@@ -337,8 +339,8 @@ def print_op_counts(*, tokens: int, rank: int, grouped: bool, verbose: bool = Fa
     mib = 2 ** 20
     print(f"op counts: one decoder layer's 7 LoRA linears per micro-batch, {tokens} tokens, "
           f"dims {QWEN_1_5B}, rank {rank}, bf16 activations, {'grouped' if grouped else 'loop'} kernel; "
-          f"kernels = aten ops that write (views and bare allocations excluded), full = writing >= tokens x 128 "
-          f"elements; LoRA = minus the base linears; gradient checkpointing runs the forward twice")
+          f"kernels = aten ops that write (views and bare allocations excluded), full = writing a tokens x >= 128 "
+          f"tensor; LoRA = minus the base linears; gradient checkpointing runs the forward twice")
     print(f"  {'arm':28s} {'fwd ops':>8s} {'bwd ops':>8s} {'full fwd':>9s} {'full bwd':>9s} {'MiB fwd':>9s} "
           f"{'MiB bwd':>9s} {'LoRA ops':>9s} {'LoRA MiB':>9s}")
     for row in rows:

@@ -11,9 +11,10 @@ backward, an optimizer step and a weight sync per slot. Here every slot stays in
   reference policy) keep working.
 * **Routing.** A micro-batch's tokens are tagged with their slot (:class:`SlotRouting`, built from each row's slot and
   length). Every LoRA linear adds ``scale * B_k (A_k x)`` for the tokens of slot ``k``: with ``torch._grouped_mm`` over
-  the slot-sorted tokens where the GPU has it, a per-slot loop otherwise (the CPU tests run the loop; both are the
-  same formula). Tokens of a micro-batch that are already sorted by slot (the trainer lays rows out that way) are
-  not permuted.
+  the slot-sorted tokens where the GPU has it, a per-slot loop otherwise (both are the same formula). Tokens whose
+  rows are grouped by slot, in any slot order (the trainer lays rows out that way), are not permuted; one slot
+  alone takes the bank's single ``addmm``. The present slots' weights enter as one stacked cast per linear, and
+  their gradients leave as one multi-tensor add (:func:`slot_weights`).
 * **Training.** The loss is summed over slots, each slot's part normalised by its own tokens
   (:func:`slot_token_mean`), so slot ``k``'s gradient is the gradient it would get alone. One optimizer holds one
   parameter group per slot; :meth:`ResidentAdapters.optimizer_step` clips each slot by its own gradient norm, skips
@@ -52,8 +53,8 @@ from populora_verl.workers.adapter_bank import (
     validate_adapter_state,
 )
 
-__all__ = ["ResidentAdapters", "SlotRouting", "routing", "current_routing", "lora_delta", "slot_token_mean",
-           "grouped_mm_available", "LAYOUTS"]
+__all__ = ["ResidentAdapters", "SlotRouting", "routing", "current_routing", "lora_add", "lora_delta", "slot_weights",
+           "slot_token_mean", "grouped_mm_available", "LAYOUTS"]
 
 #: ``populora.population.adapter_layout`` values: ``bank`` (one live adapter swapped per slot) or ``resident``.
 LAYOUTS = ("bank", "resident")
@@ -69,8 +70,11 @@ SLOT_A, SLOT_B = "lora_slots_A", "lora_slots_B"
 class SlotRouting:
     """Which slot each token of a forward belongs to (tokens flattened over batch and sequence).
 
-    ``counts[k]`` tokens of slot ``k``; ``perm`` (``None`` when the tokens are already sorted by slot) gathers them
-    slot by slot and ``inverse`` puts them back. Built once per micro-batch; every LoRA linear reuses it.
+    ``counts[k]`` tokens of slot ``k``; ``present`` the slots with tokens, in the order the kernels take them. When
+    each slot's tokens already form one contiguous run (rows grouped by slot, in any slot order: the fused call's
+    layout, which verl's micro-batching keeps), ``present`` is the runs' order and ``perm`` is ``None``: no token is
+    moved. Otherwise ``perm`` gathers the tokens slot by slot (``present`` ascending) and ``inverse`` puts them back.
+    Built once per micro-batch; every LoRA linear reuses it.
     """
 
     num_slots: int
@@ -78,7 +82,7 @@ class SlotRouting:
     counts: tuple[int, ...]
     perm: torch.Tensor | None
     inverse: torch.Tensor | None
-    present: tuple[int, ...]  # slots with at least one token
+    present: tuple[int, ...]  # slots with at least one token, in kernel order
     offsets: torch.Tensor  # int32 cumulative ends of the present slots' tokens, on the tokens' device (``offs``)
 
     @classmethod
@@ -87,13 +91,17 @@ class SlotRouting:
         n = int(token_slots.numel())
         if n and (int(token_slots.min()) < 0 or int(token_slots.max()) >= num_slots):
             raise AdapterBankError(f"token slots outside 0..{num_slots - 1}: {sorted(set(token_slots.tolist()))[:8]}")
+        if n:
+            starts = torch.ones(n, dtype=torch.bool, device=token_slots.device)
+            starts[1:] = token_slots[1:] != token_slots[:-1]
+            run_slots = token_slots[starts].tolist()
+            run_ends = torch.cat([starts.nonzero().flatten()[1:], starts.new_tensor([n], dtype=torch.long)]).tolist()
+            if len(set(run_slots)) == len(run_slots):  # each slot one run: no permutation
+                return cls._contiguous(num_slots, run_slots, run_ends, token_slots.device)
         counts = torch.bincount(token_slots, minlength=num_slots)
-        is_sorted = n < 2 or bool((token_slots[1:] >= token_slots[:-1]).all())
-        perm = inverse = None
-        if not is_sorted:
-            perm = torch.argsort(token_slots, stable=True)
-            inverse = torch.empty_like(perm)
-            inverse[perm] = torch.arange(n, device=perm.device)
+        perm = torch.argsort(token_slots, stable=True)
+        inverse = torch.empty_like(perm)
+        inverse[perm] = torch.arange(n, device=perm.device)
         present = counts > 0
         offsets = torch.cumsum(counts[present], 0).to(torch.int32)
         return cls(num_slots=num_slots, num_tokens=n, counts=tuple(int(c) for c in counts.tolist()),
@@ -101,14 +109,46 @@ class SlotRouting:
                    offsets=offsets)
 
     @classmethod
+    def _contiguous(cls, num_slots: int, run_slots: Sequence[int], run_ends: Sequence[int],
+                    device: torch.device | str | None) -> SlotRouting:
+        counts = [0] * num_slots
+        start = 0
+        for k, end in zip(run_slots, run_ends, strict=True):
+            counts[k] = end - start
+            start = end
+        return cls(num_slots=num_slots, num_tokens=start, counts=tuple(counts), perm=None, inverse=None,
+                   present=tuple(run_slots), offsets=torch.tensor(list(run_ends), dtype=torch.int32, device=device))
+
+    @classmethod
     def from_rows(cls, row_slots: torch.Tensor | Sequence[int], row_lengths: torch.Tensor | Sequence[int],
                   num_slots: int, device: torch.device | str | None = None) -> SlotRouting:
-        """Routing for rows packed one after another (verl's remove-padding layout), or padded rows of one length."""
-        slots = torch.as_tensor(row_slots, dtype=torch.long, device=device)
-        lengths = torch.as_tensor(row_lengths, dtype=torch.long, device=slots.device)
-        if slots.shape != lengths.shape:
-            raise AdapterBankError(f"{slots.numel()} row slots for {lengths.numel()} row lengths")
-        return cls.from_tokens(torch.repeat_interleave(slots, lengths), num_slots)
+        """Routing for rows packed one after another (verl's remove-padding layout), or padded rows of one length.
+
+        Rows grouped by slot are routed from the row lists alone (no token-level tensor, no device round trip);
+        only rows interleaved across slots build the per-token permutation on ``device``."""
+        slots = torch.as_tensor(row_slots, dtype=torch.long).reshape(-1).tolist()
+        lengths = torch.as_tensor(row_lengths, dtype=torch.long).reshape(-1).tolist()
+        if len(slots) != len(lengths):
+            raise AdapterBankError(f"{len(slots)} row slots for {len(lengths)} row lengths")
+        if slots and (min(slots) < 0 or max(slots) >= num_slots):
+            raise AdapterBankError(f"token slots outside 0..{num_slots - 1}: {sorted(set(slots))[:8]}")
+        run_slots: list[int] = []
+        run_ends: list[int] = []
+        end = 0
+        for k, length in zip(slots, lengths, strict=True):
+            if length <= 0:
+                continue
+            end += length
+            if run_slots and run_slots[-1] == k:
+                run_ends[-1] = end
+            else:
+                run_slots.append(k)
+                run_ends.append(end)
+        if len(set(run_slots)) == len(run_slots):
+            return cls._contiguous(num_slots, run_slots, run_ends, device)
+        return cls.from_tokens(torch.repeat_interleave(torch.tensor(slots, dtype=torch.long, device=device),
+                                                       torch.tensor(lengths, dtype=torch.long, device=device)),
+                               num_slots)
 
 
 class _Current:
@@ -160,36 +200,123 @@ def grouped_mm_available(x: torch.Tensor) -> bool:
     return torch.cuda.get_device_capability(x.device) >= (9, 0)
 
 
-def lora_delta(x: torch.Tensor, r: SlotRouting, lora_a: Sequence[torch.Tensor], lora_b: Sequence[torch.Tensor],
-               scaling: float, *, grouped: bool | None = None) -> torch.Tensor:
-    """``scaling * B_k (A_k x_t)`` for every token ``t`` of slot ``k``; ``x`` is ``(tokens, in)``.
+class _SlotWeights(torch.autograd.Function):
+    """The present slots' ``A`` and ``B`` weights, each set stacked and cast to the compute dtype: two kernels per
+    set whatever the number of slots, where a cast per slot would launch one each (and another in backward).
 
-    Only the slots with tokens here enter the graph: a slot's weights, their bf16 copies and their gradients cost
-    nothing in a micro-batch without its rows. Slot parameters are plain (not FSDP-managed) tensors, so a rank whose
-    micro-batches never held a slot simply has no gradient for it (:meth:`ResidentAdapters.optimizer_step`).
+    Backward casts each stacked gradient back once and adds it into the slots' ``.grad`` with one multi-tensor add
+    (a slot without one yet takes its view), returning no gradient to autograd: its per-slot cast and accumulation
+    would launch four kernels per slot and LoRA linear, in every micro-batch. Megatron's gradient-accumulation
+    fusion does the same for its weights. The slot parameters carry no hooks (they are not FSDP's), so nothing that
+    autograd's accumulation would run is skipped."""
+
+    @staticmethod
+    def forward(ctx, dtype: torch.dtype, n_a: int, *weights: torch.Tensor):
+        ctx.weights = weights
+        ctx.n_a = n_a
+        a = _stack_cast(weights[:n_a], dtype)
+        b = _stack_cast(weights[n_a:], dtype)
+        return a, b
+
+    @staticmethod
+    def backward(ctx, grad_a: torch.Tensor | None, grad_b: torch.Tensor | None):
+        weights = ctx.weights
+        parts = []
+        for grad, ws in ((grad_a, weights[:ctx.n_a]), (grad_b, weights[ctx.n_a:])):
+            if grad is None or not ws:
+                continue
+            grad = grad.to(ws[0].dtype, copy=True)  # a buffer of its own: the slots' .grad become views of it
+            parts += [(w, g) for w, g in zip(ws, grad.unbind(0), strict=True) if w.requires_grad]
+        have = [(w, g) for w, g in parts if w.grad is not None]
+        if have:
+            torch._foreach_add_([w.grad for w, _ in have], [g for _, g in have])
+        for w, g in parts:
+            if w.grad is None:
+                w.grad = g
+        ctx.weights = None
+        return (None, None) + (None,) * len(weights)
+
+
+def _stack_cast(ws: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    if len(ws) == 1:  # one kernel: the cast (or, at the same dtype, a copy: an output must not alias an input)
+        return ws[0].to(dtype, copy=True).unsqueeze(0)
+    return torch.stack(list(ws)).to(dtype)
+
+
+def slot_weights(r: SlotRouting, lora_a: Sequence[torch.Tensor], lora_b: Sequence[torch.Tensor],
+                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(A, B)`` of the slots present in ``r``, in its kernel order: ``(present, r, in)`` and ``(present, out, r)``
+    in ``dtype``. Only these slots enter the graph: an absent slot's weights cost nothing in this micro-batch, and a
+    slot parameter (a plain tensor, not FSDP's) that saw no token on a rank simply has no gradient there
+    (:meth:`ResidentAdapters.optimizer_step`)."""
+    ws = [lora_a[k] for k in r.present] + [lora_b[k] for k in r.present]
+    if torch.is_grad_enabled() and any(w.requires_grad for w in ws):
+        return _SlotWeights.apply(dtype, len(r.present), *ws)
+    return _stack_cast(ws[:len(r.present)], dtype), _stack_cast(ws[len(r.present):], dtype)
+
+
+def lora_add(output: torch.Tensor, x: torch.Tensor, r: SlotRouting, lora_a: Sequence[torch.Tensor],
+             lora_b: Sequence[torch.Tensor], scaling: float, *, grouped: bool | None = None) -> torch.Tensor:
+    """``output`` plus ``scaling * B_k (A_k x_t)`` on the row of every routed token ``t`` of slot ``k``.
+
+    ``x`` is ``(tokens, in)`` and ``output`` ``(tokens, out)``; rows past ``r.num_tokens`` (a packed sequence's
+    alignment pad) keep ``output``. The sum is written in as few activation-sized passes as the case allows, since
+    at a micro-batch of 16k tokens each such pass costs more than the LoRA matmuls themselves:
+
+    * one slot: ``addmm(output, x A^T, B^T, alpha=scaling)``, the bank's lean forward (one pass);
+    * tokens grouped by slot: the two grouped (or per-slot) matmuls, the scaling on the rank-wide ``x A^T``, one
+      add; on the loop kernel one ``addmm`` per slot's rows;
+    * tokens interleaved: ``x`` gathered slot by slot, and the result scattered back onto ``output`` by one
+      ``index_add``.
     """
-    if x.shape[0] != r.num_tokens:
-        raise AdapterBankError(f"a LoRA linear got {x.shape[0]} tokens but the routing has {r.num_tokens}")
-    xs = x if r.perm is None else x.index_select(0, r.perm.to(x.device))
+    n = r.num_tokens
+    if x.shape[0] < n or output.shape[0] != x.shape[0]:
+        raise AdapterBankError(f"a LoRA linear got {x.shape[0]} tokens but the routing has {n}")
     present = r.present
     if not present:
-        return x.new_zeros(x.shape[0], lora_b[0].shape[0])
-    if grouped is None:
-        grouped = grouped_mm_available(xs)
-    if grouped:
-        a = torch.stack([lora_a[k].to(xs.dtype) for k in present])  # (present slots, r, in)
-        b = torch.stack([lora_b[k].to(xs.dtype) for k in present])  # (present slots, out, r)
-        offs = r.offsets.to(xs.device)
-        h = torch._grouped_mm(xs, a.transpose(1, 2), offs=offs)
-        y = torch._grouped_mm(h, b.transpose(1, 2), offs=offs)
+        return output
+    if output.dtype != x.dtype:  # no shared dtype for one fused kernel: the delta in x's dtype, then output's
+        return output + lora_add(torch.zeros_like(output, dtype=x.dtype), x, r, lora_a, lora_b, scaling,
+                                 grouped=grouped).to(output.dtype)
+    tail = output[n:] if x.shape[0] > n else None
+    if tail is not None:  # slicing only when there is a pad: a slice's backward writes a full-size zero gradient
+        x, output = x[:n], output[:n]
+    a, b = slot_weights(r, lora_a, lora_b, x.dtype)
+    perm = None if r.perm is None else r.perm.to(x.device)
+    if perm is None and len(present) == 1:
+        out = torch.addmm(output, x @ a.squeeze(0).t(), b.squeeze(0).t(), alpha=scaling)
     else:
-        # split, not slicing: its backward is one concatenation, where each slice's would write a full-size zero
-        # gradient of x
-        segs = xs.split([r.counts[k] for k in present])
-        parts = [(seg @ lora_a[k].to(seg.dtype).t()) @ lora_b[k].to(seg.dtype).t() for seg, k in zip(segs, present)]
-        y = parts[0] if len(parts) == 1 else torch.cat(parts)
-    y = y * scaling
-    return y if r.inverse is None else y.index_select(0, r.inverse.to(y.device))
+        xs = x if perm is None else x.index_select(0, perm)
+        if grouped is None:
+            grouped = grouped_mm_available(xs)
+        if grouped:
+            offs = r.offsets.to(xs.device)
+            h = torch._grouped_mm(xs, a.transpose(1, 2), offs=offs) * scaling
+            y = torch._grouped_mm(h, b.transpose(1, 2), offs=offs)
+            out = output + y if perm is None else output.index_add(0, perm, y)
+        else:
+            sizes = [r.counts[k] for k in present]
+            # split and unbind, not slicing or indexing: their backward is one concatenation or stack, where each
+            # slice's would write a full-size zero gradient
+            aw, bw = a.unbind(0), b.unbind(0)
+            hs = [seg @ aw[j].t() for j, seg in enumerate(xs.split(sizes))]
+            if perm is None:
+                out = torch.cat([torch.addmm(o, h, bw[j].t(), alpha=scaling)
+                                 for j, (o, h) in enumerate(zip(output.split(sizes), hs, strict=True))])
+            else:
+                y = torch.cat([h @ bw[j].t() for j, h in enumerate(hs)])
+                out = output.index_add(0, perm, y, alpha=scaling)
+    return out if tail is None else torch.cat([out, tail])
+
+
+def lora_delta(x: torch.Tensor, r: SlotRouting, lora_a: Sequence[torch.Tensor], lora_b: Sequence[torch.Tensor],
+               scaling: float, *, grouped: bool | None = None) -> torch.Tensor:
+    """``scaling * B_k (A_k x_t)`` for every token ``t`` of slot ``k``; ``x`` is ``(tokens, in)``. The delta alone
+    (tests and benchmarks); the model adds it with :func:`lora_add`."""
+    if x.shape[0] != r.num_tokens:
+        raise AdapterBankError(f"a LoRA linear got {x.shape[0]} tokens but the routing has {r.num_tokens}")
+    zero = x.new_zeros(x.shape[0], lora_b[0].shape[0])
+    return lora_add(zero, x, r, lora_a, lora_b, scaling, grouped=grouped)
 
 
 def _resident_hook(module: torch.nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
@@ -198,14 +325,11 @@ def _resident_hook(module: torch.nn.Module, args: tuple, output: torch.Tensor) -
         return output
     x = args[0]
     flat = x.reshape(-1, x.shape[-1])
-    n = flat.shape[0]
-    if n < r.num_tokens:
-        raise AdapterBankError(f"a LoRA linear got {n} tokens but the routing has {r.num_tokens}")
-    # tokens past the routed ones are a packed sequence's alignment pad: no slot, no LoRA
-    delta = lora_delta(flat[: r.num_tokens], r, module.lora_slots_A, module.lora_slots_B, module.lora_slots_scaling)
-    if n > r.num_tokens:
-        delta = torch.nn.functional.pad(delta, (0, 0, 0, n - r.num_tokens))
-    return output + delta.reshape(*output.shape[:-1], delta.shape[-1]).to(output.dtype)
+    if flat.shape[0] < r.num_tokens:
+        raise AdapterBankError(f"a LoRA linear got {flat.shape[0]} tokens but the routing has {r.num_tokens}")
+    out = lora_add(output.reshape(-1, output.shape[-1]), flat, r, module.lora_slots_A, module.lora_slots_B,
+                   module.lora_slots_scaling)
+    return out.view(output.shape)
 
 
 # --- the loss ------------------------------------------------------------------------------------------------------
@@ -219,9 +343,13 @@ def slot_token_mean(loss_mat: torch.Tensor, mask: torch.Tensor, row_slots: torch
     mini-batch (all micro-batches and ranks), so micro-batch losses add up to the per-slot means. A slot's parameters
     see only their own rows, hence exactly their own token-mean gradient.
     """
-    denom = torch.ones_like(row_slots, dtype=loss_mat.dtype)
-    for k, t in slot_tokens.items():
-        denom = torch.where(row_slots == int(k), torch.as_tensor(max(float(t), 1.0), dtype=loss_mat.dtype), denom)
+    # one lookup for every slot (not a pass over the rows per slot); a row of a slot without a count keeps 1
+    keys = torch.tensor([int(k) for k in slot_tokens], dtype=torch.long, device=row_slots.device)
+    vals = torch.tensor([max(float(t), 1.0) for t in slot_tokens.values()], dtype=loss_mat.dtype,
+                        device=row_slots.device)
+    match = row_slots.reshape(-1, 1) == keys.reshape(1, -1)
+    denom = torch.where(match.any(-1), (match * vals).sum(-1), torch.ones((), dtype=loss_mat.dtype,
+                                                                           device=row_slots.device))
     return ((loss_mat * mask).sum(-1) / denom.to(loss_mat.device)).sum()
 
 

@@ -20,6 +20,7 @@ from populora_verl.workers.resident import (  # noqa: E402
     ResidentAdapters,
     SlotRouting,
     base_only,
+    lora_add,
     lora_delta,
     routing,
     slot_token_mean,
@@ -284,3 +285,113 @@ def test_a_wrong_state_is_refused_in_one_line():
         res.set_adapter_state(0, {**state, key: torch.full_like(state[key], float("nan"))})
     with pytest.raises(AdapterBankError, match="out of range"):
         res.version(2)
+
+
+# --- the kernels of one LoRA linear --------------------------------------------------------------------------------
+
+
+def reference_lora(x, token_slots, a, b, scaling):
+    """Token by token: ``scaling * B_k A_k x_t`` for a token of slot ``k``, zero for a token of no slot (``-1``)."""
+    rows = [scaling * (b[k] @ (a[k] @ x[t])) if k >= 0 else x.new_zeros(b[0].shape[0])
+            for t, k in enumerate(token_slots)]
+    return torch.stack(rows)
+
+
+def leaves(n, shape, g):
+    return [torch.randn(*shape, generator=g).requires_grad_() for _ in range(n)]
+
+
+ROUTINGS = {
+    # (row slots, row lengths): one slot; rows grouped by slot in ascending and in any order; rows interleaved
+    "one slot": ([1, 1], [3, 2]),
+    "grouped ascending": ([0, 0, 1, 2, 2], [2, 1, 3, 2, 1]),
+    "grouped any order": ([2, 2, 0, 1], [2, 1, 3, 2]),
+    "interleaved": ([1, 0, 2, 0, 1], [2, 3, 1, 2, 2]),
+}
+
+
+@pytest.mark.parametrize("name", list(ROUTINGS))
+@pytest.mark.parametrize("grouped", [False, True], ids=["loop", "grouped"])
+@pytest.mark.parametrize("pad", [0, 3], ids=["no pad", "pad"])
+def test_lora_add_gives_each_slot_its_own_lora_and_gradient(name, grouped, pad):
+    """Every kernel path of the resident hook (torch's grouped matmul runs fp32 on the CPU) against the formula
+    token by token: the output, the input's gradient and each slot's weight gradients; a slot without tokens gets no
+    gradient, and a second micro-batch adds to the first's."""
+    row_slots, lengths = ROUTINGS[name]
+    g = torch.Generator().manual_seed(1)
+    a, b = leaves(4, (4, 8), g), leaves(4, (12, 4), g)
+    r = SlotRouting.from_rows(row_slots, lengths, 4)
+    token_slots = [k for k, n in zip(row_slots, lengths) for _ in range(n)] + [-1] * pad
+    x = torch.randn(len(token_slots), 8, generator=g, requires_grad=True)
+    base = torch.randn(len(token_slots), 12, generator=g, requires_grad=True)
+    upstream = torch.randn(len(token_slots), 12, generator=g)
+    got_grads = []
+    for _ in range(2):  # two micro-batches: the slot gradients accumulate
+        out = lora_add(base, x, r, a, b, 0.5, grouped=grouped)
+        out.backward(upstream)
+        got_grads.append({id(p): p.grad.clone() for p in a + b if p.grad is not None})
+    ref_a = [p.detach().clone().requires_grad_() for p in a]
+    ref_b = [p.detach().clone().requires_grad_() for p in b]
+    xr, br = x.detach().clone().requires_grad_(), base.detach().clone().requires_grad_()
+    want = br + reference_lora(xr, token_slots, ref_a, ref_b, 0.5)
+    want.backward(upstream)
+    torch.testing.assert_close(out, want)
+    torch.testing.assert_close(x.grad, 2 * xr.grad)
+    torch.testing.assert_close(base.grad, 2 * br.grad)
+    present = set(row_slots)
+    for k in range(4):
+        for p, q in ((a[k], ref_a[k]), (b[k], ref_b[k])):
+            if k not in present:
+                assert p.grad is None, f"slot {k} has no token but got a gradient"
+                continue
+            torch.testing.assert_close(got_grads[0][id(p)], q.grad)
+            torch.testing.assert_close(p.grad, 2 * q.grad)
+
+
+def test_rows_grouped_by_slot_in_any_order_need_no_permutation():
+    r = SlotRouting.from_rows([2, 2, 0, 1], [2, 1, 3, 2], 3)
+    assert r.perm is None and r.inverse is None
+    assert r.present == (2, 0, 1) and r.counts == (3, 2, 3) and r.offsets.tolist() == [3, 6, 8]
+    tok = SlotRouting.from_tokens(torch.tensor([2, 2, 2, 0, 0, 0, 1, 1]), 3)
+    assert tok.perm is None and tok.present == r.present and tok.offsets.tolist() == r.offsets.tolist()
+    # rows of one slot split by another slot's rows: the tokens must be permuted
+    r = SlotRouting.from_rows([0, 1, 0], [2, 2, 1], 2)
+    assert r.perm is not None and r.present == (0, 1) and r.counts == (3, 2)
+    # rows without tokens do not split a run
+    assert SlotRouting.from_rows([0, 1, 0], [2, 0, 1], 2).perm is None
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_gradient_checkpointing_gives_each_slot_the_same_gradient(reentrant):
+    """The recomputed forward must not add a slot's gradient a second time (its weights' backward writes ``.grad``
+    itself)."""
+    grads = []
+    for checkpointing in (False, True):
+        model = tiny_model()
+        res = ResidentAdapters(model, *make_opt(model))
+        res.init_slots(3, seed=5)
+        for k in range(3):  # B is zero at init: give every weight a gradient
+            res.set_adapter_state(k, {n: v + 0.05 * (k + 1) for n, v in res.get_adapter_state(k).items()})
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+            model.enable_input_require_grads()
+        model.train()
+        ids, mask, adv, slots = rows_for({0: 2, 2: 1}, seed=4)
+        r = SlotRouting.from_rows(slots, [SEQ] * len(slots), 3)
+        with routing(r):
+            lm = loss_matrix(model, ids, adv)
+            slot_token_mean(lm, mask, slots, {0: float(mask[:2].sum()), 2: float(mask[2:].sum())}).backward()
+        assert all(p.grad is None for p in res.slot_parameters(1))
+        grads.append({k: [p.grad.clone() for p in res.slot_parameters(k)] for k in (0, 2)})
+    for k in (0, 2):
+        for g0, g1 in zip(grads[0][k], grads[1][k], strict=True):
+            torch.testing.assert_close(g1, g0)
+
+
+def test_slot_token_mean_divides_each_row_by_its_slots_tokens():
+    lm = torch.arange(12, dtype=torch.float32).reshape(4, 3)
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0], [1, 1, 1], [0, 1, 1]], dtype=torch.float32)
+    slots = torch.tensor([3, 0, 3, 1])
+    got = slot_token_mean(lm, mask, slots, {3: 10.0, 0: 4.0})  # slot 1 has no count: its rows are summed
+    want = (0 + 1) / 10 + 3 / 4 + (6 + 7 + 8) / 10 + (10 + 11)
+    assert float(got) == pytest.approx(want)
