@@ -618,18 +618,24 @@ class ResidentAdapters:
         self._all_reduce_grads([g for k in trained for g in grads_by_slot[k]])
         norms: dict[int, float] = {}
         if trained:
-            per_slot = torch.stack([torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads_by_slot[k])))
-                                    for k in trained]).float().cpu()
+            # one multi-tensor norm and one multiply for every trained slot, not a few launches per slot (every slot
+            # has the same parameters, so the per-tensor norms reshape to slots x parameters)
+            per_tensor = torch.stack(torch._foreach_norm([g for k in trained for g in grads_by_slot[k]]))
+            per_slot = torch.linalg.vector_norm(per_tensor.reshape(len(trained), -1), dim=1).float().cpu()
+            clip_grads: list[torch.Tensor] = []
+            clip_coefs: list[float] = []
             for k, norm in zip(trained, per_slot.tolist(), strict=True):
                 norms[k] = norm
-                params = self.slot_parameters(k)
                 if not math.isfinite(norm):
-                    for p in params:
+                    for p in self.slot_parameters(k):
                         p.grad = None
                     continue
                 coef = 1.0 if max_norm is None or max_norm <= 0 else min(1.0, max_norm / (norm + 1e-6))
                 if coef < 1.0:  # torch's clip_grad_norm_ formula, per slot
-                    torch._foreach_mul_(grads_by_slot[k], coef)
+                    clip_grads += grads_by_slot[k]
+                    clip_coefs += [coef] * len(grads_by_slot[k])
+            if clip_grads:
+                torch._foreach_mul_(clip_grads, clip_coefs)
         for k in range(self.num_slots):
             self.optimizer.param_groups[k]["lr"] = self._lr_at(self._meta[k].schedule_step)
         self.optimizer.step()

@@ -30,7 +30,8 @@ import torch
 from populora_verl.workers.adapter_bank import AdapterBankError
 from populora_verl.workers.resident import ResidentAdapters, SlotRouting, base_only, set_routing
 
-__all__ = ["SLOT_FIELD", "install", "ResidentEngineMixin", "row_token_counts", "select_rows", "per_slot_loss"]
+__all__ = ["SLOT_FIELD", "install", "ResidentEngineMixin", "row_token_counts", "select_rows", "select_tensordict_rows",
+           "per_slot_loss"]
 
 #: per-row tensor field naming each row's slot (added by the worker from the fused call's layout)
 SLOT_FIELD = "populora_slot"
@@ -45,20 +46,61 @@ def row_token_counts(mask: torch.Tensor) -> torch.Tensor:
     return csum[offs[1:]] - csum[offs[:-1]]
 
 
+def _run(rows: list[int]) -> tuple[int, int] | None:
+    """``(first, end)`` when ``rows`` are consecutive (a slot's rows in the fused layout), else ``None``."""
+    if rows and rows[-1] - rows[0] + 1 == len(rows) and all(b == a + 1 for a, b in zip(rows, rows[1:])):
+        return rows[0], rows[-1] + 1
+    return None
+
+
+def _jagged_rows(vals: torch.Tensor, offs: torch.Tensor, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The values and offsets of ``rows`` of a jagged tensor: a view and a shifted slice of the offsets when the rows
+    are consecutive, else one concatenation. The offsets are read once (a device round trip), not twice per row."""
+    run = _run(rows)
+    if run is not None:
+        ends = offs[run[0]:run[1] + 1]
+        start, end = ends[[0, -1]].tolist()
+        return vals[start:end], ends - ends[0]
+    bounds = offs.tolist()
+    parts = [vals[bounds[i]:bounds[i + 1]] for i in rows]
+    lengths = torch.tensor([bounds[i + 1] - bounds[i] for i in rows], device=offs.device, dtype=offs.dtype)
+    return torch.cat(parts), torch.cat([offs.new_zeros(1), lengths.cumsum(0)])
+
+
 def select_rows(t: torch.Tensor, rows: list[int], offsets: torch.Tensor | None = None) -> torch.Tensor:
     """Rows of a per-row output, keeping autograd: a jagged nested tensor (by its offsets), a packed
     ``(1, tokens)``/``(tokens,)`` tensor (by ``offsets``, the micro-batch's sequence offsets) or a padded one."""
     if t.is_nested:
-        vals, offs = t.values(), t.offsets()
-        parts = [vals[int(offs[i]):int(offs[i + 1])] for i in rows]
-        lengths = torch.tensor([p.shape[0] for p in parts], device=offs.device, dtype=offs.dtype)
-        new_offs = torch.cat([offs.new_zeros(1), lengths.cumsum(0)])
-        return torch.nested.nested_tensor_from_jagged(torch.cat(parts), new_offs)
+        vals, offs = _jagged_rows(t.values(), t.offsets(), rows)
+        return torch.nested.nested_tensor_from_jagged(vals, offs)
     if offsets is not None and t.dim() <= 2 and (t.dim() == 1 or t.shape[0] == 1):
-        flat = t.reshape(-1)
-        out = torch.cat([flat[int(offsets[i]):int(offsets[i + 1])] for i in rows])
+        out, _ = _jagged_rows(t.reshape(-1), offsets, rows)
         return out.reshape(1, -1) if t.dim() == 2 else out
-    return t[torch.as_tensor(rows, device=t.device)]
+    run = _run(rows)
+    return t[run[0]:run[1]] if run is not None else t[torch.as_tensor(rows, device=t.device)]
+
+
+def select_tensordict_rows(data: Any, rows: list[int]) -> Any:
+    """``rows`` of a micro-batch's TensorDict. Consecutive rows (a slot's rows in the fused layout) are sliced: views
+    of every field, where verl's ``index_select_tensor_dict`` copies each one row by row; other rows go to it."""
+    from tensordict import TensorDict
+    from verl.utils import tensordict_utils as tu
+
+    run = _run(rows)
+    if run is None:
+        return tu.index_select_tensor_dict(data, rows)
+    out = {}
+    for key, t in data.items():
+        if isinstance(t, torch.Tensor) and t.is_nested:
+            if getattr(t, "_ragged_idx", 1) != 1 or getattr(t, "_lengths", None) is not None:
+                return tu.index_select_tensor_dict(data, rows)  # a layout the slice does not cover
+            vals, offs = _jagged_rows(t.values(), t.offsets(), rows)
+            out[key] = torch.nested.nested_tensor_from_jagged(vals, offs)
+        elif isinstance(t, torch.Tensor) or t.shape:
+            out[key] = t[run[0]:run[1]]
+        else:
+            out[key] = t  # scalar metadata
+    return TensorDict(source=out, batch_size=len(rows))
 
 
 def _metric_parts(metrics: Mapping[str, Any]) -> dict[str, tuple[str, float]]:
@@ -89,16 +131,19 @@ def per_slot_loss(loss_fn: Callable, slot_tokens: Mapping[int, float], slot_rows
     from verl.utils import tensordict_utils as tu
 
     slots = data[SLOT_FIELD].reshape(-1).tolist()
-    present = sorted(set(slots))
+    rows_of: dict[int, list[int]] = {}
+    for i, k in enumerate(slots):
+        rows_of.setdefault(k, []).append(i)
+    present = sorted(rows_of)
     whole = {key: tu.get_non_tensor_data(data, key, None) for key in ("batch_num_tokens", "global_batch_size")}
     offsets = data["input_ids"].offsets() if data["input_ids"].is_nested else None
     total, metrics = None, {}
     for k in present:
-        rows = [i for i, s in enumerate(slots) if s == k]
+        rows = rows_of[k]
         if len(present) == 1:
             sub, out = data, model_output
         else:
-            sub = tu.index_select_tensor_dict(data, rows)
+            sub = select_tensordict_rows(data, rows)
             out = {name: (select_rows(v, rows, offsets) if torch.is_tensor(v) else v)
                    for name, v in model_output.items()}
         tu.assign_non_tensor(sub, batch_num_tokens=max(float(slot_tokens[k]), 1.0),

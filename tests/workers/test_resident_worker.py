@@ -237,3 +237,60 @@ def test_an_unknown_layout_is_refused_in_one_line():
     with pytest.raises(Exception, match="adapter layout must be one of"):
         w.populora_init_bank(2, seed=0, layout="stacked")
 
+
+
+def micro_batch(row_slots, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(2, 6, (len(row_slots),), generator=g)
+    offs = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
+    n = int(offs[-1])
+    td = TensorDict({
+        "input_ids": torch.nested.nested_tensor_from_jagged(torch.randint(0, VOCAB, (n,), generator=g), offs),
+        "loss_mask": torch.nested.nested_tensor_from_jagged((torch.rand(n, generator=g) > 0.3).float(), offs),
+        "advantages": torch.randn(len(row_slots), generator=g),
+        "populora_slot": torch.tensor(row_slots),
+    }, batch_size=[len(row_slots)])
+    tu.assign_non_tensor(td, batch_num_tokens=1.0, global_batch_size=len(row_slots))
+    logp = torch.nested.nested_tensor_from_jagged(torch.randn(n, generator=g, requires_grad=True), offs)
+    return td, {"log_probs": logp}
+
+
+@pytest.mark.parametrize("rows", [[0, 1, 2], [1, 2], [0, 2, 3], [3]])
+def test_selected_rows_equal_verls_row_selection(rows):
+    from populora_verl.workers.resident_engine import select_rows, select_tensordict_rows
+
+    td, out = micro_batch([0, 0, 1, 1])
+    got, want = select_tensordict_rows(td, rows), tu.index_select_tensor_dict(td, rows)
+    assert int(got.batch_size[0]) == len(rows)
+    for key in ("input_ids", "loss_mask"):
+        assert torch.equal(got[key].offsets(), want[key].offsets()) and torch.equal(got[key].values(), want[key].values())
+    assert torch.equal(got["advantages"], want["advantages"])
+    assert tu.get_non_tensor_data(got, "global_batch_size", None) == 4
+    lp = select_rows(out["log_probs"], rows)
+    ref = torch.cat([out["log_probs"].unbind()[i] for i in rows])
+    assert torch.equal(lp.values(), ref)
+    packed = select_rows(out["log_probs"].values().reshape(1, -1), rows, td["input_ids"].offsets())
+    assert torch.equal(packed.reshape(-1), ref)
+
+
+def test_per_slot_loss_is_the_same_for_grouped_and_interleaved_rows():
+    """Each slot's loss on its own rows with its own counts, whatever the rows' order in the micro-batch."""
+    from populora_verl.workers.resident_engine import per_slot_loss
+
+    grouped = [0, 0, 2, 1, 1, 1]
+    interleaved = [1, 0, 2, 1, 0, 1]
+    counts = {0: 7.0, 1: 11.0, 2: 3.0}
+    rows = {0: 2, 1: 3, 2: 1}
+    for order in (grouped, interleaved):
+        td, out = micro_batch(order)
+        seen = {}
+        loss, _ = per_slot_loss(pg_loss, counts, rows, lambda k, m: seen.setdefault(k, m["actor/pg_loss"].aggregate()),
+                                model_output=out, data=td)
+        loss.backward()
+        # by hand: each row's loss over its slot's tokens
+        vals, offs, mask = out["log_probs"].values(), td["input_ids"].offsets().tolist(), td["loss_mask"].values()
+        want = sum(-(td["advantages"][i] * vals[offs[i]:offs[i + 1]] * mask[offs[i]:offs[i + 1]]).sum() / counts[k]
+                   for i, k in enumerate(order))
+        torch.testing.assert_close(loss, want)
+        assert set(seen) == {0, 1, 2}
+        assert tu.get_non_tensor_data(td, "batch_num_tokens", None) == 1.0  # the caller's counts are kept
