@@ -395,3 +395,24 @@ def test_slot_token_mean_divides_each_row_by_its_slots_tokens():
     got = slot_token_mean(lm, mask, slots, {3: 10.0, 0: 4.0})  # slot 1 has no count: its rows are summed
     want = (0 + 1) / 10 + 3 / 4 + (6 + 7 + 8) / 10 + (10 + 11)
     assert float(got) == pytest.approx(want)
+
+
+def test_each_slot_has_its_own_norm_and_a_non_finite_one_skips_only_that_slot():
+    import math
+
+    model = tiny_model()
+    res = ResidentAdapters(model, *make_opt(model))
+    res.init_slots(3, seed=1)
+    before = [res.get_adapter_state(k) for k in range(3)]
+    for k in range(3):
+        for j, p in enumerate(res.slot_parameters(k)):
+            p.grad = torch.full_like(p, 0.01 * (k + 1) * (j + 1))
+    res.slot_parameters(1)[2].grad[0, 0] = float("nan")
+    want = {k: math.sqrt(sum(float(p.grad.square().sum()) for p in res.slot_parameters(k))) for k in (0, 2)}
+    norms = res.optimizer_step(CLIP, trained=[0, 1, 2])
+    assert norms[0] == pytest.approx(want[0], rel=1e-5) and norms[2] == pytest.approx(want[2], rel=1e-5)
+    assert math.isnan(norms[1])
+    assert [res.slot_info(k)["updates"] for k in range(3)] == [1, 0, 1]
+    after = [res.get_adapter_state(k) for k in range(3)]
+    assert all(torch.equal(before[1][n], after[1][n]) for n in before[1])
+    assert all(any(not torch.equal(before[k][n], after[k][n]) for n in before[k]) for k in (0, 2))
