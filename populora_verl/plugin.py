@@ -34,16 +34,17 @@ def _in_reward_registry(name: str) -> bool:
 
 
 def _in_agent_loop_registry(name: str) -> bool:
-    from verl.experimental.agent_loop.agent_loop import _agent_loop_registry
+    import verl.experimental.agent_loop.agent_loop as agent_mod
 
-    return name in _agent_loop_registry
+    from populora_verl.rollout import agent_loop_registered
+
+    return agent_loop_registered(agent_mod, name)
 
 
 def _in_rollout_registry(name: str) -> bool:
-    from verl.workers.rollout.base import _ROLLOUT_REGISTRY
-    from verl.workers.rollout.replica import RolloutReplicaRegistry
+    from populora_verl.rollout import rollout_registered
 
-    return name in RolloutReplicaRegistry._registry and (name, "async") in _ROLLOUT_REGISTRY
+    return rollout_registered(name)
 
 
 def _in_adv_registry(name: str) -> bool:

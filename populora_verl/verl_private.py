@@ -10,6 +10,10 @@ Three checks read it (pure data: importing this module imports nothing):
 * ``tests/project/test_verl_integration_doc.py`` checks that docs/verl-integration.md lists exactly the names and
   runtime patches here, each with the patch of ``patches/`` that removes it.
 * ``removed_by`` must name a file of ``patches/`` (or be empty: no upstream change proposed yet).
+* ``series_api``: the public verl API the plugin takes instead when the installed verl has it (detected by
+  ``populora_verl/verl_compat.py``); empty where the private path stays with the series applied. Each such private
+  path calls ``verl_compat.private_path(<name or module>)`` first, which raises under ``POPULORA_VERL_PUBLIC_ONLY=1``:
+  ``tests/patches/test_series_public_only.py`` runs the verl-facing tests that way against verl with the series.
 
 ``owner`` is the defining file relative to the ``verl`` package, with ``:Class`` for a class member.
 ``uses`` pairs a kind with the plugin module: ``override`` (a method of a verl subclass replaces verl's), ``use``
@@ -39,6 +43,8 @@ class PrivateName:
     removed_by: str = ""
     #: ``ast.unparse`` of the method's arguments in verl (methods only).
     signature: str | None = None
+    #: the public API used instead where verl has it (the series applied); empty: still used then
+    series_api: str = ""
 
 
 @dataclass(frozen=True)
@@ -51,6 +57,8 @@ class RuntimePatch:
     removed_by: str = ""
     #: on in a default run (False: opt-in through an environment variable or a config key)
     default: bool = True
+    #: the public API used instead where verl has it (the series applied); empty: still applied then
+    series_api: str = ""
 
 
 PRIVATE: tuple[PrivateName, ...] = (
@@ -58,11 +66,14 @@ PRIVATE: tuple[PrivateName, ...] = (
     PrivateName("_build_replay_buffer", TRAINER,
                 (("override", "populora_verl.trainer.trainer"), ("use", "populora_verl.trainer.trainer")),
                 "rebuilt after trainer_mode is reset to sync (verl built the async buffer for the unknown mode name; "
-                "0007 removes this use), and its poll interval set from trainer.populora_poll_interval_s (verl "
-                "hard-codes 2 s; no patch yet, so the override stays)", "", "self"),
+                "with PPOTrainer.is_async, 0007, this use is skipped), and its poll interval set from "
+                "trainer.populora_poll_interval_s (verl hard-codes 2 s; no patch yet, so the override stays)", "",
+                "self"),
     PrivateName("_init_resource_pool_mgr", TRAINER, (("override", "populora_verl.trainer.trainer"),),
                 "swaps the actor role's worker class for PopuLoRAActorRolloutRefWorker (verl hard-codes "
-                "ray.remote(ActorRolloutRefWorker))", "0004-trainer-worker-class-from-config.patch", "self"),
+                "ray.remote(ActorRolloutRefWorker)); defined only where verl lacks the config key",
+                "0004-trainer-worker-class-from-config.patch", "self",
+                "actor_rollout_ref.worker_class, set by the trainer's __init__"),
     PrivateName("_init_dataloader", TRAINER, (("override", "populora_verl.trainer.trainer"),),
                 "no dataset: the population step makes every prompt; sets the step counts verl derives from it", "",
                 "self"),
@@ -89,7 +100,9 @@ PRIVATE: tuple[PrivateName, ...] = (
                 "", "self, batch: KVBatchMeta, metrics: dict"),
     PrivateName("_save_checkpoint", TRAINER, (("override", "populora_verl.trainer.hooks"),),
                 "fit() saves before on_step_end; the save is deferred until after evolution, then the bank and "
-                "population are written before verl's own save", "0008-trainer-pre-save-hook.patch", "self"),
+                "population are written before verl's own save. Kept with 0008: its hook runs inside fit's save, "
+                "before evolution (on_step_end) and without the stop file's extra save, so evolution must first move "
+                "to the end of step", "0008-trainer-pre-save-hook.patch", "self"),
     PrivateName("_load_checkpoint", TRAINER, (("override", "populora_verl.trainer.hooks"),),
                 "initialises the adapter bank, picks the newest checkpoint that passes its checks, then restores the "
                 "bank and population after verl's load", "", "self"),
@@ -105,19 +118,16 @@ PRIVATE: tuple[PrivateName, ...] = (
                 "fills _dispatch_info when no dispatch has run yet (called on the worker group)", "",
                 "self, mesh_name: str"),
     # --- rollout: registries ------------------------------------------------------------------------------------
-    PrivateName("_ROLLOUT_REGISTRY", "workers/rollout/base.py",
-                (("import", "populora_verl.plugin"), ("import", "populora_verl.rollout")),
+    PrivateName("_ROLLOUT_REGISTRY", "workers/rollout/base.py", (("import", "populora_verl.rollout"),),
                 "registers the trainer-side ServerAdapter of the populora_vllm backend (verl has no register "
-                "function for it) and checks the registration", "0006-rollout-register-helper.patch"),
-    PrivateName("_registry", "workers/rollout/replica.py:RolloutReplicaRegistry",
-                (("use", "populora_verl.plugin"), ("use", "populora_verl.rollout")),
+                "function for it) and checks the registration", "0006-rollout-register-helper.patch",
+                series_api="register_rollout, is_rollout_class_registered"),
+    PrivateName("_registry", "workers/rollout/replica.py:RolloutReplicaRegistry", (("use", "populora_verl.rollout"),),
                 "checks that populora_vllm is registered (RolloutReplicaRegistry has register and get only)",
-                "0006-rollout-register-helper.patch"),
-    PrivateName("_agent_loop_registry", "experimental/agent_loop/agent_loop.py",
-                (("import", "populora_verl.plugin"), ("import", "populora_verl.rollout"),
-                 ("use", "populora_verl.rollout")),
+                "0006-rollout-register-helper.patch", series_api="RolloutReplicaRegistry.is_registered"),
+    PrivateName("_agent_loop_registry", "experimental/agent_loop/agent_loop.py", (("use", "populora_verl.rollout"),),
                 "checks whether populora_agent is registered (verl's register overwrites silently)",
-                "0006-rollout-register-helper.patch"),
+                "0006-rollout-register-helper.patch", series_api="is_agent_loop_registered"),
     # --- rollout: the populora_vllm backend -----------------------------------------------------------------------
     PrivateName("_preprocess_engine_kwargs", VLLM_SERVER, (("override", "populora_verl.rollout.routing"),),
                 "reads max_loras / max_cpu_loras before verl forces max_loras=1, and builds the live-adapter "
@@ -157,7 +167,8 @@ RUNTIME_PATCHES: tuple[RuntimePatch, ...] = (
                  "logprobs_from_logits in verl.utils.torch_functional and verl.workers.engine.fsdp.transformer_impl",
                  "without flash-attn verl falls back to a per-token Python loop (27x slower per micro-batch); the "
                  "worker module rebinds the name to a chunked computation, only where verl would take that loop "
-                 "(POPULORA_LOGPROBS=verl keeps verl's)", "0010-chunked-logprob-fallback.patch"),
+                 "(POPULORA_LOGPROBS=verl keeps verl's)", "0010-chunked-logprob-fallback.patch",
+                 series_api="verl's own chunked fallback (logprobs_from_logits_chunked)"),
     RuntimePatch("populora_verl.rollout.routing", "vLLMHttpServer.engine (wrapped in LoraRoutingEngine)",
                  "verl's generate sends the fixed LoRA id 123; the wrapper substitutes the request's adapter",
                  "0002-vllm-per-request-lora.patch"),
@@ -167,13 +178,14 @@ RUNTIME_PATCHES: tuple[RuntimePatch, ...] = (
     RuntimePatch("populora_verl.rollout.weight_sync", "the VERL_RAY_JOB_ID environment variable of the vLLM server",
                  "verl names the weight-sync socket after the Ray job id, which every fresh local Ray cluster "
                  "numbers alike; trainers with their own clusters on one host shared a socket and hung",
-                 "0005-weight-sync-socket-unique-per-host.patch"),
+                 "0005-weight-sync-socket-unique-per-host.patch", series_api="get_weight_sync_job_id"),
     RuntimePatch("populora_verl.rollout.server_adapter", "ServerAdapter.zmq_handle (the trainer's socket path)",
-                 "the sender's half of the same fix", "0005-weight-sync-socket-unique-per-host.patch"),
+                 "the sender's half of the same fix", "0005-weight-sync-socket-unique-per-host.patch",
+                 series_api="get_weight_sync_job_id (verl's own ServerAdapter is registered)"),
     RuntimePatch("populora_verl.trainer.trainer", "PPOTrainer.trainer_mode (reset to 'sync' after __init__)",
                  "verl treats every trainer_mode other than 'sync' as async (async replay buffer, TransferQueue "
                  "checkpoints, generation batch 1), so a registered sync trainer must rename its mode",
-                 "0007-trainer-declares-async.patch"),
+                 "0007-trainer-declares-async.patch", series_api="PPOTrainer.is_async"),
     RuntimePatch("populora_verl.workers.resident_engine",
                  "the class of verl's FSDP engine instance (engine.__class__ becomes a subclass)",
                  "resident adapters (adapter_layout=resident) route each micro-batch's rows to their slot's LoRA "

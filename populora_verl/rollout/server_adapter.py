@@ -9,6 +9,7 @@ from typing import Any
 
 from verl.workers.rollout.vllm_rollout.vllm_rollout import ServerAdapter
 
+from populora_verl import verl_compat
 from populora_verl.rollout.weight_sync import current_unique_job_id, rewrite_zmq_handle
 
 __all__ = ["PopuLoRAServerAdapter"]
@@ -20,5 +21,8 @@ class PopuLoRAServerAdapter(ServerAdapter):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        if verl_compat.has_weight_sync_job_id():  # verl named it uniquely already (and the server agrees)
+            return
+        verl_compat.private_path("populora_verl.rollout.server_adapter")
         job_id, unique = current_unique_job_id()
         self.zmq_handle = rewrite_zmq_handle(self.zmq_handle, job_id, unique)

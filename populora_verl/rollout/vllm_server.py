@@ -26,6 +26,7 @@ from vllm.lora.request import LoRARequest
 from verl.workers.rollout.vllm_rollout.utils import VLLM_LORA_PATH
 from verl.workers.rollout.vllm_rollout.vllm_async_server import vLLMHttpServer, vLLMReplica
 
+from populora_verl import verl_compat
 from populora_verl.rollout.routing import PopuLoRAServerMixin
 from populora_verl.rollout.weight_sync import export_unique_job_id
 
@@ -42,9 +43,12 @@ class PopuLoRAvLLMHttpServer(PopuLoRAServerMixin, vLLMHttpServer):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        # verl exported the bare Ray job id, which every local Ray cluster numbers alike: the engine's workers (not
-        # started yet) must name the weight-sync socket as our ServerAdapter does (rollout.weight_sync).
-        export_unique_job_id()
+        # verl 0.9.1 exported the bare Ray job id, which every local Ray cluster numbers alike: the engine's workers
+        # (not started yet) must name the weight-sync socket as our ServerAdapter does (rollout.weight_sync). A verl
+        # with get_weight_sync_job_id exported a host-unique one already, and its own ServerAdapter is registered.
+        if not verl_compat.has_weight_sync_job_id():
+            verl_compat.private_path("populora_verl.rollout.weight_sync")
+            export_unique_job_id()
         if self._disaggregation_role != "null":
             raise ValueError("populora_vllm does not support prefill/decode disaggregation")
         if not self.lora_as_adapter:

@@ -35,7 +35,8 @@ from verl.trainer.ppo.v1.trainer_base import TRAINER_REGISTRY, register_trainer
 from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 from verl.utils.debug import marked_timer
 
-from populora_verl.config import PopuLoRAConfig, load_config
+from populora_verl import verl_compat
+from populora_verl.config import ConfigError, PopuLoRAConfig, load_config
 from populora_verl.trainer import TRAINER_NAME, convert, schedule, stop, timeline, verl_config
 from populora_verl.trainer.generation import GenerationMixin, _Phase
 from populora_verl.trainer.hooks import HooksMixin
@@ -47,12 +48,31 @@ from populora_verl.workers import fused
 logger = logging.getLogger(__name__)
 logger.setLevel(os.getenv("VERL_LOGGING_LEVEL", "INFO"))
 
-__all__ = ["PopuLoRATrainer", "NullPromptLoader", "TRAINER_NAME", "register", "DEBUG_PROBES_KEY"]
+__all__ = ["PopuLoRATrainer", "NullPromptLoader", "TRAINER_NAME", "register", "DEBUG_PROBES_KEY", "WORKER_CLASS_FQN",
+           "use_populora_worker"]
 
 #: ``+trainer.populora_debug_probes=true``: per-step bank checksums and a greedy probe under every LoRA id.
 DEBUG_PROBES_KEY = "trainer.populora_debug_probes"
 PARTITION = "train"
 SIGNAL_FIELDS = ("rm_scores", "advantages", "returns")
+
+
+#: The actor role's worker, for a verl that reads it from ``actor_rollout_ref.worker_class``.
+WORKER_CLASS_FQN = "populora_verl.workers.worker.PopuLoRAActorRolloutRefWorker"
+
+
+def use_populora_worker(config: DictConfig) -> bool:
+    """Point ``actor_rollout_ref.worker_class`` at the PopuLoRA worker where verl declares the key; returns whether it
+    did. Another class set by the user stops the run: the adapter bank lives in this worker."""
+    if not verl_compat.worker_class_from_config():
+        return False
+    current = OmegaConf.select(config, "actor_rollout_ref.worker_class", default=None)
+    if current not in (None, WORKER_CLASS_FQN):
+        raise ConfigError(f"actor_rollout_ref.worker_class: PopuLoRA runs its own worker ({WORKER_CLASS_FQN}), "
+                          f"got {current!r}")
+    with open_dict(config):
+        config.actor_rollout_ref.worker_class = WORKER_CLASS_FQN
+    return True
 
 
 class NullPromptLoader:
@@ -92,10 +112,14 @@ class PopuLoRATrainer(GenerationMixin, TrainingMixin, HooksMixin, ProbesMixin, P
         else:
             self._timeline.mark("ray + task runner")
         super().__init__(config)
-        # verl treats every trainer_mode other than "sync" as async (ReplayBufferAsync, TQ checkpoints, gen batch 1).
-        self.trainer_mode = "sync"
-        self.parameter_sync_step = 1
-        self.replay_buffer = self._build_replay_buffer()
+        if not verl_compat.trainer_declares_async():
+            # verl 0.9.1 treats every trainer_mode but "sync" as async (ReplayBufferAsync, TQ checkpoints, gen batch
+            # 1); a verl with PPOTrainer.is_async reads PPOTrainerSync's False instead.
+            verl_compat.private_path("populora_verl.trainer.trainer")
+            self.trainer_mode = "sync"
+            self.parameter_sync_step = 1
+            self.replay_buffer = self._build_replay_buffer()
+        use_populora_worker(config)
         from populora_verl.plugin import check_registrations
 
         check_registrations()
@@ -147,18 +171,24 @@ class PopuLoRATrainer(GenerationMixin, TrainingMixin, HooksMixin, ProbesMixin, P
 
     # --- set-up overrides ------------------------------------------------------------------------------------
 
-    def _init_resource_pool_mgr(self) -> None:
-        super()._init_resource_pool_mgr()
-        from populora_verl.workers.worker import PopuLoRAActorRolloutRefWorker
+    # A verl that reads actor_rollout_ref.worker_class gets the worker from the config (use_populora_worker);
+    # verl 0.9.1 hard-codes ray.remote(ActorRolloutRefWorker), so only there is this method replaced.
+    if not verl_compat.worker_class_from_config():
 
-        # verl hard-codes ray.remote(ActorRolloutRefWorker); the role keeps its pool, only the class changes.
-        swapped = False
-        for role in (Role.ActorRollout, Role.ActorRolloutRef, Role.Actor):
-            if role in self.role_worker_mapping:
-                self.role_worker_mapping[role] = ray.remote(PopuLoRAActorRolloutRefWorker)
-                swapped = True
-        if not swapped:
-            raise RuntimeError(f"no actor role to host the adapter bank in {sorted(map(str, self.role_worker_mapping))}")
+        def _init_resource_pool_mgr(self) -> None:
+            verl_compat.private_path("_init_resource_pool_mgr")
+            super()._init_resource_pool_mgr()
+            from populora_verl.workers.worker import PopuLoRAActorRolloutRefWorker
+
+            # the role keeps its pool, only the class changes
+            swapped = False
+            for role in (Role.ActorRollout, Role.ActorRolloutRef, Role.Actor):
+                if role in self.role_worker_mapping:
+                    self.role_worker_mapping[role] = ray.remote(PopuLoRAActorRolloutRefWorker)
+                    swapped = True
+            if not swapped:
+                raise RuntimeError("no actor role to host the adapter bank in "
+                                   f"{sorted(map(str, self.role_worker_mapping))}")
 
     def _init_dataloader(self) -> None:
         self.train_dataset = self.val_dataset = None

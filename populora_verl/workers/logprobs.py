@@ -86,7 +86,12 @@ def verl_uses_flash_ce() -> bool:
 
 
 def verl_would_loop() -> bool:
-    """True when verl's ``logprobs_from_logits`` takes its per-token fallback here (no flash-attn, no NPU kernel)."""
+    """True when verl's ``logprobs_from_logits`` takes its per-token fallback here (no flash-attn, no NPU kernel, and
+    a verl whose fallback is still the loop: one with ``logprobs_from_logits_chunked`` falls back to that)."""
+    from populora_verl import verl_compat
+
+    if verl_compat.has_chunked_logprobs():
+        return False
     tf = importlib.import_module("verl.utils.torch_functional")
     return not verl_uses_flash_ce() and not getattr(tf, "NPU_CROSS_ENTROPY_LOSS_AVAILABLE", False)
 
@@ -99,6 +104,9 @@ def install(mode: str | None = None) -> bool:
         raise ValueError(f"{ENV} must be one of {MODES}, got {mode!r}")
     if mode == "verl" or not verl_would_loop():
         return False
+    from populora_verl import verl_compat
+
+    verl_compat.private_path("populora_verl.workers.logprobs")
     for name in _VERL_USERS:
         try:
             mod = importlib.import_module(name)

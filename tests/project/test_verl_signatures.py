@@ -456,6 +456,18 @@ def _all_verl_private() -> frozenset[str]:
     return frozenset(n for n in _defined(trees) if _private(n))
 
 
+def _class_items(node: ast.ClassDef):
+    """The statements of a class body, including those under an ``if`` (a method defined only for an older verl,
+    populora_verl/verl_compat.py)."""
+    todo = list(node.body)
+    while todo:
+        item = todo.pop(0)
+        if isinstance(item, ast.If):
+            todo[:0] = item.body + item.orelse
+        else:
+            yield item
+
+
 def scan_private_uses(package: Path = PACKAGE) -> set[tuple[str, str, str, str]]:
     """(kind, name, plugin module, owner) for every private verl name the package's source names.
 
@@ -503,7 +515,7 @@ def scan_private_uses(package: Path = PACKAGE) -> set[tuple[str, str, str, str]]
                     members.setdefault(name, owner)
             if m != module or not members:
                 continue
-            for item in node.body:
+            for item in _class_items(node):
                 if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)) and _private(item.name) and \
                         item.name in members:
                     found.add(("override", item.name, module, members[item.name]))

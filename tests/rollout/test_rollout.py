@@ -338,7 +338,7 @@ def test_register_is_lazy_and_idempotent():
     assert "vllm" not in sys.modules, "register() must not import vLLM"
     assert "populora_verl.rollout.vllm_server" not in sys.modules
     assert RolloutReplicaRegistry._registry["populora_vllm"] is rollout._load_replica
-    assert _ROLLOUT_REGISTRY[("populora_vllm", "async")] == "populora_verl.rollout.server_adapter.PopuLoRAServerAdapter"
+    assert _ROLLOUT_REGISTRY[("populora_vllm", "async")] == rollout.server_adapter_fqn()
     assert _agent_loop_registry["populora_agent"] == {"_target_": "populora_verl.rollout.agent_loop.PopuLoRAAgentLoop"}
     assert all(rollout.registered().values())
     # verl's own vllm backend is untouched.

@@ -1,0 +1,102 @@
+"""Which public verl APIs of the upstream series (patches/) the installed verl has, and the guard on the private path.
+
+The plugin takes verl's public API wherever the installed verl offers it and falls back to the private names and
+runtime patches of :mod:`populora_verl.verl_private` only where it does not (verl 0.9.1 as released). Every check
+here looks at what verl defines, not at its version number, so a verl that merged part of the series gets that part.
+
+:func:`private_path` marks each fallback: it is called right before the plugin uses a private name (or applies a
+runtime patch) that an entry of ``verl_private`` records as replaced by a public API (``series_api``). With
+``POPULORA_VERL_PUBLIC_ONLY=1`` it raises instead, which is how the "series applied" test proves the plugin touches
+no such name against a patched verl. Nothing here imports vLLM; the checks import only the verl modules they name.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+import os
+from pathlib import Path
+
+__all__ = ["PUBLIC_ONLY_ENV", "PrivateVerlUse", "private_path", "public_only", "has_register_rollout",
+           "trainer_declares_async", "worker_class_from_config", "has_chunked_logprobs", "has_weight_sync_job_id"]
+
+#: ``1``: a fallback onto a private name that a public API replaces raises (the series-applied test sets it).
+PUBLIC_ONLY_ENV = "POPULORA_VERL_PUBLIC_ONLY"
+
+
+class PrivateVerlUse(RuntimeError):
+    """The plugin took a private path while ``POPULORA_VERL_PUBLIC_ONLY=1``."""
+
+
+def public_only() -> bool:
+    return os.environ.get(PUBLIC_ONLY_ENV, "0") == "1"
+
+
+def private_path(key: str) -> None:
+    """Called where the plugin falls back to a private verl name or runtime patch (``key``: the entry's ``name`` in
+    ``verl_private.PRIVATE`` or ``module`` in ``RUNTIME_PATCHES``) because the installed verl lacks the public API."""
+    if public_only():
+        raise PrivateVerlUse(f"{key}: private verl path taken with {PUBLIC_ONLY_ENV}=1 (the installed verl "
+                             "should offer the public API that replaces it; see populora_verl/verl_private.py)")
+
+
+def _has(module: str, *names: str) -> bool:
+    try:
+        mod = importlib.import_module(module)
+    except ImportError:
+        return False
+    obj = mod
+    for name in names:
+        if not hasattr(obj, name):
+            return False
+        obj = getattr(obj, name)
+    return True
+
+
+@functools.lru_cache(maxsize=None)
+def has_register_rollout() -> bool:
+    """0006: ``register_rollout`` and the registration queries (no writes to ``_ROLLOUT_REGISTRY``)."""
+    return (_has("verl.workers.rollout.replica", "register_rollout")
+            and _has("verl.workers.rollout.replica", "RolloutReplicaRegistry", "is_registered")
+            and _has("verl.workers.rollout.base", "is_rollout_class_registered"))
+
+
+@functools.lru_cache(maxsize=None)
+def has_agent_loop_query() -> bool:
+    """0006's agent-loop half (imports verl's agent-loop module, about 1 s: only where it is needed anyway)."""
+    return _has("verl.experimental.agent_loop.agent_loop", "is_agent_loop_registered")
+
+
+@functools.lru_cache(maxsize=None)
+def trainer_declares_async() -> bool:
+    """0007: ``PPOTrainer.is_async`` decides sync or async, not the mode name."""
+    return _has("verl.trainer.ppo.v1.trainer_base", "PPOTrainer", "is_async")
+
+
+@functools.lru_cache(maxsize=None)
+def worker_class_from_config() -> bool:
+    """0004: ``actor_rollout_ref.worker_class`` is declared in verl's trainer config (and read by the trainer)."""
+    import yaml
+
+    spec = importlib.util.find_spec("verl")
+    if spec is None or not spec.submodule_search_locations:
+        return False
+    path = Path(spec.submodule_search_locations[0]) / "trainer" / "config" / "ppo_trainer.yaml"
+    try:
+        cfg = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except OSError:
+        return False
+    return "worker_class" in (cfg.get("actor_rollout_ref") or {})
+
+
+@functools.lru_cache(maxsize=None)
+def has_chunked_logprobs() -> bool:
+    """0010: verl's own ``logprobs_from_logits`` falls back to a chunked computation, not a per-token loop."""
+    return _has("verl.utils.torch_functional", "logprobs_from_logits_chunked")
+
+
+@functools.lru_cache(maxsize=None)
+def has_weight_sync_job_id() -> bool:
+    """0005: both ends of verl's weight-sync socket are named with a host-unique job id."""
+    return _has("verl.workers.rollout.utils", "get_weight_sync_job_id")
