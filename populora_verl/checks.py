@@ -14,8 +14,14 @@ from typing import Any
 
 from populora_verl.config import ROOT, ConfigError
 
-__all__ = ["VLLM_INSTALL", "check_operators", "check_seed_file", "check_population_inputs", "check_device",
-           "vllm_missing"]
+__all__ = [
+    "VLLM_INSTALL",
+    "check_operators",
+    "check_seed_file",
+    "check_population_inputs",
+    "check_device",
+    "vllm_missing",
+]
 
 #: How to get vLLM: verl's own extra pins the vLLM, torch and transformers that verl 0.9.1 was released with.
 VLLM_INSTALL = "pip install 'verl[vllm]==0.9.1' on a CUDA machine (README.md, Training with verl on GPUs)"
@@ -41,8 +47,10 @@ def check_seed_file(cfg: Any) -> None:
     if not os.path.exists(path):
         if cfg.buffer.seed_file_wait_s > 0:
             return  # another run writes it; the first step waits for it
-        raise ConfigError(f"{key}: no such file {path!r} (set {ROOT}.buffer.seed_file_wait_s to wait for a seed "
-                          "set another run is writing)")
+        raise ConfigError(
+            f"{key}: no such file {path!r} (set {ROOT}.buffer.seed_file_wait_s to wait for a seed "
+            "set another run is writing)"
+        )
     if os.path.isdir(path):
         raise ConfigError(f"{key}: {path!r} is a folder, not a JSONL file")
     from populora_verl.tasks.buffer import load_seed_file
@@ -64,8 +72,10 @@ def check_population_inputs(cfg: Any) -> None:
 def check_device(device: Any, key: str = "trainer.device") -> None:
     """verl's ``trainer.device=cpu`` starts Ray and then waits for GPU workers that never come."""
     if str(device).lower() == "cpu":
-        raise ConfigError(f"{key}: PopuLoRA's verl runs need GPUs (vLLM serves the adapters); on a CPU machine "
-                          "use `python -m populora_verl.local`")
+        raise ConfigError(
+            f"{key}: PopuLoRA's verl runs need GPUs (vLLM serves the adapters); on a CPU machine "
+            "use `python -m populora_verl.local`"
+        )
 
 
 def vllm_missing() -> str | None:

@@ -16,12 +16,18 @@ import tempfile
 from pathlib import Path
 from typing import Callable
 
-__all__ = ["UsageError", "one_line", "run_cli", "check_output_dir", "check_run_dir", "check_model_path",
-           "looks_local"]
+__all__ = ["UsageError", "one_line", "run_cli", "check_output_dir", "check_run_dir", "check_model_path", "looks_local"]
 
 # Exceptions whose message already says everything; others are prefixed with their type.
-_PLAIN = ("ConfigError", "CheckpointError", "FileNotFoundError", "FileExistsError", "NotADirectoryError",
-          "UsageError", "RunDirInUse")
+_PLAIN = (
+    "ConfigError",
+    "CheckpointError",
+    "FileNotFoundError",
+    "FileExistsError",
+    "NotADirectoryError",
+    "UsageError",
+    "RunDirInUse",
+)
 # Bad input found before any work started: exit status 2, and no "--debug" hint (there is no bug to report).
 _USAGE = ("UsageError", "ConfigError", "RunDirInUse")
 
@@ -40,8 +46,9 @@ def one_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
-def run_cli(prog: str, fn: Callable[[], int], *, debug: bool = False,
-            on_interrupt: Callable[[], str] | None = None) -> int:
+def run_cli(
+    prog: str, fn: Callable[[], int], *, debug: bool = False, on_interrupt: Callable[[], str] | None = None
+) -> int:
     """Run ``fn``; an exception ends it with one ``prog: error: ...`` line on stderr (exit 2 for bad input, 1 for
     a failure while working), Ctrl-C with one line (``on_interrupt()``'s text, exit 130). ``debug`` re-raises."""
     try:
@@ -141,6 +148,8 @@ def check_model_path(path: str, flag: str = "--model", *, hub: bool = True) -> s
             why = "" if looks_local(str(path)) or not offline else " (HF_HUB_OFFLINE is set, so it cannot be a hub id)"
             raise UsageError(f"{flag} {path}: no such directory{why}")
         if not os.path.isfile(os.path.join(local, "config.json")):
-            raise UsageError(f"{flag} {path}: holds no HF model (no config.json); convert a GGUF with "
-                             "`python -m populora_verl.models convert`")
+            raise UsageError(
+                f"{flag} {path}: holds no HF model (no config.json); convert a GGUF with "
+                "`python -m populora_verl.models convert`"
+            )
     return str(path)

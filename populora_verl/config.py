@@ -37,8 +37,22 @@ TASK_TYPES = ("code_i", "code_o", "code_f")
 OPERATOR_KINDS = ("mutation", "crossover")
 # AZR's banned-module list (AZR code, printed into the proposer prompt and enforced by an AST walk).
 AZR_BANNED_MODULES = (
-    "logging", "random", "multiprocessing", "pebble", "subprocess", "threading", "datetime", "time",
-    "hashlib", "hmac", "bcrypt", "os.sys", "os.path", "sys.exit", "os.environ", "calendar",
+    "logging",
+    "random",
+    "multiprocessing",
+    "pebble",
+    "subprocess",
+    "threading",
+    "datetime",
+    "time",
+    "hashlib",
+    "hmac",
+    "bcrypt",
+    "os.sys",
+    "os.path",
+    "sys.exit",
+    "os.environ",
+    "calendar",
 )
 
 
@@ -86,10 +100,16 @@ class PopulationConfig:
         _choice(self.founder_init, ("shared_a", "independent"), f"{p}.founder_init")
         _choice(self.adapter_layout, ("bank", "resident"), f"{p}.adapter_layout")
         if self.mode == "population":
-            _check(isinstance(self.num_teachers, int) and self.num_teachers >= 1, f"{p}.num_teachers",
-                   f"must be an integer >= 1, got {self.num_teachers!r}")
-            _check(isinstance(self.num_students, int) and self.num_students >= 1, f"{p}.num_students",
-                   f"must be an integer >= 1, got {self.num_students!r}")
+            _check(
+                isinstance(self.num_teachers, int) and self.num_teachers >= 1,
+                f"{p}.num_teachers",
+                f"must be an integer >= 1, got {self.num_teachers!r}",
+            )
+            _check(
+                isinstance(self.num_students, int) and self.num_students >= 1,
+                f"{p}.num_students",
+                f"must be an integer >= 1, got {self.num_students!r}",
+            )
 
     @property
     def num_adapters(self) -> int:
@@ -144,8 +164,11 @@ class RolloutConfig:
         for k in ("teacher_n", "student_n", "proposals_per_type"):
             v = getattr(self, k)
             _check(isinstance(v, int) and v >= 1, f"{p}.{k}", f"must be an integer >= 1, got {v!r}")
-        _check(self.buffer_task_n is None or (isinstance(self.buffer_task_n, int) and self.buffer_task_n >= 1),
-               f"{p}.buffer_task_n", f"must be null or an integer >= 1, got {self.buffer_task_n!r}")
+        _check(
+            self.buffer_task_n is None or (isinstance(self.buffer_task_n, int) and self.buffer_task_n >= 1),
+            f"{p}.buffer_task_n",
+            f"must be null or an integer >= 1, got {self.buffer_task_n!r}",
+        )
         for k in ("max_loras", "max_cpu_loras", "max_new_tokens"):
             v = getattr(self, k)
             _check(v is None or (isinstance(v, int) and v >= 1), f"{p}.{k}", f"must be null or >= 1, got {v!r}")
@@ -192,14 +215,19 @@ class TasksConfig:
             _choice(t, TASK_TYPES, f"{p}.types")
         _check(len(set(self.types)) == len(self.types), f"{p}.types", "has duplicates")
         if self.probabilities is not None:
-            _check(len(self.probabilities) == len(self.types), f"{p}.probabilities",
-                   f"needs one value per type ({len(self.types)}), got {len(self.probabilities)}")
-            _check(all(x >= 0 for x in self.probabilities) and sum(self.probabilities) > 0,
-                   f"{p}.probabilities", "must be non-negative with a positive sum")
+            _check(
+                len(self.probabilities) == len(self.types),
+                f"{p}.probabilities",
+                f"needs one value per type ({len(self.types)}), got {len(self.probabilities)}",
+            )
+            _check(
+                all(x >= 0 for x in self.probabilities) and sum(self.probabilities) > 0,
+                f"{p}.probabilities",
+                "must be non-negative with a positive sum",
+            )
         _check(self.num_references >= 0, f"{p}.num_references", "must be >= 0")
         _check(self.num_inputs >= 2, f"{p}.num_inputs", "must be >= 2 (half are shown, half hidden)")
-        _check(1 <= self.min_valid_inputs <= self.num_inputs, f"{p}.min_valid_inputs",
-               "must be in [1, num_inputs]")
+        _check(1 <= self.min_valid_inputs <= self.num_inputs, f"{p}.min_valid_inputs", "must be in [1, num_inputs]")
         _check(self.max_program_chars > 0, f"{p}.max_program_chars", "must be > 0")
         _choice(self.code_f_rule, ("azr", "lenient"), f"{p}.code_f_rule")
         _check(self.max_response_chars > 0, f"{p}.max_response_chars", "must be > 0")
@@ -243,8 +271,11 @@ class BufferConfig:
         _check(self.seed_file_wait_s >= 0, f"{p}.seed_file_wait_s", f"must be >= 0, got {self.seed_file_wait_s!r}")
         for k in ("seed_programs", "seed_rounds"):
             v = getattr(self, k)
-            _check(isinstance(v, int) and not isinstance(v, bool) and v >= 0, f"{p}.{k}",
-                   f"must be an integer >= 0, got {v!r}")
+            _check(
+                isinstance(v, int) and not isinstance(v, bool) and v >= 0,
+                f"{p}.{k}",
+                f"must be an integer >= 0, got {v!r}",
+            )
 
 
 def executor_limit_problems(timeout_s: float, memory_mb: int) -> dict[str, str]:
@@ -341,17 +372,26 @@ class PBTConfig:
 
     def __post_init__(self) -> None:
         p = self._prefix
-        _check(isinstance(self.interval_steps, int) and self.interval_steps >= 1, f"{p}.interval_steps",
-               f"must be an integer >= 1, got {self.interval_steps!r}")
+        _check(
+            isinstance(self.interval_steps, int) and self.interval_steps >= 1,
+            f"{p}.interval_steps",
+            f"must be an integer >= 1, got {self.interval_steps!r}",
+        )
         _choice(self.fitness, ("trueskill_conservative", "mu", "recent_reward"), f"{p}.fitness")
         _check(0 < self.cull_fraction < 1, f"{p}.cull_fraction", f"must be in (0, 1), got {self.cull_fraction!r}")
         _check(self.protect_top >= 0, f"{p}.protect_top", "must be >= 0")
         _check(0 <= self.crossover_rate <= 1, f"{p}.crossover_rate", f"must be in [0, 1], got {self.crossover_rate!r}")
         _choice(self.child_rating, ("prior", "inherit_inflate_sigma"), f"{p}.child_rating")
-        _check(self.final_quiet_steps is None or (isinstance(self.final_quiet_steps, int) and self.final_quiet_steps >= 0),
-               f"{p}.final_quiet_steps", f"must be null or an integer >= 0, got {self.final_quiet_steps!r}")
-        _check(isinstance(self.min_age, int) and self.min_age >= 0, f"{p}.min_age",
-               f"must be an integer >= 0, got {self.min_age!r}")
+        _check(
+            self.final_quiet_steps is None or (isinstance(self.final_quiet_steps, int) and self.final_quiet_steps >= 0),
+            f"{p}.final_quiet_steps",
+            f"must be null or an integer >= 0, got {self.final_quiet_steps!r}",
+        )
+        _check(
+            isinstance(self.min_age, int) and self.min_age >= 0,
+            f"{p}.min_age",
+            f"must be an integer >= 0, got {self.min_age!r}",
+        )
         for r in self.roles:
             _choice(r, ("teacher", "student"), f"{p}.roles")
         if self.operators is not None:
@@ -374,8 +414,9 @@ class DiagnosticsConfig:
     cvt_cells: int = 64
     descriptors: list[str] = field(default_factory=lambda: ["ast_depth", "cyclomatic", "loc"])
     # Upper bounds used to normalise each descriptor into [0, 1] for the CVT archive (values are clipped).
-    descriptor_max: dict[str, float] = field(default_factory=lambda: {"ast_depth": 20.0, "cyclomatic": 20.0, "loc": 60.0,
-                                                                      "ast_nodes": 300.0})
+    descriptor_max: dict[str, float] = field(
+        default_factory=lambda: {"ast_depth": 20.0, "cyclomatic": 20.0, "loc": 60.0, "ast_nodes": 300.0}
+    )
     cvt_samples: int = 10_000
     coverage_window: int = 10  # windowed coverage counts the valid tasks of the last W steps
     plots: bool = True
@@ -399,8 +440,11 @@ class DiagnosticsConfig:
             _check(self.descriptor_max[d] > 0, f"{p}.descriptor_max.{d}", "must be > 0")
         _check(len(set(self.descriptors)) == len(self.descriptors), f"{p}.descriptors", "has duplicates")
         _check(self.cvt_samples >= self.cvt_cells, f"{p}.cvt_samples", "must be >= cvt_cells")
-        _check(isinstance(self.coverage_window, int) and self.coverage_window >= 1, f"{p}.coverage_window",
-               f"must be an integer >= 1, got {self.coverage_window!r}")
+        _check(
+            isinstance(self.coverage_window, int) and self.coverage_window >= 1,
+            f"{p}.coverage_window",
+            f"must be an integer >= 1, got {self.coverage_window!r}",
+        )
 
 
 @dataclass
@@ -430,11 +474,17 @@ class PopuLoRAConfig:
         # controller handles per sub-population: nothing to reject here.
         n = self.population.num_adapters
         if self.rollout.max_loras is not None:
-            _check(self.rollout.max_loras >= n, f"{ROOT}.rollout.max_loras",
-                   f"must be >= population size ({n}), got {self.rollout.max_loras}")
+            _check(
+                self.rollout.max_loras >= n,
+                f"{ROOT}.rollout.max_loras",
+                f"must be >= population size ({n}), got {self.rollout.max_loras}",
+            )
         if self.rollout.max_cpu_loras is not None:
-            _check(self.rollout.max_cpu_loras >= n, f"{ROOT}.rollout.max_cpu_loras",
-                   f"must be >= population size ({n}), got {self.rollout.max_cpu_loras}")
+            _check(
+                self.rollout.max_cpu_loras >= n,
+                f"{ROOT}.rollout.max_cpu_loras",
+                f"must be >= population size ({n}), got {self.rollout.max_cpu_loras}",
+            )
 
 
 # --- building from mappings ----------------------------------------------------------------------------------
@@ -456,7 +506,9 @@ def _build(cls: type, data: Mapping[str, Any] | None, prefix: str) -> Any:
         if key not in fields:
             _fail(f"{prefix}.{key}", f"unknown key (known: {sorted(fields)})")
         tp = hints[key]
-        kwargs[key] = _build(tp, value, f"{prefix}.{key}") if _is_dataclass_type(tp) else _coerce(tp, value, f"{prefix}.{key}")
+        kwargs[key] = (
+            _build(tp, value, f"{prefix}.{key}") if _is_dataclass_type(tp) else _coerce(tp, value, f"{prefix}.{key}")
+        )
     # Nested sections get their full key prefix so their own errors name it.
     for name, f in fields.items():
         tp = hints[name]
@@ -477,7 +529,9 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
     origin = typing.get_origin(tp)
     args = typing.get_args(tp)
     if value is None:
-        if tp is type(None) or (origin in (typing.Union, getattr(__import__("types"), "UnionType", None)) and type(None) in args):
+        if tp is type(None) or (
+            origin in (typing.Union, getattr(__import__("types"), "UnionType", None)) and type(None) in args
+        ):
             return None
         _fail(key, "must not be null")
     if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):

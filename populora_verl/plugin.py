@@ -104,9 +104,11 @@ def check_registrations() -> None:
     missing = [k for k, ok in registered().items() if not ok]
     if missing:
         causes = "; ".join(f"{k}: {v}" for k, v in _errors.items() if k in missing)
-        raise RuntimeError(f"populora_verl plugin not fully registered with verl: missing {missing}"
-                           + (f" ({causes})" if causes else "")
-                           + "; is `pip install -e .` done in this environment and VERL_USE_EXTERNAL_PLUGINS not 'none'?")
+        raise RuntimeError(
+            f"populora_verl plugin not fully registered with verl: missing {missing}"
+            + (f" ({causes})" if causes else "")
+            + "; is `pip install -e .` done in this environment and VERL_USE_EXTERNAL_PLUGINS not 'none'?"
+        )
 
 
 _register_all()

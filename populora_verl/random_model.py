@@ -31,9 +31,21 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ModelShape", "SHAPES", "PLUMBING", "plumbing_shape", "model_config", "parameter_count",
-           "load_tokenizer", "available_cpus", "write_random_model", "dry_run_command", "shell_line", "add_random_parser",
-           "run_random"]
+__all__ = [
+    "ModelShape",
+    "SHAPES",
+    "PLUMBING",
+    "plumbing_shape",
+    "model_config",
+    "parameter_count",
+    "load_tokenizer",
+    "available_cpus",
+    "write_random_model",
+    "dry_run_command",
+    "shell_line",
+    "add_random_parser",
+    "run_random",
+]
 
 PROG = "populora_verl.models"
 
@@ -58,9 +70,17 @@ class ModelShape:
 def plumbing_shape(heads: int = 2) -> ModelShape:
     """The GPU plumbing model (scripts/gpu/tiny_proof.sh): 2 layers, head_dim 64 for FlashAttention, ``heads``
     attention and KV heads so that TP up to ``heads`` can shard it; the tokenizer's own vocabulary size."""
-    return ModelShape(hidden_size=64 * heads, num_hidden_layers=2, num_attention_heads=heads,
-                      num_key_value_heads=heads, intermediate_size=128 * heads, vocab_size=None, rope_theta=10000.0,
-                      max_position_embeddings=4096, tie_word_embeddings=True)
+    return ModelShape(
+        hidden_size=64 * heads,
+        num_hidden_layers=2,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        intermediate_size=128 * heads,
+        vocab_size=None,
+        rope_theta=10000.0,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+    )
 
 
 PLUMBING = "qwen2-plumbing"
@@ -105,8 +125,10 @@ def load_tokenizer(folder: str | os.PathLike, flag: str = "--tokenizer-from") ->
     if not d.is_dir():
         raise _usage(f"{flag} {folder}: no such directory")
     if not any((d / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")):
-        raise _usage(f"{flag} {folder}: holds no tokenizer (no tokenizer.json or tokenizer_config.json); give the "
-                     "folder of a model of the same family, e.g. one `python -m populora_verl.models convert` wrote")
+        raise _usage(
+            f"{flag} {folder}: holds no tokenizer (no tokenizer.json or tokenizer_config.json); give the "
+            "folder of a model of the same family, e.g. one `python -m populora_verl.models convert` wrote"
+        )
     try:
         return AutoTokenizer.from_pretrained(str(d))
     except (OSError, ValueError) as e:
@@ -120,13 +142,16 @@ def _vocab_size(shape: ModelShape, tokenizer: Any, tokenizer_dir: str | os.PathL
         except (OSError, ValueError, KeyError, TypeError):
             return len(tokenizer)
     if len(tokenizer) > shape.vocab_size:
-        raise _usage(f"{flag} {tokenizer_dir}: its tokenizer has {len(tokenizer)} tokens, more than the model's "
-                     f"{shape.vocab_size} embeddings; give the tokenizer of this model family")
+        raise _usage(
+            f"{flag} {tokenizer_dir}: its tokenizer has {len(tokenizer)} tokens, more than the model's "
+            f"{shape.vocab_size} embeddings; give the tokenizer of this model family"
+        )
     return shape.vocab_size
 
 
-def model_config(shape: ModelShape, tokenizer: Any = None, *, vocab_size: int | None = None,
-                 dtype: str = "bfloat16") -> Any:
+def model_config(
+    shape: ModelShape, tokenizer: Any = None, *, vocab_size: int | None = None, dtype: str = "bfloat16"
+) -> Any:
     """The transformers config of ``shape`` (token ids from ``tokenizer``), with its ``architectures`` set."""
     from transformers import AutoConfig
 
@@ -195,14 +220,24 @@ def _reusable(out: Path, stamp: dict[str, Any]) -> bool:
     except (OSError, ValueError, AttributeError):
         found = None
     if found is None:
-        raise _usage(f"out_dir {out}: exists and is not a random model this command wrote (it could be real weights); "
-                     "choose another folder")
+        raise _usage(
+            f"out_dir {out}: exists and is not a random model this command wrote (it could be real weights); "
+            "choose another folder"
+        )
     return found == stamp
 
 
-def write_random_model(shape: str | ModelShape, out_dir: str | os.PathLike, tokenizer_from: str | os.PathLike, *,
-                       dtype: str = "bfloat16", init: str = "sign", seed: int = 0, workers: int | None = None,
-                       shard_bytes: int = SHARD_BYTES) -> tuple[Path, bool]:
+def write_random_model(
+    shape: str | ModelShape,
+    out_dir: str | os.PathLike,
+    tokenizer_from: str | os.PathLike,
+    *,
+    dtype: str = "bfloat16",
+    init: str = "sign",
+    seed: int = 0,
+    workers: int | None = None,
+    shard_bytes: int = SHARD_BYTES,
+) -> tuple[Path, bool]:
     """Write ``shape`` (a :data:`SHAPES` name or a :class:`ModelShape`) with random weights and the tokenizer of
     ``tokenizer_from`` as an HF folder; ``(out_dir, True)`` if it was written, ``(out_dir, False)`` if ``out_dir``
     already held the same model. Tensors are made ``workers`` at a time and written shard by shard, so memory stays
@@ -230,8 +265,11 @@ def write_random_model(shape: str | ModelShape, out_dir: str | os.PathLike, toke
     params = _parameters(config)
     torch_dtype = getattr(torch, dtype)
     shards = _shards(params, torch_dtype.itemsize, shard_bytes)
-    files = (["model.safetensors"] if len(shards) == 1 else
-             [f"model-{k:05d}-of-{len(shards):05d}.safetensors" for k in range(1, len(shards) + 1)])
+    files = (
+        ["model.safetensors"]
+        if len(shards) == 1
+        else [f"model-{k:05d}-of-{len(shards):05d}.safetensors" for k in range(1, len(shards) + 1)]
+    )
     with staged_dir(out) as tmp, ThreadPoolExecutor(workers or min(16, available_cpus())) as pool:
         for file, members in zip(files, shards):
             # one seed per tensor: the same weights whatever the thread count or order
@@ -239,9 +277,13 @@ def write_random_model(shape: str | ModelShape, out_dir: str | os.PathLike, toke
             save_file({params[i][0]: t for i, t in zip(members, made)}, str(tmp / file), metadata={"format": "pt"})
         if len(files) > 1:
             total = sum(math.prod(s) for _, s in params) * torch_dtype.itemsize
-            write_json(tmp / "model.safetensors.index.json", {
-                "metadata": {"total_size": total},
-                "weight_map": {params[i][0]: f for f, members in zip(files, shards) for i in members}})
+            write_json(
+                tmp / "model.safetensors.index.json",
+                {
+                    "metadata": {"total_size": total},
+                    "weight_map": {params[i][0]: f for f, members in zip(files, shards) for i in members},
+                },
+            )
         config.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         generation = Path(tokenizer_from).expanduser() / "generation_config.json"
@@ -257,10 +299,20 @@ def _key(override: str) -> str:
     return override.split("=", 1)[0].lstrip("+~")
 
 
-def dry_run_command(model_dir: str | os.PathLike, recipe: str = "4t4s", *, gpus: int | None = None, steps: int = 5,
-                    answer_tokens: int = 1024, force_length: bool = True, run_dir: str | os.PathLike | None = None,
-                    profile: str | None = None, evolve_every: int = 2, overrides: Sequence[str] = (),
-                    python: str = "python") -> list[str]:
+def dry_run_command(
+    model_dir: str | os.PathLike,
+    recipe: str = "4t4s",
+    *,
+    gpus: int | None = None,
+    steps: int = 5,
+    answer_tokens: int = 1024,
+    force_length: bool = True,
+    run_dir: str | os.PathLike | None = None,
+    profile: str | None = None,
+    evolve_every: int = 2,
+    overrides: Sequence[str] = (),
+    python: str = "python",
+) -> list[str]:
     """The trainer's command line: ``recipe`` on ``model_dir`` for ``steps`` steps with answers of exactly
     ``answer_tokens`` tokens (step_scaling's ``plan_overrides``: no seeding phase, ``ignore_eos``), evolution every
     ``evolve_every`` steps from the first interval on (0: the recipe's schedule), no checkpoints. ``overrides``
@@ -269,9 +321,13 @@ def dry_run_command(model_dir: str | os.PathLike, recipe: str = "4t4s", *, gpus:
     from populora_verl.recipes import recipes_dir
 
     run_dir = run_dir or f"runs/dry-run-{recipe}"
-    ours = [f"actor_rollout_ref.model.path={Path(model_dir).expanduser().resolve()}",
-            f"trainer.total_training_steps={steps}", "trainer.save_freq=-1", "trainer.resume_mode=disable",
-            f"trainer.default_local_dir={run_dir}"]
+    ours = [
+        f"actor_rollout_ref.model.path={Path(model_dir).expanduser().resolve()}",
+        f"trainer.total_training_steps={steps}",
+        "trainer.save_freq=-1",
+        "trainer.resume_mode=disable",
+        f"trainer.default_local_dir={run_dir}",
+    ]
     if gpus:
         ours.append(f"trainer.n_gpus_per_node={gpus}")
     if evolve_every:
@@ -279,8 +335,17 @@ def dry_run_command(model_dir: str | os.PathLike, recipe: str = "4t4s", *, gpus:
         ours += [f"populora.pbt.interval_steps={evolve_every}", "populora.pbt.min_age=0"]
     ours += plan_overrides(profile, answer_tokens, force_length)
     theirs = {_key(o) for o in overrides}
-    return [python, "-m", "verl.trainer.main_ppo", "--config-path", str(recipes_dir()), "--config-name", recipe,
-            *(o for o in ours if _key(o) not in theirs), *overrides]
+    return [
+        python,
+        "-m",
+        "verl.trainer.main_ppo",
+        "--config-path",
+        str(recipes_dir()),
+        "--config-name",
+        recipe,
+        *(o for o in ours if _key(o) not in theirs),
+        *overrides,
+    ]
 
 
 def shell_line(cmd: Sequence[str]) -> str:
@@ -302,7 +367,7 @@ def check_command(cmd: Sequence[str]) -> None:
     from populora_verl.trainer.verl_config import validate_verl_config
 
     i = list(cmd).index("--config-path")
-    config_dir, recipe, overrides = cmd[i + 1], cmd[i + 3], list(cmd[i + 4:])
+    config_dir, recipe, overrides = cmd[i + 1], cmd[i + 3], list(cmd[i + 4 :])
     if not (Path(config_dir) / f"{recipe}.yaml").is_file():
         names = sorted(p.stem for p in Path(config_dir).glob("*.yaml"))
         raise _usage(f"--recipe {recipe}: no such recipe; known: {names}")
@@ -319,32 +384,63 @@ def check_command(cmd: Sequence[str]) -> None:
 
 def add_random_parser(sub: Any) -> Any:
     r = sub.add_parser(
-        "random", help="a random-weight model of a named shape with a real tokenizer, and the trainer command that "
-                       "runs a recipe on it with forced answer lengths (check a node before staging weights)",
+        "random",
+        help="a random-weight model of a named shape with a real tokenizer, and the trainer command that "
+        "runs a recipe on it with forced answer lengths (check a node before staging weights)",
         description="Write a random-weight model of a named shape (the real tokenizer, no weights downloaded) and "
-                    "print the trainer command that runs a recipe on it with every answer forced to a fixed length; "
-                    "--run runs it.")
+        "print the trainer command that runs a recipe on it with every answer forced to a fixed length; "
+        "--run runs it.",
+    )
     r.add_argument("shape", choices=sorted(SHAPES), help="the architecture and size")
     r.add_argument("out_dir", help="the model folder to write (an existing random model of the same shape is reused)")
-    r.add_argument("--tokenizer-from", required=True, metavar="DIR",
-                   help="a local folder with the model family's tokenizer (e.g. a converted offline checkpoint)")
-    r.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
-                   help="of the weights (default: %(default)s)")
-    r.add_argument("--init", default="sign", choices=INITS,
-                   help="sign: random ±0.5/sqrt(fan_in) per weight; tiled: one random block repeated, several times "
-                        "faster to write and to compress (default: %(default)s)")
-    r.add_argument("--workers", type=int, default=None, help="threads that make tensors (default: this machine's "
-                                                              "CPUs, at most 16)")
+    r.add_argument(
+        "--tokenizer-from",
+        required=True,
+        metavar="DIR",
+        help="a local folder with the model family's tokenizer (e.g. a converted offline checkpoint)",
+    )
+    r.add_argument(
+        "--dtype",
+        default="bfloat16",
+        choices=["bfloat16", "float16", "float32"],
+        help="of the weights (default: %(default)s)",
+    )
+    r.add_argument(
+        "--init",
+        default="sign",
+        choices=INITS,
+        help="sign: random ±0.5/sqrt(fan_in) per weight; tiled: one random block repeated, several times "
+        "faster to write and to compress (default: %(default)s)",
+    )
+    r.add_argument(
+        "--workers", type=int, default=None, help="threads that make tensors (default: this machine's CPUs, at most 16)"
+    )
     r.add_argument("--recipe", default="4t4s", help="the recipe to run (default: %(default)s)")
-    r.add_argument("--gpus", type=int, default=None,
-                   help="trainer.n_gpus_per_node (default: the GPUs visible here, else the recipe's)")
+    r.add_argument(
+        "--gpus",
+        type=int,
+        default=None,
+        help="trainer.n_gpus_per_node (default: the GPUs visible here, else the recipe's)",
+    )
     r.add_argument("--steps", type=int, default=5, help="trainer steps (default: %(default)s)")
-    r.add_argument("--answer-tokens", type=int, default=1024,
-                   help="every answer exactly this long (data.max_response_length; default: %(default)s)")
-    r.add_argument("--evolve-every", type=int, default=2,
-                   help="evolution every N steps, newborns unprotected (0: the recipe's schedule; default: %(default)s)")
-    r.add_argument("--profile", default=None, help="a step-scaling profile's settings on top of the recipe "
-                                                   "(populora_verl.bench.step_scaling PROFILES; default: none)")
+    r.add_argument(
+        "--answer-tokens",
+        type=int,
+        default=1024,
+        help="every answer exactly this long (data.max_response_length; default: %(default)s)",
+    )
+    r.add_argument(
+        "--evolve-every",
+        type=int,
+        default=2,
+        help="evolution every N steps, newborns unprotected (0: the recipe's schedule; default: %(default)s)",
+    )
+    r.add_argument(
+        "--profile",
+        default=None,
+        help="a step-scaling profile's settings on top of the recipe "
+        "(populora_verl.bench.step_scaling PROFILES; default: none)",
+    )
     r.add_argument("--run-dir", default=None, help="trainer.default_local_dir (default: runs/dry-run-RECIPE)")
     r.add_argument("--run", action="store_true", help="run the command after writing the model")
     r.add_argument("overrides", nargs="*", help="more hydra overrides for the trainer (key=value), last")
@@ -362,9 +458,13 @@ def run_random(args: Any) -> int:
     from populora_verl.bench.step_scaling import PROFILE_ENV, PROFILES, TRAINER_ENV
     from populora_verl.cli_errors import check_output_dir
 
-    for flag, value, low in (("--steps", args.steps, 1), ("--answer-tokens", args.answer_tokens, 1),
-                             ("--evolve-every", args.evolve_every, 0), ("--gpus", args.gpus, 1),
-                             ("--workers", args.workers, 1)):
+    for flag, value, low in (
+        ("--steps", args.steps, 1),
+        ("--answer-tokens", args.answer_tokens, 1),
+        ("--evolve-every", args.evolve_every, 0),
+        ("--gpus", args.gpus, 1),
+        ("--workers", args.workers, 1),
+    ):
         if value is not None and value < low:
             raise _usage(f"{flag} {value}: must be at least {low}")
     if args.profile is not None and args.profile not in PROFILES:
@@ -372,21 +472,32 @@ def run_random(args: Any) -> int:
     check_output_dir(args.out_dir, "out_dir")
     load_tokenizer(args.tokenizer_from)  # before the composition below: the cheaper mistake first
     gpus = args.gpus or _visible_gpus()
-    cmd = dry_run_command(args.out_dir, args.recipe, gpus=gpus, steps=args.steps, answer_tokens=args.answer_tokens,
-                          run_dir=args.run_dir, profile=args.profile, evolve_every=args.evolve_every,
-                          overrides=args.overrides)
+    cmd = dry_run_command(
+        args.out_dir,
+        args.recipe,
+        gpus=gpus,
+        steps=args.steps,
+        answer_tokens=args.answer_tokens,
+        run_dir=args.run_dir,
+        profile=args.profile,
+        evolve_every=args.evolve_every,
+        overrides=args.overrides,
+    )
     check_command(cmd)
     t0 = time.perf_counter()
-    out, written = write_random_model(args.shape, args.out_dir, args.tokenizer_from, dtype=args.dtype,
-                                      init=args.init, workers=args.workers)
+    out, written = write_random_model(
+        args.shape, args.out_dir, args.tokenizer_from, dtype=args.dtype, init=args.init, workers=args.workers
+    )
     size = sum(f.stat().st_size for f in out.glob("*.safetensors"))
     what = f"wrote in {time.perf_counter() - t0:.0f} s" if written else "reused (already there)"
     amount = f"{size / 1e9:.1f} GB" if size >= 1e8 else f"{size / 1e6:.1f} MB"
     print(f"{args.shape}: random weights, {amount} of {args.dtype} safetensors, {what}: {out}")
-    evolution = (f", evolution every {args.evolve_every} steps" if args.evolve_every else "")
-    print(f"{args.recipe} on it, {args.steps} steps, answers forced to {args.answer_tokens} tokens{evolution}, no "
-          "checkpoints; read the '[populora] start-up:' line after step 1, and per step timing_s/step, "
-          "actor/perf/max_memory_allocated_gb and actor/perf/cpu_memory_used_gb:")
+    evolution = f", evolution every {args.evolve_every} steps" if args.evolve_every else ""
+    print(
+        f"{args.recipe} on it, {args.steps} steps, answers forced to {args.answer_tokens} tokens{evolution}, no "
+        "checkpoints; read the '[populora] start-up:' line after step 1, and per step timing_s/step, "
+        "actor/perf/max_memory_allocated_gb and actor/perf/cpu_memory_used_gb:"
+    )
     print(shell_line(cmd))
     if not args.run:
         return 0

@@ -44,17 +44,21 @@ def recipes_dir() -> Path:
     here = Path(__file__).resolve().parent
     found = checkout_recipes(here) or installed_recipes(PACKAGE)
     if found is None:
-        raise FileNotFoundError(f"no recipes: neither {here.parent / 'recipes' / FAMILY} (a checkout) nor "
-                                f"{here / INSTALLED / FAMILY} (an installed package) is a folder; reinstall "
-                                f"{PACKAGE}, or pass --config-path <checkout>/recipes/{FAMILY}")
+        raise FileNotFoundError(
+            f"no recipes: neither {here.parent / 'recipes' / FAMILY} (a checkout) nor "
+            f"{here / INSTALLED / FAMILY} (an installed package) is a folder; reinstall "
+            f"{PACKAGE}, or pass --config-path <checkout>/recipes/{FAMILY}"
+        )
     return found
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else list(argv)
     if args:
-        print("usage: python -m populora_verl.recipes  (prints the recipes folder, for hydra's --config-path)",
-              file=sys.stderr)
+        print(
+            "usage: python -m populora_verl.recipes  (prints the recipes folder, for hydra's --config-path)",
+            file=sys.stderr,
+        )
         return 0 if args[0] in ("-h", "--help") else 2
     try:
         print(recipes_dir())

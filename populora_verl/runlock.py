@@ -64,8 +64,9 @@ def _describe(rec: dict[str, Any] | None) -> str:
     if not rec:
         return "another process"
     started = rec.get("started")
-    when = time.strftime(" since %Y-%m-%d %H:%M:%S", time.localtime(started)) if isinstance(started, (int, float)) \
-        else ""
+    when = (
+        time.strftime(" since %Y-%m-%d %H:%M:%S", time.localtime(started)) if isinstance(started, (int, float)) else ""
+    )
     cmd = f" ({rec['command']})" if rec.get("command") else ""
     return f"pid {rec.get('pid')} on {rec.get('host')}{when}{cmd}"
 
@@ -130,7 +131,7 @@ class RunLock:
             except OSError:
                 pass
 
-    def __enter__(self) -> "RunLock":
+    def __enter__(self) -> RunLock:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -148,7 +149,7 @@ def _this_command() -> str:
     spec = getattr(sys.modules.get("__main__"), "__spec__", None)
     name = getattr(spec, "name", None)
     if name:
-        head = f"python -m {name[:-len('.__main__')] if name.endswith('.__main__') else name}"
+        head = f"python -m {name[: -len('.__main__')] if name.endswith('.__main__') else name}"
     else:
         head = Path(sys.argv[0]).name if sys.argv and sys.argv[0] else "python"
     return " ".join([head] + sys.argv[1:])
@@ -162,8 +163,13 @@ def _same_file(path: Path, fd: int) -> bool:
     return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
 
 
-def acquire_run_lock(run_dir: str | os.PathLike, *, command: str | None = None, what: str = "--run-dir",
-                     warn: Callable[[str], None] | None = None) -> RunLock:
+def acquire_run_lock(
+    run_dir: str | os.PathLike,
+    *,
+    command: str | None = None,
+    what: str = "--run-dir",
+    warn: Callable[[str], None] | None = None,
+) -> RunLock:
     """Lock ``run_dir`` (which must exist) for this process, or raise :class:`RunDirInUse` naming the holder.
 
     ``what`` names the setting the user chose the directory with (``--run-dir``, ``trainer.default_local_dir``) so
@@ -172,8 +178,12 @@ def acquire_run_lock(run_dir: str | os.PathLike, *, command: str | None = None, 
     warn = warn or log.warning
     run_dir = Path(run_dir)
     path = run_dir / LOCK_FILE
-    record = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time(),
-              "command": (command if command is not None else _this_command())[:300]}
+    record = {
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "started": time.time(),
+        "command": (command if command is not None else _this_command())[:300],
+    }
     for _ in range(20):  # retries only when the file is replaced between open and lock (a holder releasing)
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
@@ -186,8 +196,10 @@ def acquire_run_lock(run_dir: str | os.PathLike, *, command: str | None = None, 
                 flocked = _try_flock(fd)
                 holder = _parse(_read_fd(fd)) if flocked is False else None
             if flocked is False:
-                raise RunDirInUse(f"{what} {run_dir} is in use by {_describe(holder)}: wait for that run to end, or "
-                                  f"choose another {what}")
+                raise RunDirInUse(
+                    f"{what} {run_dir} is in use by {_describe(holder)}: wait for that run to end, or "
+                    f"choose another {what}"
+                )
             if not _same_file(path, fd):
                 os.close(fd)  # the holder released (unlinked) it between our open and lock: try the new file
                 continue
@@ -195,11 +207,15 @@ def acquire_run_lock(run_dir: str | os.PathLike, *, command: str | None = None, 
             if old and old.get("pid") == os.getpid() and old.get("host") == record["host"]:
                 raise RunDirInUse(f"{what} {run_dir} is already in use by this process")
             if flocked is None and old and _alive_here(old):  # no flock here: the record decides
-                raise RunDirInUse(f"{what} {run_dir} is in use by {_describe(old)}: wait for that run to end, or "
-                                  f"choose another {what}")
+                raise RunDirInUse(
+                    f"{what} {run_dir} is in use by {_describe(old)}: wait for that run to end, or "
+                    f"choose another {what}"
+                )
             if old:
-                warn(f"{path}: taking over the lock of {_describe(old)}, which is no longer running (a run that was "
-                     "killed)")
+                warn(
+                    f"{path}: taking over the lock of {_describe(old)}, which is no longer running (a run that was "
+                    "killed)"
+                )
             os.ftruncate(fd, 0)
             os.pwrite(fd, json.dumps(record).encode(), 0)
             os.fsync(fd)
@@ -239,8 +255,13 @@ def _read_fd(fd: int) -> str:
     return b"".join(chunks).decode("utf-8", "replace")
 
 
-def claim_run_dir(run_dir: str | os.PathLike, *, what: str = "--run-dir", command: str | None = None,
-                  warn: Callable[[str], None] | None = None) -> RunLock:
+def claim_run_dir(
+    run_dir: str | os.PathLike,
+    *,
+    what: str = "--run-dir",
+    command: str | None = None,
+    warn: Callable[[str], None] | None = None,
+) -> RunLock:
     """Create ``run_dir`` if needed and lock it (:func:`acquire_run_lock`); ``lock.created`` records whether this
     call created the folder. ``os.mkdir``, not ``exist_ok``: of two runs started together only the one that made
     the folder may remove it after a failed start."""

@@ -48,8 +48,10 @@ def _check_model_path(config: Any) -> None:
     offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes")
     if looks_local or offline:
         if not os.path.isdir(local):
-            raise ConfigError(f"{MODEL_KEY}: no such directory {path!r}" + ("" if looks_local else
-                              " (HF_HUB_OFFLINE is set, so it cannot be a hub id)"))
+            raise ConfigError(
+                f"{MODEL_KEY}: no such directory {path!r}"
+                + ("" if looks_local else " (HF_HUB_OFFLINE is set, so it cannot be a hub id)")
+            )
         if not os.path.isfile(os.path.join(local, "config.json")):
             raise ConfigError(f"{MODEL_KEY}: {path!r} holds no HF model (no config.json)")
 
@@ -70,9 +72,11 @@ def _check_fused_kernels(config: Any) -> None:
     except (OSError, ValueError, AttributeError):
         return  # a hub id, or no readable config: nothing to tell yet
     if tied is False:
-        raise ConfigError(f"{FUSED_KEY}: verl's fused LM-head kernels fail under FSDP2 with an untied LM head "
-                          f"(tie_word_embeddings is false in {cfg_file}); set it false (PopuLoRA's chunked "
-                          "log-probs already avoid verl's per-token loop)")
+        raise ConfigError(
+            f"{FUSED_KEY}: verl's fused LM-head kernels fail under FSDP2 with an untied LM head "
+            f"(tie_word_embeddings is false in {cfg_file}); set it false (PopuLoRA's chunked "
+            "log-probs already avoid verl's per-token loop)"
+        )
 
 
 def _check_gpus(config: Any) -> None:
@@ -87,11 +91,15 @@ def _check_gpus(config: Any) -> None:
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     where = f" (CUDA_VISIBLE_DEVICES={visible!r})" if visible is not None else ""
     if have == 0:
-        raise ConfigError(f"trainer.n_gpus_per_node: {want} GPU(s) requested but no GPU is visible{where}; "
-                          "on a CPU machine use `python -m populora_verl.local`")
+        raise ConfigError(
+            f"trainer.n_gpus_per_node: {want} GPU(s) requested but no GPU is visible{where}; "
+            "on a CPU machine use `python -m populora_verl.local`"
+        )
     if nodes == 1 and have < want:
-        raise ConfigError(f"trainer.n_gpus_per_node: {want} GPUs requested but {have} visible{where}; "
-                          f"set trainer.n_gpus_per_node={have}")
+        raise ConfigError(
+            f"trainer.n_gpus_per_node: {want} GPUs requested but {have} visible{where}; "
+            f"set trainer.n_gpus_per_node={have}"
+        )
 
 
 def _check_vllm() -> None:
@@ -120,8 +128,9 @@ def _check_ray_env_vars(config: Any) -> None:
         return
     for name, value in OmegaConf.to_container(env, resolve=True).items():
         if not isinstance(value, str):
-            raise ConfigError(f"{ENV_VARS_KEY}.{name}: Ray needs a string, got {value!r}; quote it "
-                              f"({ENV_VARS_KEY}.{name}='{value}')")
+            raise ConfigError(
+                f"{ENV_VARS_KEY}.{name}: Ray needs a string, got {value!r}; quote it ({ENV_VARS_KEY}.{name}='{value}')"
+            )
 
 
 def _check_compile_cache(config: Any) -> None:
@@ -135,8 +144,10 @@ def _check_compile_cache(config: Any) -> None:
     release = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2] if p.isdigit())
     if release < ATOMIC_CACHE_TORCH:
         need = ".".join(map(str, ATOMIC_CACHE_TORCH))
-        raise ConfigError(f"{COMPILE_CACHE_KEY}: the compile cache needs torch >= {need} (atomic cache writes), "
-                          f"this is torch {torch.__version__}; set it to \"1\"")
+        raise ConfigError(
+            f"{COMPILE_CACHE_KEY}: the compile cache needs torch >= {need} (atomic cache writes), "
+            f'this is torch {torch.__version__}; set it to "1"'
+        )
 
 
 LIGER_KEY = "actor_rollout_ref.model.use_liger"
@@ -150,8 +161,9 @@ def _check_liger(config: Any) -> None:
     import importlib.util
 
     if importlib.util.find_spec("liger_kernel") is None:
-        raise ConfigError(f"{LIGER_KEY}: the liger-kernel package is not installed (pip install liger-kernel), "
-                          "or set it false")
+        raise ConfigError(
+            f"{LIGER_KEY}: the liger-kernel package is not installed (pip install liger-kernel), or set it false"
+        )
 
 
 def preflight(config: Any, *, check_gpus: bool = True) -> None:
@@ -274,9 +286,11 @@ class PreflightCallback(Callback):
             pending = apply_populora_settings(config, dry_run=True)
             if pending:
                 # Only on_run_start can change what verl's main gets, and Hydra's --multirun never calls it.
-                raise ConfigError(f"{ENABLE_KEY}: these keys were not set before the job started (hydra "
-                                  f"--multirun skips the callback that sets them); put them in the config: "
-                                  f"{describe(pending).split(': ', 1)[1]}")
+                raise ConfigError(
+                    f"{ENABLE_KEY}: these keys were not set before the job started (hydra "
+                    f"--multirun skips the callback that sets them); put them in the config: "
+                    f"{describe(pending).split(': ', 1)[1]}"
+                )
             preflight(config, check_gpus=self.check_gpus)
             self.lock = claim_trainer_run_dir(config)
         except (ConfigError, RuntimeError, RunDirInUse) as e:

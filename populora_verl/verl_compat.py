@@ -18,8 +18,17 @@ import importlib.util
 import os
 from pathlib import Path
 
-__all__ = ["PUBLIC_ONLY_ENV", "PrivateVerlUse", "private_path", "public_only", "has_register_rollout",
-           "trainer_declares_async", "worker_class_from_config", "has_chunked_logprobs", "has_weight_sync_job_id"]
+__all__ = [
+    "PUBLIC_ONLY_ENV",
+    "PrivateVerlUse",
+    "private_path",
+    "public_only",
+    "has_register_rollout",
+    "trainer_declares_async",
+    "worker_class_from_config",
+    "has_chunked_logprobs",
+    "has_weight_sync_job_id",
+]
 
 #: ``1``: a fallback onto a private name that a public API replaces raises (the series-applied test sets it).
 PUBLIC_ONLY_ENV = "POPULORA_VERL_PUBLIC_ONLY"
@@ -37,8 +46,10 @@ def private_path(key: str) -> None:
     """Called where the plugin falls back to a private verl name or runtime patch (``key``: the entry's ``name`` in
     ``verl_private.PRIVATE`` or ``module`` in ``RUNTIME_PATCHES``) because the installed verl lacks the public API."""
     if public_only():
-        raise PrivateVerlUse(f"{key}: private verl path taken with {PUBLIC_ONLY_ENV}=1 (the installed verl "
-                             "should offer the public API that replaces it; see populora_verl/verl_private.py)")
+        raise PrivateVerlUse(
+            f"{key}: private verl path taken with {PUBLIC_ONLY_ENV}=1 (the installed verl "
+            "should offer the public API that replaces it; see populora_verl/verl_private.py)"
+        )
 
 
 def _has(module: str, *names: str) -> bool:
@@ -54,27 +65,29 @@ def _has(module: str, *names: str) -> bool:
     return True
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def has_register_rollout() -> bool:
     """0006: ``register_rollout`` and the registration queries (no writes to ``_ROLLOUT_REGISTRY``)."""
-    return (_has("verl.workers.rollout.replica", "register_rollout")
-            and _has("verl.workers.rollout.replica", "RolloutReplicaRegistry", "is_registered")
-            and _has("verl.workers.rollout.base", "is_rollout_class_registered"))
+    return (
+        _has("verl.workers.rollout.replica", "register_rollout")
+        and _has("verl.workers.rollout.replica", "RolloutReplicaRegistry", "is_registered")
+        and _has("verl.workers.rollout.base", "is_rollout_class_registered")
+    )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def has_agent_loop_query() -> bool:
     """0006's agent-loop half (imports verl's agent-loop module, about 1 s: only where it is needed anyway)."""
     return _has("verl.experimental.agent_loop.agent_loop", "is_agent_loop_registered")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def trainer_declares_async() -> bool:
     """0007: ``PPOTrainer.is_async`` decides sync or async, not the mode name."""
     return _has("verl.trainer.ppo.v1.trainer_base", "PPOTrainer", "is_async")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def worker_class_from_config() -> bool:
     """0004: ``actor_rollout_ref.worker_class`` is declared in verl's trainer config (and read by the trainer)."""
     import yaml
@@ -90,13 +103,13 @@ def worker_class_from_config() -> bool:
     return "worker_class" in (cfg.get("actor_rollout_ref") or {})
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def has_chunked_logprobs() -> bool:
     """0010: verl's own ``logprobs_from_logits`` falls back to a chunked computation, not a per-token loop."""
     return _has("verl.utils.torch_functional", "logprobs_from_logits_chunked")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def has_weight_sync_job_id() -> bool:
     """0005: both ends of verl's weight-sync socket are named with a host-unique job id."""
     return _has("verl.workers.rollout.utils", "get_weight_sync_job_id")

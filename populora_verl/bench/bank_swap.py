@@ -55,8 +55,9 @@ def lora_module(shapes: Sequence[tuple[int, int]], mesh, device: str, seed: int 
     return root
 
 
-def measure(shapes: Sequence[tuple[int, int]], *, device: str = "cpu", slots: int = 4,
-            rounds: int = 5) -> dict[str, list[float]]:
+def measure(
+    shapes: Sequence[tuple[int, int]], *, device: str = "cpu", slots: int = 4, rounds: int = 5
+) -> dict[str, list[float]]:
     """Milliseconds per ``swap_in`` and per ``swap_out`` of a trained slot, one entry per round (each the mean over
     the slots). Needs an initialised process group (see :func:`main`)."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -110,8 +111,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     init_one_rank(args.device)
     shapes = lora_shapes(args.rank, args.scale, QWEN_1_5B | {"layers": args.layers})
     res = measure(shapes, device=args.device, slots=args.slots, rounds=args.rounds)
-    print(f"bank swaps of {len(shapes)} LoRA tensors (rank {args.rank}, widths / {args.scale}) with AdamW state, "
-          f"{args.slots} slots, {args.rounds} rounds on {args.device}; load average {os.getloadavg()[0]:.1f}")
+    print(
+        f"bank swaps of {len(shapes)} LoRA tensors (rank {args.rank}, widths / {args.scale}) with AdamW state, "
+        f"{args.slots} slots, {args.rounds} rounds on {args.device}; load average {os.getloadavg()[0]:.1f}"
+    )
     for what, vals in res.items():
         print(f"{what}: median {statistics.median(vals):.2f} (min {min(vals):.2f}, max {max(vals):.2f})")
     dist.destroy_process_group()

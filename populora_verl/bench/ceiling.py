@@ -9,7 +9,8 @@ alpha and target modules), the same requests per rollout phase and the same prom
 configuration (answers forced to length with ``min_tokens``/``ignore_eos``), the same engine settings as our rollout
 (CUDA graphs, sampled log-probs, prefix caching), one engine for every configuration. Each configuration's two phases
 run back to back, as in our step; after a warm-up pass with short answers, ``--repeats`` rounds interleave the
-configurations and the median time is reported. Writes ``{"configs": {name: {"tok_s", "time_s", "tokens", ...}}, "startup_s", ...}``.
+configurations and the median time is reported. Writes ``{"configs": {name: {"tok_s", "time_s", "tokens", ...}},
+"startup_s", ...}``.
 
 ``--spec`` is what :func:`populora_verl.bench.step_scaling.ceiling_spec` writes:
 ``{name: {"adapters": N, "phases": [{"requests", "prompt_tokens", "answer_tokens", "loras"}, ...]}}``; phase k's
@@ -41,9 +42,15 @@ def lora_shapes(config: Mapping[str, Any], targets: Sequence[str] = QWEN2_LINEAR
     kv = int(config.get("num_key_value_heads") or heads)
     head_dim = int(config.get("head_dim") or hidden // heads)
     inter = int(config["intermediate_size"])
-    dims = {"q_proj": (hidden, heads * head_dim), "k_proj": (hidden, kv * head_dim), "v_proj": (hidden, kv * head_dim),
-            "o_proj": (heads * head_dim, hidden), "gate_proj": (hidden, inter), "up_proj": (hidden, inter),
-            "down_proj": (inter, hidden)}
+    dims = {
+        "q_proj": (hidden, heads * head_dim),
+        "k_proj": (hidden, kv * head_dim),
+        "v_proj": (hidden, kv * head_dim),
+        "o_proj": (heads * head_dim, hidden),
+        "gate_proj": (hidden, inter),
+        "up_proj": (hidden, inter),
+        "down_proj": (inter, hidden),
+    }
     unknown = [t for t in targets if t not in dims]
     if unknown:
         raise ValueError(f"no shape rule for target modules {unknown} (known: {sorted(dims)})")
@@ -55,8 +62,15 @@ def lora_shapes(config: Mapping[str, Any], targets: Sequence[str] = QWEN2_LINEAR
     return out
 
 
-def write_random_adapters(model_dir: str | Path, out_dir: str | Path, n: int, rank: int, alpha: int,
-                          targets: Sequence[str] = QWEN2_LINEAR, seed: int = 0) -> list[Path]:
+def write_random_adapters(
+    model_dir: str | Path,
+    out_dir: str | Path,
+    n: int,
+    rank: int,
+    alpha: int,
+    targets: Sequence[str] = QWEN2_LINEAR,
+    seed: int = 0,
+) -> list[Path]:
     """``n`` PEFT adapter folders with random non-zero A and B (so vLLM really runs the LoRA kernels)."""
     import torch
     from peft import LoraConfig
@@ -69,15 +83,20 @@ def write_random_adapters(model_dir: str | Path, out_dir: str | Path, n: int, ra
     for k in range(n):
         tensors = {}
         for name, (fan_in, fan_out) in shapes.items():
-            a = torch.randn(rank, fan_in, generator=gen) / fan_in ** 0.5
+            a = torch.randn(rank, fan_in, generator=gen) / fan_in**0.5
             b = torch.randn(fan_out, rank, generator=gen) * 0.01
             tensors[f"base_model.model.{name}.lora_A.weight"] = a.to(torch.bfloat16).contiguous()
             tensors[f"base_model.model.{name}.lora_B.weight"] = b.to(torch.bfloat16).contiguous()
         d = Path(out_dir) / f"adapter_{k}"
         d.mkdir(parents=True, exist_ok=True)
         save_file(tensors, str(d / "adapter_model.safetensors"))
-        LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(targets), task_type="CAUSAL_LM",
-                   base_model_name_or_path=str(model_dir)).save_pretrained(str(d))
+        LoraConfig(
+            r=rank,
+            lora_alpha=alpha,
+            target_modules=list(targets),
+            task_type="CAUSAL_LM",
+            base_model_name_or_path=str(model_dir),
+        ).save_pretrained(str(d))
         dirs.append(d)
     return dirs
 
@@ -97,7 +116,9 @@ def load_spec(path: str | Path) -> dict[str, dict[str, Any]]:
     return spec
 
 
-def plan_requests(phases: Sequence[Mapping[str, Any]], vocab: int, seed: int = 0) -> list[list[tuple[list[int], int, int]]]:
+def plan_requests(
+    phases: Sequence[Mapping[str, Any]], vocab: int, seed: int = 0
+) -> list[list[tuple[list[int], int, int]]]:
     """Per phase, ``(prompt token ids, adapter index, answer tokens)`` per request. Adapters are numbered across
     phases (phase 0 uses 0..loras0-1, phase 1 the next ones) unless a phase names its ``first_lora`` (the single
     agent serves both phases with adapter 0); requests go round-robin over their phase's adapters, and prompts are
@@ -108,8 +129,12 @@ def plan_requests(phases: Sequence[Mapping[str, Any]], vocab: int, seed: int = 0
         n, loras = int(p["requests"]), int(p["loras"])
         first = int(p.get("first_lora", nxt))
         plen, alen = int(p["prompt_tokens"]), int(p["answer_tokens"])
-        out.append([([rng.randrange(100, max(101, vocab - 1)) for _ in range(plen)], first + i % loras, alen)
-                    for i in range(n)])
+        out.append(
+            [
+                ([rng.randrange(100, max(101, vocab - 1)) for _ in range(plen)], first + i % loras, alen)
+                for i in range(n)
+            ]
+        )
         nxt = max(nxt, first + loras)
     return out
 
@@ -128,9 +153,19 @@ def adapters_needed(spec: Mapping[str, Mapping[str, Any]]) -> int:
 
 def _spec_from_args(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     reqs = [int(x) for x in args.requests.split(",") if x.strip()]
-    loras = [int(x) for x in (args.phase_loras or "").split(",") if x.strip()] or [max(1, args.adapters // len(reqs))] * len(reqs)
-    phases = [{"phase": f"phase{i}", "requests": r, "prompt_tokens": args.prompt_tokens,
-               "answer_tokens": args.answer_tokens, "loras": l} for i, (r, l) in enumerate(zip(reqs, loras, strict=True))]
+    loras = [int(x) for x in (args.phase_loras or "").split(",") if x.strip()] or [
+        max(1, args.adapters // len(reqs))
+    ] * len(reqs)
+    phases = [
+        {
+            "phase": f"phase{i}",
+            "requests": r,
+            "prompt_tokens": args.prompt_tokens,
+            "answer_tokens": args.answer_tokens,
+            "loras": lora,
+        }
+        for i, (r, lora) in enumerate(zip(reqs, loras, strict=True))
+    ]
     return {f"{args.adapters}_adapters": {"adapters": args.adapters, "phases": phases}}
 
 
@@ -170,11 +205,23 @@ def main(argv: list[str] | None = None) -> int:
     max_len = max(int(p["prompt_tokens"]) + int(p["answer_tokens"]) for c in spec.values() for p in c["phases"])
     dirs = write_random_adapters(args.model, args.workdir, n_adapters, args.lora_rank, args.lora_alpha)
     t0 = time.time()
-    llm = LLM(model=args.model, dtype="bfloat16", enable_lora=True, max_loras=n_adapters, max_cpu_loras=n_adapters,
-              max_lora_rank=args.lora_rank, gpu_memory_utilization=args.gpu_memory_utilization,
-              max_model_len=max_len + 16, enforce_eager=args.enforce_eager, enable_prefix_caching=True,
-              enable_chunked_prefill=True, max_num_batched_tokens=8192, max_num_seqs=256, seed=0,
-              compilation_config=None if args.enforce_eager else {"cudagraph_capture_sizes": CUDAGRAPH_SIZES})
+    llm = LLM(
+        model=args.model,
+        dtype="bfloat16",
+        enable_lora=True,
+        max_loras=n_adapters,
+        max_cpu_loras=n_adapters,
+        max_lora_rank=args.lora_rank,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        max_model_len=max_len + 16,
+        enforce_eager=args.enforce_eager,
+        enable_prefix_caching=True,
+        enable_chunked_prefill=True,
+        max_num_batched_tokens=8192,
+        max_num_seqs=256,
+        seed=0,
+        compilation_config=None if args.enforce_eager else {"cudagraph_capture_sizes": CUDAGRAPH_SIZES},
+    )
     startup = time.time() - t0
     loras = [LoRARequest(f"ceiling{k}", k + 1, str(d)) for k, d in enumerate(dirs)]
     vocab = int(llm.get_tokenizer().vocab_size)
@@ -184,8 +231,10 @@ def main(argv: list[str] | None = None) -> int:
         start, tokens = time.perf_counter(), 0
         for phase in plan:  # our step runs teachers, then students on the teachers' output
             prompts = [TokensPrompt(prompt_token_ids=ids) for ids, _, _ in phase]
-            params = [SamplingParams(temperature=1.0, top_p=1.0, max_tokens=a, min_tokens=a, ignore_eos=True,
-                                     logprobs=0) for _, _, a in phase]
+            params = [
+                SamplingParams(temperature=1.0, top_p=1.0, max_tokens=a, min_tokens=a, ignore_eos=True, logprobs=0)
+                for _, _, a in phase
+            ]
             outs = llm.generate(prompts, params, lora_request=[loras[k] for _, k, _ in phase], use_tqdm=False)
             tokens += sum(len(o.outputs[0].token_ids) for o in outs)
         return time.perf_counter() - start, tokens
@@ -203,14 +252,29 @@ def main(argv: list[str] | None = None) -> int:
             dt, tok = run(plan_requests(spec[name]["phases"], vocab, seed=1000 * (rnd + 1) + i))
             times[name].append(dt)
             tokens[name] = tok
-    result = {"model": args.model, "gpu": torch.cuda.get_device_name(0), "startup_s": startup, "warmup_s": warmup,
-              "adapters": n_adapters, "enforce_eager": args.enforce_eager, "configs": {}}
+    result = {
+        "model": args.model,
+        "gpu": torch.cuda.get_device_name(0),
+        "startup_s": startup,
+        "warmup_s": warmup,
+        "adapters": n_adapters,
+        "enforce_eager": args.enforce_eager,
+        "configs": {},
+    }
     for name in spec:
         med = statistics.median(times[name])
-        result["configs"][name] = {"tokens": tokens[name], "time_s": times[name], "median_s": med,
-                                   "tok_s": tokens[name] / med if med > 0 else None, "phases": spec[name]["phases"]}
-        print(f"ceiling {name}: {tokens[name]} tokens in {med:.2f} s (median of {args.repeats}) = "
-              f"{tokens[name] / med:.0f} tok/s; runs {[round(t, 2) for t in times[name]]}", flush=True)
+        result["configs"][name] = {
+            "tokens": tokens[name],
+            "time_s": times[name],
+            "median_s": med,
+            "tok_s": tokens[name] / med if med > 0 else None,
+            "phases": spec[name]["phases"],
+        }
+        print(
+            f"ceiling {name}: {tokens[name]} tokens in {med:.2f} s (median of {args.repeats}) = "
+            f"{tokens[name] / med:.0f} tok/s; runs {[round(t, 2) for t in times[name]]}",
+            flush=True,
+        )
     Path(args.out).write_text(json.dumps(result, indent=1))
     print(f"ceiling: engine start-up {startup:.0f} s, warm-up {warmup:.0f} s -> {args.out}", flush=True)
     return 0

@@ -20,7 +20,7 @@ def alternating(settings: Sequence[T], rounds: int) -> Iterator[tuple[int, T]]:
     """(round, setting): the settings forward in even rounds and backward in odd ones, so that a drift of the
     machine's load falls on every setting alike."""
     for r in range(rounds):
-        for setting in (settings if r % 2 == 0 else settings[::-1]):
+        for setting in settings if r % 2 == 0 else settings[::-1]:
             yield r, setting
 
 
@@ -29,11 +29,12 @@ def report(marker: str, values: dict[str, Any]) -> None:
     print(marker + json.dumps(values), flush=True)
 
 
-def run(cmd: Sequence[str], *, marker: str, what: str, env: dict[str, str] | None = None,
-        timeout: float | None = None) -> dict[str, Any]:
+def run(
+    cmd: Sequence[str], *, marker: str, what: str, env: dict[str, str] | None = None, timeout: float | None = None
+) -> dict[str, Any]:
     """Run the child; its last result line, or RuntimeError naming ``what`` with the end of its output."""
     proc = subprocess.run(list(cmd), capture_output=True, text=True, env=env, timeout=timeout)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(marker)]
     if proc.returncode != 0 or not lines:
         raise RuntimeError(f"{what} failed with exit status {proc.returncode}:\n{(proc.stderr or proc.stdout)[-3000:]}")
-    return json.loads(lines[-1][len(marker):])
+    return json.loads(lines[-1][len(marker) :])

@@ -38,8 +38,9 @@ def _digest(folder: Path) -> str:
     return h.hexdigest()[:16]
 
 
-def run_round(gguf: Path, out: Path, workers: int | None, dtype: str, checkout: Path | None = None
-              ) -> tuple[float, str]:
+def run_round(
+    gguf: Path, out: Path, workers: int | None, dtype: str, checkout: Path | None = None
+) -> tuple[float, str]:
     """(wall seconds, digest of the written weights) of one conversion in a fresh process: this package with
     ``--workers``, or the package in ``checkout`` with its own defaults (``workers`` None)."""
     shutil.rmtree(out, ignore_errors=True)
@@ -60,14 +61,28 @@ def run_round(gguf: Path, out: Path, workers: int | None, dtype: str, checkout: 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m populora_verl.bench.convert", description=__doc__.split("\n\n")[0])
     ap.add_argument("gguf", type=Path)
-    ap.add_argument("--workers", type=int, nargs="+", default=[1, os.cpu_count() or 1],
-                    help="thread counts to compare; the first is the reference (default: 1 and this machine's CPUs)")
+    ap.add_argument(
+        "--workers",
+        type=int,
+        nargs="+",
+        default=[1, os.cpu_count() or 1],
+        help="thread counts to compare; the first is the reference (default: 1 and this machine's CPUs)",
+    )
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    ap.add_argument("--against", type=Path, default=None, metavar="CHECKOUT",
-                    help="also time another checkout of this package (its defaults), as the reference row")
-    ap.add_argument("--out-dir", type=Path, default=None, help="where the conversions are written (default: a "
-                    "temporary folder next to the GGUF, removed at the end)")
+    ap.add_argument(
+        "--against",
+        type=Path,
+        default=None,
+        metavar="CHECKOUT",
+        help="also time another checkout of this package (its defaults), as the reference row",
+    )
+    ap.add_argument(
+        "--out-dir",
+        type=Path,
+        default=None,
+        help="where the conversions are written (default: a temporary folder next to the GGUF, removed at the end)",
+    )
     args = ap.parse_args(argv)
     if not args.gguf.is_file():
         ap.error(f"gguf {args.gguf}: no such file")
@@ -94,8 +109,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     load_after = os.getloadavg()
     ref_label = settings[0][0]
     ref = statistics.median(times[ref_label])
-    print(f"\n{args.gguf.name} -> {args.dtype}; {os.cpu_count()} CPUs; load average {load_before[0]:.2f} before, "
-          f"{load_after[0]:.2f} after; {args.rounds} rounds, order alternating\n")
+    print(
+        f"\n{args.gguf.name} -> {args.dtype}; {os.cpu_count()} CPUs; load average {load_before[0]:.2f} before, "
+        f"{load_after[0]:.2f} after; {args.rounds} rounds, order alternating\n"
+    )
     print(f"| setting | median s | min-max s | × {ref_label} |")
     print("|---|---|---|---|")
     for label, _, _ in settings:

@@ -48,17 +48,27 @@ def child_env(arm: str, cache_root: Path, base: dict[str, str] | None = None) ->
 
 
 def _engine_args(args: argparse.Namespace) -> list[str]:
-    return ["--model", str(args.model), "--max-loras", str(args.max_loras), "--max-lora-rank",
-            str(args.max_lora_rank), "--gpu-memory-utilization", str(args.gpu_memory_utilization),
-            "--max-model-len", str(args.max_model_len)]
+    return [
+        "--model",
+        str(args.model),
+        "--max-loras",
+        str(args.max_loras),
+        "--max-lora-rank",
+        str(args.max_lora_rank),
+        "--gpu-memory-utilization",
+        str(args.gpu_memory_utilization),
+        "--max-model-len",
+        str(args.max_model_len),
+    ]
 
 
 def run_child(arm: str, args: argparse.Namespace, cache_root: Path) -> dict[str, float]:
     """Start one engine in a fresh process; its timings (``total_s``, ``import_s``, ``engine_s``)."""
     cmd = [sys.executable, "-m", "populora_verl.bench.engine_start", "--child", *_engine_args(args)]
     start = time.perf_counter()
-    timings = child.run(cmd, marker=_RESULT, what=f"engine start ({arm})", env=child_env(arm, cache_root),
-                        timeout=args.timeout_s)
+    timings = child.run(
+        cmd, marker=_RESULT, what=f"engine start ({arm})", env=child_env(arm, cache_root), timeout=args.timeout_s
+    )
     return {"total_s": time.perf_counter() - start, **timings}
 
 
@@ -67,8 +77,15 @@ def _child(args: argparse.Namespace) -> int:
     from vllm import LLM
 
     t1 = time.perf_counter()
-    LLM(model=str(args.model), enable_lora=True, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
-        gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len, seed=0)
+    LLM(
+        model=str(args.model),
+        enable_lora=True,
+        max_loras=args.max_loras,
+        max_lora_rank=args.max_lora_rank,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        max_model_len=args.max_model_len,
+        seed=0,
+    )
     t2 = time.perf_counter()
     child.report(_RESULT, {"import_s": t1 - t0, "engine_s": t2 - t1})
     # skip the engine's shutdown: it is not part of a start, and its teardown can take longer than the start
@@ -87,32 +104,50 @@ def summarise(starts: list[tuple[int, str, dict[str, float]]]) -> list[dict[str,
             continue
         totals = [t["total_s"] for t in ts]
         med = statistics.median(totals)
-        rows.append({"arm": label, "n": len(ts), "median_s": med, "min_s": min(totals), "max_s": max(totals),
-                     "import_s": statistics.median(t["import_s"] for t in ts),
-                     "engine_s": statistics.median(t["engine_s"] for t in ts),
-                     "ratio": med / ref if ref else None})
+        rows.append(
+            {
+                "arm": label,
+                "n": len(ts),
+                "median_s": med,
+                "min_s": min(totals),
+                "max_s": max(totals),
+                "import_s": statistics.median(t["import_s"] for t in ts),
+                "engine_s": statistics.median(t["engine_s"] for t in ts),
+                "ratio": med / ref if ref else None,
+            }
+        )
     return rows
 
 
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m populora_verl.bench.engine_start",
-                                 description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m populora_verl.bench.engine_start", description=__doc__.split("\n\n")[0]
+    )
     ap.add_argument("--model", type=Path, required=True, help="a local HF model folder")
-    ap.add_argument("--rounds", type=int, default=3, help="rounds of one start per arm (at least 2: round 1 of "
-                    "'on' is the cold start)")
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="rounds of one start per arm (at least 2: round 1 of 'on' is the cold start)",
+    )
     ap.add_argument("--max-loras", type=int, default=8)
     ap.add_argument("--max-lora-rank", type=int, default=64)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.4)
     ap.add_argument("--max-model-len", type=int, default=4096)
-    ap.add_argument("--cache-root", type=Path, default=None, help="where the arms' cache folders go (default: a "
-                    "temporary folder, removed at the end)")
+    ap.add_argument(
+        "--cache-root",
+        type=Path,
+        default=None,
+        help="where the arms' cache folders go (default: a temporary folder, removed at the end)",
+    )
     ap.add_argument("--timeout-s", type=float, default=900.0, help="per start")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     return ap
 
 
-def main(argv: Sequence[str] | None = None,
-         start: Callable[[str, argparse.Namespace, Path], dict[str, float]] = run_child) -> int:
+def main(
+    argv: Sequence[str] | None = None, start: Callable[[str, argparse.Namespace, Path], dict[str, float]] = run_child
+) -> int:
     ap = _parser()
     args = ap.parse_args(argv)
     if args.child:
@@ -131,21 +166,28 @@ def main(argv: Sequence[str] | None = None,
         for r, arm in child.alternating(list(ARMS), args.rounds):
             t = start(arm, args, root)
             starts.append((r, arm, t))
-            print(f"round {r + 1} {arm}: {t['total_s']:.1f} s (import {t['import_s']:.1f} s, engine "
-                  f"{t['engine_s']:.1f} s)", flush=True)
+            print(
+                f"round {r + 1} {arm}: {t['total_s']:.1f} s (import {t['import_s']:.1f} s, engine "
+                f"{t['engine_s']:.1f} s)",
+                flush=True,
+            )
     finally:
         if own_root:
             shutil.rmtree(root, ignore_errors=True)
     load_after = os.getloadavg()
-    print(f"\n{args.model.name}: LoRA max_loras {args.max_loras}, rank {args.max_lora_rank}; {os.cpu_count()} CPUs; "
-          f"load average {load_before[0]:.2f} before, {load_after[0]:.2f} after; GPU "
-          f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'default')}; {args.rounds} rounds, order alternating\n")
+    print(
+        f"\n{args.model.name}: LoRA max_loras {args.max_loras}, rank {args.max_lora_rank}; {os.cpu_count()} CPUs; "
+        f"load average {load_before[0]:.2f} before, {load_after[0]:.2f} after; GPU "
+        f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'default')}; {args.rounds} rounds, order alternating\n"
+    )
     print("| arm | starts | median s | min-max s | import s | engine s | × off |")
     print("|---|---|---|---|---|---|---|")
     for row in summarise(starts):
         ratio = f"{row['ratio']:.2f}" if row["ratio"] is not None else "–"
-        print(f"| {row['arm']} | {row['n']} | {row['median_s']:.1f} | {row['min_s']:.1f}-{row['max_s']:.1f} | "
-              f"{row['import_s']:.1f} | {row['engine_s']:.1f} | {ratio} |")
+        print(
+            f"| {row['arm']} | {row['n']} | {row['median_s']:.1f} | {row['min_s']:.1f}-{row['max_s']:.1f} | "
+            f"{row['import_s']:.1f} | {row['engine_s']:.1f} | {ratio} |"
+        )
     return 0
 
 

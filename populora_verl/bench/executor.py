@@ -47,36 +47,70 @@ class Item:
 
 _NORMAL = [
     ("def f(s):\n    return ''.join(c for c in s if c not in 'aeiou')[::-1]", lambda r: repr(_word(r))),
-    ("def f(s, k):\n    return ''.join(chr((ord(c) - 97 + k) % 26 + 97) if c.isalpha() else c for c in s)",
-     lambda r: f"{_word(r)!r}, {r.randint(1, 25)}"),
-    ("def f(s):\n    best = ''\n    for i in range(len(s)):\n        for j in range(i + 1, len(s) + 1):\n"
-     "            t = s[i:j]\n            if t == t[::-1] and len(t) > len(best):\n                best = t\n    return best",
-     lambda r: repr(_word(r, 12))),
-    ("def f(xs):\n    out, acc = [], 0\n    for x in xs:\n        acc += x\n        out.append(acc)\n    return out",
-     lambda r: repr([r.randint(-9, 9) for _ in range(r.randint(3, 12))])),
-    ("def f(xs, k):\n    return max(sum(xs[i:i + k]) for i in range(len(xs) - k + 1))",
-     lambda r: f"{[r.randint(-9, 9) for _ in range(10)]!r}, {r.randint(1, 5)}"),
-    ("def f(xs):\n    return sorted(set(xs), key=lambda x: (xs.count(x), -x), reverse=True)",
-     lambda r: repr([r.randint(0, 5) for _ in range(12)])),
-    ("def f(words):\n    d = {}\n    for w in words:\n        d[len(w)] = d.get(len(w), []) + [w]\n"
-     "    return {k: sorted(v) for k, v in sorted(d.items())}", lambda r: repr([_word(r) for _ in range(6)])),
-    ("from collections import Counter\ndef f(s):\n    c = Counter(s)\n    return sorted(c.items(), key=lambda kv: (-kv[1], kv[0]))[:3]",
-     lambda r: repr(_word(r, 20))),
-    ("def f(d):\n    return {v: k for k, v in d.items() if isinstance(v, int) and v % 2 == 0}",
-     lambda r: repr({_word(r, 3): r.randint(0, 9) for _ in range(5)})),
-    ("def f(n):\n    steps = 0\n    while n != 1:\n        n = n // 2 if n % 2 == 0 else 3 * n + 1\n        steps += 1\n    return steps",
-     lambda r: str(r.randint(2, 10**5))),
+    (
+        "def f(s, k):\n    return ''.join(chr((ord(c) - 97 + k) % 26 + 97) if c.isalpha() else c for c in s)",
+        lambda r: f"{_word(r)!r}, {r.randint(1, 25)}",
+    ),
+    (
+        "def f(s):\n    best = ''\n    for i in range(len(s)):\n        for j in range(i + 1, len(s) + 1):\n"
+        "            t = s[i:j]\n            if t == t[::-1] and len(t) > len(best):\n                best = t\n"
+        "    return best",
+        lambda r: repr(_word(r, 12)),
+    ),
+    (
+        "def f(xs):\n    out, acc = [], 0\n    for x in xs:\n        acc += x\n        out.append(acc)\n    return out",
+        lambda r: repr([r.randint(-9, 9) for _ in range(r.randint(3, 12))]),
+    ),
+    (
+        "def f(xs, k):\n    return max(sum(xs[i:i + k]) for i in range(len(xs) - k + 1))",
+        lambda r: f"{[r.randint(-9, 9) for _ in range(10)]!r}, {r.randint(1, 5)}",
+    ),
+    (
+        "def f(xs):\n    return sorted(set(xs), key=lambda x: (xs.count(x), -x), reverse=True)",
+        lambda r: repr([r.randint(0, 5) for _ in range(12)]),
+    ),
+    (
+        "def f(words):\n    d = {}\n    for w in words:\n        d[len(w)] = d.get(len(w), []) + [w]\n"
+        "    return {k: sorted(v) for k, v in sorted(d.items())}",
+        lambda r: repr([_word(r) for _ in range(6)]),
+    ),
+    (
+        "from collections import Counter\ndef f(s):\n    c = Counter(s)\n"
+        "    return sorted(c.items(), key=lambda kv: (-kv[1], kv[0]))[:3]",
+        lambda r: repr(_word(r, 20)),
+    ),
+    (
+        "def f(d):\n    return {v: k for k, v in d.items() if isinstance(v, int) and v % 2 == 0}",
+        lambda r: repr({_word(r, 3): r.randint(0, 9) for _ in range(5)}),
+    ),
+    (
+        "def f(n):\n    steps = 0\n    while n != 1:\n        n = n // 2 if n % 2 == 0 else 3 * n + 1\n"
+        "        steps += 1\n    return steps",
+        lambda r: str(r.randint(2, 10**5)),
+    ),
     ("def f(n):\n    return sum(i * i for i in range(n) if i % 3 == 0)", lambda r: str(r.randint(10, 5000))),
-    ("def f(n, memo={}):\n    if n < 2:\n        return n\n    if n not in memo:\n        memo[n] = f(n - 1) + f(n - 2)\n    return memo[n]",
-     lambda r: str(r.randint(5, 90))),
-    ("def f(xs):\n    if len(xs) <= 1:\n        return xs\n    p = xs[0]\n"
-     "    return f([x for x in xs[1:] if x < p]) + [p] + f([x for x in xs[1:] if x >= p])",
-     lambda r: repr([r.randint(0, 99) for _ in range(15)])),
-    ("from itertools import permutations\ndef f(s):\n    return sorted({''.join(p) for p in permutations(s)})[:5]",
-     lambda r: repr(_word(r, 5))),
-    ("def f(a, b):\n    while b:\n        a, b = b, a % b\n    return a", lambda r: f"{r.randint(1, 10**6)}, {r.randint(1, 10**6)}"),
-    ("def f(m):\n    return [list(row) for row in zip(*m)]",
-     lambda r: repr([[r.randint(0, 9) for _ in range(3)] for _ in range(3)])),
+    (
+        "def f(n, memo={}):\n    if n < 2:\n        return n\n    if n not in memo:\n"
+        "        memo[n] = f(n - 1) + f(n - 2)\n    return memo[n]",
+        lambda r: str(r.randint(5, 90)),
+    ),
+    (
+        "def f(xs):\n    if len(xs) <= 1:\n        return xs\n    p = xs[0]\n"
+        "    return f([x for x in xs[1:] if x < p]) + [p] + f([x for x in xs[1:] if x >= p])",
+        lambda r: repr([r.randint(0, 99) for _ in range(15)]),
+    ),
+    (
+        "from itertools import permutations\ndef f(s):\n    return sorted({''.join(p) for p in permutations(s)})[:5]",
+        lambda r: repr(_word(r, 5)),
+    ),
+    (
+        "def f(a, b):\n    while b:\n        a, b = b, a % b\n    return a",
+        lambda r: f"{r.randint(1, 10**6)}, {r.randint(1, 10**6)}",
+    ),
+    (
+        "def f(m):\n    return [list(row) for row in zip(*m)]",
+        lambda r: repr([[r.randint(0, 9) for _ in range(3)] for _ in range(3)]),
+    ),
 ]
 _SLOW = "def f(n):\n    s = 0\n    for i in range(n):\n        s = (s + i * i) % 1000003\n    return s"
 _HOSTILE = [
@@ -104,8 +138,9 @@ def make_mix(n: int, seed: int = 0, slow_frac: float = 0.01, hostile_frac: float
     r = random.Random(seed)
     n_slow = max(1, round(n * slow_frac))
     n_hostile = max(len(_HOSTILE), round(n * hostile_frac))
-    items = [Item("hostile", *_HOSTILE[i % len(_HOSTILE)][:1], "1", _HOSTILE[i % len(_HOSTILE)][1])
-             for i in range(n_hostile)]
+    items = [
+        Item("hostile", *_HOSTILE[i % len(_HOSTILE)][:1], "1", _HOSTILE[i % len(_HOSTILE)][1]) for i in range(n_hostile)
+    ]
     # 0.2-0.6 s for both determinism calls together (~0.2 us per iteration on these cores)
     items += [Item("slow", _SLOW, str(r.randint(5 * 10**5, 15 * 10**5))) for _ in range(n_slow)]
     for _ in range(n - len(items)):
@@ -177,8 +212,14 @@ def _baseline_one(it: Item, timeout: float) -> tuple[bool, str | None]:
     program = _SURROGATE if it.host_unsafe else it.program
     code = program + "\n" + _BASELINE_TAIL.format(inputs=it.inputs)
     try:
-        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout,
-                              preexec_fn=_limit_memory, env=dict(os.environ))
+        proc = subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            preexec_fn=_limit_memory,
+            env=dict(os.environ),
+        )
     except subprocess.TimeoutExpired:
         return False, None
     if proc.returncode != 0:
@@ -237,10 +278,14 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds (systems in rotating order)")
     ap.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=list(SYSTEMS))
-    ap.add_argument("--python-c-n", type=int, default=150,
-                    help="python -c is slow: it runs on the first N items of each mix only")
-    ap.add_argument("--unique", action="store_true",
-                    help="make every program text distinct (a trailing comment), so that no per-program cache helps")
+    ap.add_argument(
+        "--python-c-n", type=int, default=150, help="python -c is slow: it runs on the first N items of each mix only"
+    )
+    ap.add_argument(
+        "--unique",
+        action="store_true",
+        help="make every program text distinct (a trailing comment), so that no per-program cache helps",
+    )
     ap.add_argument("--out", default=None, help="append a markdown table of the figures to this file")
     args = ap.parse_args(argv)
     items = make_mix(args.n, args.seed)
@@ -249,8 +294,11 @@ def main(argv: list[str] | None = None) -> dict:
     mixes = {"bench": items, "normal": [it for it in items if it.kind == "normal"]}
     counts = {k: sum(it.kind == k for it in items) for k in ("normal", "slow", "hostile")}
     print(f"machine: {_machine()}", flush=True)
-    print(f"mix: {counts} timeout={args.timeout}s workers={args.workers} rounds={args.rounds}"
-          f"{' unique program texts' if args.unique else ''}", flush=True)
+    print(
+        f"mix: {counts} timeout={args.timeout}s workers={args.workers} rounds={args.rounds}"
+        f"{' unique program texts' if args.unique else ''}",
+        flush=True,
+    )
     systems = {name: SYSTEMS[name](args.timeout, args.workers) for name in args.systems}
     rates: dict[tuple[str, str], list[float]] = {}
     cpu_ms: dict[tuple[str, str], list[float]] = {}
@@ -261,7 +309,7 @@ def main(argv: list[str] | None = None) -> dict:
             sysobj.run_many(mixes["normal"][: args.workers * 2])
         for r in range(args.rounds):
             order = list(systems)
-            order = order[r % len(order):] + order[: r % len(order)]
+            order = order[r % len(order) :] + order[: r % len(order)]
             for mix_name, mix in mixes.items():
                 for name in order:
                     batch = mix[: args.python_c_n] if name == "python_c" else mix
@@ -273,20 +321,33 @@ def main(argv: list[str] | None = None) -> dict:
                     cpu_ms.setdefault((mix_name, name), []).append(1000 * (_tree_cpu() - c) / len(batch))
                     rates.setdefault((mix_name, name), []).append(_rate(len(batch), dt))
                     outputs[(mix_name, name)] = res
-                    print(f"round {r} {mix_name:6s} {name:8s} {_rate(len(batch), dt):8.1f}/s  "
-                          f"(load {loads[-1]:.2f})", flush=True)
+                    print(
+                        f"round {r} {mix_name:6s} {name:8s} {_rate(len(batch), dt):8.1f}/s  (load {loads[-1]:.2f})",
+                        flush=True,
+                    )
         prot = systems["ours"].ex.protections if "ours" in systems else {}
         notes = list(systems["ours"].ex._backend.notes) if "ours" in systems else []
     finally:
         for sysobj in systems.values():
             sysobj.close()
-    figures: dict = {"machine": _machine(), "n": len(items), "mix": counts, "timeout_s": args.timeout,
-                     "workers": args.workers, "rounds": args.rounds, "load_min": min(loads), "load_max": max(loads),
-                     "protections_on": sorted(k for k, v in prot.items() if v),
-                     "protections_off": sorted(k for k, v in prot.items() if not v), "rates": {}}
+    figures: dict = {
+        "machine": _machine(),
+        "n": len(items),
+        "mix": counts,
+        "timeout_s": args.timeout,
+        "workers": args.workers,
+        "rounds": args.rounds,
+        "load_min": min(loads),
+        "load_max": max(loads),
+        "protections_on": sorted(k for k, v in prot.items() if v),
+        "protections_off": sorted(k for k, v in prot.items() if not v),
+        "rates": {},
+    }
     print(f"\nload average during the run: {min(loads):.2f}..{max(loads):.2f}")
-    print(f"ours: protections on: {', '.join(figures['protections_on'])}; off: "
-          f"{', '.join(figures['protections_off']) or 'none'}" + (f" ({'; '.join(notes)})" if notes else ""))
+    print(
+        f"ours: protections on: {', '.join(figures['protections_on'])}; off: "
+        f"{', '.join(figures['protections_off']) or 'none'}" + (f" ({'; '.join(notes)})" if notes else "")
+    )
     header = "| validations/s (median, min..max) | " + " | ".join(systems) + " |"
     lines = [header, "|---" * (len(systems) + 1) + "|"]
 
@@ -305,8 +366,7 @@ def main(argv: list[str] | None = None) -> dict:
     _rows(cpu_ms, "/cpu_ms", 2)
     if "ours" in systems and "azr_pool" in systems:
         for mix_name in mixes:
-            ratio = (figures["rates"][f"{mix_name}/ours"]["median"] /
-                     figures["rates"][f"{mix_name}/azr_pool"]["median"])
+            ratio = figures["rates"][f"{mix_name}/ours"]["median"] / figures["rates"][f"{mix_name}/azr_pool"]["median"]
             figures[f"ours_over_azr_{mix_name}"] = ratio
             lines.append(f"| ours / azr_pool, {mix_name} | {ratio:.2f}x |" + " |" * (len(systems) - 1))
     if "ours" in systems:
@@ -318,10 +378,13 @@ def main(argv: list[str] | None = None) -> dict:
         if "azr_pool" in systems:
             ref = outputs[("bench", "azr_pool")]
             figures["normal_agree_with_azr_pool"] = sum(
-                1 for it, a, b in zip(mix, res, ref) if it.kind == "normal" and a[0] and b[0] and a[1] == b[1])
-        lines.append(f"\nours: normal ok {normal_ok}/{counts['normal']}, hostile rejected "
-                     f"{hostile_rejected}/{counts['hostile']}, identical to azr_pool "
-                     f"{figures.get('normal_agree_with_azr_pool', '-')}")
+                1 for it, a, b in zip(mix, res, ref) if it.kind == "normal" and a[0] and b[0] and a[1] == b[1]
+            )
+        lines.append(
+            f"\nours: normal ok {normal_ok}/{counts['normal']}, hostile rejected "
+            f"{hostile_rejected}/{counts['hostile']}, identical to azr_pool "
+            f"{figures.get('normal_agree_with_azr_pool', '-')}"
+        )
     table = "\n".join(lines)
     print(table)
     if args.out:

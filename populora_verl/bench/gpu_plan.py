@@ -88,9 +88,14 @@ def parse_plan(text: str, *, gpu_count: int | None = None) -> list[list[Job]]:
 
 def job_env(job: Job, out: Path, base: dict[str, str] | None = None) -> dict[str, str]:
     env = dict(os.environ if base is None else base)
-    env.update(CUDA_VISIBLE_DEVICES=",".join(map(str, job.gpus)), RAY_ADDRESS="local",
-               RAY_TMPDIR=f"/tmp/ray_{job.name}", OUT=str(out / job.name), GPU_PLAN_JOB=job.name,
-               PYTHONUNBUFFERED="1")
+    env.update(
+        CUDA_VISIBLE_DEVICES=",".join(map(str, job.gpus)),
+        RAY_ADDRESS="local",
+        RAY_TMPDIR=f"/tmp/ray_{job.name}",
+        OUT=str(out / job.name),
+        GPU_PLAN_JOB=job.name,
+        PYTHONUNBUFFERED="1",
+    )
     return env
 
 
@@ -133,8 +138,9 @@ def run_plan(phases: Sequence[Sequence[Job]], out: Path, *, cwd: Path | None = N
             signal.signal(signal.SIGTERM, previous)
 
 
-def _run_phases(phases: Sequence[Sequence[Job]], out: Path, state: dict, stopping: dict, *, cwd: Path | None,
-                poll_s: float) -> int:
+def _run_phases(
+    phases: Sequence[Sequence[Job]], out: Path, state: dict, stopping: dict, *, cwd: Path | None, poll_s: float
+) -> int:
     for i, phase in enumerate(phases):
         if stopping["flag"] or (out / "STOP").exists():
             break
@@ -143,9 +149,15 @@ def _run_phases(phases: Sequence[Sequence[Job]], out: Path, state: dict, stoppin
         for job in phase:
             (out / job.name).mkdir(parents=True, exist_ok=True)
             log = open(out / f"{job.name}.log", "w")
-            procs[job.name] = subprocess.Popen(["bash", "-c", job.command], stdout=log, stderr=subprocess.STDOUT,
-                                               stdin=subprocess.DEVNULL, env=job_env(job, out), cwd=cwd,
-                                               start_new_session=True)
+            procs[job.name] = subprocess.Popen(
+                ["bash", "-c", job.command],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=job_env(job, out),
+                cwd=cwd,
+                start_new_session=True,
+            )
             log.close()
             state[job.name].update(state="running", started=time.time())
         write_progress(out, jobs=state)
@@ -156,14 +168,18 @@ def _run_phases(phases: Sequence[Sequence[Job]], out: Path, state: dict, stoppin
             time.sleep(poll_s)
             for name, p in procs.items():
                 if p.returncode is not None and state[name]["state"] == "running":
-                    state[name].update(state="done", rc=p.returncode,
-                                       wall_s=round(time.time() - state[name]["started"], 1))
+                    state[name].update(
+                        state="done", rc=p.returncode, wall_s=round(time.time() - state[name]["started"], 1)
+                    )
                     write_progress(out, jobs=state)
         for name, p in procs.items():
             if state[name]["state"] == "running":
                 rc = p.wait()
-                state[name].update(state="stopped" if stopping["flag"] else "done", rc=rc,
-                                   wall_s=round(time.time() - state[name]["started"], 1))
+                state[name].update(
+                    state="stopped" if stopping["flag"] else "done",
+                    rc=rc,
+                    wall_s=round(time.time() - state[name]["started"], 1),
+                )
         write_progress(out, jobs=state)
     for s in state.values():
         if s["state"] == "waiting":
@@ -182,8 +198,10 @@ def status(out: Path) -> str:
     now = time.time()
     for name, j in p.get("jobs", {}).items():
         t = j.get("wall_s") if j.get("wall_s") is not None else (round(now - j["started"]) if "started" in j else "-")
-        lines.append(f"  {name:<22} phase {j['phase']} GPUs {','.join(map(str, j['gpus'])):<8} {j['state']:<8} "
-                     f"rc={j.get('rc', '-')} {t}s")
+        lines.append(
+            f"  {name:<22} phase {j['phase']} GPUs {','.join(map(str, j['gpus'])):<8} {j['state']:<8} "
+            f"rc={j.get('rc', '-')} {t}s"
+        )
     return "\n".join(lines)
 
 

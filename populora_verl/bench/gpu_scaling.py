@@ -91,7 +91,9 @@ class ScalingRow:
         return (per_step[0], statistics.median(per_step), per_step[-1]) if per_step else None
 
 
-def figures(rows: Iterable[tuple[int, Mapping[str, Any]]]) -> tuple[dict[int, float], dict[int, float], dict[str, float]]:
+def figures(
+    rows: Iterable[tuple[int, Mapping[str, Any]]],
+) -> tuple[dict[int, float], dict[int, float], dict[str, float]]:
     """``({step: s}, {step: tokens}, {phase: mean s over steps >= 2})`` from verl's ``(step, metrics)`` rows."""
     step_s, tokens, phases = {}, {}, {}
     for step, data in rows:
@@ -109,15 +111,29 @@ def figures(rows: Iterable[tuple[int, Mapping[str, Any]]]) -> tuple[dict[int, fl
 
 def overrides_for(gpus: int, tp: int) -> list[str]:
     """What changes with the GPU count (everything else is the configuration's own)."""
-    return [f"trainer.n_gpus_per_node={gpus}", "trainer.nnodes=1",
-            f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp}"]
+    return [
+        f"trainer.n_gpus_per_node={gpus}",
+        "trainer.nnodes=1",
+        f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp}",
+    ]
 
 
 def baseline(rows: Sequence[ScalingRow], row: ScalingRow) -> ScalingRow | None:
     """The 1-GPU row of the same recipe, configuration, profile and work per GPU on the same GPU model, if measured."""
-    return next((b for b in rows if b.gpus == 1 and b.config == row.config and b.gpu_name == row.gpu_name
-                 and b.profile == row.profile and b.per_gpu_proposals == row.per_gpu_proposals
-                 and b.recipe == row.recipe and b.tokens_per_s), None)
+    return next(
+        (
+            b
+            for b in rows
+            if b.gpus == 1
+            and b.config == row.config
+            and b.gpu_name == row.gpu_name
+            and b.profile == row.profile
+            and b.per_gpu_proposals == row.per_gpu_proposals
+            and b.recipe == row.recipe
+            and b.tokens_per_s
+        ),
+        None,
+    )
 
 
 def speedup_text(row: ScalingRow, base: ScalingRow | None) -> tuple[str, str]:
@@ -131,51 +147,85 @@ def speedup_text(row: ScalingRow, base: ScalingRow | None) -> tuple[str, str]:
 
 
 def report(rows: Sequence[ScalingRow]) -> str:
-    lines = ["| recipe | config | profile | work | GPUs | rollout | GPU | s/step (2..N) | tokens/s | speed-up vs 1 GPU "
-             "| goal | "
-             "tokens/s per step: min / median / max | steps | "
-             + " | ".join(f"{p} s" for p in PHASES) + " | start-up to end of step 1 s | peak MiB | exit |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|" + "---|" * len(PHASES) + "---|---|---|"]
+    lines = [
+        "| recipe | config | profile | work | GPUs | rollout | GPU | s/step (2..N) | tokens/s | speed-up vs 1 GPU "
+        "| goal | "
+        "tokens/s per step: min / median / max | steps | "
+        + " | ".join(f"{p} s" for p in PHASES)
+        + " | start-up to end of step 1 s | peak MiB | exit |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|" + "---|" * len(PHASES) + "---|---|---|",
+    ]
     for r in sorted(rows, key=lambda r: (r.recipe, r.config, r.profile, r.per_gpu_proposals or 0, r.gpus, r.tp)):
         tps, s = r.tokens_per_s, r.mean_step_s
         speed, goal = speedup_text(r, baseline(rows, r))
         layout = f"{r.gpus // r.tp} x TP{r.tp}"
         spread = " / ".join(f"{x:.0f}" for x in r.tokens_per_s_range() or ()) or "-"
         work = f"{r.per_gpu_proposals * r.gpus} proposals/type" if r.per_gpu_proposals else "fixed"
-        lines.append(f"| {r.recipe} | {r.config} | {r.profile or '-'} | {work} | {r.gpus} | {layout} | "
-                     f"{r.gpu_name or '-'} | "
-                     f"{f'{s:.1f}' if s else '-'} | {f'{tps:.0f}' if tps else '-'} | {speed} | {goal} | {spread} | "
-                     f"{len(r.steady())} | "
-                     + " | ".join(f"{r.phases_s[p]:.1f}" if p in r.phases_s else "-" for p in PHASES)
-                     + f" | {f'{r.startup_s:.0f}' if r.startup_s else '-'}"
-                     + f" | {f'{r.smi_peak_mib:.0f}' if r.smi_peak_mib else '-'} | {r.rc} |")
+        lines.append(
+            f"| {r.recipe} | {r.config} | {r.profile or '-'} | {work} | {r.gpus} | {layout} | "
+            f"{r.gpu_name or '-'} | "
+            f"{f'{s:.1f}' if s else '-'} | {f'{tps:.0f}' if tps else '-'} | {speed} | {goal} | {spread} | "
+            f"{len(r.steady())} | "
+            + " | ".join(f"{r.phases_s[p]:.1f}" if p in r.phases_s else "-" for p in PHASES)
+            + f" | {f'{r.startup_s:.0f}' if r.startup_s else '-'}"
+            + f" | {f'{r.smi_peak_mib:.0f}' if r.smi_peak_mib else '-'} | {r.rc} |"
+        )
     return "\n".join(lines)
 
 
 def _gpu_name() -> str:
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
-                             text=True, timeout=20).stdout.splitlines()
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True, timeout=20
+        ).stdout.splitlines()
         return out[0].strip() if out else ""
     except (OSError, subprocess.TimeoutExpired):
         return ""
 
 
-def run_one(model: str, config: str, gpus: int, tp: int, steps: int, out: Path, extra: list[str],
-            timeout_s: int, profile: str = "", per_gpu_proposals: int | None = None,
-            recipe: str = ss.BENCH_RECIPE) -> ScalingRow:
+def run_one(
+    model: str,
+    config: str,
+    gpus: int,
+    tp: int,
+    steps: int,
+    out: Path,
+    extra: list[str],
+    timeout_s: int,
+    profile: str = "",
+    per_gpu_proposals: int | None = None,
+    recipe: str = ss.BENCH_RECIPE,
+) -> ScalingRow:
     """One row: ``config`` on the first ``gpus`` visible GPUs; ``extra`` holds the profile's overrides (and, for weak
     scaling, the step's work), ``profile`` names it (its environment, ``step_scaling.PROFILE_ENV``, reaches the
     trainer) and ``per_gpu_proposals`` is recorded with the row."""
-    row = ScalingRow(gpus, tp, config, _gpu_name(), rc=-1, wall_s=0.0, profile=profile,
-                     per_gpu_proposals=per_gpu_proposals, recipe=recipe)
-    visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()] or \
-        [str(i) for i in range(gpus)]
+    row = ScalingRow(
+        gpus,
+        tp,
+        config,
+        _gpu_name(),
+        rc=-1,
+        wall_s=0.0,
+        profile=profile,
+        per_gpu_proposals=per_gpu_proposals,
+        recipe=recipe,
+    )
+    visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()] or [
+        str(i) for i in range(gpus)
+    ]
     metrics = out / f"{row.key}.metrics.jsonl"
     metrics.unlink(missing_ok=True)
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES=",".join(visible[:gpus]), VLLM_WORKER_MULTIPROC_METHOD="spawn",
-               VLLM_USE_FLASHINFER_SAMPLER="0", RAY_AUTH_MODE="disabled", TOKENIZERS_PARALLELISM="false",
-               PYTHONUNBUFFERED="1", VERL_FILE_LOGGER_PATH=str(metrics), **ss.PROFILE_ENV.get(profile, {}))
+    env = dict(
+        os.environ,
+        CUDA_VISIBLE_DEVICES=",".join(visible[:gpus]),
+        VLLM_WORKER_MULTIPROC_METHOD="spawn",
+        VLLM_USE_FLASHINFER_SAMPLER="0",
+        RAY_AUTH_MODE="disabled",
+        TOKENIZERS_PARALLELISM="false",
+        PYTHONUNBUFFERED="1",
+        VERL_FILE_LOGGER_PATH=str(metrics),
+        **ss.PROFILE_ENV.get(profile, {}),
+    )
     cmd = ss.command(model, config, steps, out / row.key, [*overrides_for(gpus, tp), *extra], recipe=recipe)
     t0 = time.time()
     with ss.GpuMemoryPoller() as poller, open(out / f"{row.key}.log", "w") as f:
@@ -206,8 +256,9 @@ def load_rows(path: Path) -> list[ScalingRow]:
 
 
 def save_rows(path: Path, rows: Sequence[ScalingRow]) -> None:
-    path.write_text(json.dumps([asdict(r) | {"mean_step_s": r.mean_step_s, "tokens_per_s": r.tokens_per_s}
-                                for r in rows], indent=1))
+    path.write_text(
+        json.dumps([asdict(r) | {"mean_step_s": r.mean_step_s, "tokens_per_s": r.tokens_per_s} for r in rows], indent=1)
+    )
 
 
 def upsert(rows: Sequence[ScalingRow], row: ScalingRow) -> list[ScalingRow]:
@@ -245,20 +296,33 @@ def merge(dirs: Sequence[str], out: Path) -> int:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", help="model directory (required unless --merge)")
-    ap.add_argument("--merge", nargs="+", metavar="DIR",
-                    help="no run: join the results.json of these --out folders (rows measured side by side in "
-                         "separate folders) into --out and print the table")
+    ap.add_argument(
+        "--merge",
+        nargs="+",
+        metavar="DIR",
+        help="no run: join the results.json of these --out folders (rows measured side by side in "
+        "separate folders) into --out and print the table",
+    )
     ap.add_argument("--gpus", default="1,2,4", help="comma-separated GPU counts (each <= the visible GPUs)")
     ap.add_argument("--config", default="4t4s", choices=sorted(ss.CONFIGS))
     ap.add_argument("--tp", type=int, default=1, help="rollout tensor parallel size (1-GPU rows always use 1)")
     ap.add_argument("--steps", type=int, default=5, help="steps per run (step 1 is warm-up)")
     ap.add_argument("--profile", default="varlen", choices=sorted(ss.PROFILES), help="step_scaling's speed settings")
     ap.add_argument("--answer-tokens", type=int, default=1024, help="answer length (data.max_response_length)")
-    ap.add_argument("--force-length", action=argparse.BooleanOptionalAction, default=True,
-                    help="every answer exactly --answer-tokens long (vLLM ignore_eos)")
-    ap.add_argument("--per-gpu-proposals", type=int, default=None, metavar="N",
-                    help="weak scaling: populora.rollout.proposals_per_type = N x GPUs (default: the recipe's, the "
-                         "same work on every GPU count)")
+    ap.add_argument(
+        "--force-length",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="every answer exactly --answer-tokens long (vLLM ignore_eos)",
+    )
+    ap.add_argument(
+        "--per-gpu-proposals",
+        type=int,
+        default=None,
+        metavar="N",
+        help="weak scaling: populora.rollout.proposals_per_type = N x GPUs (default: the recipe's, the "
+        "same work on every GPU count)",
+    )
     ap.add_argument("--recipe", default=ss.BENCH_RECIPE, help="the recipe every row runs (a name in recipes/populora)")
     ap.add_argument("--out", default="bench_gpu_scaling")
     ap.add_argument("--timeout-s", type=int, default=1800)
@@ -297,10 +361,22 @@ def main(argv: list[str] | None = None) -> int:
         extra = [*ss.plan_overrides(args.profile, args.answer_tokens, args.force_length), *args.overrides]
         if args.per_gpu_proposals:
             extra.append(f"populora.rollout.proposals_per_type={args.per_gpu_proposals * g}")
-        row = run_one(args.model, args.config, g, tp, args.steps, out, extra, args.timeout_s, args.profile,
-                      args.per_gpu_proposals, args.recipe)
-        print(f"  exit={row.rc} wall={row.wall_s:.0f}s s/step={row.mean_step_s} tokens/s={row.tokens_per_s}",
-              flush=True)
+        row = run_one(
+            args.model,
+            args.config,
+            g,
+            tp,
+            args.steps,
+            out,
+            extra,
+            args.timeout_s,
+            args.profile,
+            args.per_gpu_proposals,
+            args.recipe,
+        )
+        print(
+            f"  exit={row.rc} wall={row.wall_s:.0f}s s/step={row.mean_step_s} tokens/s={row.tokens_per_s}", flush=True
+        )
         rows = upsert(rows, row)
         save_rows(results, rows)
     print(write_table(out, rows))

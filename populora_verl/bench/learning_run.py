@@ -15,7 +15,8 @@ the background):
    (whichever comes first) it writes each running arm's stop file (:mod:`populora_verl.trainer.stop`): an arm
    ends at its first step where no member is younger than the final quiet window, with a checkpoint.
 3. Once every arm trains, ``populora-eval --warm-cache`` computes the benchmarks' expected outputs on spare CPUs.
-   When every arm has ended (and its spent stop file is removed): ``populora-eval`` (vLLM, greedy, HumanEval+ and MBPP+) on the base model and every arm's living
+   When every arm has ended (and its spent stop file is removed): ``populora-eval`` (vLLM, greedy, HumanEval+ and
+   MBPP+) on the base model and every arm's living
    members, all at the last step every arm has a checkpoint for (the same number of steps), into ``<ROOT>/eval``
    (with ``--gpus``, one evaluation per benchmark, side by side); then ``populora-report --compare`` of the arms into
    ``<ROOT>/compare``. With ``--stop-at-step`` and a GPU per arm, each arm is instead evaluated on its own GPU as
@@ -47,9 +48,16 @@ from populora_verl.recipes import recipes_dir
 RECIPES = recipes_dir()  # a checkout's recipes/populora, else the installed copy
 ARMS = {"2t2s": "qwen1.5b_1gpu_2t2s", "4t4s": "qwen1.5b_1gpu_4t4s", "single": "qwen1.5b_1gpu_single"}
 # What the status line shows of an arm's last metrics row.
-WATCH = ("populora/validity/mean", "populora/role/teacher/format_error_rate", "populora/role/student/format_error_rate",
-         "populora/student/accuracy", "populora/role/teacher/reward_mean", "populora/role/student/reward_mean",
-         "populora/evolution/events", "timing_s/step")
+WATCH = (
+    "populora/validity/mean",
+    "populora/role/teacher/format_error_rate",
+    "populora/role/student/format_error_rate",
+    "populora/student/accuracy",
+    "populora/role/teacher/reward_mean",
+    "populora/role/student/reward_mean",
+    "populora/evolution/events",
+    "timing_s/step",
+)
 _CHILDREN: dict[str, subprocess.Popen] = {}
 POLL_S = 5.0
 SEED_WAIT_S = 1800.0  # how long an arm waits at its first step for the seeding arm's seed set
@@ -75,13 +83,23 @@ def arm_dir(spec: str) -> str:
     return name if seed is None else f"{name}-seed{seed}"
 
 
-def arm_command(arm: str, model: str, root: Path, seed_file: str | None, extra: Sequence[str],
-                seed_wait_s: float = SEED_WAIT_S) -> list[str]:
+def arm_command(
+    arm: str, model: str, root: Path, seed_file: str | None, extra: Sequence[str], seed_wait_s: float = SEED_WAIT_S
+) -> list[str]:
     """The arm's trainer command: its recipe, the model, its run directory, its seed (and the shared seed set,
     waited for at its first step while the seeding arm is still writing it)."""
     name, seed = parse_arm(arm)
-    cmd = [sys.executable, "-m", "verl.trainer.main_ppo", "--config-path", str(RECIPES), "--config-name", ARMS[name],
-           f"actor_rollout_ref.model.path={model}", f"trainer.default_local_dir={root / arm_dir(arm)}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "verl.trainer.main_ppo",
+        "--config-path",
+        str(RECIPES),
+        "--config-name",
+        ARMS[name],
+        f"actor_rollout_ref.model.path={model}",
+        f"trainer.default_local_dir={root / arm_dir(arm)}",
+    ]
     if seed is not None:  # matchmaking, task draws and buffers (population seed) and vLLM's sampling
         cmd += [f"populora.population.seed={seed}", f"actor_rollout_ref.rollout.seed={seed}"]
     if seed_file:
@@ -94,11 +112,18 @@ def arm_env(arm: str, root: Path, gpu: str | None = None) -> dict[str, str]:
     """Each arm (a spec, or a folder name such as ``eval``) gets its own Ray instance (``RAY_ADDRESS=local``, its
     own temp dir, so trainers on one host never share Ray's sockets) and, with ``gpu``, only that GPU."""
     folder = arm_dir(arm) if arm.partition("@")[0] in ARMS else arm
-    env = dict(os.environ, VLLM_WORKER_MULTIPROC_METHOD="spawn", VLLM_USE_FLASHINFER_SAMPLER="0",
-               RAY_AUTH_MODE="disabled", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1",
-               RAY_ADDRESS="local", RAY_TMPDIR=f"/tmp/ray_{folder}",
-               # the trainer itself writes the population metrics to <run>/metrics.jsonl (what populora-report reads)
-               VERL_FILE_LOGGER_PATH=str(root / folder / "verl_metrics.jsonl"))
+    env = dict(
+        os.environ,
+        VLLM_WORKER_MULTIPROC_METHOD="spawn",
+        VLLM_USE_FLASHINFER_SAMPLER="0",
+        RAY_AUTH_MODE="disabled",
+        TOKENIZERS_PARALLELISM="false",
+        PYTHONUNBUFFERED="1",
+        RAY_ADDRESS="local",
+        RAY_TMPDIR=f"/tmp/ray_{folder}",
+        # the trainer itself writes the population metrics to <run>/metrics.jsonl (what populora-report reads)
+        VERL_FILE_LOGGER_PATH=str(root / folder / "verl_metrics.jsonl"),
+    )
     if gpu is not None:
         env["CUDA_VISIBLE_DEVICES"] = str(gpu)
     return env
@@ -142,12 +167,27 @@ def population_dir(run: Path, step: int) -> Path:
     return found
 
 
-def eval_cli(model: str, benchmarks: str, out: Path, data_dir: str | None, max_new_tokens: int,
-             gpu_memory_utilization: float) -> list[str]:
+def eval_cli(
+    model: str, benchmarks: str, out: Path, data_dir: str | None, max_new_tokens: int, gpu_memory_utilization: float
+) -> list[str]:
     """The ``populora-eval`` command (vLLM, greedy) without its members."""
-    cmd = [sys.executable, "-m", "populora_verl.eval.cli", "--model", model, "--backend", "vllm",
-           "--benchmarks", benchmarks, "--max-new-tokens", str(max_new_tokens),
-           "--gpu-memory-utilization", str(gpu_memory_utilization), "--out", str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "populora_verl.eval.cli",
+        "--model",
+        model,
+        "--backend",
+        "vllm",
+        "--benchmarks",
+        benchmarks,
+        "--max-new-tokens",
+        str(max_new_tokens),
+        "--gpu-memory-utilization",
+        str(gpu_memory_utilization),
+        "--out",
+        str(out),
+    ]
     return cmd + (["--data-dir", data_dir] if data_dir else [])
 
 
@@ -158,9 +198,16 @@ def living_members(pop: Path) -> list[str]:
     return [r["id"] for r in read_population(pop).get("lineage", []) if r.get("death_step") is None]
 
 
-def eval_command(model: str, runs: Mapping[str, Path], step: int, out: Path, data_dir: str | None,
-                 max_new_tokens: int, gpu_memory_utilization: float, benchmarks: str = EVAL_BENCHMARKS
-                 ) -> list[str]:
+def eval_command(
+    model: str,
+    runs: Mapping[str, Path],
+    step: int,
+    out: Path,
+    data_dir: str | None,
+    max_new_tokens: int,
+    gpu_memory_utilization: float,
+    benchmarks: str = EVAL_BENCHMARKS,
+) -> list[str]:
     """populora-eval on the base and every arm's living members at ``step``.
 
     One single agent and one population (the one-GPU run): the single agent is the baseline and the population the
@@ -188,22 +235,50 @@ def arm_adapters(run: Path, step: int) -> list[str]:
     return [f"{run.name}@{step}.{m}={pop / 'adapters' / m}" for m in living_members(pop)]
 
 
-def arm_eval_command(model: str, run: Path, step: int, out: Path, data_dir: str | None, max_new_tokens: int,
-                     gpu_memory_utilization: float, with_base: bool) -> list[str]:
+def arm_eval_command(
+    model: str,
+    run: Path,
+    step: int,
+    out: Path,
+    data_dir: str | None,
+    max_new_tokens: int,
+    gpu_memory_utilization: float,
+    with_base: bool,
+) -> list[str]:
     """populora-eval of one arm's members at ``step`` (and the base model when ``with_base``), every benchmark."""
     cmd = eval_cli(model, EVAL_BENCHMARKS, out, data_dir, max_new_tokens, gpu_memory_utilization)
     return [*cmd, *([] if with_base else ["--no-base"]), "--adapters", *arm_adapters(run, step)]
 
 
-def waiting_eval_command(model: str, listing: Path, wait_s: float, slots: tuple[int, int], out: Path,
-                         data_dir: str | None, max_new_tokens: int, gpu_memory_utilization: float, with_base: bool
-                         ) -> list[str]:
+def waiting_eval_command(
+    model: str,
+    listing: Path,
+    wait_s: float,
+    slots: tuple[int, int],
+    out: Path,
+    data_dir: str | None,
+    max_new_tokens: int,
+    gpu_memory_utilization: float,
+    with_base: bool,
+) -> list[str]:
     """populora-eval that starts its engine now and evaluates the adapters named in ``listing`` once the driver
     writes it (``slots``: the arm's adapter count and LoRA rank, which the engine must hold)."""
     cmd = eval_cli(model, EVAL_BENCHMARKS, out, data_dir, max_new_tokens, gpu_memory_utilization)
     # A fixed KV cache: vLLM's profiling reads the card's free memory, which the trainer beside it keeps changing.
-    return [*cmd, *([] if with_base else ["--no-base"]), "--adapters-file", str(listing), "--wait", f"{wait_s:.0f}",
-            "--max-loras", str(slots[0]), "--max-lora-rank", str(slots[1]), "--kv-cache-gib", str(EVAL_KV_CACHE_GIB)]
+    return [
+        *cmd,
+        *([] if with_base else ["--no-base"]),
+        "--adapters-file",
+        str(listing),
+        "--wait",
+        f"{wait_s:.0f}",
+        "--max-loras",
+        str(slots[0]),
+        "--max-lora-rank",
+        str(slots[1]),
+        "--kv-cache-gib",
+        str(EVAL_KV_CACHE_GIB),
+    ]
 
 
 def arm_lora_slots(arm: str, overrides: Sequence[str]) -> tuple[int, int]:
@@ -233,8 +308,13 @@ class EarlyEval:
     beside the trainer on the same GPU (``--wait``), and evaluates once :meth:`start` writes the members' list: the
     engine's start (about 1.5 min for the 1.5B model) leaves the critical path."""
 
-    def __init__(self, args: argparse.Namespace, root: Path, gpu_of: Mapping[str, str | None],
-                 arms: Mapping[str, tuple[str, Sequence[str]]] | None = None) -> None:
+    def __init__(
+        self,
+        args: argparse.Namespace,
+        root: Path,
+        gpu_of: Mapping[str, str | None],
+        arms: Mapping[str, tuple[str, Sequence[str]]] | None = None,
+    ) -> None:
         self.args, self.root, self.gpu_of = args, root, dict(gpu_of)
         self.arms = dict(arms or {})  # folder -> (arm spec, its overrides): the arms whose engine may start early
         self.slots: dict[str, tuple[int, int] | None] = {}  # folder -> (adapters, LoRA rank), composed when needed
@@ -246,8 +326,9 @@ class EarlyEval:
         out = self.root / "eval" / folder
         (out / "eval_command.txt").write_text(" ".join(cmd) + "\n")
         log = open(out / "eval.log", "w")
-        self.procs[folder] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                              env=arm_env(f"eval_{folder}", self.root, self.gpu_of.get(folder)))
+        self.procs[folder] = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, env=arm_env(f"eval_{folder}", self.root, self.gpu_of.get(folder))
+        )
         _CHILDREN[f"eval_{folder}"] = self.procs[folder]
 
     def prestart_due(self, folder: str) -> bool:
@@ -271,12 +352,26 @@ class EarlyEval:
         out.mkdir(parents=True, exist_ok=True)
         listing = out / "adapters.txt"
         listing.unlink(missing_ok=True)
-        self._launch(folder, waiting_eval_command(
-            self.args.model, listing, wait_s, self.slots[folder], out, self.args.data_dir,
-            self.args.eval_max_new_tokens, self.args.eval_gpu_memory_utilization, with_base=not self.procs))
+        self._launch(
+            folder,
+            waiting_eval_command(
+                self.args.model,
+                listing,
+                wait_s,
+                self.slots[folder],
+                out,
+                self.args.data_dir,
+                self.args.eval_max_new_tokens,
+                self.args.eval_gpu_memory_utilization,
+                with_base=not self.procs,
+            ),
+        )
         self.waiting.add(folder)
-        print(f"learning_run: {folder}: evaluation engine started ahead of the stop step"
-              f"{' (with the base model)' if len(self.procs) == 1 else ''}", flush=True)
+        print(
+            f"learning_run: {folder}: evaluation engine started ahead of the stop step"
+            f"{' (with the base model)' if len(self.procs) == 1 else ''}",
+            flush=True,
+        )
 
     def start(self, folder: str, step: int | None = None) -> None:
         if folder in self.procs and folder not in self.waiting:
@@ -303,11 +398,24 @@ class EarlyEval:
             return
         out = self.root / "eval" / folder
         out.mkdir(parents=True, exist_ok=True)
-        self._launch(folder, arm_eval_command(self.args.model, run, step, out, self.args.data_dir,
-                                              self.args.eval_max_new_tokens, self.args.eval_gpu_memory_utilization,
-                                              with_base=not self.procs))
-        print(f"learning_run: {folder}: evaluation started at step {step}"
-              f"{' (with the base model)' if len(self.procs) == 1 else ''}", flush=True)
+        self._launch(
+            folder,
+            arm_eval_command(
+                self.args.model,
+                run,
+                step,
+                out,
+                self.args.data_dir,
+                self.args.eval_max_new_tokens,
+                self.args.eval_gpu_memory_utilization,
+                with_base=not self.procs,
+            ),
+        )
+        print(
+            f"learning_run: {folder}: evaluation started at step {step}"
+            f"{' (with the base model)' if len(self.procs) == 1 else ''}",
+            flush=True,
+        )
 
     def wait(self) -> int:
         rc = max((p.wait() for p in self.procs.values()), default=1)
@@ -327,14 +435,29 @@ class EarlyEval:
 def warm_cache_command(data_dir: str | None, workers: int = 4) -> list[str]:
     """The canonical solutions' expected outputs, computed into the eval cache while the arms train (about 1.7 min
     of 16 CPUs on an H100 machine that the evaluation would otherwise wait for)."""
-    cmd = [sys.executable, "-m", "populora_verl.eval.cli", "--warm-cache", "--benchmarks", EVAL_BENCHMARKS,
-           "--workers", str(workers)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "populora_verl.eval.cli",
+        "--warm-cache",
+        "--benchmarks",
+        EVAL_BENCHMARKS,
+        "--workers",
+        str(workers),
+    ]
     return cmd + (["--data-dir", data_dir] if data_dir else [])
 
 
-def _launch(arm: str, model: str, root: Path, seed_file: str | None, extra: Sequence[str],
-            stop_at_step: int | None = None, gpu: str | None = None, arm_extra: Sequence[str] = ()
-            ) -> subprocess.Popen:
+def _launch(
+    arm: str,
+    model: str,
+    root: Path,
+    seed_file: str | None,
+    extra: Sequence[str],
+    stop_at_step: int | None = None,
+    gpu: str | None = None,
+    arm_extra: Sequence[str] = (),
+) -> subprocess.Popen:
     run = root / arm_dir(arm)
     run.mkdir(parents=True, exist_ok=True)
     (run / "STOP").unlink(missing_ok=True)  # a stale stop file would end the new run at once
@@ -343,11 +466,15 @@ def _launch(arm: str, model: str, root: Path, seed_file: str | None, extra: Sequ
     log = open(run / "train.log", "w")
     cmd = arm_command(arm, model, root, seed_file, [*extra, *arm_extra])
     (run / "command.txt").write_text(" ".join(cmd) + "\n")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=arm_env(arm, root, gpu),
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, stdout=log, stderr=subprocess.STDOUT, env=arm_env(arm, root, gpu), start_new_session=True
+    )
     _CHILDREN[run.name] = proc
-    print(f"learning_run: {run.name} started (pid {proc.pid}{', GPU ' + gpu if gpu is not None else ''}) "
-          f"{'with ' + seed_file if seed_file else 'with seeding'}", flush=True)
+    print(
+        f"learning_run: {run.name} started (pid {proc.pid}{', GPU ' + gpu if gpu is not None else ''}) "
+        f"{'with ' + seed_file if seed_file else 'with seeding'}",
+        flush=True,
+    )
     return proc
 
 
@@ -466,35 +593,71 @@ def run(args: argparse.Namespace) -> int:
     deadline = t0 + args.stop_after_min * 60
     folders = [arm_dir(a) for a in arms]
     gpu_of_folder = {arm_dir(a): g for a, g in gpu_of.items()}
-    write_progress(root, pid=os.getpid(), started=t0, state="starting", arms=folders, deadline=deadline,
-                   model=args.model, gpus=gpu_of_folder)
+    write_progress(
+        root,
+        pid=os.getpid(),
+        started=t0,
+        state="starting",
+        arms=folders,
+        deadline=deadline,
+        model=args.model,
+        gpus=gpu_of_folder,
+    )
     try:
         own = arm_overrides(args.arm_override or [])
     except ValueError as e:
         raise SystemExit(f"learning_run: --arm-override: {e}") from None
     first, rest = arms[0], arms[1:]
-    procs = {arm_dir(first): _launch(first, args.model, root, args.seed_file, args.overrides, args.stop_at_step,
-                                     gpu_of[first], own.get(parse_arm(first)[0], []))}
+    procs = {
+        arm_dir(first): _launch(
+            first,
+            args.model,
+            root,
+            args.seed_file,
+            args.overrides,
+            args.stop_at_step,
+            gpu_of[first],
+            own.get(parse_arm(first)[0], []),
+        )
+    }
     seed_file = args.seed_file or str(root / arm_dir(first) / "seed_tasks.jsonl")
     # The other arms start now (start-up overlaps) and wait at their first step for the first arm's seed set.
     for arm in rest:
-        procs[arm_dir(arm)] = _launch(arm, args.model, root, seed_file, args.overrides, args.stop_at_step,
-                                      gpu_of[arm], own.get(parse_arm(arm)[0], []))
+        procs[arm_dir(arm)] = _launch(
+            arm,
+            args.model,
+            root,
+            seed_file,
+            args.overrides,
+            args.stop_at_step,
+            gpu_of[arm],
+            own.get(parse_arm(arm)[0], []),
+        )
     write_progress(root, state="training", seed_file=seed_file, launched={a: time.time() for a in procs})
     warm = None
 
     def start_warm_cache() -> subprocess.Popen:
         with open(root / "warm_cache.log", "w") as f:  # low priority: the arms' executors come first
-            proc = subprocess.Popen(warm_cache_command(args.data_dir), stdout=f, stderr=subprocess.STDOUT,
-                                    start_new_session=True, preexec_fn=lambda: os.nice(10))
+            proc = subprocess.Popen(
+                warm_cache_command(args.data_dir),
+                stdout=f,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=lambda: os.nice(10),
+            )
         _CHILDREN["warm_cache"] = proc
         return proc
+
     stopped: set[str] = set()
     hung: dict[str, int] = {}  # arm -> its last logged step, for arms killed for making no progress
     seeding = arm_dir(first)
-    early = EarlyEval(args, root, gpu_of_folder,
-                      {arm_dir(a): (a, [*args.overrides, *own.get(parse_arm(a)[0], [])]) for a in arms}) \
-        if args.stop_at_step and not args.no_eval and len(set(gpus)) >= len(arms) else None
+    early = (
+        EarlyEval(
+            args, root, gpu_of_folder, {arm_dir(a): (a, [*args.overrides, *own.get(parse_arm(a)[0], [])]) for a in arms}
+        )
+        if args.stop_at_step and not args.no_eval and len(set(gpus)) >= len(arms)
+        else None
+    )
 
     def early_failure() -> str | None:
         """Why the run cannot give a comparison any more, or None. An arm that fails before its first step (a config
@@ -517,16 +680,22 @@ def run(args: argparse.Namespace) -> int:
             for arm, p in procs.items():
                 if p.poll() is None and early.prestart_due(arm):
                     early.prestart(arm, wait_s=max(60.0, deadline + args.grace_min * 60 - time.time()))
-                if (arm not in early.procs or arm in early.waiting) and p.poll() == 0 \
-                        and args.stop_at_step in checkpoint_steps(root / arm):
+                if (
+                    (arm not in early.procs or arm in early.waiting)
+                    and p.poll() == 0
+                    and args.stop_at_step in checkpoint_steps(root / arm)
+                ):
                     early.start(arm)
         now = time.time()
         for arm, p in procs.items():  # a hung arm (a stuck weight sync) would otherwise hold its GPU to the deadline
             age = overdue(root / arm, now, args.hang_after_s) if p.poll() is None else None
             if age is not None:
                 last = len(population_rows(root / arm))
-                print(f"learning_run: {arm}: no step for {age:.0f} s after step {last}; "
-                      f"{dump_stacks(p.pid, root / arm / 'hang_stacks.txt')}; killed", flush=True)
+                print(
+                    f"learning_run: {arm}: no step for {age:.0f} s after step {last}; "
+                    f"{dump_stacks(p.pid, root / arm / 'hang_stacks.txt')}; killed",
+                    flush=True,
+                )
                 _kill(p)
                 hung[arm] = last
                 write_progress(root, hung=hung)
@@ -539,8 +708,10 @@ def run(args: argparse.Namespace) -> int:
         if now >= deadline + args.grace_min * 60:  # an arm that never reached a safe step
             for arm, p in procs.items():
                 if p.poll() is None:
-                    print(f"learning_run: {arm} still running {args.grace_min} min after its stop file: killed",
-                          flush=True)
+                    print(
+                        f"learning_run: {arm} still running {args.grace_min} min after its stop file: killed",
+                        flush=True,
+                    )
                     _kill(p)
         time.sleep(POLL_S)
     reason = early_failure()
@@ -555,8 +726,14 @@ def run(args: argparse.Namespace) -> int:
     rcs = {a: p.returncode for a, p in procs.items()}
     runs = {a: root / a for a in folders}
     step = common_step(runs)
-    write_progress(root, state="trained", rcs=rcs, trained_s=time.time() - t0, common_step=step,
-                   checkpoints={a: checkpoint_steps(p) for a, p in runs.items()})
+    write_progress(
+        root,
+        state="trained",
+        rcs=rcs,
+        trained_s=time.time() - t0,
+        common_step=step,
+        checkpoints={a: checkpoint_steps(p) for a, p in runs.items()},
+    )
     print(f"learning_run: arms ended {rcs}; last common checkpoint step {step}", flush=True)
     _compare(runs, root)
     if args.no_eval or (step is None and early is None):
@@ -585,17 +762,31 @@ def _evaluate(args: argparse.Namespace, runs: Mapping[str, Path], step: int, roo
     """One populora-eval over every benchmark, or with several GPUs one per benchmark side by side (each into
     ``eval/<benchmark>``); the worst exit status."""
     benches = EVAL_BENCHMARKS.split(",")
-    jobs = [(",".join(benches), root / "eval", None)] if len(gpus) < 2 else [
-        (b, root / "eval" / b, gpus[i % len(gpus)]) for i, b in enumerate(benches)]
+    jobs = (
+        [(",".join(benches), root / "eval", None)]
+        if len(gpus) < 2
+        else [(b, root / "eval" / b, gpus[i % len(gpus)]) for i, b in enumerate(benches)]
+    )
     procs = []
     for bench, out, gpu in jobs:
-        cmd = eval_command(args.model, runs, step, out, args.data_dir, args.eval_max_new_tokens,
-                           args.eval_gpu_memory_utilization, benchmarks=bench)
+        cmd = eval_command(
+            args.model,
+            runs,
+            step,
+            out,
+            args.data_dir,
+            args.eval_max_new_tokens,
+            args.eval_gpu_memory_utilization,
+            benchmarks=bench,
+        )
         out.mkdir(parents=True, exist_ok=True)
         (out / "eval_command.txt").write_text(" ".join(cmd) + "\n")
         log = open(out / "eval.log" if gpu is not None else root / "eval.log", "w")
-        procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                      env=arm_env(f"eval_{bench.split(',')[0]}", root, gpu)))
+        procs.append(
+            subprocess.Popen(
+                cmd, stdout=log, stderr=subprocess.STDOUT, env=arm_env(f"eval_{bench.split(',')[0]}", root, gpu)
+            )
+        )
     return max(p.wait() for p in procs)
 
 
@@ -618,18 +809,22 @@ def status(root: Path) -> str:
     if prog is None:
         return f"learning_run: no run under {root}"
     now = time.time()
-    lines = [f"learning_run pid {prog.get('pid')} {'running' if alive(prog.get('pid')) else 'not running'}; "
-             f"state {prog.get('state')}; "
-             f"{now - prog.get('started', now):.0f} s since start; stop files at "
-             f"{prog.get('deadline', now) - prog.get('started', now):.0f} s"]
+    lines = [
+        f"learning_run pid {prog.get('pid')} {'running' if alive(prog.get('pid')) else 'not running'}; "
+        f"state {prog.get('state')}; "
+        f"{now - prog.get('started', now):.0f} s since start; stop files at "
+        f"{prog.get('deadline', now) - prog.get('started', now):.0f} s"
+    ]
     for arm in prog.get("arms", []):
         rows, timings = population_rows(root / arm), verl_rows(root / arm)
         last = {**(timings[-1] if timings else {}), **(rows[-1] if rows else {})}
         watch = " ".join(f"{k.split('/', 1)[-1]}={last[k]:.3g}" for k in WATCH if isinstance(last.get(k), (int, float)))
         # A step that is long overdue (a hung weight sync, a dead worker) shows as a growing age here.
         age = step_age(root / arm, now)
-        lines.append(f"  {arm}: {len(rows)} steps; checkpoints {checkpoint_steps(root / arm)}; "
-                     f"last{'' if age is None else f' {age:.0f} s ago'}: {watch}")
+        lines.append(
+            f"  {arm}: {len(rows)} steps; checkpoints {checkpoint_steps(root / arm)}; "
+            f"last{'' if age is None else f' {age:.0f} s ago'}: {watch}"
+        )
     for k in ("hung", "rcs", "common_step", "eval_rc", "reason"):
         if k in prog:
             lines.append(f"  {k}: {prog[k]}")
@@ -637,37 +832,65 @@ def status(root: Path) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--out", required=True, help="run root: one folder per arm, eval/, compare/, progress.json")
     ap.add_argument("--status", action="store_true", help="print the progress of the run under --out and exit")
     ap.add_argument("--model", help="the base model folder (HF format)")
-    ap.add_argument("--arms", default="2t2s,single", help="comma list of NAME or NAME@SEED (" + ", ".join(ARMS)
-                    + "); the first runs the seeding phase unless --seed-file is given")
-    ap.add_argument("--gpus", help="comma list of GPU ids: arm i runs alone on GPU i (cycled when fewer GPUs than "
-                    "arms); default: every arm sees every GPU")
-    ap.add_argument("--arm-override", action="append", metavar="NAME:KEY=VALUE",
-                    help="a hydra override for the arms of one kind only (repeatable), e.g. "
-                    "single:populora.rollout.proposals_per_type=5")
+    ap.add_argument(
+        "--arms",
+        default="2t2s,single",
+        help="comma list of NAME or NAME@SEED ("
+        + ", ".join(ARMS)
+        + "); the first runs the seeding phase unless --seed-file is given",
+    )
+    ap.add_argument(
+        "--gpus",
+        help="comma list of GPU ids: arm i runs alone on GPU i (cycled when fewer GPUs than "
+        "arms); default: every arm sees every GPU",
+    )
+    ap.add_argument(
+        "--arm-override",
+        action="append",
+        metavar="NAME:KEY=VALUE",
+        help="a hydra override for the arms of one kind only (repeatable), e.g. "
+        "single:populora.rollout.proposals_per_type=5",
+    )
     ap.add_argument("--seed-file", help="start every arm from this seed set instead of the first arm's seeding")
     ap.add_argument("--stop-after-min", type=float, default=17.0, help="minutes after start to write the stop files")
-    ap.add_argument("--stop-at-step", type=int, help="every arm ends at this step (the first safe one from it on), "
-                    "or at the deadline, whichever comes first")
+    ap.add_argument(
+        "--stop-at-step",
+        type=int,
+        help="every arm ends at this step (the first safe one from it on), or at the deadline, whichever comes first",
+    )
     ap.add_argument("--grace-min", type=float, default=6.0, help="minutes after the stop files before a kill")
-    ap.add_argument("--hang-after-s", type=float, default=600.0,
-                    help="an arm with no new step for this long (or 10 median steps, if longer) is hung: its stacks "
-                         "are dumped (py-spy) and it is killed, the others go on, and its last checkpoint is "
-                         "evaluated; 0: never")
+    ap.add_argument(
+        "--hang-after-s",
+        type=float,
+        default=600.0,
+        help="an arm with no new step for this long (or 10 median steps, if longer) is hung: its stacks "
+        "are dumped (py-spy) and it is killed, the others go on, and its last checkpoint is "
+        "evaluated; 0: never",
+    )
     ap.add_argument("--no-eval", action="store_true")
     ap.add_argument("--data-dir", help="benchmark folder for populora-eval (default: the package's copy)")
     ap.add_argument("--eval-max-new-tokens", type=int, default=768)
-    ap.add_argument("--eval-gpu-memory-utilization", type=float, default=0.3,
-                    help="of the GPU's memory, for each evaluation engine (it may share the GPU with its arm's "
-                         "trainer, see --eval-prestart-s)")
-    ap.add_argument("--eval-prestart-s", type=float, default=120.0,
-                    help="with --stop-at-step and one GPU per arm: start an arm's evaluation engine this many seconds "
-                         "before the arm is expected at its stop step (from its median step time), beside its "
-                         "trainer; 0: start it after the arm ends")
+    ap.add_argument(
+        "--eval-gpu-memory-utilization",
+        type=float,
+        default=0.3,
+        help="of the GPU's memory, for each evaluation engine (it may share the GPU with its arm's "
+        "trainer, see --eval-prestart-s)",
+    )
+    ap.add_argument(
+        "--eval-prestart-s",
+        type=float,
+        default=120.0,
+        help="with --stop-at-step and one GPU per arm: start an arm's evaluation engine this many seconds "
+        "before the arm is expected at its stop step (from its median step time), beside its "
+        "trainer; 0: start it after the arm ends",
+    )
     ap.add_argument("overrides", nargs="*", help="hydra overrides for every arm")
     args = ap.parse_args(argv)
     if args.status:

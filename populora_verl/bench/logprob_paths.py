@@ -71,16 +71,25 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def run(tokens: int, vocab: int, hidden: int, rounds: int, *, device: str | None = None,
-        dtype: torch.dtype | None = None, paths: list[str] | None = None, seed: int = 0,
-        peaks: dict[str, float] | None = None) -> dict[str, list[float]]:
+def run(
+    tokens: int,
+    vocab: int,
+    hidden: int,
+    rounds: int,
+    *,
+    device: str | None = None,
+    dtype: torch.dtype | None = None,
+    paths: list[str] | None = None,
+    seed: int = 0,
+    peaks: dict[str, float] | None = None,
+) -> dict[str, list[float]]:
     """Seconds per forward+backward for each path, ``rounds`` interleaved rounds after one warm-up round. On a GPU,
     ``peaks`` (if given) receives each path's peak memory above its inputs, in GiB."""
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dt = dtype or (torch.bfloat16 if dev.type == "cuda" else torch.float32)
     gen = torch.Generator(device="cpu").manual_seed(seed)
     h0 = (torch.randn(tokens, hidden, generator=gen) * 0.5).to(dev, dt)
-    w0 = (torch.randn(vocab, hidden, generator=gen) * hidden ** -0.5).to(dev, dt)
+    w0 = (torch.randn(vocab, hidden, generator=gen) * hidden**-0.5).to(dev, dt)
     labels = torch.randint(0, vocab, (tokens,), generator=gen).to(dev)
     names = paths or list(PATHS)
     times: dict[str, list[float]] = {n: [] for n in names}
@@ -111,15 +120,21 @@ def run(tokens: int, vocab: int, hidden: int, rounds: int, *, device: str | None
 
 def report(times: dict[str, list[float]], tokens: int, device: str, peaks: dict[str, float] | None = None) -> str:
     base = statistics.median(times["verl_fallback"]) if "verl_fallback" in times else None
-    lines = [f"device {device}; {tokens} tokens; forward + backward; median (min-max) over {len(next(iter(times.values())))}"
-             " interleaved rounds", "", "| path | ms | min-max ms | µs per token | × verl_fallback | peak GiB |",
-             "|---|---|---|---|---|---|"]
+    lines = [
+        f"device {device}; {tokens} tokens; forward + backward; median (min-max) over {len(next(iter(times.values())))}"
+        " interleaved rounds",
+        "",
+        "| path | ms | min-max ms | µs per token | × verl_fallback | peak GiB |",
+        "|---|---|---|---|---|---|",
+    ]
     for name, ts in times.items():
         med = statistics.median(ts)
         ratio = f"{med / base:.3f}" if base else "-"
         peak = f"{peaks[name]:.2f}" if peaks and name in peaks else "-"
-        lines.append(f"| {name} | {med * 1e3:.1f} | {min(ts) * 1e3:.1f}-{max(ts) * 1e3:.1f} | "
-                     f"{med / tokens * 1e6:.1f} | {ratio} | {peak} |")
+        lines.append(
+            f"| {name} | {med * 1e3:.1f} | {min(ts) * 1e3:.1f}-{max(ts) * 1e3:.1f} | "
+            f"{med / tokens * 1e6:.1f} | {ratio} | {peak} |"
+        )
     return "\n".join(lines)
 
 
@@ -141,8 +156,10 @@ def main(argv: list[str] | None = None) -> int:
     peaks: dict[str, float] = {}
     times = run(args.tokens, args.vocab, args.hidden, args.rounds, paths=names, peaks=peaks)
     print(report(times, args.tokens, device, peaks))
-    print(f"\nverl's actor uses the flash-attn cross-entropy kernel here: {verl_uses_flash_ce()} "
-          "(False: verl alone would run verl_fallback; PopuLoRA's worker runs populora_chunked instead)")
+    print(
+        f"\nverl's actor uses the flash-attn cross-entropy kernel here: {verl_uses_flash_ce()} "
+        "(False: verl alone would run verl_fallback; PopuLoRA's worker runs populora_chunked instead)"
+    )
     return 0
 
 

@@ -36,15 +36,28 @@ class ModelShape:
     def modules(self) -> dict[str, tuple[int, int]]:
         """Target module -> (in, out)."""
         h, i, kv = self.hidden, self.intermediate, self.kv_out
-        return {"self_attn.q_proj": (h, h), "self_attn.k_proj": (h, kv), "self_attn.v_proj": (h, kv),
-                "self_attn.o_proj": (h, h), "mlp.gate_proj": (h, i), "mlp.up_proj": (h, i), "mlp.down_proj": (i, h)}
+        return {
+            "self_attn.q_proj": (h, h),
+            "self_attn.k_proj": (h, kv),
+            "self_attn.v_proj": (h, kv),
+            "self_attn.o_proj": (h, h),
+            "mlp.gate_proj": (h, i),
+            "mlp.up_proj": (h, i),
+            "mlp.down_proj": (i, h),
+        }
 
 
 QWEN25_CODER_7B = ModelShape(layers=28, hidden=3584, intermediate=18944, kv_out=4 * 128)
 
 
-def make_adapter(shape: ModelShape, rank: int, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.bfloat16,
-                 seed: int = 0) -> dict[str, torch.Tensor]:
+def make_adapter(
+    shape: ModelShape,
+    rank: int,
+    *,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.bfloat16,
+    seed: int = 0,
+) -> dict[str, torch.Tensor]:
     """A random PEFT-style LoRA state dict with non-zero B."""
     g = torch.Generator(device=device).manual_seed(seed)
     sd = {}
@@ -62,8 +75,9 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_operator(name: str, parents: list[dict[str, torch.Tensor]], *, repeats: int, warmup: int,
-                  seed: int = 0) -> list[float]:
+def time_operator(
+    name: str, parents: list[dict[str, torch.Tensor]], *, repeats: int, warmup: int, seed: int = 0
+) -> list[float]:
     """Seconds per call of ``OPERATORS[name]`` (after ``warmup`` untimed calls)."""
     op = OPERATORS[name]
     device = next(iter(parents[0].values())).device
@@ -94,8 +108,15 @@ def machine_description(device: torch.device) -> str:
     return "; ".join(parts)
 
 
-def run(device: str = "cpu", ranks: tuple[int, ...] = (16, 64), repeats: int = 3, warmup: int = 1,
-        operators: list[str] | None = None, shape: ModelShape = QWEN25_CODER_7B, log=print) -> list[dict]:
+def run(
+    device: str = "cpu",
+    ranks: tuple[int, ...] = (16, 64),
+    repeats: int = 3,
+    warmup: int = 1,
+    operators: list[str] | None = None,
+    shape: ModelShape = QWEN25_CODER_7B,
+    log=print,
+) -> list[dict]:
     from tqdm.auto import tqdm
 
     dev = torch.device(device)
@@ -112,8 +133,13 @@ def run(device: str = "cpu", ranks: tuple[int, ...] = (16, 64), repeats: int = 3
             if dev.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(dev)
             times = time_operator(name, parents, repeats=repeats, warmup=warmup)
-            row = {"operator": name, "kind": OPERATORS[name].kind, "rank": rank,
-                   "ms": 1000 * statistics.median(times), "min_ms": 1000 * min(times)}
+            row = {
+                "operator": name,
+                "kind": OPERATORS[name].kind,
+                "rank": rank,
+                "ms": 1000 * statistics.median(times),
+                "min_ms": 1000 * min(times),
+            }
             if dev.type == "cuda":
                 row["peak_gib"] = torch.cuda.max_memory_allocated(dev) / 2**30
             rows.append(row)
@@ -156,11 +182,20 @@ def main(argv: list[str] | None = None) -> int:
     shape = ModelShape(args.layers, QWEN25_CODER_7B.hidden, QWEN25_CODER_7B.intermediate, QWEN25_CODER_7B.kv_out)
     desc = machine_description(torch.device(args.device))
     print(desc, flush=True)
-    rows = run(args.device, tuple(args.ranks), args.repeats, args.warmup, args.operators, shape,
-               log=lambda s: print(s, flush=True))
+    rows = run(
+        args.device,
+        tuple(args.ranks),
+        args.repeats,
+        args.warmup,
+        args.operators,
+        shape,
+        log=lambda s: print(s, flush=True),
+    )
     table = format_table(rows)
-    title = (f"Operators on Qwen2.5-Coder-7B-shaped bf16 adapters ({shape.layers} layers x 7 modules), "
-             f"device {args.device}, median of {args.repeats} after {args.warmup} warm-up")
+    title = (
+        f"Operators on Qwen2.5-Coder-7B-shaped bf16 adapters ({shape.layers} layers x 7 modules), "
+        f"device {args.device}, median of {args.repeats} after {args.warmup} warm-up"
+    )
     print(f"\n{title}\n{desc}\n\n{table}")
     if args.out:
         with open(args.out, "w") as f:

@@ -37,8 +37,11 @@ __all__ = ["lora_shapes", "IMPLS", "measure", "init_one_rank", "add_lora_argumen
 #: Qwen2.5-1.5B: hidden 1536, MLP 8960, 256-wide key/value projections (2 KV heads of 128)
 QWEN_1_5B = {"layers": 28, "hidden": 1536, "intermediate": 8960, "kv": 256}
 #: verl's AdamW (torch.optim.AdamW) with each of torch's implementations
-IMPLS: dict[str, dict[str, bool]] = {"foreach": {"foreach": True}, "fused": {"fused": True},
-                                     "for-loop": {"foreach": False}}
+IMPLS: dict[str, dict[str, bool]] = {
+    "foreach": {"foreach": True},
+    "fused": {"fused": True},
+    "for-loop": {"foreach": False},
+}
 
 
 def lora_shapes(rank: int, scale: int = 1, dims: dict[str, int] = QWEN_1_5B) -> list[tuple[int, int]]:
@@ -69,8 +72,14 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def measure(shapes: Sequence[tuple[int, int]], *, device: str = "cpu", rounds: int = 5, steps: int = 5,
-            impls: Sequence[str] = tuple(IMPLS)) -> dict[str, dict[str, float]]:
+def measure(
+    shapes: Sequence[tuple[int, int]],
+    *,
+    device: str = "cpu",
+    rounds: int = 5,
+    steps: int = 5,
+    impls: Sequence[str] = tuple(IMPLS),
+) -> dict[str, dict[str, float]]:
     """Milliseconds per ``step()`` (and per ``clip_grad_norm_``) for each implementation, median and range over
     ``rounds``; also each implementation's largest difference from ``foreach`` after one step from the same state.
     Needs an initialised process group (see :func:`main`)."""
@@ -103,9 +112,13 @@ def measure(shapes: Sequence[tuple[int, int]], *, device: str = "cpu", rounds: i
     out = {}
     for name in impls:
         diff = max(float((a - b).abs().max()) for a, b in zip(first[name], ref, strict=True))
-        out[name] = {"step_ms": statistics.median(times[name]), "step_min": min(times[name]),
-                     "step_max": max(times[name]), "clip_ms": statistics.median(clip[name]),
-                     "max_diff_vs_foreach": diff}
+        out[name] = {
+            "step_ms": statistics.median(times[name]),
+            "step_min": min(times[name]),
+            "step_max": max(times[name]),
+            "clip_ms": statistics.median(clip[name]),
+            "max_diff_vs_foreach": diff,
+        }
     return out
 
 
@@ -123,8 +136,12 @@ def init_one_rank(device: str) -> bool:
 
     if dist.is_initialized():
         return False
-    dist.init_process_group("nccl" if device.startswith("cuda") else "gloo",
-                            init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    dist.init_process_group(
+        "nccl" if device.startswith("cuda") else "gloo",
+        init_method=f"tcp://127.0.0.1:{_free_port()}",
+        rank=0,
+        world_size=1,
+    )
     return True
 
 
@@ -158,15 +175,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     n = sum(r * c for r, c in shapes)
     res = measure(shapes, device=args.device, rounds=args.rounds, steps=args.steps, impls=impls)
     base = res.get("foreach", {}).get("step_ms")
-    print(f"AdamW step over {len(shapes)} LoRA tensors ({n / 1e6:.2f}M parameters, rank {args.rank}, widths / "
-          f"{args.scale}) on {args.device}, {args.rounds} interleaved rounds of {args.steps} steps; load average "
-          f"{os.getloadavg()[0]:.1f}\n")
+    print(
+        f"AdamW step over {len(shapes)} LoRA tensors ({n / 1e6:.2f}M parameters, rank {args.rank}, widths / "
+        f"{args.scale}) on {args.device}, {args.rounds} interleaved rounds of {args.steps} steps; load average "
+        f"{os.getloadavg()[0]:.1f}\n"
+    )
     print("| implementation | step ms, median | min-max | x foreach | clip_grad_norm_ ms | max diff vs foreach |")
     print("|---|---|---|---|---|---|")
     for name, r in res.items():
         ratio = f"{r['step_ms'] / base:.2f}" if base else "-"
-        print(f"| {name} | {r['step_ms']:.2f} | {r['step_min']:.2f}-{r['step_max']:.2f} | {ratio} | "
-              f"{r['clip_ms']:.2f} | {r['max_diff_vs_foreach']:.2e} |")
+        print(
+            f"| {name} | {r['step_ms']:.2f} | {r['step_min']:.2f}-{r['step_max']:.2f} | {ratio} | "
+            f"{r['clip_ms']:.2f} | {r['max_diff_vs_foreach']:.2e} |"
+        )
     dist.destroy_process_group()
     return 0
 

@@ -74,17 +74,28 @@ class Stack:
     def __init__(self, slots: int, rank: int, dims: dict[str, int], device: str, seed: int = 0) -> None:
         gen = torch.Generator().manual_seed(seed)
         h, i, kv = dims["hidden"], dims["intermediate"], dims["kv"]
-        self.shapes = [("q", h, h), ("k", h, kv), ("v", h, kv), ("o", h, h), ("gate", h, i), ("up", h, i),
-                       ("down", i, h)]
+        self.shapes = [
+            ("q", h, h),
+            ("k", h, kv),
+            ("v", h, kv),
+            ("o", h, h),
+            ("gate", h, i),
+            ("up", h, i),
+            ("down", i, h),
+        ]
         self.layers = []
         for _ in range(dims["layers"]):
             layer = {}
             for name, fan_in, fan_out in self.shapes:
-                base = (torch.randn(fan_out, fan_in, generator=gen) / fan_in ** 0.5).to(device, torch.bfloat16)
-                a = [torch.nn.Parameter((torch.randn(rank, fan_in, generator=gen) / fan_in ** 0.5).to(device))
-                     for _ in range(slots)]
-                b = [torch.nn.Parameter((torch.randn(fan_out, rank, generator=gen) * 1e-3).to(device))
-                     for _ in range(slots)]
+                base = (torch.randn(fan_out, fan_in, generator=gen) / fan_in**0.5).to(device, torch.bfloat16)
+                a = [
+                    torch.nn.Parameter((torch.randn(rank, fan_in, generator=gen) / fan_in**0.5).to(device))
+                    for _ in range(slots)
+                ]
+                b = [
+                    torch.nn.Parameter((torch.randn(fan_out, rank, generator=gen) * 1e-3).to(device))
+                    for _ in range(slots)
+                ]
                 layer[name] = (base, a, b)
             self.layers.append(layer)
         self.scaling = 1.0
@@ -96,6 +107,7 @@ class Stack:
     def forward(self, x: torch.Tensor, r: SlotRouting, *, grouped: bool, only: int | None = None) -> torch.Tensor:
         """A residual stream through every layer: attention projections from x, the MLP's down(gate * up).
         ``only``: adapter ``only``'s LoRA alone (the bank's live adapter; ``r`` then routes one slot)."""
+
         def lin(name: str, layer, inp):
             base, a, b = layer[name]
             if only is not None:
@@ -125,14 +137,18 @@ class Arm:
         self.x = (torch.randn(sum(tokens), stack.hidden, generator=gen) * 0.1).to(device, torch.bfloat16)
         self.slot_of_token = torch.repeat_interleave(torch.arange(len(tokens)), torch.tensor(tokens)).to(device)
         n = len(tokens)
-        self.opt_groups = torch.optim.AdamW([{"params": stack.slot_params(k)} for k in range(n)], lr=1e-6,
-                                            weight_decay=0.01, foreach=True)
-        self.opt_one = [torch.optim.AdamW(stack.slot_params(k), lr=1e-6, weight_decay=0.01, foreach=True)
-                        for k in range(n)]
+        self.opt_groups = torch.optim.AdamW(
+            [{"params": stack.slot_params(k)} for k in range(n)], lr=1e-6, weight_decay=0.01, foreach=True
+        )
+        self.opt_one = [
+            torch.optim.AdamW(stack.slot_params(k), lr=1e-6, weight_decay=0.01, foreach=True) for k in range(n)
+        ]
         # the bank's host copies: each adapter's weights and two moments, pinned where a GPU is
         pin = device.startswith("cuda")
-        self.host = [[torch.empty(p.shape, dtype=p.dtype, pin_memory=pin) for p in stack.slot_params(k) for _ in range(3)]
-                     for k in range(n)]
+        self.host = [
+            [torch.empty(p.shape, dtype=p.dtype, pin_memory=pin) for p in stack.slot_params(k) for _ in range(3)]
+            for k in range(n)
+        ]
 
     def _pass(self, start: int, end: int, *, grouped: bool, only: int | None = None) -> None:
         if only is None:
@@ -188,19 +204,34 @@ def kernel_difference(stack: Stack, x: torch.Tensor, slot_of_token: torch.Tensor
     return rel(*outs), rel(*grads)
 
 
-def kernel_error(x: torch.Tensor, slot_of_token: torch.Tensor, a: Sequence[torch.Tensor], b: Sequence[torch.Tensor],
-                 ) -> dict[str, float]:
+def kernel_error(
+    x: torch.Tensor,
+    slot_of_token: torch.Tensor,
+    a: Sequence[torch.Tensor],
+    b: Sequence[torch.Tensor],
+) -> dict[str, float]:
     """Each kernel's largest error against an fp32 reference, for one LoRA linear, relative to the largest output."""
     r = SlotRouting.from_tokens(slot_of_token, len(a))
     with torch.no_grad():
-        ref = torch.stack([b[k].float() @ (a[k].to(x.dtype).float() @ x[t].float())
-                           for t, k in enumerate(slot_of_token.tolist())]) if x.shape[0] <= 4096 else None
+        ref = (
+            torch.stack(
+                [b[k].float() @ (a[k].to(x.dtype).float() @ x[t].float()) for t, k in enumerate(slot_of_token.tolist())]
+            )
+            if x.shape[0] <= 4096
+            else None
+        )
         if ref is None:  # per slot in fp32, the same formula
-            ref = torch.cat([(seg.float() @ wa.to(x.dtype).float().t()) @ wb.to(x.dtype).float().t()
-                             for seg, wa, wb in zip(x.split(list(r.counts)), a, b, strict=True)])
+            ref = torch.cat(
+                [
+                    (seg.float() @ wa.to(x.dtype).float().t()) @ wb.to(x.dtype).float().t()
+                    for seg, wa, wb in zip(x.split(list(r.counts)), a, b, strict=True)
+                ]
+            )
         scale = ref.abs().max().clamp_min(1e-12)
-        return {name: float((lora_delta(x, r, a, b, 1.0, grouped=g).float() - ref).abs().max() / scale)
-                for name, g in (("loop", False), ("grouped", True))}
+        return {
+            name: float((lora_delta(x, r, a, b, 1.0, grouped=g).float() - ref).abs().max() / scale)
+            for name, g in (("loop", False), ("grouped", True))
+        }
 
 
 # --- op counts ----------------------------------------------------------------------------------------------------
@@ -245,8 +276,14 @@ class _Counter(TorchDispatchMode):
 
 def _meta_routing(r: SlotRouting) -> SlotRouting:
     """``r`` with its tensors on the meta device (on a GPU the routing is built where the activations are)."""
-    return dataclasses.replace(r, **{f.name: getattr(r, f.name).to("meta") for f in dataclasses.fields(r)
-                                     if isinstance(getattr(r, f.name), torch.Tensor)})
+    return dataclasses.replace(
+        r,
+        **{
+            f.name: getattr(r, f.name).to("meta")
+            for f in dataclasses.fields(r)
+            if isinstance(getattr(r, f.name), torch.Tensor)
+        },
+    )
 
 
 @contextlib.contextmanager
@@ -260,9 +297,17 @@ def _kernel(grouped: bool) -> Iterator[None]:
         resident.grouped_mm_available = saved
 
 
-def count_layer_ops(arm: str, *, slots: int = 1, interleaved: bool = False, tokens: int = 16384, rank: int = 16,
-                    dims: dict[str, int] | None = None, grouped: bool = True, row_tokens: int = 512,
-                    ) -> tuple[OpCount, OpCount]:
+def count_layer_ops(
+    arm: str,
+    *,
+    slots: int = 1,
+    interleaved: bool = False,
+    tokens: int = 16384,
+    rank: int = 16,
+    dims: dict[str, int] | None = None,
+    grouped: bool = True,
+    row_tokens: int = 512,
+) -> tuple[OpCount, OpCount]:
     """(forward, backward) kernels of one decoder layer's seven LoRA linears for one micro-batch of ``tokens``.
 
     ``arm``: ``base`` (the frozen linears alone), ``bank`` (the lean forward: ``addmm(base(x), x A^T, B^T,
@@ -293,10 +338,14 @@ def count_layer_ops(arm: str, *, slots: int = 1, interleaved: bool = False, toke
         if arm == "bank":
             layers[name] = (base, leaf(rank, fan_in), leaf(fan_out, rank))
         elif arm == "resident":
-            layers[name] = (base, types.SimpleNamespace(
-                lora_slots_A=[leaf(rank, fan_in, dtype=torch.float32) for _ in range(slots)],
-                lora_slots_B=[leaf(fan_out, rank, dtype=torch.float32) for _ in range(slots)],
-                lora_slots_scaling=scaling))
+            layers[name] = (
+                base,
+                types.SimpleNamespace(
+                    lora_slots_A=[leaf(rank, fan_in, dtype=torch.float32) for _ in range(slots)],
+                    lora_slots_B=[leaf(fan_out, rank, dtype=torch.float32) for _ in range(slots)],
+                    lora_slots_scaling=scaling,
+                ),
+            )
         elif arm == "base":
             layers[name] = (base,)
         else:
@@ -330,52 +379,79 @@ def count_layer_ops(arm: str, *, slots: int = 1, interleaved: bool = False, toke
 def print_op_counts(*, tokens: int, rank: int, grouped: bool, verbose: bool = False) -> list[dict]:
     """The table of ``--count-ops``; returns its rows."""
     rows = []
-    arms = [("base", 1, False), ("bank", 1, False)] + [("resident", n, False) for n in (1, 8, 16)] \
+    arms = (
+        [("base", 1, False), ("bank", 1, False)]
+        + [("resident", n, False) for n in (1, 8, 16)]
         + [("resident", n, True) for n in (8, 16)]
+    )
     for arm, n, inter in arms:
         fwd, bwd = count_layer_ops(arm, slots=n, interleaved=inter, tokens=tokens, rank=rank, grouped=grouped)
         rows.append({"arm": arm, "slots": n if arm == "resident" else 1, "interleaved": inter, "fwd": fwd, "bwd": bwd})
     base = rows[0]
-    mib = 2 ** 20
-    print(f"op counts: one decoder layer's 7 LoRA linears per micro-batch, {tokens} tokens, "
-          f"dims {QWEN_1_5B}, rank {rank}, bf16 activations, {'grouped' if grouped else 'loop'} kernel; "
-          f"kernels = aten ops that write (views and bare allocations excluded), full = writing a tokens x >= 128 "
-          f"tensor; LoRA = minus the base linears; gradient checkpointing runs the forward twice")
-    print(f"  {'arm':28s} {'fwd ops':>8s} {'bwd ops':>8s} {'full fwd':>9s} {'full bwd':>9s} {'MiB fwd':>9s} "
-          f"{'MiB bwd':>9s} {'LoRA ops':>9s} {'LoRA MiB':>9s}")
+    mib = 2**20
+    print(
+        f"op counts: one decoder layer's 7 LoRA linears per micro-batch, {tokens} tokens, "
+        f"dims {QWEN_1_5B}, rank {rank}, bf16 activations, {'grouped' if grouped else 'loop'} kernel; "
+        f"kernels = aten ops that write (views and bare allocations excluded), full = writing a tokens x >= 128 "
+        f"tensor; LoRA = minus the base linears; gradient checkpointing runs the forward twice"
+    )
+    print(
+        f"  {'arm':28s} {'fwd ops':>8s} {'bwd ops':>8s} {'full fwd':>9s} {'full bwd':>9s} {'MiB fwd':>9s} "
+        f"{'MiB bwd':>9s} {'LoRA ops':>9s} {'LoRA MiB':>9s}"
+    )
     for row in rows:
         fwd, bwd = row["fwd"], row["bwd"]
-        label = row["arm"] if row["arm"] != "resident" else \
-            f"resident {row['slots']} slot{'s' if row['slots'] > 1 else ''}{' interleaved' if row['interleaved'] else ''}"
+        label = row["arm"]
+        if label == "resident":
+            plural = "s" if row["slots"] > 1 else ""
+            label = f"resident {row['slots']} slot{plural}{' interleaved' if row['interleaved'] else ''}"
         lora_ops = fwd.ops + bwd.ops - base["fwd"].ops - base["bwd"].ops
         lora_mib = (fwd.bytes + bwd.bytes - base["fwd"].bytes - base["bwd"].bytes) / mib
-        print(f"  {label:28s} {fwd.ops:8d} {bwd.ops:8d} {fwd.full_ops:9d} {bwd.full_ops:9d} {fwd.bytes / mib:9.0f} "
-              f"{bwd.bytes / mib:9.0f} {lora_ops:9d} {lora_mib:9.0f}")
+        print(
+            f"  {label:28s} {fwd.ops:8d} {bwd.ops:8d} {fwd.full_ops:9d} {bwd.full_ops:9d} {fwd.bytes / mib:9.0f} "
+            f"{bwd.bytes / mib:9.0f} {lora_ops:9d} {lora_mib:9.0f}"
+        )
         if verbose:
             for phase, c in (("fwd", fwd), ("bwd", bwd)):
-                print(f"      {phase}: " + ", ".join(f"{k} {v}" for k, v in sorted(c.names.items(), key=lambda kv: -kv[1])))
+                print(
+                    f"      {phase}: "
+                    + ", ".join(f"{k} {v}" for k, v in sorted(c.names.items(), key=lambda kv: -kv[1]))
+                )
     return rows
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m populora_verl.bench.resident_lora", description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
-    ap.add_argument("--tokens", default=None,
-                    help="tokens per adapter, TOKENS[xCOUNT],... (default: 10000x4,30000x4 on cuda, 96x2,160x2 on cpu)")
+    ap.add_argument(
+        "--tokens",
+        default=None,
+        help="tokens per adapter, TOKENS[xCOUNT],... (default: 10000x4,30000x4 on cuda, 96x2,160x2 on cpu)",
+    )
     ap.add_argument("--rank", type=int, default=64, help="LoRA rank (default: 64, the recipes')")
-    ap.add_argument("--scale", type=int, default=None, help="divide every width by this (default: 1 on cuda, 64 on cpu)")
+    ap.add_argument(
+        "--scale", type=int, default=None, help="divide every width by this (default: 1 on cuda, 64 on cpu)"
+    )
     ap.add_argument("--layers", type=int, default=None, help="decoder layers (default: 28 on cuda, 2 on cpu)")
     ap.add_argument("--micro-tokens", type=int, default=16384, help="tokens per micro-batch (default: 16384)")
     ap.add_argument("--rounds", type=int, default=5, help="measured rounds after one warm-up (default: 5)")
-    ap.add_argument("--count-ops", action="store_true",
-                    help="count kernels and bytes written per micro-batch at full size on meta tensors (no timing)")
-    ap.add_argument("--kernel", choices=("grouped", "loop"), default="grouped",
-                    help="--count-ops: the resident kernel to count (default: grouped, a Hopper GPU's)")
+    ap.add_argument(
+        "--count-ops",
+        action="store_true",
+        help="count kernels and bytes written per micro-batch at full size on meta tensors (no timing)",
+    )
+    ap.add_argument(
+        "--kernel",
+        choices=("grouped", "loop"),
+        default="grouped",
+        help="--count-ops: the resident kernel to count (default: grouped, a Hopper GPU's)",
+    )
     ap.add_argument("--verbose", action="store_true", help="--count-ops: each arm's ops by name")
     args = ap.parse_args(argv)
     if args.count_ops:
-        print_op_counts(tokens=args.micro_tokens, rank=args.rank, grouped=args.kernel == "grouped",
-                        verbose=args.verbose)
+        print_op_counts(
+            tokens=args.micro_tokens, rank=args.rank, grouped=args.kernel == "grouped", verbose=args.verbose
+        )
         return 0
     cuda = args.device.startswith("cuda")
     if cuda and not torch.cuda.is_available():
@@ -388,25 +464,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     stack = Stack(len(tokens), rank, dims, args.device)
     arm = Arm(stack, tokens, args.micro_tokens, args.device, seed=1)
     arms = [a for a in ARMS if a != "resident_grouped" or grouped_mm_available(arm.x)]
-    run = {"bank": arm.bank, "resident_loop": lambda: arm.resident(grouped=False),
-           "resident_grouped": lambda: arm.resident(grouped=True)}
+    run = {
+        "bank": arm.bank,
+        "resident_loop": lambda: arm.resident(grouped=False),
+        "resident_grouped": lambda: arm.resident(grouped=True),
+    }
     where = torch.cuda.get_device_name() if cuda else "cpu"
-    print(f"resident_lora: {where}, {len(tokens)} adapters, tokens {tokens}, rank {rank}, dims {dims}, "
-          f"micro-batch {args.micro_tokens} tokens, torch {torch.__version__}")
+    print(
+        f"resident_lora: {where}, {len(tokens)} adapters, tokens {tokens}, rank {rank}, dims {dims}, "
+        f"micro-batch {args.micro_tokens} tokens, torch {torch.__version__}"
+    )
     if "resident_grouped" in arms:
         # one micro-batch's worth of tokens drawn across every adapter, still sorted by adapter
         pick = torch.linspace(0, arm.x.shape[0] - 1, min(args.micro_tokens, arm.x.shape[0]), device=arm.x.device).long()
         out_diff, grad_diff = kernel_difference(stack, arm.x[pick], arm.slot_of_token[pick], len(tokens))
         print(f"loop vs grouped kernel, largest relative difference: output {out_diff:.2e}, gradients {grad_diff:.2e}")
         _, a, b = stack.layers[0]["gate"]
-        err = kernel_error(arm.x[pick], arm.slot_of_token[pick], [w.to(torch.bfloat16) for w in a],
-                           [w.to(torch.bfloat16) for w in b])
+        err = kernel_error(
+            arm.x[pick], arm.slot_of_token[pick], [w.to(torch.bfloat16) for w in a], [w.to(torch.bfloat16) for w in b]
+        )
         print("one LoRA linear against fp32: " + ", ".join(f"{k} {v:.2e}" for k, v in err.items()))
     else:
         print("resident_grouped skipped: torch._grouped_mm needs bf16 on a CUDA GPU of compute capability 9.0+")
     times: dict[str, list[float]] = {a: [] for a in arms}
     for rnd in range(args.rounds + 1):
-        for a in (arms if rnd % 2 == 0 else arms[::-1]):  # interleaved, alternating order
+        for a in arms if rnd % 2 == 0 else arms[::-1]:  # interleaved, alternating order
             _sync(args.device)
             t0 = time.perf_counter()
             run[a]()
@@ -419,8 +501,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     for a in arms:
         t = times[a]
         med = statistics.median(t)
-        print(f"  {a:17s} median {med * 1e3:9.1f} ms  spread {min(t) * 1e3:.1f}-{max(t) * 1e3:.1f} ms  "
-              f"ratio to bank {med / base:.2f}  (n={len(t)})")
+        print(
+            f"  {a:17s} median {med * 1e3:9.1f} ms  spread {min(t) * 1e3:.1f}-{max(t) * 1e3:.1f} ms  "
+            f"ratio to bank {med / base:.2f}  (n={len(t)})"
+        )
     return 0
 
 

@@ -10,7 +10,8 @@
 3. For every registered operator at its default strength (plus a strength sweep of the mutations unless
    ``--no-sweep``) makes ``--children`` children and scores them right away.
 
-**Score** (stated here so results can be compared): the per-token likelihood ``exp(mean log p)`` of a parent's own training
+**Score** (stated here so results can be compared): the per-token likelihood ``exp(mean log p)`` of a parent's own
+training
 answers (the tasks it was fine-tuned on) given their prompts; for a crossover, of the fitter parent ``parents[0]``.
 ``retention = child score / parent score``. The table also gives **gain kept**
 ``(log p_child - log p_base) / (log p_parent - log p_base)``: how much of what the fine-tune taught survives
@@ -39,56 +40,95 @@ __all__ = ["TASKS", "SWEEP", "RetentionResult", "run", "main"]
 
 # Small Python tasks (prompt, answer), written for this bench. Split in three: one third per adapter.
 TASKS: tuple[tuple[str, str], ...] = (
-    ("Write a Python function `f(xs)` that returns the sum of the even numbers in the list xs.",
-     "def f(xs):\n    return sum(x for x in xs if x % 2 == 0)\n"),
-    ("Write a Python function `f(s)` that returns the string s reversed.",
-     "def f(s):\n    return s[::-1]\n"),
-    ("Write a Python function `f(n)` that returns the factorial of n.",
-     "def f(n):\n    out = 1\n    for k in range(2, n + 1):\n        out *= k\n    return out\n"),
-    ("Write a Python function `f(words)` that returns the longest word of the list words.",
-     "def f(words):\n    return max(words, key=len)\n"),
-    ("Write a Python function `f(d)` that returns the keys of the dict d whose value is positive, sorted.",
-     "def f(d):\n    return sorted(k for k, v in d.items() if v > 0)\n"),
-    ("Write a Python function `f(a, b)` that returns the greatest common divisor of a and b.",
-     "def f(a, b):\n    while b:\n        a, b = b, a % b\n    return a\n"),
-    ("Write a Python function `f(s)` that counts the vowels in the string s.",
-     "def f(s):\n    return sum(ch in 'aeiou' for ch in s.lower())\n"),
-    ("Write a Python function `f(xs)` that returns xs without duplicates, keeping the first occurrence order.",
-     "def f(xs):\n    seen = set()\n    out = []\n    for x in xs:\n        if x not in seen:\n"
-     "            seen.add(x)\n            out.append(x)\n    return out\n"),
-    ("Write a Python function `f(m)` that returns the transpose of the matrix m given as a list of rows.",
-     "def f(m):\n    return [list(col) for col in zip(*m)]\n"),
-    ("Write a Python function `f(n)` that returns True when n is a prime number.",
-     "def f(n):\n    if n < 2:\n        return False\n    k = 2\n    while k * k <= n:\n"
-     "        if n % k == 0:\n            return False\n        k += 1\n    return True\n"),
-    ("Write a Python function `f(s)` that returns True when the string s is a palindrome.",
-     "def f(s):\n    return s == s[::-1]\n"),
-    ("Write a Python function `f(xs, k)` that rotates the list xs left by k positions.",
-     "def f(xs, k):\n    if not xs:\n        return xs\n    k %= len(xs)\n    return xs[k:] + xs[:k]\n"),
-    ("Write a Python function `f(n)` that returns the list of the first n Fibonacci numbers.",
-     "def f(n):\n    out = []\n    a, b = 0, 1\n    for _ in range(n):\n        out.append(a)\n"
-     "        a, b = b, a + b\n    return out\n"),
-    ("Write a Python function `f(s)` that returns a dict counting each character of s.",
-     "def f(s):\n    out = {}\n    for ch in s:\n        out[ch] = out.get(ch, 0) + 1\n    return out\n"),
-    ("Write a Python function `f(xs)` that returns the running maximum of the list xs.",
-     "def f(xs):\n    out = []\n    best = None\n    for x in xs:\n        best = x if best is None else max(best, x)\n"
-     "        out.append(best)\n    return out\n"),
-    ("Write a Python function `f(n)` that returns the sum of the digits of the integer n.",
-     "def f(n):\n    return sum(int(c) for c in str(abs(n)))\n"),
-    ("Write a Python function `f(intervals)` that merges overlapping [start, end] intervals.",
-     "def f(intervals):\n    out = []\n    for s, e in sorted(intervals):\n        if out and s <= out[-1][1]:\n"
-     "            out[-1][1] = max(out[-1][1], e)\n        else:\n            out.append([s, e])\n    return out\n"),
-    ("Write a Python function `f(s)` that returns the words of the sentence s in reverse order.",
-     "def f(s):\n    return ' '.join(reversed(s.split()))\n"),
+    (
+        "Write a Python function `f(xs)` that returns the sum of the even numbers in the list xs.",
+        "def f(xs):\n    return sum(x for x in xs if x % 2 == 0)\n",
+    ),
+    ("Write a Python function `f(s)` that returns the string s reversed.", "def f(s):\n    return s[::-1]\n"),
+    (
+        "Write a Python function `f(n)` that returns the factorial of n.",
+        "def f(n):\n    out = 1\n    for k in range(2, n + 1):\n        out *= k\n    return out\n",
+    ),
+    (
+        "Write a Python function `f(words)` that returns the longest word of the list words.",
+        "def f(words):\n    return max(words, key=len)\n",
+    ),
+    (
+        "Write a Python function `f(d)` that returns the keys of the dict d whose value is positive, sorted.",
+        "def f(d):\n    return sorted(k for k, v in d.items() if v > 0)\n",
+    ),
+    (
+        "Write a Python function `f(a, b)` that returns the greatest common divisor of a and b.",
+        "def f(a, b):\n    while b:\n        a, b = b, a % b\n    return a\n",
+    ),
+    (
+        "Write a Python function `f(s)` that counts the vowels in the string s.",
+        "def f(s):\n    return sum(ch in 'aeiou' for ch in s.lower())\n",
+    ),
+    (
+        "Write a Python function `f(xs)` that returns xs without duplicates, keeping the first occurrence order.",
+        "def f(xs):\n    seen = set()\n    out = []\n    for x in xs:\n        if x not in seen:\n"
+        "            seen.add(x)\n            out.append(x)\n    return out\n",
+    ),
+    (
+        "Write a Python function `f(m)` that returns the transpose of the matrix m given as a list of rows.",
+        "def f(m):\n    return [list(col) for col in zip(*m)]\n",
+    ),
+    (
+        "Write a Python function `f(n)` that returns True when n is a prime number.",
+        "def f(n):\n    if n < 2:\n        return False\n    k = 2\n    while k * k <= n:\n"
+        "        if n % k == 0:\n            return False\n        k += 1\n    return True\n",
+    ),
+    (
+        "Write a Python function `f(s)` that returns True when the string s is a palindrome.",
+        "def f(s):\n    return s == s[::-1]\n",
+    ),
+    (
+        "Write a Python function `f(xs, k)` that rotates the list xs left by k positions.",
+        "def f(xs, k):\n    if not xs:\n        return xs\n    k %= len(xs)\n    return xs[k:] + xs[:k]\n",
+    ),
+    (
+        "Write a Python function `f(n)` that returns the list of the first n Fibonacci numbers.",
+        "def f(n):\n    out = []\n    a, b = 0, 1\n    for _ in range(n):\n        out.append(a)\n"
+        "        a, b = b, a + b\n    return out\n",
+    ),
+    (
+        "Write a Python function `f(s)` that returns a dict counting each character of s.",
+        "def f(s):\n    out = {}\n    for ch in s:\n        out[ch] = out.get(ch, 0) + 1\n    return out\n",
+    ),
+    (
+        "Write a Python function `f(xs)` that returns the running maximum of the list xs.",
+        "def f(xs):\n    out = []\n    best = None\n    for x in xs:\n"
+        "        best = x if best is None else max(best, x)\n"
+        "        out.append(best)\n    return out\n",
+    ),
+    (
+        "Write a Python function `f(n)` that returns the sum of the digits of the integer n.",
+        "def f(n):\n    return sum(int(c) for c in str(abs(n)))\n",
+    ),
+    (
+        "Write a Python function `f(intervals)` that merges overlapping [start, end] intervals.",
+        "def f(intervals):\n    out = []\n    for s, e in sorted(intervals):\n        if out and s <= out[-1][1]:\n"
+        "            out[-1][1] = max(out[-1][1], e)\n        else:\n            out.append([s, e])\n    return out\n",
+    ),
+    (
+        "Write a Python function `f(s)` that returns the words of the sentence s in reverse order.",
+        "def f(s):\n    return ' '.join(reversed(s.split()))\n",
+    ),
 )
 
 # Strength sweep of the mutations (the defaults are always measured too).
 SWEEP: tuple[tuple[str, dict[str, Any]], ...] = (
-    ("svd_mutation", {"eps": 0.05}), ("svd_mutation", {"eps": 0.2}),
+    ("svd_mutation", {"eps": 0.05}),
+    ("svd_mutation", {"eps": 0.2}),
     ("layer_gaussian", {"eps": 0.3}),
-    ("component_mask", {"rho": 0.1}), ("component_mask", {"rho": 0.3}),
-    ("full_gaussian", {"eps": 0.05}), ("full_gaussian", {"eps": 0.3}),
-    ("neftune", {"alpha": 0.3}), ("neftune", {"alpha": 3.0}), ("neftune", {"alpha": 10.0}),
+    ("component_mask", {"rho": 0.1}),
+    ("component_mask", {"rho": 0.3}),
+    ("full_gaussian", {"eps": 0.05}),
+    ("full_gaussian", {"eps": 0.3}),
+    ("neftune", {"alpha": 0.3}),
+    ("neftune", {"alpha": 3.0}),
+    ("neftune", {"alpha": 10.0}),
 )
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -111,7 +151,9 @@ def _encode(tok: Any, tasks: Sequence[tuple[str, str]], device: torch.device) ->
     rows = []
     for prompt, answer in tasks:
         p = tok(prompt + "\n", add_special_tokens=False)["input_ids"]
-        a = tok(answer, add_special_tokens=False)["input_ids"] + ([tok.eos_token_id] if tok.eos_token_id is not None else [])
+        a = tok(answer, add_special_tokens=False)["input_ids"] + (
+            [tok.eos_token_id] if tok.eos_token_id is not None else []
+        )
         rows.append((p + a, [-100] * len(p) + a))
     width = max(len(ids) for ids, _ in rows)
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
@@ -160,10 +202,21 @@ def _train(model: Any, batch: Mapping[str, torch.Tensor], steps: int, lr: float)
     return losses
 
 
-def run(model_dir: str, *, device: str | None = None, dtype: str | None = None, rank: int = 16, alpha: int = 16,
-        steps: int = 40, lr: float = 5e-4, children: int = 3,
-        sweep: bool | Sequence[tuple[str, Mapping[str, Any]]] = True, seed: int = 0, tasks_per_adapter: int = 6,
-        log: Callable[[str], None] = lambda s: None) -> tuple[list[RetentionResult], dict[str, Any]]:
+def run(
+    model_dir: str,
+    *,
+    device: str | None = None,
+    dtype: str | None = None,
+    rank: int = 16,
+    alpha: int = 16,
+    steps: int = 40,
+    lr: float = 5e-4,
+    children: int = 3,
+    sweep: bool | Sequence[tuple[str, Mapping[str, Any]]] = True,
+    seed: int = 0,
+    tasks_per_adapter: int = 6,
+    log: Callable[[str], None] = lambda s: None,
+) -> tuple[list[RetentionResult], dict[str, Any]]:
     """Train the three adapters, measure every operator; returns ``(rows, info)``.
 
     ``sweep``: True for :data:`SWEEP` after the defaults, False for the defaults only, or a list of
@@ -211,8 +264,11 @@ def run(model_dir: str, *, device: str | None = None, dtype: str | None = None, 
     rows: list[RetentionResult] = []
     for name, params in specs:
         op = OPERATORS[name]
-        groups = ([(None, [(k,) for k in range(3)])] if op.num_parents == 1 else
-                  [("related", [(0, 1), (1, 0)]), ("unrelated", [(0, 2), (2, 0)])])
+        groups = (
+            [(None, [(k,) for k in range(3)])]
+            if op.num_parents == 1
+            else [("related", [(0, 1), (1, 0)]), ("unrelated", [(0, 2), (2, 0)])]
+        )
         for pair, combos in groups:
             rets, gains, dws = [], [], []
             for combo in combos:
@@ -225,17 +281,39 @@ def run(model_dir: str, *, device: str | None = None, dtype: str | None = None, 
                     gains.append((lp - base_logp[k]) / (parent_logp[k] - base_logp[k]))
                     dist, ref = delta_w_distance(child, {n: v.cpu() for n, v in parents[k].items()})
                     dws.append(dist / ref if ref > 0 else math.inf)
-            rows.append(RetentionResult(name, op.kind, {**op.defaults, **params}, pair, statistics.fmean(rets),
-                                        min(rets), statistics.fmean(gains), statistics.fmean(dws)))
-            log(f"{name} {params or 'default'} {pair or ''}: retention {rows[-1].retention:.3f} "
-                f"gain kept {rows[-1].gain_kept:.3f}")
+            rows.append(
+                RetentionResult(
+                    name,
+                    op.kind,
+                    {**op.defaults, **params},
+                    pair,
+                    statistics.fmean(rets),
+                    min(rets),
+                    statistics.fmean(gains),
+                    statistics.fmean(dws),
+                )
+            )
+            log(
+                f"{name} {params or 'default'} {pair or ''}: retention {rows[-1].retention:.3f} "
+                f"gain kept {rows[-1].gain_kept:.3f}"
+            )
     info = {
-        "model": str(model_dir), "device": str(dev), "gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else
-        platform.processor() or platform.machine(), "dtype": str(torch_dtype).replace("torch.", ""), "rank": rank,
-        "alpha": alpha, "targets": targets, "steps": steps, "lr": lr, "children": children,
+        "model": str(model_dir),
+        "device": str(dev),
+        "gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or platform.machine(),
+        "dtype": str(torch_dtype).replace("torch.", ""),
+        "rank": rank,
+        "alpha": alpha,
+        "targets": targets,
+        "steps": steps,
+        "lr": lr,
+        "children": children,
         "tasks_per_adapter": len(thirds[0]),
-        "base_logp": base_logp, "parent_logp": parent_logp, "train_loss": train_losses,
-        "seconds": time.perf_counter() - t_start, "torch": torch.__version__,
+        "base_logp": base_logp,
+        "parent_logp": parent_logp,
+        "train_loss": train_losses,
+        "seconds": time.perf_counter() - t_start,
+        "torch": torch.__version__,
     }
     return rows, info
 
@@ -245,9 +323,12 @@ def format_table(rows: Sequence[RetentionResult], info: Mapping[str, Any]) -> st
         f"Model `{info['model']}` ({info['dtype']}) on {info['gpu']}, torch {info['torch']}; LoRA r={info['rank']}, "
         f"alpha={info['alpha']} on {', '.join(info['targets'])}; 3 adapters fine-tuned {info['steps']} AdamW steps "
         f"(lr {info['lr']}) on {info['tasks_per_adapter']} tasks each (loss "
-        + ", ".join(f"{a:.2f} -> {b:.2f}" for a, b in info["train_loss"]) + "); mean answer log-prob base "
-        + ", ".join(f"{x:.3f}" for x in info["base_logp"]) + " -> parents "
-        + ", ".join(f"{x:.3f}" for x in info["parent_logp"]) + f"; {info['children']} children per parent (pair); "
+        + ", ".join(f"{a:.2f} -> {b:.2f}" for a, b in info["train_loss"])
+        + "); mean answer log-prob base "
+        + ", ".join(f"{x:.3f}" for x in info["base_logp"])
+        + " -> parents "
+        + ", ".join(f"{x:.3f}" for x in info["parent_logp"])
+        + f"; {info['children']} children per parent (pair); "
         f"{info['seconds']:.0f} s in all.",
         "",
         "Score: per-token likelihood of the parent's own training answers; retention = child / parent. Gain kept = "
@@ -259,8 +340,10 @@ def format_table(rows: Sequence[RetentionResult], info: Mapping[str, Any]) -> st
     for r in rows:
         kind = r.kind + (f" ({r.pair})" if r.pair else "")
         params = ", ".join(f"{k}={v}" for k, v in r.params.items()) or "-"
-        lines.append(f"| {r.operator} | {kind} | {params} | {r.retention:.3f} | {r.min_retention:.3f} | "
-                     f"{r.gain_kept:.3f} | {r.delta_w_rel:.3f} |")
+        lines.append(
+            f"| {r.operator} | {kind} | {params} | {r.retention:.3f} | {r.min_retention:.3f} | "
+            f"{r.gain_kept:.3f} | {r.delta_w_rel:.3f} |"
+        )
     return "\n".join(lines)
 
 
@@ -284,9 +367,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.error(f"--out {args.out}: not a file in an existing folder")  # before minutes of fine-tuning
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    rows, info = run(args.model, device=args.device, dtype=args.dtype, rank=args.rank, alpha=args.alpha,
-                     steps=args.steps, lr=args.lr, children=args.children, sweep=not args.no_sweep, seed=args.seed,
-                     log=lambda s: print(f"[retention] {s}", file=sys.stderr, flush=True))
+    rows, info = run(
+        args.model,
+        device=args.device,
+        dtype=args.dtype,
+        rank=args.rank,
+        alpha=args.alpha,
+        steps=args.steps,
+        lr=args.lr,
+        children=args.children,
+        sweep=not args.no_sweep,
+        seed=args.seed,
+        log=lambda s: print(f"[retention] {s}", file=sys.stderr, flush=True),
+    )
     text = format_table(rows, info)
     print(text)
     if args.out:

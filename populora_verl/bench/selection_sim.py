@@ -12,7 +12,8 @@ A child is damaged by its operator and recovers over ``recovery`` steps (the pap
 extra ``1 - age / recovery`` share of its proposals is invalid (teachers) or its skill is lowered by that share
 (students). This is what newborn protection (``pbt.min_age``) is about.
 
-Figures per setting, means (± standard error) over seeds at the end of the run: the teachers' learnable / unsolvable / invalid
+Figures per setting, means (± standard error) over seeds at the end of the run: the teachers' learnable / unsolvable /
+invalid
 shares (from their traits), the teachers' mean AZR learnability reward over the last ``interval`` steps, and the
 share of culled members that were still recovering when they died.
 """
@@ -89,17 +90,20 @@ def _mix(logits: torch.Tensor) -> np.ndarray:
 
 
 def _one_run(cfg: SimConfig, seed: int) -> tuple[float, float, float, float, float]:
-    pcfg = load_config({
-        "population": {"num_teachers": cfg.teachers, "num_students": cfg.students, "seed": seed},
-        "matchmaking": {"outcome": cfg.outcome},
-        "pbt": {"interval_steps": cfg.interval, "min_age": cfg.min_age, "child_rating": cfg.child_rating},
-    })
+    pcfg = load_config(
+        {
+            "population": {"num_teachers": cfg.teachers, "num_students": cfg.students, "seed": seed},
+            "matchmaking": {"outcome": cfg.outcome},
+            "pbt": {"interval_steps": cfg.interval, "min_age": cfg.min_age, "child_rating": cfg.child_rating},
+        }
+    )
     rng = np.random.default_rng(seed)
     g = torch.Generator().manual_seed(seed)
     pop = Population.create(pcfg)
     mm = Matchmaker(pcfg.matchmaking, seed=seed + 1)
-    ctl = PBTController(pcfg.pbt, seed=seed + 2, operators={"mutate": _Mutate(), "cross": _Cross()},
-                        total_steps=cfg.steps)
+    ctl = PBTController(
+        pcfg.pbt, seed=seed + 2, operators={"mutate": _Mutate(), "cross": _Cross()}, total_steps=cfg.steps
+    )
     # Founder teachers: random mixes of proposal kinds; founder students: random skills (logit).
     traits = {m.id: {"x": torch.randn(len(KINDS) if m.role == "teacher" else 1, generator=g)} for m in pop.members}
     rewards: list[float] = []
@@ -141,8 +145,13 @@ def _one_run(cfg: SimConfig, seed: int) -> tuple[float, float, float, float, flo
                 recovering += bool(v.parents) and v.age < cfg.recovery
             traits.update(ctl.apply(plan, pop, traits))
     final = np.mean([_mix(traits[m.id]["x"]) for m in pop.teachers()], axis=0)
-    return (float(final[2]), float(final[1]), float(final[0]), float(np.mean(rewards)) if rewards else math.nan,
-            recovering / culled if culled else 0.0)
+    return (
+        float(final[2]),
+        float(final[1]),
+        float(final[0]),
+        float(np.mean(rewards)) if rewards else math.nan,
+        recovering / culled if culled else 0.0,
+    )
 
 
 def simulate(cfg: SimConfig) -> SimResult:
@@ -154,18 +163,27 @@ def simulate(cfg: SimConfig) -> SimResult:
     def sem(c: Sequence[float]) -> float:
         return statistics.stdev(c) / math.sqrt(len(c)) if len(c) > 1 else 0.0
 
-    return SimResult(*(statistics.fmean(c) for c in cols), seconds=time.perf_counter() - t0,
-                     learnable_sem=sem(cols[0]), stump_sem=sem(cols[1]), reward_sem=sem(cols[3]))
+    return SimResult(
+        *(statistics.fmean(c) for c in cols),
+        seconds=time.perf_counter() - t0,
+        learnable_sem=sem(cols[0]),
+        stump_sem=sem(cols[1]),
+        reward_sem=sem(cols[3]),
+    )
 
 
 def table(rows: Sequence[tuple[SimConfig, SimResult]]) -> str:
-    head = ("| outcome | min_age | child_rating | learnable share | unsolvable share | invalid share | "
-            "teacher reward (last interval) | culled while recovering |")
+    head = (
+        "| outcome | min_age | child_rating | learnable share | unsolvable share | invalid share | "
+        "teacher reward (last interval) | culled while recovering |"
+    )
     lines = [head, "|---|---:|---|---:|---:|---:|---:|---:|"]
     for c, r in rows:
-        lines.append(f"| {c.outcome} | {c.min_age} | {c.child_rating} | {r.final_learnable:.2f} ± "
-                     f"{r.learnable_sem:.2f} | {r.final_stump:.2f} ± {r.stump_sem:.2f} | {r.final_invalid:.2f} | "
-                     f"{r.teacher_reward:+.3f} ± {r.reward_sem:.3f} | {r.recovering_culled:.2f} |")
+        lines.append(
+            f"| {c.outcome} | {c.min_age} | {c.child_rating} | {r.final_learnable:.2f} ± "
+            f"{r.learnable_sem:.2f} | {r.final_stump:.2f} ± {r.stump_sem:.2f} | {r.final_invalid:.2f} | "
+            f"{r.teacher_reward:+.3f} ± {r.reward_sem:.3f} | {r.recovering_culled:.2f} |"
+        )
     return "\n".join(lines)
 
 
@@ -182,16 +200,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     t0 = time.perf_counter()
     rows = []
     for outcome, min_age, child in itertools.product(args.outcomes, args.min_ages, args.child_ratings):
-        c = SimConfig(outcome=outcome, min_age=min_age, child_rating=child, steps=args.steps,
-                      interval=args.interval, seeds=args.seeds)
+        c = SimConfig(
+            outcome=outcome,
+            min_age=min_age,
+            child_rating=child,
+            steps=args.steps,
+            interval=args.interval,
+            seeds=args.seeds,
+        )
         rows.append((c, simulate(c)))
         print(f"# {outcome} min_age={min_age} {child}: {asdict(rows[-1][1])}", file=sys.stderr, flush=True)
     c0 = rows[0][0]
-    text = (f"{c0.teachers}T+{c0.students}S, {args.steps} steps, evolution every {args.interval} "
-            f"(last {args.interval} steps quiet), {c0.proposals} proposals per teacher per step, "
-            f"{c0.student_n} answers each, recovery {c0.recovery} steps, {args.seeds} seeds per row "
-            f"({time.perf_counter() - t0:.0f} s on {platform.machine()} / Python {platform.python_version()}).\n\n"
-            + table(rows))
+    text = (
+        f"{c0.teachers}T+{c0.students}S, {args.steps} steps, evolution every {args.interval} "
+        f"(last {args.interval} steps quiet), {c0.proposals} proposals per teacher per step, "
+        f"{c0.student_n} answers each, recovery {c0.recovery} steps, {args.seeds} seeds per row "
+        f"({time.perf_counter() - t0:.0f} s on {platform.machine()} / Python {platform.python_version()}).\n\n"
+        + table(rows)
+    )
     print(text)
     if args.out:
         with open(args.out, "w", encoding="utf-8") as f:

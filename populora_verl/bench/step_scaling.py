@@ -59,9 +59,12 @@ CONFIGS: dict[str, list[str]] = {
     "2t2s": ["populora.population.num_teachers=2", "populora.population.num_students=2"],
     "4t4s": ["populora.population.num_teachers=4", "populora.population.num_students=4"],
     # 16 adapters: vLLM must hold all of them in one batch.
-    "8t8s": ["populora.population.num_teachers=8", "populora.population.num_students=8",
-             "actor_rollout_ref.rollout.engine_kwargs.vllm.max_loras=16",
-             "actor_rollout_ref.rollout.engine_kwargs.vllm.max_cpu_loras=32"],
+    "8t8s": [
+        "populora.population.num_teachers=8",
+        "populora.population.num_students=8",
+        "actor_rollout_ref.rollout.engine_kwargs.vllm.max_loras=16",
+        "actor_rollout_ref.rollout.engine_kwargs.vllm.max_cpu_loras=32",
+    ],
 }
 ADAPTERS = {"single": 1, "1t1s": 2, "2t2s": 4, "4t4s": 8, "8t8s": 16}
 # Adapters serving each rollout phase (teachers, students); the single agent does both with one.
@@ -70,27 +73,38 @@ PHASE_ADAPTERS = {"single": (1, 1), "1t1s": (1, 1), "2t2s": (2, 2), "4t4s": (4, 
 # default list (up to 512, times the LoRA cases) costs start-up for batch sizes a step never reaches.
 CUDAGRAPH_SIZES = [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256]
 # Each profile adds to the one before it (later overrides win in hydra, so the order is kept).
-_FAST = ["actor_rollout_ref.rollout.enforce_eager=false",
-         f"actor_rollout_ref.rollout.cudagraph_capture_sizes=[{','.join(map(str, CUDAGRAPH_SIZES))}]",
-         "actor_rollout_ref.model.enable_gradient_checkpointing=false",
-         "++trainer.populora_fused_rpc=true"]
+_FAST = [
+    "actor_rollout_ref.rollout.enforce_eager=false",
+    f"actor_rollout_ref.rollout.cudagraph_capture_sizes=[{','.join(map(str, CUDAGRAPH_SIZES))}]",
+    "actor_rollout_ref.model.enable_gradient_checkpointing=false",
+    "++trainer.populora_fused_rpc=true",
+]
 # fast + packed training rows (verl's remove-padding path) with torch's varlen flash kernel
 # (populora_verl.workers.varlen_attention): no padding and no quadratic packed mask.
-_VARLEN = [*_FAST, "actor_rollout_ref.model.use_remove_padding=true",
-           "++actor_rollout_ref.model.override_config.attn_implementation=populora_varlen"]
+_VARLEN = [
+    *_FAST,
+    "actor_rollout_ref.model.use_remove_padding=true",
+    "++actor_rollout_ref.model.override_config.attn_implementation=populora_varlen",
+]
 # varlen + verl's fused LM-head kernels (torch backend): log-probs and entropy from the hidden states in chunks
 # of 512 tokens. On an H100 it failed at the first log-prob call for Qwen2.5-Coder-1.5B, whose converted checkpoint
 # has an untied LM head: verl's FSDP2 wrapping shards lm_head as its own unit, and the fused forward reads
 # lm_head.weight directly, still a DTensor ("mixed torch.Tensor and DTensor"). Tied heads (0.5B) are unaffected;
 # for untied ones the start-up check (populora_verl.startup) now stops the run in one line.
-_FUSED = [*_VARLEN, "actor_rollout_ref.model.use_fused_kernels=true",
-          "actor_rollout_ref.model.fused_kernel_options.impl_backend=torch"]
+_FUSED = [
+    *_VARLEN,
+    "actor_rollout_ref.model.use_fused_kernels=true",
+    "actor_rollout_ref.model.fused_kernel_options.impl_backend=torch",
+]
 # varlen with twice the tokens per training micro-batch and four times per log-prob micro-batch: the trainer is
 # launch-bound (GPU busy about 30% inside verl's micro-batches on 1.5B, docs/gpu/step_scaling_qwen1.5b_h100_chunked),
 # so fewer, larger micro-batches do the same work in fewer kernel launches. Costs trainer memory (53-59 GiB on
 # 1.5B at 1,024-token answers): for a GPU of its own, not for two runs sharing one.
-_VARLEN_WIDE = [*_VARLEN, "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=16384",
-                "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=32768"]
+_VARLEN_WIDE = [
+    *_VARLEN,
+    "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=16384",
+    "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=32768",
+]
 # varlen_wide with the parameters kept unsharded after the forward: on one GPU FSDP's all-gather is a copy, and
 # resharding after every micro-batch's forward repeats that copy (and its cast to bf16) in the backward; keeping them
 # costs one bf16 copy of the model (3 GB at 1.5B). Useful where each trainer has its GPU to itself.
@@ -100,8 +114,11 @@ _VARLEN_WIDE_KEEP = [*_VARLEN_WIDE, "actor_rollout_ref.actor.fsdp_config.reshard
 _VARLEN_WIDE_KEEP_LIGER = [*_VARLEN_WIDE_KEEP, "actor_rollout_ref.model.use_liger=true"]
 # varlen_wide with Liger and torch's fused AdamW (one kernel per group instead of a foreach op per list, each going
 # through DTensor's dispatch tensor by tensor): the next A/B for the fixed cost of each adapter's update call.
-_VARLEN_WIDE_LIGER_FUSED = [*_VARLEN_WIDE, "actor_rollout_ref.model.use_liger=true",
-                            "++actor_rollout_ref.actor.optim.override_optimizer_config={fused:true}"]
+_VARLEN_WIDE_LIGER_FUSED = [
+    *_VARLEN_WIDE,
+    "actor_rollout_ref.model.use_liger=true",
+    "++actor_rollout_ref.actor.optim.override_optimizer_config={fused:true}",
+]
 # varlen_wide_keep with vLLM's model runner inside its engine-core process (the "uni" executor) instead of a process
 # of its own: verl asks for "mp", which spawns one more process importing vLLM and torch even for TP 1 (about 30 s of
 # start-up). Without Liger, so that beside varlen_wide_keep_liger it also tells what Liger did to the update.
@@ -133,9 +150,11 @@ PROFILES: dict[str, list[str]] = {
     "varlen_wide_keep_liger_resident": _VARLEN_WIDE_KEEP_LIGER_RESIDENT,
     "verl_logprobs": _VARLEN,
     "fused": _FUSED,
-    "baseline": ["actor_rollout_ref.rollout.enforce_eager=true",
-                 "actor_rollout_ref.model.enable_gradient_checkpointing=true",
-                 "++trainer.populora_fused_rpc=false"],
+    "baseline": [
+        "actor_rollout_ref.rollout.enforce_eager=true",
+        "actor_rollout_ref.model.enable_gradient_checkpointing=true",
+        "++trainer.populora_fused_rpc=false",
+    ],
 }
 # Environment of a profile's trainer (Ray's local workers inherit it). Every profile but these runs our chunked
 # log-probs (populora_verl.workers.logprobs, installed by the worker where verl would loop per token);
@@ -153,8 +172,13 @@ PROFILE_ENV: dict[str, dict[str, str]] = {
 }
 # What a trainer process needs on the GPU image (scripts/gpu/env.sh sets the same): vLLM's workers spawned, not
 # forked, after CUDA is up; no FlashInfer sampler (not in the image); Ray without its token check.
-TRAINER_ENV: dict[str, str] = {"VLLM_WORKER_MULTIPROC_METHOD": "spawn", "VLLM_USE_FLASHINFER_SAMPLER": "0",
-                               "RAY_AUTH_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
+TRAINER_ENV: dict[str, str] = {
+    "VLLM_WORKER_MULTIPROC_METHOD": "spawn",
+    "VLLM_USE_FLASHINFER_SAMPLER": "0",
+    "RAY_AUTH_MODE": "disabled",
+    "TOKENIZERS_PARALLELISM": "false",
+    "PYTHONUNBUFFERED": "1",
+}
 # verl's console logger line, possibly behind Ray's "(TaskRunnerV1 pid=...)" prefix.
 _STEP_LINE = re.compile(r"(?:^|\s)step:(\d+) - ")
 _METRIC = re.compile(r"([\w/@.\-]+):([-+0-9.eE]+|nan|inf)")
@@ -218,12 +242,27 @@ class RunResult:
         return self.trained_tokens / s if self.trained_tokens and s else None
 
     @classmethod
-    def from_figures(cls, name: str, fig: Figures, *, rc: int, wall_s: float, smi_peak_mib: float | None,
-                     warmup: int, model: str) -> RunResult:
+    def from_figures(
+        cls, name: str, fig: Figures, *, rc: int, wall_s: float, smi_peak_mib: float | None, warmup: int, model: str
+    ) -> RunResult:
         """One configuration's result from what its metric rows say (:func:`summarize`)."""
-        return cls(name, ADAPTERS[name], rc, wall_s, fig.step_s, fig.peak_gb, smi_peak_mib, fig.phases_s,
-                   warmup=warmup, gen_tokens=fig.gen_tokens, rollout=fig.rollout, model=model, mfu=fig.mfu,
-                   trained_tokens=fig.trained_tokens, probs_diff=fig.probs_diff)
+        return cls(
+            name,
+            ADAPTERS[name],
+            rc,
+            wall_s,
+            fig.step_s,
+            fig.peak_gb,
+            smi_peak_mib,
+            fig.phases_s,
+            warmup=warmup,
+            gen_tokens=fig.gen_tokens,
+            rollout=fig.rollout,
+            model=model,
+            mfu=fig.mfu,
+            trained_tokens=fig.trained_tokens,
+            probs_diff=fig.probs_diff,
+        )
 
     @classmethod
     def from_json(cls, row: Mapping[str, Any]) -> RunResult:
@@ -233,8 +272,12 @@ class RunResult:
         return cls(**kw)
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self) | {"mean_step_s": self.mean_step_s, "std_step_s": self.std_step_s,
-                               "gen_tok_s": self.gen_tok_s, "trained_tok_s": self.trained_tok_s}
+        return asdict(self) | {
+            "mean_step_s": self.mean_step_s,
+            "std_step_s": self.std_step_s,
+            "gen_tok_s": self.gen_tok_s,
+            "trained_tok_s": self.trained_tok_s,
+        }
 
 
 @dataclass
@@ -368,8 +411,12 @@ class GpuMemoryPoller:
         visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").strip()
         only = ["-i", visible] if re.fullmatch(r"\d+(,\d+)*", visible) else []
         try:
-            out = subprocess.run(["nvidia-smi", *only, "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
-                                 capture_output=True, text=True, timeout=10)
+            out = subprocess.run(
+                ["nvidia-smi", *only, "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                capture_output=True,
+                text=True,
+                timeout=10,
+            )
         except (OSError, subprocess.TimeoutExpired):
             return None
         vals = [float(x) for x in out.stdout.split() if x.strip().replace(".", "", 1).isdigit()]
@@ -421,32 +468,53 @@ def plan_overrides(profile: str | None, answer_tokens: int | None, force_length:
     return out
 
 
-def command(model: str, name: str, steps: int, out_dir: Path, extra: list[str],
-            recipe: str = BENCH_RECIPE) -> list[str]:
-    return [sys.executable, "-m", "verl.trainer.main_ppo", "--config-path", str(RECIPES), "--config-name", recipe,
-            f"actor_rollout_ref.model.path={model}", "trainer.logger=[console,file]", f"trainer.total_training_steps={steps}",
-            "trainer.save_freq=-1", "trainer.resume_mode=disable", "populora.pbt.enabled=false",
-            "populora.buffer.seed_programs=0",  # the seeding phase is a one-off before step 1, not a step cost
-            f"trainer.default_local_dir={out_dir / name / 'ckpt'}",
-            "++actor_rollout_ref.model.override_config.attn_implementation=sdpa",
-            *CONFIGS[name], *extra]
+def command(
+    model: str, name: str, steps: int, out_dir: Path, extra: list[str], recipe: str = BENCH_RECIPE
+) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "verl.trainer.main_ppo",
+        "--config-path",
+        str(RECIPES),
+        "--config-name",
+        recipe,
+        f"actor_rollout_ref.model.path={model}",
+        "trainer.logger=[console,file]",
+        f"trainer.total_training_steps={steps}",
+        "trainer.save_freq=-1",
+        "trainer.resume_mode=disable",
+        "populora.pbt.enabled=false",
+        "populora.buffer.seed_programs=0",  # the seeding phase is a one-off before step 1, not a step cost
+        f"trainer.default_local_dir={out_dir / name / 'ckpt'}",
+        "++actor_rollout_ref.model.override_config.attn_implementation=sdpa",
+        *CONFIGS[name],
+        *extra,
+    ]
 
 
-def run_one(model: str, name: str, steps: int, out_dir: Path, extra: list[str], timeout_s: int,
-            warmup: int = 1) -> RunResult:
+def run_one(
+    model: str, name: str, steps: int, out_dir: Path, extra: list[str], timeout_s: int, warmup: int = 1
+) -> RunResult:
     metrics = out_dir / f"{name}.metrics.jsonl"
     metrics.unlink(missing_ok=True)  # a rerun must not read the previous run's rows
     env = dict(os.environ, **TRAINER_ENV, VERL_FILE_LOGGER_PATH=str(metrics))
     log = out_dir / f"{name}.log"
     t0 = time.time()
     with GpuMemoryPoller(watch=metrics) as poller, open(log, "w") as f:
-        proc = subprocess.Popen(command(model, name, steps, out_dir, extra), stdout=f, stderr=subprocess.STDOUT,
-                                env=env, start_new_session=True)
+        proc = subprocess.Popen(
+            command(model, name, steps, out_dir, extra),
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
         rc = _wait(proc, timeout_s)
     end = time.time()
     fig = read_results(out_dir, name, warmup)
-    r = RunResult.from_figures(name, fig, rc=rc, wall_s=end - t0, smi_peak_mib=poller.peak or None, warmup=warmup,
-                               model=model)
+    r = RunResult.from_figures(
+        name, fig, rc=rc, wall_s=end - t0, smi_peak_mib=poller.peak or None, warmup=warmup, model=model
+    )
     first = fig.step_s.get(min(fig.step_s)) if fig.step_s else None
     if poller.first_row_t is not None and first is not None:
         r.startup_s = max(0.0, poller.first_row_t - t0 - first)
@@ -468,17 +536,26 @@ def population_of(name: str) -> dict[str, Any]:
 def schedule_command(model: str, names: Sequence[str], steps: int, out_dir: Path, extra: list[str]) -> list[str]:
     """One trainer process for all ``names`` (``trainer.populora_population_schedule``): the first configuration's
     command with the schedule added, the steps summed, and vLLM sized for the largest population."""
-    sched = json.dumps([{"name": n, "steps": steps, "population": population_of(n)} for n in names],
-                       separators=(",", ":"))
+    sched = json.dumps(
+        [{"name": n, "steps": steps, "population": population_of(n)} for n in names], separators=(",", ":")
+    )
     cmd = command(model, names[0], steps * len(names), out_dir, [])
-    cmd[cmd.index(f"trainer.default_local_dir={out_dir / names[0] / 'ckpt'}")] = \
+    cmd[cmd.index(f"trainer.default_local_dir={out_dir / names[0] / 'ckpt'}")] = (
         f"trainer.default_local_dir={out_dir / 'schedule' / 'ckpt'}"
+    )
     engine = [x for n in names for x in CONFIGS[n] if "engine_kwargs" in x]
     return [*cmd, *dict.fromkeys(engine), f"++trainer.populora_population_schedule='{sched}'", *extra]
 
 
-def split_schedule(rows: list[tuple[int, dict[str, Any]]], names: Sequence[str], steps: int, warmup: int,
-                   poller: GpuMemoryPoller | None, t0: float, model: str = "") -> list[RunResult]:
+def split_schedule(
+    rows: list[tuple[int, dict[str, Any]]],
+    names: Sequence[str],
+    steps: int,
+    warmup: int,
+    poller: GpuMemoryPoller | None,
+    t0: float,
+    model: str = "",
+) -> list[RunResult]:
     """Per-configuration results of a schedule run from its metrics rows (global steps ``i*steps+1 ..``): steps
     renumbered from 1, the first configuration's start-up from the clock, later ones' switch time as their start-up,
     GPU peaks over each configuration's window."""
@@ -490,8 +567,15 @@ def split_schedule(rows: list[tuple[int, dict[str, Any]]], names: Sequence[str],
             continue
         fig = summarize(mine, warmup)
         complete = len(fig.step_s) == steps
-        r = RunResult.from_figures(name, fig, rc=0 if complete else 1, wall_s=sum(fig.step_s.values()),
-                                   smi_peak_mib=None, warmup=warmup, model=model)
+        r = RunResult.from_figures(
+            name,
+            fig,
+            rc=0 if complete else 1,
+            wall_s=sum(fig.step_s.values()),
+            smi_peak_mib=None,
+            warmup=warmup,
+            model=model,
+        )
         first = dict(mine).get(1, {})
         if i == 0 and poller is not None and poller.row_t.get(lo) is not None and 1 in fig.step_s:
             r.startup_s = max(0.0, poller.row_t[lo] - t0 - fig.step_s[1])
@@ -505,16 +589,22 @@ def split_schedule(rows: list[tuple[int, dict[str, Any]]], names: Sequence[str],
     return out
 
 
-def run_schedule(model: str, names: Sequence[str], steps: int, out_dir: Path, extra: list[str], timeout_s: int,
-                 warmup: int = 1) -> tuple[list[RunResult], int]:
+def run_schedule(
+    model: str, names: Sequence[str], steps: int, out_dir: Path, extra: list[str], timeout_s: int, warmup: int = 1
+) -> tuple[list[RunResult], int]:
     """All configurations in one trainer process; ``(per-configuration results, exit code)``."""
     metrics = out_dir / "schedule.metrics.jsonl"
     metrics.unlink(missing_ok=True)
     env = dict(os.environ, **TRAINER_ENV, VERL_FILE_LOGGER_PATH=str(metrics))
     t0 = time.time()
     with GpuMemoryPoller(watch=metrics) as poller, open(out_dir / "schedule.log", "w") as f:
-        proc = subprocess.Popen(schedule_command(model, names, steps, out_dir, extra), stdout=f,
-                                stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        proc = subprocess.Popen(
+            schedule_command(model, names, steps, out_dir, extra),
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
         rc = _wait(proc, timeout_s * len(names))
     rows = list(file_log_rows(metrics.read_text(errors="replace"))) if metrics.exists() else []
     results = split_schedule(rows, names, steps, warmup, poller, t0, model)
@@ -581,43 +671,66 @@ def _fmt(x: float | None, spec: str = ".1f") -> str:
 def report(results: list[RunResult]) -> str:
     """Markdown tables: step time and memory, phases, and generation against the vLLM ceiling."""
     base = next((r for r in results if r.name == "single" and r.mean_step_s), None)
-    lines = ["| config | adapters | s/step (mean) | sd | min-max | n | x single | s/step/adapter | start-up s | "
-             "warm-up step s | peak GPU MiB (nvidia-smi) | x single | trainer peak GiB (verl) | exit |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| config | adapters | s/step (mean) | sd | min-max | n | x single | s/step/adapter | start-up s | "
+        "warm-up step s | peak GPU MiB (nvidia-smi) | x single | trainer peak GiB (verl) | exit |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in results:
         s = r.mean_step_s
         ratio = f"{s / base.mean_step_s:.2f}" if s and base else "-"
-        mem_ratio = f"{r.smi_peak_mib / base.smi_peak_mib:.2f}" if r.smi_peak_mib and base and base.smi_peak_mib else "-"
+        mem_ratio = (
+            f"{r.smi_peak_mib / base.smi_peak_mib:.2f}" if r.smi_peak_mib and base and base.smi_peak_mib else "-"
+        )
         st = r.steady
         first = r.step_s.get(min(r.step_s)) if r.step_s else None
         lines.append(
             f"| {r.name} | {r.adapters} | {_fmt(s)} | {_fmt(r.std_step_s)} | "
             f"{f'{min(st):.1f}-{max(st):.1f}' if st else '-'} | {len(st)} | {ratio} | "
             f"{_fmt(s / r.adapters if s else None)} | {_fmt(r.startup_s, '.0f')} | {_fmt(first)} | "
-            f"{_fmt(r.smi_peak_mib, '.0f')} | {mem_ratio} | {_fmt(r.verl_peak_gb, '.2f')} | {r.rc} |")
+            f"{_fmt(r.smi_peak_mib, '.0f')} | {mem_ratio} | {_fmt(r.verl_peak_gb, '.2f')} | {r.rc} |"
+        )
     phase_rows = [r for r in results if r.phases_s]
     if phase_rows:
         cols = [ph for ph in PHASES if any(ph in r.phases_s for r in phase_rows)]
         lines += ["", "| config | " + " | ".join(f"{c} s" for c in cols) + " |", "|---|" + "---|" * len(cols)]
-        lines += [f"| {r.name} | " + " | ".join(f"{r.phases_s[c]:.1f}" if c in r.phases_s else "-" for c in cols) + " |"
-                  for r in phase_rows]
+        lines += [
+            f"| {r.name} | " + " | ".join(f"{r.phases_s[c]:.1f}" if c in r.phases_s else "-" for c in cols) + " |"
+            for r in phase_rows
+        ]
     train_rows = [r for r in results if r.trained_tokens or r.mfu is not None]
     if train_rows:
-        lines += ["", "| config | trained tokens/step | trained tok/s | x single | actor MFU (verl) | "
-                  "rollout-vs-trainer prob diff |", "|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            "| config | trained tokens/step | trained tok/s | x single | actor MFU (verl) | "
+            "rollout-vs-trainer prob diff |",
+            "|---|---|---|---|---|---|",
+        ]
         for r in train_rows:
-            tput = f"{r.trained_tok_s / base.trained_tok_s:.2f}" if r.trained_tok_s and base and base.trained_tok_s else "-"
-            lines.append(f"| {r.name} | {_fmt(r.trained_tokens, '.0f')} | {_fmt(r.trained_tok_s, '.0f')} | {tput} | "
-                         f"{_fmt(r.mfu, '.3f')} | {_fmt(r.probs_diff, '.4f')} |")
+            tput = (
+                f"{r.trained_tok_s / base.trained_tok_s:.2f}"
+                if r.trained_tok_s and base and base.trained_tok_s
+                else "-"
+            )
+            lines.append(
+                f"| {r.name} | {_fmt(r.trained_tokens, '.0f')} | {_fmt(r.trained_tok_s, '.0f')} | {tput} | "
+                f"{_fmt(r.mfu, '.3f')} | {_fmt(r.probs_diff, '.4f')} |"
+            )
     gen_rows = [r for r in results if r.gen_tokens]
     if gen_rows:
-        lines += ["", "| config | teacher seqs | student seqs | tokens/step | rollout s | our gen tok/s | "
-                  "vLLM ceiling tok/s | fraction |", "|---|---|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            "| config | teacher seqs | student seqs | tokens/step | rollout s | our gen tok/s | "
+            "vLLM ceiling tok/s | fraction |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
         for r in gen_rows:
             seqs = [_fmt(r.rollout.get(p, {}).get("sequences"), ".0f") for p in ROLLOUT_PHASES]
             frac = r.gen_tok_s / r.ceiling_tok_s if r.gen_tok_s and r.ceiling_tok_s else None
-            lines.append(f"| {r.name} | {seqs[0]} | {seqs[1]} | {r.gen_tokens:.0f} | {_fmt(r.gen_s)} | "
-                         f"{_fmt(r.gen_tok_s, '.0f')} | {_fmt(r.ceiling_tok_s, '.0f')} | {_fmt(frac, '.2f')} |")
+            lines.append(
+                f"| {r.name} | {seqs[0]} | {seqs[1]} | {r.gen_tokens:.0f} | {_fmt(r.gen_s)} | "
+                f"{_fmt(r.gen_tok_s, '.0f')} | {_fmt(r.ceiling_tok_s, '.0f')} | {_fmt(frac, '.2f')} |"
+            )
     return "\n".join(lines)
 
 
@@ -637,8 +750,15 @@ def ceiling_spec(results: Iterable[RunResult], answer_tokens: int | None, force_
             if n < 1:
                 continue
             answer = answer_tokens if force_length and answer_tokens else d.get("response_tokens", 0) / n
-            phases.append({"phase": p, "requests": n, "prompt_tokens": max(1, round(d.get("prompt_tokens", n) / n)),
-                           "answer_tokens": max(1, round(answer)), "loras": loras})
+            phases.append(
+                {
+                    "phase": p,
+                    "requests": n,
+                    "prompt_tokens": max(1, round(d.get("prompt_tokens", n) / n)),
+                    "answer_tokens": max(1, round(answer)),
+                    "loras": loras,
+                }
+            )
             if r.name == "single":
                 phases[-1]["first_lora"] = 0  # one adapter proposes and solves
         if phases:
@@ -653,15 +773,32 @@ def attach_ceiling(results: Iterable[RunResult], ceiling: Mapping[str, Any]) -> 
             r.ceiling_tok_s = float(c["tok_s"])
 
 
-def run_ceiling(model: str, out_dir: Path, results: list[RunResult], answer_tokens: int | None, force_length: bool,
-                timeout_s: int, extra: Sequence[str] = ()) -> int:
+def run_ceiling(
+    model: str,
+    out_dir: Path,
+    results: list[RunResult],
+    answer_tokens: int | None,
+    force_length: bool,
+    timeout_s: int,
+    extra: Sequence[str] = (),
+) -> int:
     spec = ceiling_spec([r for r in results if r.rc == 0], answer_tokens, force_length)
     if not spec:
         return 0
     (out_dir / "ceiling_spec.json").write_text(json.dumps(spec, indent=1))
     _ray_stop()  # vLLM checks free GPU memory at start: nothing of the trainer's cluster may linger
-    cmd = [sys.executable, "-m", "populora_verl.bench.ceiling", "--model", model, "--spec",
-           str(out_dir / "ceiling_spec.json"), "--out", str(out_dir / "ceiling.json"), *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "populora_verl.bench.ceiling",
+        "--model",
+        model,
+        "--spec",
+        str(out_dir / "ceiling_spec.json"),
+        "--out",
+        str(out_dir / "ceiling.json"),
+        *extra,
+    ]
     with open(out_dir / "ceiling.log", "w") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
         rc = _wait(proc, timeout_s)
@@ -673,7 +810,9 @@ def run_ceiling(model: str, out_dir: Path, results: list[RunResult], answer_toke
 # --- bookkeeping ---------------------------------------------------------------------------------------------------
 
 
-def parse_models(specs: Sequence[str], default_configs: Sequence[str] = ()) -> list[tuple[str, str, list[str], list[str]]]:
+def parse_models(
+    specs: Sequence[str], default_configs: Sequence[str] = ()
+) -> list[tuple[str, str, list[str], list[str]]]:
     """``TAG=PATH[:cfg,cfg[+cfg,cfg]]`` (or a bare path, tagged by its folder name) -> ``[(tag, path, configs,
     extras)]``. ``extras`` (after ``+``) are optional rows (e.g. 8T8S) run after every model's main rows and ceiling,
     so a run cut short has those; a model without its own list gets ``default_configs``; tags unique, names known."""
@@ -693,8 +832,9 @@ def parse_models(specs: Sequence[str], default_configs: Sequence[str] = ()) -> l
             raise ValueError(f"--model tag {tag!r} given twice")
         unknown = [n for n in names + extras if n not in CONFIGS]
         if unknown or not names or len(set(names + extras)) != len(names + extras):
-            raise ValueError(f"--model {s!r}: configurations {unknown or names + extras} not in {list(CONFIGS)} "
-                             "(or repeated)")
+            raise ValueError(
+                f"--model {s!r}: configurations {unknown or names + extras} not in {list(CONFIGS)} (or repeated)"
+            )
         out.append((tag, path, names, extras))
     return out
 
@@ -728,25 +868,37 @@ def status(root: Path) -> str:
     if p is None:
         return f"step_scaling: no run under {root} (no progress.json)"
     now = time.time()
-    lines = [f"step_scaling driver pid {p.get('pid')} {'running' if alive(p.get('pid')) else 'not running'}; "
-             f"state {p.get('state')}; started {now - p.get('started', now):.0f} s ago; "
-             f"plan {p.get('plan')}; done {p.get('done', [])}"]
+    lines = [
+        f"step_scaling driver pid {p.get('pid')} {'running' if alive(p.get('pid')) else 'not running'}; "
+        f"state {p.get('state')}; started {now - p.get('started', now):.0f} s ago; "
+        f"plan {p.get('plan')}; done {p.get('done', [])}"
+    ]
     cur = p.get("current")
     if cur and p.get("state") == "running":
         mdir = root / cur["model"]
-        rows = list(file_log_rows((mdir / f"{cur['config']}.metrics.jsonl").read_text(errors="replace"))) \
-            if (mdir / f"{cur['config']}.metrics.jsonl").exists() else []
+        rows = (
+            list(file_log_rows((mdir / f"{cur['config']}.metrics.jsonl").read_text(errors="replace")))
+            if (mdir / f"{cur['config']}.metrics.jsonl").exists()
+            else []
+        )
         steps = [round(float(d["timing_s/step"]), 1) for _, d in rows if "timing_s/step" in d]
-        lines.append(f"now: {cur['model']}/{cur['config']} for {now - cur.get('since', now):.0f} s, "
-                     f"steps done {len(steps)}/{cur.get('steps')}: {steps}")
+        lines.append(
+            f"now: {cur['model']}/{cur['config']} for {now - cur.get('since', now):.0f} s, "
+            f"steps done {len(steps)}/{cur.get('steps')}: {steps}"
+        )
         if cur.get("configs") and cur.get("steps"):
             per = int(cur["steps"]) // len(cur["configs"])
-            lines.append(f"  schedule {cur['configs']}, {per} steps each: in "
-                         f"{cur['configs'][min(len(steps) // per, len(cur['configs']) - 1)]}")
+            lines.append(
+                f"  schedule {cur['configs']}, {per} steps each: in "
+                f"{cur['configs'][min(len(steps) // per, len(cur['configs']) - 1)]}"
+            )
         log = mdir / f"{cur['config']}.log"
         if log.exists():
-            errs = [ln.strip()[:300] for ln in log.read_text(errors="replace").splitlines()
-                    if re.search(r"Traceback|Error|error:|OutOfMemory|CUDA out of memory", ln)]
+            errs = [
+                ln.strip()[:300]
+                for ln in log.read_text(errors="replace").splitlines()
+                if re.search(r"Traceback|Error|error:|OutOfMemory|CUDA out of memory", ln)
+            ]
             lines += [f"  log: {e}" for e in errs[-3:]]
     for d in sorted(x for x in root.iterdir() if (x / "results.md").exists()):
         lines += ["", f"## {d.name}", (d / "results.md").read_text().rstrip()]
@@ -758,14 +910,30 @@ def _mark_done(root: Path, names: Iterable[str]) -> None:
     write_progress(root, done=done + list(names))
 
 
-def _run_configs(args: argparse.Namespace, root: Path, tag: str, path: str, names: list[str], out: Path,
-                 results: list[RunResult], extra: list[str]) -> tuple[list[RunResult], bool]:
+def _run_configs(
+    args: argparse.Namespace,
+    root: Path,
+    tag: str,
+    path: str,
+    names: list[str],
+    out: Path,
+    results: list[RunResult],
+    extra: list[str],
+) -> tuple[list[RunResult], bool]:
     """``names`` of one model: in one trainer process (a population schedule) when asked and there are several,
     then whatever that did not finish one process each; every row saved as it lands."""
     ok, todo = True, list(names)
     if args.one_process and len(names) > 1 and not _STOP.is_set():
-        write_progress(root, current={"model": tag, "config": "schedule", "since": time.time(),
-                                      "steps": args.steps * len(names), "configs": names})
+        write_progress(
+            root,
+            current={
+                "model": tag,
+                "config": "schedule",
+                "since": time.time(),
+                "steps": args.steps * len(names),
+                "configs": names,
+            },
+        )
         print(f"step_scaling: {tag} {names} in one trainer process ({args.steps} steps each) ...", flush=True)
         got, rc = run_schedule(path, names, args.steps, out, extra, args.timeout_s, args.warmup)
         print(f"  exit={rc}; complete: {[r.name for r in got if r.rc == 0]}", flush=True)
@@ -781,8 +949,11 @@ def _run_configs(args: argparse.Namespace, root: Path, tag: str, path: str, name
         write_progress(root, current={"model": tag, "config": name, "since": time.time(), "steps": args.steps})
         print(f"step_scaling: {tag}/{name} ({ADAPTERS[name]} adapters, {args.steps} steps) ...", flush=True)
         r = run_one(path, name, args.steps, out, extra, args.timeout_s, args.warmup)
-        print(f"  exit={r.rc} wall={r.wall_s:.0f}s start-up={_fmt(r.startup_s, '.0f')}s steps={r.step_s} "
-              f"peak={r.smi_peak_mib} MiB", flush=True)
+        print(
+            f"  exit={r.rc} wall={r.wall_s:.0f}s start-up={_fmt(r.startup_s, '.0f')}s steps={r.step_s} "
+            f"peak={r.smi_peak_mib} MiB",
+            flush=True,
+        )
         ok = ok and r.rc == 0
         results = [x for x in results if x.name != name] + [r]
         save_results(out, results)
@@ -812,37 +983,65 @@ def profiler_overrides(steps: str, save_path: Path) -> list[str]:
         raise ValueError(f"--profile-steps must be comma-separated step numbers, got {steps!r}") from None
     if not nums or nums[0] < 1:
         raise ValueError(f"--profile-steps must be step numbers >= 1, got {steps!r}")
-    return ["global_profiler.tool=torch", f"global_profiler.steps=[{','.join(map(str, nums))}]",
-            f"global_profiler.save_path={save_path}", "actor_rollout_ref.actor.profiler.enable=true",
-            "actor_rollout_ref.actor.profiler.ranks=[0]"]
+    return [
+        "global_profiler.tool=torch",
+        f"global_profiler.steps=[{','.join(map(str, nums))}]",
+        f"global_profiler.save_path={save_path}",
+        "actor_rollout_ref.actor.profiler.enable=true",
+        "actor_rollout_ref.actor.profiler.ranks=[0]",
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", action="append", default=[],
-                    help="TAG=PATH[:cfg,cfg[+cfg]] of an HF checkpoint, optionally with its own configurations; those "
-                         "after '+' are optional and run after every model's main rows and ceiling (repeatable; "
-                         "models run in the order given)")
+    ap.add_argument(
+        "--model",
+        action="append",
+        default=[],
+        help="TAG=PATH[:cfg,cfg[+cfg]] of an HF checkpoint, optionally with its own configurations; those "
+        "after '+' are optional and run after every model's main rows and ceiling (repeatable; "
+        "models run in the order given)",
+    )
     ap.add_argument("--steps", type=int, default=6, help="steps per configuration (the first --warmup are excluded)")
     ap.add_argument("--warmup", type=int, default=1, help="leading steps left out of the means (kernel JIT etc.)")
-    ap.add_argument("--configs", default="single,4t4s,2t2s,1t1s",
-                    help=f"comma-separated, in run order, of {list(CONFIGS)} (for models without their own list)")
+    ap.add_argument(
+        "--configs",
+        default="single,4t4s,2t2s,1t1s",
+        help=f"comma-separated, in run order, of {list(CONFIGS)} (for models without their own list)",
+    )
     ap.add_argument("--profile", default="fast", choices=sorted(PROFILES))
     ap.add_argument("--answer-tokens", type=int, default=1024, help="data.max_response_length (0: the recipe's)")
-    ap.add_argument("--force-length", action=argparse.BooleanOptionalAction, default=True,
-                    help="every answer exactly --answer-tokens long (vLLM ignore_eos)")
-    ap.add_argument("--ceiling", action=argparse.BooleanOptionalAction, default=True,
-                    help="after each model's configurations, measure plain vLLM generate on the same work")
-    ap.add_argument("--one-process", action=argparse.BooleanOptionalAction, default=True,
-                    help="a model's configurations in one trainer process (population schedule: start-up paid once); "
-                         "configurations it does not finish are rerun one process each")
+    ap.add_argument(
+        "--force-length",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="every answer exactly --answer-tokens long (vLLM ignore_eos)",
+    )
+    ap.add_argument(
+        "--ceiling",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="after each model's configurations, measure plain vLLM generate on the same work",
+    )
+    ap.add_argument(
+        "--one-process",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="a model's configurations in one trainer process (population schedule: start-up paid once); "
+        "configurations it does not finish are rerun one process each",
+    )
     ap.add_argument("--ceiling-models", default="", help="tags of the models to run the ceiling for (default: all)")
-    ap.add_argument("--out", default="bench_step_scaling", help="folder for logs and results (one sub-folder per model)")
+    ap.add_argument(
+        "--out", default="bench_step_scaling", help="folder for logs and results (one sub-folder per model)"
+    )
     ap.add_argument("--timeout-s", type=int, default=1200, help="per configuration")
-    ap.add_argument("--profile-steps", default="",
-                    help="comma-separated trainer steps to record with verl's torch profiler (rank 0 of the actor; "
-                         "in a schedule, configuration i's step k is i*--steps+k); traces go to OUT/profile, "
-                         "summarise them with python -m populora_verl.bench.trace_summary")
+    ap.add_argument(
+        "--profile-steps",
+        default="",
+        help="comma-separated trainer steps to record with verl's torch profiler (rank 0 of the actor; "
+        "in a schedule, configuration i's step k is i*--steps+k); traces go to OUT/profile, "
+        "summarise them with python -m populora_verl.bench.trace_summary",
+    )
     ap.add_argument("--status", action="store_true", help="print the progress of a run writing to --out, then exit")
     ap.add_argument("overrides", nargs="*", help="extra hydra overrides for every run")
     args = ap.parse_args(argv)
@@ -862,16 +1061,28 @@ def main(argv: list[str] | None = None) -> int:
     if args.steps <= args.warmup:
         ap.error("--steps must exceed --warmup (the warm-up steps are left out)")
     if not _has_cuda():
-        print("step_scaling: needs a CUDA GPU (verl's FSDP engine and vLLM do not run on CPU); nothing was run.",
-              file=sys.stderr)
+        print(
+            "step_scaling: needs a CUDA GPU (verl's FSDP engine and vLLM do not run on CPU); nothing was run.",
+            file=sys.stderr,
+        )
         return 2
     root.mkdir(parents=True, exist_ok=True)
     profile_env = PROFILE_ENV.get(args.profile, {})
     os.environ.update(profile_env)  # the trainer processes inherit it
     signal.signal(signal.SIGTERM, _on_sigterm)
     plan = [f"{tag}/{n}" for tag, _, names, extras in models for n in names + extras]
-    write_progress(root, pid=os.getpid(), state="running", started=time.time(), plan=plan, done=[], current=None,
-                   profile=args.profile, overrides=extra, env=profile_env)
+    write_progress(
+        root,
+        pid=os.getpid(),
+        state="running",
+        started=time.time(),
+        plan=plan,
+        done=[],
+        current=None,
+        profile=args.profile,
+        overrides=extra,
+        env=profile_env,
+    )
     ok, results_of = True, {}
     for tag, path, names, extras in models:
         out = root / tag

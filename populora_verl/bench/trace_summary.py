@@ -60,7 +60,7 @@ def _busy_within(union: Sequence[tuple[float, float]], starts: Sequence[float], 
     """Busy time of a disjoint sorted ``union`` (``starts`` its start times) inside ``[lo, hi]``."""
     i = max(bisect.bisect_right(starts, lo) - 1, 0)  # the interval that may straddle ``lo``
     total = 0.0
-    for s, e in union[i:bisect.bisect_left(starts, hi)]:
+    for s, e in union[i : bisect.bisect_left(starts, hi)]:
         total += max(0.0, min(e, hi) - max(s, lo))
     return total
 
@@ -79,8 +79,11 @@ def summarize(events: Sequence[Mapping[str, Any]], *, top: int = 25) -> str:
     union = _union(_gpu_intervals(events))
     starts = [s for s, _ in union]
     busy = sum(e - s for s, e in union)
-    lines = [f"trace span {(end - start) / 1e3:.1f} ms; GPU busy {busy / 1e3:.1f} ms "
-             f"({busy / max(end - start, 1e-9):.0%} of the span); {len(events)} events", ""]
+    lines = [
+        f"trace span {(end - start) / 1e3:.1f} ms; GPU busy {busy / 1e3:.1f} ms "
+        f"({busy / max(end - start, 1e-9):.0%} of the span); {len(events)} events",
+        "",
+    ]
 
     # verl's stage markers: the span of each and the GPU's busy share inside it
     stages = [e for e in events if e.get("cat") == "user_annotation"]

@@ -39,8 +39,18 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Protocol, Sequence
 
-__all__ = ["Setting", "Generation", "HFProbeEngine", "VLLMProbeEngine", "failure_reason", "run_setting",
-           "render_table", "main", "TEMPLATES", "DEFAULT_SEED_FILE"]
+__all__ = [
+    "Setting",
+    "Generation",
+    "HFProbeEngine",
+    "VLLMProbeEngine",
+    "failure_reason",
+    "run_setting",
+    "render_table",
+    "main",
+    "TEMPLATES",
+    "DEFAULT_SEED_FILE",
+]
 
 #: What each name feeds the model: the training templates by their config names, plus one comparison form.
 TEMPLATES = ("azr", "chat", "azr-in-chat")
@@ -74,8 +84,9 @@ class Generation:
 class ProbeEngine(Protocol):
     tokenizer: Any
 
-    def generate(self, prompts: Sequence[list[int]], *, max_tokens: int, temperature: float, top_p: float,
-                 seed: int) -> list[Generation]: ...
+    def generate(
+        self, prompts: Sequence[list[int]], *, max_tokens: int, temperature: float, top_p: float, seed: int
+    ) -> list[Generation]: ...
 
 
 # --- engines ---------------------------------------------------------------------------------------------------
@@ -104,8 +115,16 @@ def _generation_config(model_path: str) -> Any:
 class HFProbeEngine:
     """transformers ``generate`` in left-padded batches (sampling when ``temperature > 0``)."""
 
-    def __init__(self, model_path: str, *, batch_size: int = 16, dtype: str = "auto", device: str | None = None,
-                 model: Any = None, tokenizer: Any = None) -> None:
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        batch_size: int = 16,
+        dtype: str = "auto",
+        device: str | None = None,
+        model: Any = None,
+        tokenizer: Any = None,
+    ) -> None:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -120,8 +139,9 @@ class HFProbeEngine:
         self.batch_size = batch_size
         self.stop_ids = stop_token_ids(self.tokenizer, getattr(self.model, "generation_config", None))
 
-    def generate(self, prompts: Sequence[list[int]], *, max_tokens: int, temperature: float, top_p: float,
-                 seed: int) -> list[Generation]:
+    def generate(
+        self, prompts: Sequence[list[int]], *, max_tokens: int, temperature: float, top_p: float, seed: int
+    ) -> list[Generation]:
         import torch
 
         pad = self.tokenizer.pad_token_id
@@ -129,46 +149,73 @@ class HFProbeEngine:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             for start in range(0, len(prompts), self.batch_size):
-                batch = [list(p) for p in prompts[start:start + self.batch_size]]
+                batch = [list(p) for p in prompts[start : start + self.batch_size]]
                 width = max(len(p) for p in batch)
                 ids = torch.full((len(batch), width), pad, dtype=torch.long)
                 attn = torch.zeros((len(batch), width), dtype=torch.long)
                 for j, p in enumerate(batch):
-                    ids[j, width - len(p):] = torch.tensor(p, dtype=torch.long)
-                    attn[j, width - len(p):] = 1
-                kwargs: dict[str, Any] = dict(max_new_tokens=max_tokens, pad_token_id=pad,
-                                              eos_token_id=self.stop_ids, do_sample=temperature > 0)
+                    ids[j, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+                    attn[j, width - len(p) :] = 1
+                kwargs: dict[str, Any] = dict(
+                    max_new_tokens=max_tokens, pad_token_id=pad, eos_token_id=self.stop_ids, do_sample=temperature > 0
+                )
                 if temperature > 0:
                     kwargs.update(temperature=temperature, top_p=top_p, top_k=0)
                 with torch.no_grad():
-                    gen = self.model.generate(input_ids=ids.to(self.device), attention_mask=attn.to(self.device),
-                                              **kwargs)
+                    gen = self.model.generate(
+                        input_ids=ids.to(self.device), attention_mask=attn.to(self.device), **kwargs
+                    )
                 for row in gen[:, width:].tolist():
                     stop = next((i for i, t in enumerate(row) if t in self.stop_ids), None)
                     resp = row[:stop] if stop is not None else row
-                    out.append(Generation(self.tokenizer.decode(resp, skip_special_tokens=True), len(resp),
-                                          stop is None and len(row) >= max_tokens))
+                    out.append(
+                        Generation(
+                            self.tokenizer.decode(resp, skip_special_tokens=True),
+                            len(resp),
+                            stop is None and len(row) >= max_tokens,
+                        )
+                    )
         return out
 
 
 class VLLMProbeEngine:
     """vLLM offline ``LLM.generate`` on token ids; one engine serves every setting of its model."""
 
-    def __init__(self, model_path: str, *, max_model_len: int, gpu_memory_utilization: float = 0.85,
-                 dtype: str = "auto", enforce_eager: bool = False, seed: int = 0) -> None:
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        max_model_len: int,
+        gpu_memory_utilization: float = 0.85,
+        dtype: str = "auto",
+        enforce_eager: bool = False,
+        seed: int = 0,
+    ) -> None:
         from vllm import LLM
 
-        self.llm = LLM(model=model_path, max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
-                       dtype=dtype, enforce_eager=enforce_eager, seed=seed)
+        self.llm = LLM(
+            model=model_path,
+            max_model_len=max_model_len,
+            gpu_memory_utilization=gpu_memory_utilization,
+            dtype=dtype,
+            enforce_eager=enforce_eager,
+            seed=seed,
+        )
         self.tokenizer = self.llm.get_tokenizer()
         self.stop_ids = stop_token_ids(self.tokenizer, _generation_config(model_path))
 
-    def generate(self, prompts: Sequence[list[int]], *, max_tokens: int, temperature: float, top_p: float,
-                 seed: int) -> list[Generation]:
+    def generate(
+        self, prompts: Sequence[list[int]], *, max_tokens: int, temperature: float, top_p: float, seed: int
+    ) -> list[Generation]:
         from vllm import SamplingParams
 
-        params = SamplingParams(temperature=temperature, top_p=top_p if temperature > 0 else 1.0,
-                                max_tokens=max_tokens, stop_token_ids=self.stop_ids, n=1)
+        params = SamplingParams(
+            temperature=temperature,
+            top_p=top_p if temperature > 0 else 1.0,
+            max_tokens=max_tokens,
+            stop_token_ids=self.stop_ids,
+            n=1,
+        )
         # No per-request seed: repeated prompts (a task's student answers) must be independent samples; the
         # engine's own seed keeps the run reproducible.
         outs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
@@ -239,7 +286,7 @@ def envelope_reason(text: str) -> str:
     after = t[close:]
     if "<answer>" not in after:
         return "envelope: no <answer>"
-    if "</answer>" not in after[after.find("<answer>"):]:
+    if "</answer>" not in after[after.find("<answer>") :]:
         return "envelope: <answer> not closed"
     return "envelope: malformed"
 
@@ -310,10 +357,22 @@ def _parallel(fn: Callable[[Any], Any], items: Sequence[Any], workers: int) -> l
         return list(pool.map(fn, items))
 
 
-def run_setting(engine: ProbeEngine, setting: Setting, *, types: Sequence[str], proposals: int, student_n: int,
-                seed_file: str | None, executor: Any, seed: int = 0, top_p: float = 1.0,
-                max_prompt_tokens: int = 4096, overrides: Mapping[str, Any] | None = None,
-                workers: int = 8, progress: Any = None) -> dict[str, Any]:
+def run_setting(
+    engine: ProbeEngine,
+    setting: Setting,
+    *,
+    types: Sequence[str],
+    proposals: int,
+    student_n: int,
+    seed_file: str | None,
+    executor: Any,
+    seed: int = 0,
+    top_p: float = 1.0,
+    max_prompt_tokens: int = 4096,
+    overrides: Mapping[str, Any] | None = None,
+    workers: int = 8,
+    progress: Any = None,
+) -> dict[str, Any]:
     """Proposals, their validation and the student answers for one setting; a JSON-ready dict."""
     from populora_verl.step.task_env import TaskEnv
     from populora_verl.tasks import validate_proposal
@@ -328,8 +387,17 @@ def run_setting(engine: ProbeEngine, setting: Setting, *, types: Sequence[str], 
     def _gen(prompts: list[Any], phase: int) -> tuple[list[Generation], float]:
         t0 = time.perf_counter()
         ids = [encode_prompt(tok, p, setting.template, max_prompt_tokens) for p in prompts]
-        gens = engine.generate(ids, max_tokens=setting.max_tokens, temperature=setting.temperature, top_p=top_p,
-                               seed=seed * 1000 + phase) if ids else []
+        gens = (
+            engine.generate(
+                ids,
+                max_tokens=setting.max_tokens,
+                temperature=setting.temperature,
+                top_p=top_p,
+                seed=seed * 1000 + phase,
+            )
+            if ids
+            else []
+        )
         return gens, time.perf_counter() - t0
 
     # 1. proposals, every type in one batch
@@ -340,8 +408,16 @@ def run_setting(engine: ProbeEngine, setting: Setting, *, types: Sequence[str], 
 
     def _validate(i: int) -> Any:
         tt, _, meta = requests[i]
-        return validate_proposal(gens[i].text, tt, env.executor, cfg, program=meta.get("program"), teacher="probe",
-                                 step=0, think_prefilled=env.think_prefilled)
+        return validate_proposal(
+            gens[i].text,
+            tt,
+            env.executor,
+            cfg,
+            program=meta.get("program"),
+            teacher="probe",
+            step=0,
+            think_prefilled=env.think_prefilled,
+        )
 
     if progress is not None:
         progress.set_postfix_str(f"{setting.label}: validation")
@@ -380,9 +456,12 @@ def run_setting(engine: ProbeEngine, setting: Setting, *, types: Sequence[str], 
     sgens, student_gen_s = _gen([env.solver_request(t) for t, _ in jobs], 1)
     t0 = time.perf_counter()
     chunk = max(1, len(jobs) // max(1, workers))
-    pieces = [list(zip(jobs[i:i + chunk], sgens[i:i + chunk])) for i in range(0, len(jobs), chunk)]
-    scored = [s for part in _parallel(lambda part: env.score_many([(t, g.text) for (t, _), g in part]), pieces,
-                                      workers) for s in part]
+    pieces = [list(zip(jobs[i : i + chunk], sgens[i : i + chunk])) for i in range(0, len(jobs), chunk)]
+    scored = [
+        s
+        for part in _parallel(lambda part: env.score_many([(t, g.text) for (t, _), g in part]), pieces, workers)
+        for s in part
+    ]
     score_s = time.perf_counter() - t0
     from populora_verl.tasks import extract_answer
 
@@ -405,8 +484,12 @@ def run_setting(engine: ProbeEngine, setting: Setting, *, types: Sequence[str], 
         "types": {tt: {**asdict(r), "valid_rate": r.valid_rate} for tt, r in reports.items()},
         "seed_tasks": len(seed_tasks),
         "student_n": student_n,
-        "seconds": {"propose_generate": round(gen_s, 2), "validate": round(validate_s, 2),
-                    "student_generate": round(student_gen_s, 2), "score": round(score_s, 2)},
+        "seconds": {
+            "propose_generate": round(gen_s, 2),
+            "validate": round(validate_s, 2),
+            "student_generate": round(student_gen_s, 2),
+            "score": round(score_s, 2),
+        },
     }
 
 
@@ -419,19 +502,23 @@ def _frac(k: int, n: int) -> str:
 
 def render_table(results: Iterable[Mapping[str, Any]], top_reasons: int = 3) -> str:
     """One markdown row per (setting, task type)."""
-    lines = ["| model | template | tokens | T | type | valid | format err. | invalid | top failure reasons | "
-             "hit length cap | mean tokens | solved (valid tasks) | solved (seed tasks) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| model | template | tokens | T | type | valid | format err. | invalid | top failure reasons | "
+        "hit length cap | mean tokens | solved (valid tasks) | solved (seed tasks) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for res in results:
         s = res["setting"]
         words = f" ({Path(s['prompt_file']).stem})" if s.get("prompt_file") else ""
         for tt, r in res["types"].items():
             reasons = ", ".join(f"{k} {v}" for k, v in list(r["reasons"].items())[:top_reasons]) or "–"
             lines.append(
-                f"| {Path(s['model']).name} | {s['template']}{words} | {s['max_tokens']} | {s['temperature']:g} | {tt} | "
+                f"| {Path(s['model']).name} | {s['template']}{words} | {s['max_tokens']} | {s['temperature']:g} "
+                f"| {tt} | "
                 f"{_frac(r['valid'], r['proposals'])} | {r['format_error']} | {r['invalid']} | {reasons} | "
                 f"{r['hit_cap']} | {r['mean_tokens']:.0f} | {_frac(r['solved_valid'], r['answers_valid'])} | "
-                f"{_frac(r['solved_seed'], r['answers_seed'])} |")
+                f"{_frac(r['solved_seed'], r['answers_seed'])} |"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -461,22 +548,40 @@ def _training_default_template() -> str:
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m populora_verl.bench.validity", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", nargs="+", required=True, help="HF model folder(s); one engine per model")
-    ap.add_argument("--templates", nargs="+", default=[_training_default_template()], choices=TEMPLATES,
-                    help="azr / chat: what training sends for populora.tasks.prompt_template=azr / chat (default: "
-                    "what training sends by default); azr-in-chat: the azr text wrapped in one chat turn, for "
-                    "comparison only")
+    ap.add_argument(
+        "--templates",
+        nargs="+",
+        default=[_training_default_template()],
+        choices=TEMPLATES,
+        help="azr / chat: what training sends for populora.tasks.prompt_template=azr / chat (default: "
+        "what training sends by default); azr-in-chat: the azr text wrapped in one chat turn, for "
+        "comparison only",
+    )
     ap.add_argument("--lengths", nargs="+", type=int, default=[1024], help="max answer tokens")
     ap.add_argument("--temperatures", nargs="+", type=float, default=[1.0])
-    ap.add_argument("--prompt-files", nargs="+", default=["default"], metavar="FILE",
-                    help="populora.tasks.prompt_file per setting; 'default' is our own wording")
+    ap.add_argument(
+        "--prompt-files",
+        nargs="+",
+        default=["default"],
+        metavar="FILE",
+        help="populora.tasks.prompt_file per setting; 'default' is our own wording",
+    )
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--types", nargs="+", default=["code_o", "code_i", "code_f"])
     ap.add_argument("--proposals", type=int, default=64, help="proposals per task type and setting")
     ap.add_argument("--student-n", type=int, default=4, help="student answers per valid task and per seed task")
-    ap.add_argument("--seed-file", default=DEFAULT_SEED_FILE,
-                    help="JSONL seed tasks (references and seed solve rate); 'none' = AZR's identity seeds")
-    ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
-                    help="populora config overrides, e.g. populora.tasks.num_references=2")
+    ap.add_argument(
+        "--seed-file",
+        default=DEFAULT_SEED_FILE,
+        help="JSONL seed tasks (references and seed solve rate); 'none' = AZR's identity seeds",
+    )
+    ap.add_argument(
+        "--set",
+        nargs="*",
+        default=[],
+        metavar="KEY=VALUE",
+        help="populora config overrides, e.g. populora.tasks.num_references=2",
+    )
     ap.add_argument("--engine", choices=["vllm", "hf"], default="vllm")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     ap.add_argument("--max-prompt-tokens", type=int, default=4096)
@@ -492,9 +597,14 @@ def build_parser() -> argparse.ArgumentParser:
 def _build_engine(args: argparse.Namespace, model: str) -> ProbeEngine:
     if args.engine == "hf":
         return HFProbeEngine(model, batch_size=args.batch_size, dtype=args.dtype)
-    return VLLMProbeEngine(model, max_model_len=args.max_prompt_tokens + max(args.lengths),
-                           gpu_memory_utilization=args.gpu_memory_utilization, dtype=args.dtype,
-                           enforce_eager=args.enforce_eager, seed=args.seed)
+    return VLLMProbeEngine(
+        model,
+        max_model_len=args.max_prompt_tokens + max(args.lengths),
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        dtype=args.dtype,
+        enforce_eager=args.enforce_eager,
+        seed=args.seed,
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -519,8 +629,14 @@ def _main(args: argparse.Namespace) -> int:
     for model in args.model:  # every model, not only the first: the second would fail after the first's settings
         check_model_path(model, "--model", hub=False)
     out = check_output_dir(args.out, "--out")
-    settings = [Setting(m, t, n, temp, f) for m in args.model for t in args.templates for f in prompt_files
-                for n in args.lengths for temp in args.temperatures]
+    settings = [
+        Setting(m, t, n, temp, f)
+        for m in args.model
+        for t in args.templates
+        for f in prompt_files
+        for n in args.lengths
+        for temp in args.temperatures
+    ]
     results: list[dict[str, Any]] = []
     t_start = time.perf_counter()
     try:
@@ -528,9 +644,11 @@ def _main(args: argparse.Namespace) -> int:
     except _ProbeError as e:
         raise UsageError(str(e)) from None
     table = render_table(results)
-    header = (f"# Validity probe\n\nengine {args.engine}, {args.proposals} proposals per type, {args.student_n} "
-              f"student answers per task, seed file {seed_file or 'AZR identity seeds'}, "
-              f"{time.perf_counter() - t_start:.0f} s in all.\n\n")
+    header = (
+        f"# Validity probe\n\nengine {args.engine}, {args.proposals} proposals per type, {args.student_n} "
+        f"student answers per task, seed file {seed_file or 'AZR identity seeds'}, "
+        f"{time.perf_counter() - t_start:.0f} s in all.\n\n"
+    )
     (out / "results.md").write_text(header + table, encoding="utf-8")
     print(table)
     print(f"wrote {out / 'results.md'} and {out / 'results.json'}")
@@ -541,37 +659,60 @@ class _ProbeError(Exception):
     """A setting the probe cannot run; reported in one line."""
 
 
-def _run_all(args: argparse.Namespace, settings: Sequence[Setting], seed_file: str | None,
-             overrides: Mapping[str, Any], cfg: Any, results: list[dict[str, Any]]) -> None:
+def _run_all(
+    args: argparse.Namespace,
+    settings: Sequence[Setting],
+    seed_file: str | None,
+    overrides: Mapping[str, Any],
+    cfg: Any,
+    results: list[dict[str, Any]],
+) -> None:
     from tqdm.auto import tqdm
 
     from populora_verl.executor import Executor
 
     out = Path(args.out)
-    with Executor.from_config(cfg.executor, max_workers=args.workers) as executor, \
-            tqdm(total=len(settings), desc="validity", unit="setting") as bar:
+    with (
+        Executor.from_config(cfg.executor, max_workers=args.workers) as executor,
+        tqdm(total=len(settings), desc="validity", unit="setting") as bar,
+    ):
         for model in args.model:
             t0 = time.perf_counter()
             bar.set_postfix_str(f"loading {Path(model).name}")
             try:
                 engine = _build_engine(args, model)
             except (OSError, ValueError) as e:  # no weights / no tokenizer / unsupported architecture
-                raise _ProbeError(f"--model {model}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+                raise _ProbeError(
+                    f"--model {model}: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
+                ) from None
             load_s = time.perf_counter() - t0
             wrapped = [t for t in args.templates if t != "azr"]
             if wrapped and not getattr(engine.tokenizer, "chat_template", None):
-                raise _ProbeError(f"{model}: the tokenizer has no chat template, needed by --templates "
-                                  f"{' '.join(wrapped)} (use azr)")
+                raise _ProbeError(
+                    f"{model}: the tokenizer has no chat template, needed by --templates {' '.join(wrapped)} (use azr)"
+                )
             for s in (s for s in settings if s.model == model):
-                res = run_setting(engine, s, types=args.types, proposals=args.proposals, student_n=args.student_n,
-                                  seed_file=seed_file, executor=executor, seed=args.seed, top_p=args.top_p,
-                                  max_prompt_tokens=args.max_prompt_tokens, overrides=overrides,
-                                  workers=args.workers, progress=bar)
+                res = run_setting(
+                    engine,
+                    s,
+                    types=args.types,
+                    proposals=args.proposals,
+                    student_n=args.student_n,
+                    seed_file=seed_file,
+                    executor=executor,
+                    seed=args.seed,
+                    top_p=args.top_p,
+                    max_prompt_tokens=args.max_prompt_tokens,
+                    overrides=overrides,
+                    workers=args.workers,
+                    progress=bar,
+                )
                 res["seconds"]["engine_load"] = round(load_s, 2)
                 results.append(res)
                 out.mkdir(parents=True, exist_ok=True)  # only once there is a result: a failed start leaves nothing
-                (out / "results.json").write_text(json.dumps({"args": vars(args), "results": results}, indent=1),
-                                                  encoding="utf-8")
+                (out / "results.json").write_text(
+                    json.dumps({"args": vars(args), "results": results}, indent=1), encoding="utf-8"
+                )
                 bar.update(1)
             # Free this model's engine before the next one is built (vLLM's engine core exits when collected).
             del engine

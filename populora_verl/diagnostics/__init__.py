@@ -27,8 +27,19 @@ from populora_verl.diagnostics.tracker import ProblemDiagnostics
 
 # The plots module is also a script (``python -m populora_verl.diagnostics.plots``); importing it here eagerly
 # would make runpy warn about executing an already-imported module, so its names resolve on first access.
-_PLOT_NAMES = ("plot_all", "plot_complexity", "plot_coverage", "plot_ratings", "plot_solve_rates", "plot_validity",
-               "plot_validity_by_type", "plot_response_length", "plot_reward", "compare_runs", "read_events")
+_PLOT_NAMES = (
+    "plot_all",
+    "plot_complexity",
+    "plot_coverage",
+    "plot_ratings",
+    "plot_solve_rates",
+    "plot_validity",
+    "plot_validity_by_type",
+    "plot_response_length",
+    "plot_reward",
+    "compare_runs",
+    "read_events",
+)
 
 
 def __getattr__(name: str):
@@ -37,6 +48,7 @@ def __getattr__(name: str):
 
         return getattr(plots, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "DESCRIPTORS",

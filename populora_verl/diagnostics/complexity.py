@@ -162,12 +162,10 @@ def program_complexity(source: str, *, max_chars: int | None = None) -> ProgramC
     except Exception as e:  # noqa: BLE001 - radon on adversarial text: anything it raises means "skip"
         logger.debug("radon failed on a program that parsed (%s: %s); skipping it", type(e).__name__, e)
         return None
-    return ProgramComplexity(ast_depth=ast_depth(tree), cyclomatic=cyclomatic, loc=loc,
-                             ast_nodes=ast_node_count(tree))
+    return ProgramComplexity(ast_depth=ast_depth(tree), cyclomatic=cyclomatic, loc=loc, ast_nodes=ast_node_count(tree))
 
 
-def complexities(programs: Sequence[str], *, max_chars: int | None = None
-                 ) -> tuple[list[ProgramComplexity], int]:
+def complexities(programs: Sequence[str], *, max_chars: int | None = None) -> tuple[list[ProgramComplexity], int]:
     """Complexities of the programs that parse, and the number skipped because they did not."""
     out: list[ProgramComplexity] = []
     skipped = 0

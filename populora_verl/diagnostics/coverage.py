@@ -40,26 +40,32 @@ def _check_descriptors(descriptors: Sequence[str], descriptor_max: Mapping[str, 
             raise ValueError(f"populora.diagnostics.descriptor_max.{d}: needs a bound > 0")
 
 
-def descriptor_vector(complexity: ProgramComplexity, descriptors: Sequence[str],
-                      descriptor_max: Mapping[str, float]) -> np.ndarray:
+def descriptor_vector(
+    complexity: ProgramComplexity, descriptors: Sequence[str], descriptor_max: Mapping[str, float]
+) -> np.ndarray:
     """``[min(value_d / max_d, 1) for d in descriptors]``: the task's point in the unit cube."""
     _check_descriptors(descriptors, descriptor_max)
     raw = np.array([complexity.get(d) / float(descriptor_max[d]) for d in descriptors], dtype=np.float64)
     return np.clip(raw, 0.0, 1.0)
 
 
-def _check_compatible(state: Mapping[str, np.ndarray], descriptors: Sequence[str],
-                      descriptor_max: Mapping[str, float]) -> None:
+def _check_compatible(
+    state: Mapping[str, np.ndarray], descriptors: Sequence[str], descriptor_max: Mapping[str, float]
+) -> None:
     """A saved archive is only meaningful under the descriptors and bounds it was built with."""
     saved = tuple(str(d) for d in np.asarray(state["descriptors"]).tolist())
     if saved != tuple(descriptors):
-        raise ValueError(f"coverage state was saved with descriptors {list(saved)}, "
-                         f"but populora.diagnostics.descriptors is {list(descriptors)}")
+        raise ValueError(
+            f"coverage state was saved with descriptors {list(saved)}, "
+            f"but populora.diagnostics.descriptors is {list(descriptors)}"
+        )
     saved_max = np.asarray(state["descriptor_max"], dtype=np.float64)
     ours = np.array([float(descriptor_max[d]) for d in descriptors])
     if not np.allclose(saved_max, ours):
-        raise ValueError(f"coverage state was saved with descriptor_max {saved_max.tolist()}, "
-                         f"but the config has {ours.tolist()}: the cells would not mean the same")
+        raise ValueError(
+            f"coverage state was saved with descriptor_max {saved_max.tolist()}, "
+            f"but the config has {ours.tolist()}: the cells would not mean the same"
+        )
 
 
 class CoverageArchive:
@@ -72,8 +78,14 @@ class CoverageArchive:
         centroids: precomputed ``(cvt_cells, len(descriptors))`` centroids in the unit cube; skips k-means.
     """
 
-    def __init__(self, cfg: DiagnosticsConfig | None = None, *, window: int | None = None, seed: int = 0,
-                 centroids: np.ndarray | None = None) -> None:
+    def __init__(
+        self,
+        cfg: DiagnosticsConfig | None = None,
+        *,
+        window: int | None = None,
+        seed: int = 0,
+        centroids: np.ndarray | None = None,
+    ) -> None:
         cfg = cfg if cfg is not None else DiagnosticsConfig()
         self.descriptors: tuple[str, ...] = tuple(cfg.descriptors)
         self.descriptor_max: dict[str, float] = {d: float(cfg.descriptor_max[d]) for d in self.descriptors}
@@ -92,8 +104,13 @@ class CoverageArchive:
         else:
             from ribs.archives import CVTArchive
 
-            self._archive = CVTArchive(solution_dim=1, centroids=int(cfg.cvt_cells), ranges=[(0.0, 1.0)] * dim,
-                                       samples=int(cfg.cvt_samples), seed=seed)
+            self._archive = CVTArchive(
+                solution_dim=1,
+                centroids=int(cfg.cvt_cells),
+                ranges=[(0.0, 1.0)] * dim,
+                samples=int(cfg.cvt_samples),
+                seed=seed,
+            )
         self.num_cells = int(self._archive.centroids.shape[0])
         self.counts = np.zeros(self.num_cells, dtype=np.int64)
         self.num_tasks = 0
@@ -214,15 +231,22 @@ class CoverageArchive:
         return path
 
     @classmethod
-    def load(cls, path: str | os.PathLike, cfg: DiagnosticsConfig | None = None) -> "CoverageArchive":
+    def load(cls, path: str | os.PathLike, cfg: DiagnosticsConfig | None = None) -> CoverageArchive:
         """Rebuild an archive saved by :meth:`save` (no k-means: the saved centroids are reused)."""
         with np.load(Path(path), allow_pickle=False) as data:
             state = {k: data[k] for k in data.files}
-        cfg = cfg if cfg is not None else DiagnosticsConfig(
-            descriptors=[str(d) for d in state["descriptors"].tolist()],
-            descriptor_max={str(d): float(m) for d, m in zip(state["descriptors"].tolist(),
-                                                            state["descriptor_max"].tolist())},
-            cvt_cells=int(state["centroids"].shape[0]), cvt_samples=int(state["centroids"].shape[0]))
+        cfg = (
+            cfg
+            if cfg is not None
+            else DiagnosticsConfig(
+                descriptors=[str(d) for d in state["descriptors"].tolist()],
+                descriptor_max={
+                    str(d): float(m) for d, m in zip(state["descriptors"].tolist(), state["descriptor_max"].tolist())
+                },
+                cvt_cells=int(state["centroids"].shape[0]),
+                cvt_samples=int(state["centroids"].shape[0]),
+            )
+        )
         _check_compatible(state, cfg.descriptors, cfg.descriptor_max)
         archive = cls(cfg, window=int(state["window"]), seed=int(state["seed"]), centroids=state["centroids"])
         archive.load_state_dict(state)

@@ -33,9 +33,25 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["load_run", "slope_interval", "sign_changes", "summarise", "markdown", "pair_series", "arm_of",
-           "group_arms", "slope_difference", "seed_permutation_p", "direction_changes", "noise_p_value",
-           "compare_arms", "compare_markdown", "arm_band", "plot_arms", "main"]
+__all__ = [
+    "load_run",
+    "slope_interval",
+    "sign_changes",
+    "summarise",
+    "markdown",
+    "pair_series",
+    "arm_of",
+    "group_arms",
+    "slope_difference",
+    "seed_permutation_p",
+    "direction_changes",
+    "noise_p_value",
+    "compare_arms",
+    "compare_markdown",
+    "arm_band",
+    "plot_arms",
+    "main",
+]
 
 P = "populora/"
 _PAIR = re.compile(r"^populora/pair/([^/]+)/([^/]+)/solve_rate$")
@@ -73,16 +89,20 @@ def load_run(run: str | Path) -> dict[str, Any]:
 
 def series(rows: Mapping[int, Mapping[str, Any]], key: str) -> tuple[np.ndarray, np.ndarray]:
     """(steps, values) where ``key`` was logged as a finite number."""
-    pts = [(s, float(r[key])) for s, r in rows.items() if isinstance(r.get(key), (int, float))
-           and math.isfinite(float(r[key]))]
+    pts = [
+        (s, float(r[key]))
+        for s, r in rows.items()
+        if isinstance(r.get(key), (int, float)) and math.isfinite(float(r[key]))
+    ]
     if not pts:
         return np.zeros(0), np.zeros(0)
     s, v = zip(*pts)
     return np.asarray(s, dtype=float), np.asarray(v, dtype=float)
 
 
-def slope_interval(steps: np.ndarray, values: np.ndarray, *, draws: int = 2000, seed: int = 0
-                   ) -> tuple[float, float, float] | None:
+def slope_interval(
+    steps: np.ndarray, values: np.ndarray, *, draws: int = 2000, seed: int = 0
+) -> tuple[float, float, float] | None:
     """Least-squares slope per step and its 95 % percentile interval over bootstrap resamples of the points
     (None with fewer than 4 points or one distinct step)."""
     if len(steps) < 4 or np.ptp(steps) == 0:
@@ -129,17 +149,27 @@ def summarise(run: Mapping[str, Any], window: int = 5) -> dict[str, Any]:
     rows, verl = run["rows"], run["verl"]
     steps = list(rows)
     out: dict[str, Any] = {"name": run["name"], "steps": len(steps), "last_step": steps[-1] if steps else 0}
-    keys = {"validity (programs, AZR)": f"{P}validity/mean",
-            "teacher format errors": f"{P}role/teacher/format_error_rate",
-            "student format errors": f"{P}role/student/format_error_rate",
-            "student accuracy": f"{P}student/accuracy",
-            "teacher response tokens": f"{P}role/teacher/response_length_mean",
-            "student response tokens": f"{P}role/student/response_length_mean",
-            "teacher reward": f"{P}role/teacher/reward_mean"}
-    out["learning"] = {label: (_window(rows, k, True, window), _window(rows, k, False, window))
-                       for label, k in keys.items()}
-    types = sorted({m.group(1) for r in rows.values() for k in r
-                    for m in [re.match(r"^populora/task_type/([^/]+)/validity$", k)] if m})
+    keys = {
+        "validity (programs, AZR)": f"{P}validity/mean",
+        "teacher format errors": f"{P}role/teacher/format_error_rate",
+        "student format errors": f"{P}role/student/format_error_rate",
+        "student accuracy": f"{P}student/accuracy",
+        "teacher response tokens": f"{P}role/teacher/response_length_mean",
+        "student response tokens": f"{P}role/student/response_length_mean",
+        "teacher reward": f"{P}role/teacher/reward_mean",
+    }
+    out["learning"] = {
+        label: (_window(rows, k, True, window), _window(rows, k, False, window)) for label, k in keys.items()
+    }
+    types = sorted(
+        {
+            m.group(1)
+            for r in rows.values()
+            for k in r
+            for m in [re.match(r"^populora/task_type/([^/]+)/validity$", k)]
+            if m
+        }
+    )
     per_type = {}
     for tt in types:
         base = f"{P}task_type/{tt}"
@@ -148,50 +178,90 @@ def summarise(run: Mapping[str, Any], window: int = 5) -> dict[str, Any]:
             _, v = series(rows, k)
             if v.size and v.sum() > 0:
                 fails[k.rsplit("/", 1)[1]] = float(np.mean(v))
-        per_type[tt] = {"validity": (_window(rows, f"{base}/validity", True, window),
-                                     _window(rows, f"{base}/validity", False, window)),
-                        "format errors": (_window(rows, f"{base}/format_error_rate", True, window),
-                                          _window(rows, f"{base}/format_error_rate", False, window)),
-                        "unformatted valid": _window(rows, f"{base}/unformatted_valid_rate", False, len(steps)),
-                        "no task, by reason (run mean)": fails}
+        per_type[tt] = {
+            "validity": (
+                _window(rows, f"{base}/validity", True, window),
+                _window(rows, f"{base}/validity", False, window),
+            ),
+            "format errors": (
+                _window(rows, f"{base}/format_error_rate", True, window),
+                _window(rows, f"{base}/format_error_rate", False, window),
+            ),
+            "unformatted valid": _window(rows, f"{base}/unformatted_valid_rate", False, len(steps)),
+            "no task, by reason (run mean)": fails,
+        }
     out["per_type"] = per_type
     s, v = series(rows, f"{P}complexity/cyclomatic/mean")
-    out["complexity"] = {"points": int(len(v)), "first": float(v[:window].mean()) if len(v) else None,
-                         "last": float(v[-window:].mean()) if len(v) else None, "slope": slope_interval(s, v)}
+    out["complexity"] = {
+        "points": int(len(v)),
+        "first": float(v[:window].mean()) if len(v) else None,
+        "last": float(v[-window:].mean()) if len(v) else None,
+        "slope": slope_interval(s, v),
+    }
     _, cells = series(rows, f"{P}coverage/cells_filled")
     _, wfrac = series(rows, f"{P}coverage/window_fraction")
-    out["coverage"] = {"cells_filled_last": float(cells[-1]) if len(cells) else None,
-                       "window_fraction": (float(wfrac[:window].mean()) if len(wfrac) else None,
-                                           float(wfrac[-window:].mean()) if len(wfrac) else None)}
-    out["pairs"] = {pair: {"steps": [int(x) for x in ps], "mean": float(pv.mean()),
-                           "sign_changes": sign_changes(list(pv))} for pair, (ps, pv) in pair_series(rows).items()}
+    out["coverage"] = {
+        "cells_filled_last": float(cells[-1]) if len(cells) else None,
+        "window_fraction": (
+            float(wfrac[:window].mean()) if len(wfrac) else None,
+            float(wfrac[-window:].mean()) if len(wfrac) else None,
+        ),
+    }
+    out["pairs"] = {
+        pair: {"steps": [int(x) for x in ps], "mean": float(pv.mean()), "sign_changes": sign_changes(list(pv))}
+        for pair, (ps, pv) in pair_series(rows).items()
+    }
     last = rows[steps[-1]] if steps else {}
-    out["ratings"] = {m.group(1): (float(last[k]), float(last.get(f"{P}rating/{m.group(1)}/sigma", float("nan"))))
-                      for k in last for m in [_RATING.match(k)] if m}
-    out["events"] = [{"step": e.get("step"), "replacements": [
-        f"{r['victim_id']} <- {r['child_id']} = {r['operator']}({', '.join(r['parent_ids'])})"
-        + (" [tie-break]" if r.get("tie_break") else "") for r in e.get("replacements", [])]} for e in run["events"]]
+    out["ratings"] = {
+        m.group(1): (float(last[k]), float(last.get(f"{P}rating/{m.group(1)}/sigma", float("nan"))))
+        for k in last
+        for m in [_RATING.match(k)]
+        if m
+    }
+    out["events"] = [
+        {
+            "step": e.get("step"),
+            "replacements": [
+                f"{r['victim_id']} <- {r['child_id']} = {r['operator']}({', '.join(r['parent_ids'])})"
+                + (" [tie-break]" if r.get("tie_break") else "")
+                for r in e.get("replacements", [])
+            ],
+        }
+        for e in run["events"]
+    ]
     _, real = series(rows, f"{P}compute/member_mean/trajectories")
     _, plan = series(rows, f"{P}compute/planned_trajectories")
-    members = sorted({k.split("/")[2] for r in rows.values() for k in r
-                      if k.startswith(f"{P}compute/") and k.endswith("/trajectories") and "/member_mean/" not in k})
+    members = sorted(
+        {
+            k.split("/")[2]
+            for r in rows.values()
+            for k in r
+            if k.startswith(f"{P}compute/") and k.endswith("/trajectories") and "/member_mean/" not in k
+        }
+    )
     totals = {m: float(series(rows, f"{P}compute/{m}/trajectories")[1].sum()) for m in members}
     _, deviation = series(rows, f"{P}compute/max_plan_deviation")
     # a step on which a member that trained before trains nothing: the matchmaking defect this check was made for
-    idle = [st for st, r in rows.items()
-            if any(r.get(f"{P}compute/{m}/trajectories") == 0 for m in members)]
-    out["compute"] = {"planned_per_step": float(plan[0]) if len(plan) else None,
-                      "realised_mean_per_step": float(real.mean()) if len(real) else None,
-                      "per_member_total": totals,
-                      "steps_with_an_idle_member": idle,
-                      "steps_off_plan": int((deviation > 0.10).sum()) if len(deviation) else None,
-                      "max_plan_deviation": float(deviation.max()) if len(deviation) else None}
+    idle = [st for st, r in rows.items() if any(r.get(f"{P}compute/{m}/trajectories") == 0 for m in members)]
+    out["compute"] = {
+        "planned_per_step": float(plan[0]) if len(plan) else None,
+        "realised_mean_per_step": float(real.mean()) if len(real) else None,
+        "per_member_total": totals,
+        "steps_with_an_idle_member": idle,
+        "steps_off_plan": int((deviation > 0.10).sum()) if len(deviation) else None,
+        "max_plan_deviation": float(deviation.max()) if len(deviation) else None,
+    }
     step_s = [d.get("timing_s/step") for d in verl.values()]
-    execs = [(d.get("timing_s/populora_validate", 0.0) + d.get("timing_s/populora_score", 0.0)) / d["timing_s/step"]
-             for d in verl.values() if d.get("timing_s/step")]
-    out["speed"] = {"median_step_s": float(np.median([x for x in step_s[1:] if x])) if len(step_s) > 1 else None,
-                    "executor_share_median": float(np.median(execs[1:])) if len(execs) > 1 else None,
-                    "executor_share_max": float(np.max(execs[1:])) if len(execs) > 1 else None}
+    execs = [
+        (d.get("timing_s/populora_validate", 0.0) + d.get("timing_s/populora_score", 0.0)) / d["timing_s/step"]
+        for d in verl.values()
+        if d.get("timing_s/step")
+    ]
+    out["speed"] = {
+        "median_step_s": float(np.median([x for x in step_s[1:] if x])) if len(step_s) > 1 else None,
+        "executor_share_median": float(np.median(execs[1:])) if len(execs) > 1 else None,
+        "executor_share_max": float(np.max(execs[1:])) if len(execs) > 1 else None,
+    }
     checks = {}
     for s_, d in verl.items():
         for k, val in d.items():
@@ -214,52 +284,85 @@ def _f(x: Any, digits: int = 2) -> str:
 def markdown(summary: Mapping[str, Any], window: int = 5) -> str:
     """One run's section."""
     s = summary
-    lines = [f"### {s['name']} ({s['steps']} logged steps, last step {s['last_step']})", "",
-             f"| quantity | first {window} steps | last {window} steps |", "|---|---|---|"]
+    lines = [
+        f"### {s['name']} ({s['steps']} logged steps, last step {s['last_step']})",
+        "",
+        f"| quantity | first {window} steps | last {window} steps |",
+        "|---|---|---|",
+    ]
     for label, (a, b) in s["learning"].items():
         d = 0 if "tokens" in label else 2
         lines.append(f"| {label} | {_f(a, d)} | {_f(b, d)} |")
-    lines += ["", f"| task type | validity first → last {window} | format errors first → last {window} | "
-              "valid under a failed envelope (run mean) | no task, by reason (run mean) |", "|---|---|---|---|---|"]
+    lines += [
+        "",
+        f"| task type | validity first → last {window} | format errors first → last {window} | "
+        "valid under a failed envelope (run mean) | no task, by reason (run mean) |",
+        "|---|---|---|---|---|",
+    ]
     for tt, d in s["per_type"].items():
-        reasons = ", ".join(f"{k} {v:.2f}" for k, v in sorted(d["no task, by reason (run mean)"].items(),
-                                                             key=lambda kv: -kv[1])) or "–"
-        lines.append(f"| {tt} | {_f(d['validity'][0])} → {_f(d['validity'][1])} | {_f(d['format errors'][0])} → "
-                     f"{_f(d['format errors'][1])} | {_f(d['unformatted valid'])} | {reasons} |")
+        reasons = (
+            ", ".join(
+                f"{k} {v:.2f}" for k, v in sorted(d["no task, by reason (run mean)"].items(), key=lambda kv: -kv[1])
+            )
+            or "–"
+        )
+        lines.append(
+            f"| {tt} | {_f(d['validity'][0])} → {_f(d['validity'][1])} | {_f(d['format errors'][0])} → "
+            f"{_f(d['format errors'][1])} | {_f(d['unformatted valid'])} | {reasons} |"
+        )
     c = s["complexity"]
     slope = c["slope"]
-    lines += ["", f"- complexity (mean cyclomatic of valid teacher programs, {c['points']} steps with one): "
-              f"{_f(c['first'])} → {_f(c['last'])}; slope "
-              + (f"{slope[0]:+.4f} per step [95% {slope[1]:+.4f}, {slope[2]:+.4f}]" if slope
-                 else "– (too few points)")]
+    lines += [
+        "",
+        f"- complexity (mean cyclomatic of valid teacher programs, {c['points']} steps with one): "
+        f"{_f(c['first'])} → {_f(c['last'])}; slope "
+        + (f"{slope[0]:+.4f} per step [95% {slope[1]:+.4f}, {slope[2]:+.4f}]" if slope else "– (too few points)"),
+    ]
     cov = s["coverage"]
-    lines.append(f"- coverage: {_f(cov['cells_filled_last'], 0)} CVT cells filled at the end; windowed fraction "
-                 f"{_f(cov['window_fraction'][0])} → {_f(cov['window_fraction'][1])}")
+    lines.append(
+        f"- coverage: {_f(cov['cells_filled_last'], 0)} CVT cells filled at the end; windowed fraction "
+        f"{_f(cov['window_fraction'][0])} → {_f(cov['window_fraction'][1])}"
+    )
     for p, d in s["pairs"].items():
         ch, n = d["sign_changes"]
-        lines.append(f"- pair {p}: solve rate logged at {len(d['steps'])} steps, mean {d['mean']:.2f}, direction "
-                     f"changed {ch} times in {max(n - 1, 0)} chances")
+        lines.append(
+            f"- pair {p}: solve rate logged at {len(d['steps'])} steps, mean {d['mean']:.2f}, direction "
+            f"changed {ch} times in {max(n - 1, 0)} chances"
+        )
     if s["ratings"]:
-        lines.append("- ratings at the end (mu, sigma): " + ", ".join(
-            f"{m} {mu:.1f}/{sg:.1f}" for m, (mu, sg) in sorted(s["ratings"].items())))
+        lines.append(
+            "- ratings at the end (mu, sigma): "
+            + ", ".join(f"{m} {mu:.1f}/{sg:.1f}" for m, (mu, sg) in sorted(s["ratings"].items()))
+        )
     for e in s["events"]:
         lines.append(f"- evolution at step {e['step']}: " + "; ".join(e["replacements"]))
     comp = s["compute"]
-    lines.append(f"- compute: planned {_f(comp['planned_per_step'], 1)} trained trajectories per adapter and step, "
-                 f"realised {_f(comp['realised_mean_per_step'], 1)} (member mean); totals per member: "
-                 + ", ".join(f"{m} {v:.0f}" for m, v in comp["per_member_total"].items()))
-    off = ("per-adapter plan not logged" if comp["steps_off_plan"] is None else
-           f"{comp['steps_off_plan']} of {s['steps']} steps with an adapter more than 10 % off its plan "
-           f"(largest deviation {comp['max_plan_deviation']:.0%})")
-    lines.append(f"- compute per adapter as realised: {off}; a member trained nothing on "
-                 f"{len(comp['steps_with_an_idle_member'])} steps")
+    lines.append(
+        f"- compute: planned {_f(comp['planned_per_step'], 1)} trained trajectories per adapter and step, "
+        f"realised {_f(comp['realised_mean_per_step'], 1)} (member mean); totals per member: "
+        + ", ".join(f"{m} {v:.0f}" for m, v in comp["per_member_total"].items())
+    )
+    off = (
+        "per-adapter plan not logged"
+        if comp["steps_off_plan"] is None
+        else f"{comp['steps_off_plan']} of {s['steps']} steps with an adapter more than 10 % off its plan "
+        f"(largest deviation {comp['max_plan_deviation']:.0%})"
+    )
+    lines.append(
+        f"- compute per adapter as realised: {off}; a member trained nothing on "
+        f"{len(comp['steps_with_an_idle_member'])} steps"
+    )
     sp = s["speed"]
     pct = {k: None if sp[k] is None else 100 * sp[k] for k in ("executor_share_median", "executor_share_max")}
-    lines.append(f"- speed: median step {_f(sp['median_step_s'], 1)} s; executor (validate + score) "
-                 f"{_f(pct['executor_share_median'], 1)} % of the step (max {_f(pct['executor_share_max'], 1)} %)")
+    lines.append(
+        f"- speed: median step {_f(sp['median_step_s'], 1)} s; executor (validate + score) "
+        f"{_f(pct['executor_share_median'], 1)} % of the step (max {_f(pct['executor_share_max'], 1)} %)"
+    )
     for m, pts in sorted(s["trainer_check"].items()):
-        lines.append(f"- trainer vs vLLM log-probs, {m}: " + "; ".join(
-            f"step {st}: mean |Δp| {d:.4f}, Pearson {_f(p, 4)}" for st, d, p in pts))
+        lines.append(
+            f"- trainer vs vLLM log-probs, {m}: "
+            + "; ".join(f"step {st}: mean |Δp| {d:.4f}, Pearson {_f(p, 4)}" for st, d, p in pts)
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -268,8 +371,13 @@ def arm_of(name: str) -> str:
     return re.sub(r"-seed\d+$", "", name)
 
 
-def slope_difference(a: Sequence[tuple[np.ndarray, np.ndarray]], b: Sequence[tuple[np.ndarray, np.ndarray]], *,
-                     draws: int = 2000, seed: int = 0) -> tuple[float, float, float] | None:
+def slope_difference(
+    a: Sequence[tuple[np.ndarray, np.ndarray]],
+    b: Sequence[tuple[np.ndarray, np.ndarray]],
+    *,
+    draws: int = 2000,
+    seed: int = 0,
+) -> tuple[float, float, float] | None:
     """Mean per-seed slope of arm ``b`` minus that of arm ``a`` (each a list of (steps, values) per seed), with a 95 %
     percentile interval from resampling every seed's points independently. The interval is over steps only: with two
     seeds per arm it says how sure the slopes are, not how another pair of seeds would fall."""
@@ -279,7 +387,7 @@ def slope_difference(a: Sequence[tuple[np.ndarray, np.ndarray]], b: Sequence[tup
 
     def diff(pts: Sequence[tuple[np.ndarray, np.ndarray]]) -> float:
         slopes = [float(np.polyfit(s, v, 1)[0]) for s, v in pts]
-        return float(np.mean(slopes[len(a):]) - np.mean(slopes[:len(a)]))
+        return float(np.mean(slopes[len(a) :]) - np.mean(slopes[: len(a)]))
 
     rng = np.random.default_rng(seed)
     boot = []
@@ -354,25 +462,30 @@ def compare_arms(runs: Sequence[Mapping[str, Any]], window: int = 5) -> dict[str
     out: dict[str, Any] = {"arms": {}, "differences": {}}
     curves: dict[str, dict[str, list[tuple[np.ndarray, np.ndarray]]]] = {}
     for arm, members in arms.items():
-        c = curves[arm] = {q: [series(r["rows"], f"{P}complexity/{q}/mean") for r in members]
-                           for q in ("cyclomatic", "loc")}
+        c = curves[arm] = {
+            q: [series(r["rows"], f"{P}complexity/{q}/mean") for r in members] for q in ("cyclomatic", "loc")
+        }
         rates = [v for r in members for _, v in pair_series(r["rows"]).values()]
         out["arms"][arm] = {
             "seeds": [r["name"] for r in members],
             "cyclomatic_slope": [slope_interval(s, v) for s, v in c["cyclomatic"]],
             "cyclomatic_last": [float(v[-window:].mean()) if len(v) else None for _, v in c["cyclomatic"]],
             "loc_slope": [slope_interval(s, v) for s, v in c["loc"]],
-            "cells_filled_last": [float(v[-1]) if len(v) else None
-                                  for v in (series(r["rows"], f"{P}coverage/cells_filled")[1] for r in members)],
+            "cells_filled_last": [
+                float(v[-1]) if len(v) else None
+                for v in (series(r["rows"], f"{P}coverage/cells_filled")[1] for r in members)
+            ],
             "valid_programs": [float(series(r["rows"], f"{P}complexity/num_programs")[1].sum()) for r in members],
             "direction_changes": direction_changes(rates),
-            "direction_changes_noise_p": noise_p_value(rates)}
+            "direction_changes_noise_p": noise_p_value(rates),
+        }
     names = list(arms)
     for other in names[1:]:
         diff = {q: slope_difference(curves[names[0]][q], curves[other][q]) for q in ("cyclomatic", "loc")}
-        diff["seed_p"] = {key: seed_permutation_p(_per_seed(out["arms"][names[0]], key),
-                                                  _per_seed(out["arms"][other], key))
-                          for key in ("cyclomatic_slope", "loc_slope", "cells_filled_last", "valid_programs")}
+        diff["seed_p"] = {
+            key: seed_permutation_p(_per_seed(out["arms"][names[0]], key), _per_seed(out["arms"][other], key))
+            for key in ("cyclomatic_slope", "loc_slope", "cells_filled_last", "valid_programs")
+        }
         out["differences"][f"{other} - {names[0]}"] = diff
     return out
 
@@ -391,27 +504,43 @@ def compare_markdown(cmp: Mapping[str, Any], window: int = 5) -> str:
     def nums(xs: Sequence[float | None], d: int = 2) -> str:
         return ", ".join(_f(x, d) for x in xs)
 
-    lines = ["### Arms side by side", "", "| arm | seeds | cyclomatic slope per step [95%] | cyclomatic, last "
-             f"{window} steps | lines-of-code slope per step [95%] | CVT cells at the end | valid programs | "
-             "pair direction changes (pooled) |", "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "### Arms side by side",
+        "",
+        "| arm | seeds | cyclomatic slope per step [95%] | cyclomatic, last "
+        f"{window} steps | lines-of-code slope per step [95%] | CVT cells at the end | valid programs | "
+        "pair direction changes (pooled) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for arm, a in cmp["arms"].items():
         ch, n = a["direction_changes"]
-        lines.append(f"| {arm} | {', '.join(a['seeds'])} | {slopes(a['cyclomatic_slope'])} | "
-                     f"{nums(a['cyclomatic_last'])} | {slopes(a['loc_slope'])} | {nums(a['cells_filled_last'], 0)} | "
-                     f"{nums(a['valid_programs'], 0)} | {ch} / {n}" + (f" ({ch / n:.2f})" if n else "")
-                     + ("" if a["direction_changes_noise_p"] is None else
-                        f", noise p = {a['direction_changes_noise_p']:.3f}") + " |")
+        lines.append(
+            f"| {arm} | {', '.join(a['seeds'])} | {slopes(a['cyclomatic_slope'])} | "
+            f"{nums(a['cyclomatic_last'])} | {slopes(a['loc_slope'])} | {nums(a['cells_filled_last'], 0)} | "
+            f"{nums(a['valid_programs'], 0)} | {ch} / {n}"
+            + (f" ({ch / n:.2f})" if n else "")
+            + ("" if a["direction_changes_noise_p"] is None else f", noise p = {a['direction_changes_noise_p']:.3f}")
+            + " |"
+        )
     for label, d in cmp["differences"].items():
         lines.append("")
-        lines.append(f"- {label}, slope per step averaged over seeds (95% interval, steps resampled): cyclomatic "
-                     + slopes([d["cyclomatic"]]) + "; lines of code " + slopes([d["loc"]]))
+        lines.append(
+            f"- {label}, slope per step averaged over seeds (95% interval, steps resampled): cyclomatic "
+            + slopes([d["cyclomatic"]])
+            + "; lines of code "
+            + slopes([d["loc"]])
+        )
         p = {k: "–" if v is None else f"{v:.2f}" for k, v in d["seed_p"].items()}
-        lines.append(f"- {label}, across seeds (exact permutation of the seed labels, two-sided): cyclomatic slope "
-                     f"p = {p['cyclomatic_slope']}, lines-of-code slope p = {p['loc_slope']}, CVT cells p = "
-                     f"{p['cells_filled_last']}, valid programs p = {p['valid_programs']}")
-    lines.append("- Direction changes: a series of independent noise changes direction at about 2 in 3 chances; "
-                 "noise p is how often the same series, shuffled in time, change direction at least as often per "
-                 "chance (one-sided; a small p means more regular up-and-down than chance order).")
+        lines.append(
+            f"- {label}, across seeds (exact permutation of the seed labels, two-sided): cyclomatic slope "
+            f"p = {p['cyclomatic_slope']}, lines-of-code slope p = {p['loc_slope']}, CVT cells p = "
+            f"{p['cells_filled_last']}, valid programs p = {p['valid_programs']}"
+        )
+    lines.append(
+        "- Direction changes: a series of independent noise changes direction at about 2 in 3 chances; "
+        "noise p is how often the same series, shuffled in time, change direction at least as often per "
+        "chance (one-sided; a small p means more regular up-and-down than chance order)."
+    )
     return "\n".join(lines) + "\n"
 
 
@@ -425,24 +554,30 @@ ARM_PANELS = (
 )
 
 
-def arm_band(runs: Sequence[Mapping[str, Any]], key: str, smooth: int = 1
-             ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def arm_band(
+    runs: Sequence[Mapping[str, Any]], key: str, smooth: int = 1
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """(steps, mean over seeds, lowest seed, highest seed) of ``key`` for one arm's runs, each seed first averaged
     over a trailing window of ``smooth`` logged steps; a step counts where any seed logged it."""
     per_seed = []
     for r in runs:
         s, v = series(r["rows"], key)
         if smooth > 1 and len(v):
-            v = np.array([v[max(0, i - smooth + 1):i + 1].mean() for i in range(len(v))])
+            v = np.array([v[max(0, i - smooth + 1) : i + 1].mean() for i in range(len(v))])
         per_seed.append(dict(zip(s.tolist(), v.tolist())))
     steps = np.array(sorted({s for d in per_seed for s in d}), dtype=float)
     vals = [[d[s] for d in per_seed if s in d] for s in steps.tolist()]
-    return (steps, np.array([np.mean(v) for v in vals]), np.array([min(v) for v in vals]),
-            np.array([max(v) for v in vals]))
+    return (
+        steps,
+        np.array([np.mean(v) for v in vals]),
+        np.array([min(v) for v in vals]),
+        np.array([max(v) for v in vals]),
+    )
 
 
 def plot_arms(runs: Sequence[Mapping[str, Any]], out_dir: str | Path, smooth: int = 5) -> Path:
-    """``arms.png``: one panel per :data:`ARM_PANELS` quantity, each arm's mean over its seeds (:func:`group_arms`) with the range between its seeds shaded; the quantities are smoothed over ``smooth``
+    """``arms.png``: one panel per :data:`ARM_PANELS` quantity, each arm's mean over its seeds (:func:`group_arms`)
+    with the range between its seeds shaded; the quantities are smoothed over ``smooth``
     logged steps per seed, since one step holds a few dozen proposals."""
     import matplotlib
 
@@ -474,13 +609,15 @@ def plot_arms(runs: Sequence[Mapping[str, Any]], out_dir: str | Path, smooth: in
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m populora_verl.diagnostics.dynamics",
-                                 description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m populora_verl.diagnostics.dynamics", description=__doc__.split("\n\n")[0]
+    )
     ap.add_argument("runs", nargs="+", help="run directories (each with metrics.jsonl)")
     ap.add_argument("--window", type=int, default=5, help="steps averaged at the start and at the end")
     ap.add_argument("--out", help="also write the markdown here")
-    ap.add_argument("--compare", action="store_true",
-                    help="add the arms side by side (runs grouped by folder name: <arm>-seed<N>)")
+    ap.add_argument(
+        "--compare", action="store_true", help="add the arms side by side (runs grouped by folder name: <arm>-seed<N>)"
+    )
     ap.add_argument("--plot", metavar="DIR", help="with --compare: draw DIR/arms.png, each arm's mean over its seeds")
     args = ap.parse_args(argv)
     if args.window < 1:

@@ -42,8 +42,11 @@ def find_population_dir(run_dir: str | Path) -> Path | None:
     if (run / "population" / "population.json").is_file():
         return run / "population"
     # verl's trainer: <default_local_dir>/global_step_<N>/populora/checkpoints/step_<N>/population
-    verl_steps = sorted((int(m.group(1)), d) for d in (run.iterdir() if run.is_dir() else [])
-                        if (m := re.fullmatch(r"global_step_(\d+)", d.name)) and (d / "populora").is_dir())
+    verl_steps = sorted(
+        (int(m.group(1)), d)
+        for d in (run.iterdir() if run.is_dir() else [])
+        if (m := re.fullmatch(r"global_step_(\d+)", d.name)) and (d / "populora").is_dir()
+    )
     for _, d in reversed(verl_steps):
         found = find_population_dir(d / "populora")
         if found is not None:
@@ -83,8 +86,11 @@ def plot_lineage(lineage: Sequence[dict[str, Any]], out_path: str | Path, *, las
     role_rank = {"teacher": 0, "both": 1, "student": 2}
     recs = sorted(lineage, key=lambda r: (role_rank.get(r.get("role"), 3), member_sort_key(r["id"])))
     lane = {r["id"]: i for i, r in enumerate(recs)}
-    end = last_step if last_step is not None else max(
-        [int(r.get("death_step") or 0) for r in recs] + [int(r.get("birth_step") or 0) for r in recs] + [1])
+    end = (
+        last_step
+        if last_step is not None
+        else max([int(r.get("death_step") or 0) for r in recs] + [int(r.get("birth_step") or 0) for r in recs] + [1])
+    )
     colors = {"teacher": "tab:blue", "student": "tab:orange", "both": "tab:green"}
     fig, ax = plt.subplots(figsize=(max(7.5, 0.1 * end + 7.5), max(2.5, 0.45 * len(recs) + 1)))
     for r in recs:
@@ -92,30 +98,53 @@ def plot_lineage(lineage: Sequence[dict[str, Any]], out_path: str | Path, *, las
         b = int(r.get("birth_step") or 0)
         d = r.get("death_step")
         c = colors.get(r.get("role"), "tab:gray")
-        ax.plot([b, end if d is None else int(d)], [y, y], color=c, lw=2.5, ls="-" if d is None else "--",
-                alpha=1.0 if d is None else 0.5)
+        ax.plot(
+            [b, end if d is None else int(d)],
+            [y, y],
+            color=c,
+            lw=2.5,
+            ls="-" if d is None else "--",
+            alpha=1.0 if d is None else 0.5,
+        )
         ax.plot([b], [y], "o", color=c, ms=7)
         if d is not None:
             ax.plot([int(d)], [y], "x", color="black", ms=7)
         for p in r.get("parents") or []:
             if p not in lane:
                 continue
-            ax.annotate("", xy=(b, y), xytext=(b, lane[p]),
-                        arrowprops=dict(arrowstyle="->", color="gray", lw=1.0, connectionstyle="arc3,rad=0.25"))
+            ax.annotate(
+                "",
+                xy=(b, y),
+                xytext=(b, lane[p]),
+                arrowprops=dict(arrowstyle="->", color="gray", lw=1.0, connectionstyle="arc3,rad=0.25"),
+            )
         if r.get("parents"):
             # Right of the birth dot, just above the child's lane, on white so the lane line stays readable.
-            ax.text(b + 0.12, y - 0.18, f"{r.get('operator') or '?'}({', '.join(r['parents'])})", fontsize=7,
-                    ha="left", va="bottom", color="dimgray",
-                    bbox=dict(facecolor="white", alpha=0.8, edgecolor="none", pad=0.5))
+            ax.text(
+                b + 0.12,
+                y - 0.18,
+                f"{r.get('operator') or '?'}({', '.join(r['parents'])})",
+                fontsize=7,
+                ha="left",
+                va="bottom",
+                color="dimgray",
+                bbox=dict(facecolor="white", alpha=0.8, edgecolor="none", pad=0.5),
+            )
     from matplotlib.lines import Line2D
     from matplotlib.ticker import MaxNLocator
 
     roles = [k for k in colors if any(r.get("role") == k for r in recs)]
-    ax.legend(handles=[Line2D([], [], color=colors[k], lw=2.5, label=k) for k in roles]
-              + [Line2D([], [], color="gray", marker="o", lw=0, label="born"),
-                 Line2D([], [], color="gray", lw=2.5, ls="--", alpha=0.5, marker="x", mec="black",
-                        label="replaced")],
-              fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
+    ax.legend(
+        handles=[Line2D([], [], color=colors[k], lw=2.5, label=k) for k in roles]
+        + [
+            Line2D([], [], color="gray", marker="o", lw=0, label="born"),
+            Line2D([], [], color="gray", lw=2.5, ls="--", alpha=0.5, marker="x", mec="black", label="replaced"),
+        ],
+        fontsize="small",
+        loc="upper left",
+        bbox_to_anchor=(1.01, 1.0),
+        borderaxespad=0.0,
+    )
     ax.set_yticks(range(len(recs)))
     ax.set_yticklabels([r["id"] for r in recs])
     ax.invert_yaxis()

@@ -113,9 +113,12 @@ def validity_metrics(counts: Mapping[str, tuple[int, int]]) -> dict[str, float]:
     return out
 
 
-def complexity_metrics(complexities: Sequence[ProgramComplexity],
-                       descriptors: Iterable[str] = ("ast_depth", "cyclomatic", "loc"),
-                       *, skipped: int | None = None) -> dict[str, float]:
+def complexity_metrics(
+    complexities: Sequence[ProgramComplexity],
+    descriptors: Iterable[str] = ("ast_depth", "cyclomatic", "loc"),
+    *,
+    skipped: int | None = None,
+) -> dict[str, float]:
     """``populora/complexity/<descriptor>/mean`` over the step's valid tasks (and their count).
 
     ``skipped``: programs that did not parse, logged as ``populora/complexity/unparsable`` when given.
@@ -129,8 +132,14 @@ def complexity_metrics(complexities: Sequence[ProgramComplexity],
     return out
 
 
-def coverage_metrics(archive: Any = None, *, cells_filled: int | None = None, num_cells: int | None = None,
-                     window_cells_filled: int | None = None, new_cells: int | None = None) -> dict[str, float]:
+def coverage_metrics(
+    archive: Any = None,
+    *,
+    cells_filled: int | None = None,
+    num_cells: int | None = None,
+    window_cells_filled: int | None = None,
+    new_cells: int | None = None,
+) -> dict[str, float]:
     """``populora/coverage/{cells_filled,fraction}`` (cumulative) and ``window_cells_filled``/``window_fraction``.
 
     Pass a :class:`~populora_verl.diagnostics.coverage.CoverageArchive`, or the counts themselves.
@@ -140,8 +149,10 @@ def coverage_metrics(archive: Any = None, *, cells_filled: int | None = None, nu
         window_cells_filled = archive.window_cells_filled()
     if cells_filled is None or not num_cells:
         raise ValueError("coverage_metrics needs an archive or cells_filled and num_cells > 0")
-    out = {f"{PREFIX}/coverage/cells_filled": float(cells_filled),
-           f"{PREFIX}/coverage/fraction": cells_filled / num_cells}
+    out = {
+        f"{PREFIX}/coverage/cells_filled": float(cells_filled),
+        f"{PREFIX}/coverage/fraction": cells_filled / num_cells,
+    }
     if window_cells_filled is not None:
         out[f"{PREFIX}/coverage/window_cells_filled"] = float(window_cells_filled)
         out[f"{PREFIX}/coverage/window_fraction"] = window_cells_filled / num_cells
@@ -231,8 +242,14 @@ class MetricsLogger:
     TensorBoard scalars go to ``<run_dir>/tb`` (``tensorboard=True``; torch's SummaryWriter, imported lazily).
     """
 
-    def __init__(self, run_dir: str | os.PathLike, *, tensorboard: bool = False, resume_step: int | None = None,
-                 filename: str = METRICS_FILE) -> None:
+    def __init__(
+        self,
+        run_dir: str | os.PathLike,
+        *,
+        tensorboard: bool = False,
+        resume_step: int | None = None,
+        filename: str = METRICS_FILE,
+    ) -> None:
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.run_dir / filename
@@ -266,7 +283,7 @@ class MetricsLogger:
             self._tb.close()
             self._tb = None
 
-    def __enter__(self) -> "MetricsLogger":
+    def __enter__(self) -> MetricsLogger:
         return self
 
     def __exit__(self, *exc: Any) -> None:

@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 from populora_verl.diagnostics.lineage import member_sort_key
-
 from populora_verl.diagnostics.metrics import PREFIX, read_metrics
 
 __all__ = [
@@ -68,8 +67,11 @@ _MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
 def _marker(index: int) -> dict[str, Any]:
     """Marker of the ``index``-th line of an axes. Lines often coincide (founders before their first game, rates
     that all sit at 0): shapes and sizes that differ, and hollow ones, keep each line visible where they overlap."""
-    return dict(marker=_MARKERS[index % len(_MARKERS)], markersize=max(3.0, 7.0 - index),
-                markerfacecolor="none" if index % 2 else None)
+    return dict(
+        marker=_MARKERS[index % len(_MARKERS)],
+        markersize=max(3.0, 7.0 - index),
+        markerfacecolor="none" if index % 2 else None,
+    )
 
 
 def _rows(metrics: str | os.PathLike | Rows) -> list[Mapping[str, float]]:
@@ -117,8 +119,11 @@ class EvolutionEvent:
     def label(self) -> str:
         if not self.child:
             return self.operator
-        return f"{self.child} = {self.operator}({', '.join(self.parents)})" if self.parents else \
-            f"{self.child} = {self.operator}"
+        return (
+            f"{self.child} = {self.operator}({', '.join(self.parents)})"
+            if self.parents
+            else f"{self.child} = {self.operator}"
+        )
 
 
 def _events_from_log(path: Path) -> list[EvolutionEvent]:
@@ -127,8 +132,15 @@ def _events_from_log(path: Path) -> list[EvolutionEvent]:
         try:
             plan = json.loads(line)
             for r in plan.get("replacements", []):
-                out.append(EvolutionEvent(int(plan["step"]), str(r["child_id"]), str(r.get("operator") or "?"),
-                                          tuple(r.get("parent_ids") or ()), r.get("victim_id")))
+                out.append(
+                    EvolutionEvent(
+                        int(plan["step"]),
+                        str(r["child_id"]),
+                        str(r.get("operator") or "?"),
+                        tuple(r.get("parent_ids") or ()),
+                        r.get("victim_id"),
+                    )
+                )
         except (ValueError, KeyError, TypeError, AttributeError):
             continue  # a half-written or foreign line: the other events still count
     return out
@@ -148,9 +160,16 @@ def read_events(run_dir: str | os.PathLike) -> list[EvolutionEvent]:
         pop_dir = find_population_dir(run)
         if pop_dir is None:
             return []
-        return [EvolutionEvent(int(r.get("birth_step") or 0), str(r["id"]), str(r.get("operator") or "?"),
-                               tuple(r.get("parents") or ()))
-                for r in read_lineage(pop_dir) if r.get("parents")]
+        return [
+            EvolutionEvent(
+                int(r.get("birth_step") or 0),
+                str(r["id"]),
+                str(r.get("operator") or "?"),
+                tuple(r.get("parents") or ()),
+            )
+            for r in read_lineage(pop_dir)
+            if r.get("parents")
+        ]
     except (OSError, ValueError, KeyError, TypeError) as e:
         logger.info("evolution events of %s not read: %s", run, e)
         return []
@@ -173,8 +192,18 @@ def _mark_events(ax: Any, events: Sequence[EvolutionEvent], color: str = "dimgra
         x = step + 0.5  # replacements happen after the step's update: between step and step + 1
         ax.axvline(x, color=color, linestyle=":", linewidth=1.2, alpha=0.8)
         text = prefix + ", ".join(e.label for e in evs)
-        ax.text(x, 0.98, text, transform=ax.get_xaxis_transform(), rotation=90, va="top", ha="right",
-                fontsize=7, color=color, bbox=dict(facecolor="white", alpha=0.6, edgecolor="none", pad=1.0))
+        ax.text(
+            x,
+            0.98,
+            text,
+            transform=ax.get_xaxis_transform(),
+            rotation=90,
+            va="top",
+            ha="right",
+            fontsize=7,
+            color=color,
+            bbox=dict(facecolor="white", alpha=0.6, edgecolor="none", pad=1.0),
+        )
 
 
 # --- figure helpers --------------------------------------------------------------------------------------------
@@ -203,12 +232,24 @@ def _skip(name: str, what: str) -> None:
 
 def _legend(ax: Any, n: int) -> None:
     if n:  # outside the axes, so it never hides a line or an event label
-        ax.legend(fontsize="small", ncol=max(1, math.ceil(n / 16)), loc="upper left", bbox_to_anchor=(1.01, 1.0),
-                  borderaxespad=0.0)
+        ax.legend(
+            fontsize="small",
+            ncol=max(1, math.ceil(n / 16)),
+            loc="upper left",
+            bbox_to_anchor=(1.01, 1.0),
+            borderaxespad=0.0,
+        )
 
 
-def _style(ax: Any, *, title: str, ylabel: str, ylim: tuple[float, float] | None = None, legend: int = 0,
-           events: Sequence[EvolutionEvent] = ()) -> None:
+def _style(
+    ax: Any,
+    *,
+    title: str,
+    ylabel: str,
+    ylim: tuple[float, float] | None = None,
+    legend: int = 0,
+    events: Sequence[EvolutionEvent] = (),
+) -> None:
     """Title, labels, integer step ticks, grid, events, legend: the same on every axes."""
     from matplotlib.ticker import MaxNLocator
 
@@ -235,8 +276,9 @@ def _group_values(rows: Rows, pattern: re.Pattern) -> list[str]:
 # --- individual plots ------------------------------------------------------------------------------------------
 
 
-def plot_solve_rates(metrics: str | os.PathLike | Rows, out_path: str | os.PathLike, *,
-                     events: Sequence[EvolutionEvent] = ()) -> Path | None:
+def plot_solve_rates(
+    metrics: str | os.PathLike | Rows, out_path: str | os.PathLike, *, events: Sequence[EvolutionEvent] = ()
+) -> Path | None:
     """Solve rate of every (teacher, student) pair over steps, and of all students together (dashed)."""
     rows = _rows(metrics)
     keys = _matching(rows, _PAIR)
@@ -245,21 +287,27 @@ def plot_solve_rates(metrics: str | os.PathLike | Rows, out_path: str | os.PathL
         _skip("solve_rates", f"'{PREFIX}/pair/<teacher>/<student>/solve_rate' or '{ACCURACY}' keys")
         return None
     fig, (ax,) = _new_figure()
-    for j, (key, (teacher, student)) in enumerate(sorted(keys.items(),
-                                                         key=lambda kv: tuple(map(member_sort_key, kv[1])))):
+    for j, (key, (teacher, student)) in enumerate(
+        sorted(keys.items(), key=lambda kv: tuple(map(member_sort_key, kv[1])))
+    ):
         ax.plot(*series(rows, key), linewidth=1, label=f"{teacher} -> {student}", **_marker(j))
     if has_acc:
-        ax.plot(*series(rows, ACCURACY), color="black", linestyle="--", linewidth=2, label="all student answers",
-                **MARKER)
+        ax.plot(
+            *series(rows, ACCURACY), color="black", linestyle="--", linewidth=2, label="all student answers", **MARKER
+        )
     # The title says what is drawn: pair rates exist only once a teacher posed a valid task (never on the tiny model).
-    title = "Student solve rate per (teacher, student) pair" if keys else \
-        "Student solve rate, all answers (no valid task yet, so no per-pair rate)"
+    title = (
+        "Student solve rate per (teacher, student) pair"
+        if keys
+        else "Student solve rate, all answers (no valid task yet, so no per-pair rate)"
+    )
     _style(ax, title=title, ylabel="solve rate", ylim=RATE, legend=len(keys) + has_acc, events=events)
     return _save(fig, Path(out_path))
 
 
-def plot_validity(metrics: str | os.PathLike | Rows, out_path: str | os.PathLike, *,
-                  events: Sequence[EvolutionEvent] = ()) -> Path | None:
+def plot_validity(
+    metrics: str | os.PathLike | Rows, out_path: str | os.PathLike, *, events: Sequence[EvolutionEvent] = ()
+) -> Path | None:
     """Valid-proposal rate per teacher over steps (all teachers together dashed)."""
     rows = _rows(metrics)
     keys = {k: g for k, g in _matching(rows, _VALIDITY).items() if g[0] != "mean"}
@@ -273,13 +321,20 @@ def plot_validity(metrics: str | os.PathLike | Rows, out_path: str | os.PathLike
         ax.plot(*series(rows, key), linewidth=1, label=teacher, **_marker(j))
     if has_mean:
         ax.plot(*series(rows, mean_key), color="black", linestyle="--", linewidth=2, label="all teachers", **MARKER)
-    _style(ax, title="Valid proposals per teacher", ylabel="valid / proposals", ylim=RATE,
-           legend=len(keys) + has_mean, events=events)
+    _style(
+        ax,
+        title="Valid proposals per teacher",
+        ylabel="valid / proposals",
+        ylim=RATE,
+        legend=len(keys) + has_mean,
+        events=events,
+    )
     return _save(fig, Path(out_path))
 
 
-def plot_complexity(metrics: str | os.PathLike | Rows, out_path: str | os.PathLike, *,
-                    events: Sequence[EvolutionEvent] = ()) -> Path | None:
+def plot_complexity(
+    metrics: str | os.PathLike | Rows, out_path: str | os.PathLike, *, events: Sequence[EvolutionEvent] = ()
+) -> Path | None:
     """Mean of each complexity descriptor over the step's valid tasks, one panel per descriptor."""
     rows = _rows(metrics)
     keys = _matching(rows, _COMPLEXITY)
@@ -293,8 +348,9 @@ def plot_complexity(metrics: str | os.PathLike | Rows, out_path: str | os.PathLi
     return _save(fig, Path(out_path))
 
 
-def plot_coverage(metrics: str | os.PathLike | Rows, out_path: str | os.PathLike, *,
-                  events: Sequence[EvolutionEvent] = ()) -> Path | None:
+def plot_coverage(
+    metrics: str | os.PathLike | Rows, out_path: str | os.PathLike, *, events: Sequence[EvolutionEvent] = ()
+) -> Path | None:
     """Fraction of CVT cells filled: cumulative and over the recent window."""
     rows = _rows(metrics)
     cumulative, window = f"{PREFIX}/coverage/fraction", f"{PREFIX}/coverage/window_fraction"
@@ -306,8 +362,14 @@ def plot_coverage(metrics: str | os.PathLike | Rows, out_path: str | os.PathLike
     labels = {cumulative: "cumulative", window: "last W steps"}
     for j, key in enumerate(present):
         ax.plot(*series(rows, key), linewidth=1.5, label=labels[key], **_marker(j))
-    _style(ax, title="Problem-space coverage (CVT cells filled)", ylabel="fraction of cells", ylim=RATE,
-           legend=len(present), events=events)
+    _style(
+        ax,
+        title="Problem-space coverage (CVT cells filled)",
+        ylabel="fraction of cells",
+        ylim=RATE,
+        legend=len(present),
+        events=events,
+    )
     return _save(fig, Path(out_path))
 
 
@@ -333,8 +395,16 @@ def _tied(rows: Rows, member_ids: Sequence[str]) -> set[str]:
     return tied
 
 
-def _draw_rating(ax: Any, rows: Rows, member_id: str, label: str, color: Any = None, linestyle: str = "-",
-                 index: int = 0, dodge: float = 0.0) -> None:
+def _draw_rating(
+    ax: Any,
+    rows: Rows,
+    member_id: str,
+    label: str,
+    color: Any = None,
+    linestyle: str = "-",
+    index: int = 0,
+    dodge: float = 0.0,
+) -> None:
     steps, mu = series(rows, f"{PREFIX}/rating/{member_id}/mu")
     steps = [x + dodge for x in steps]  # tied members side by side (a fraction of a step), not on top of each other
     (line,) = ax.plot(steps, mu, linewidth=1.5, label=label, color=color, linestyle=linestyle, **_marker(index))
@@ -344,12 +414,19 @@ def _draw_rating(ax: Any, rows: Rows, member_id: str, label: str, color: Any = N
         if len(steps) == 1:  # a band needs two points: a one-step member gets an error bar
             ax.errorbar(steps, mu, yerr=sigma, color=line.get_color(), capsize=3, linewidth=1)
         else:
-            ax.fill_between(steps, [m - s for m, s in zip(mu, sigma)], [m + s for m, s in zip(mu, sigma)],
-                            color=line.get_color(), alpha=0.12, linewidth=0)
+            ax.fill_between(
+                steps,
+                [m - s for m, s in zip(mu, sigma)],
+                [m + s for m, s in zip(mu, sigma)],
+                color=line.get_color(),
+                alpha=0.12,
+                linewidth=0,
+            )
 
 
-def plot_ratings(metrics: str | os.PathLike | Rows, out_path: str | os.PathLike, *,
-                 events: Sequence[EvolutionEvent] = ()) -> Path | None:
+def plot_ratings(
+    metrics: str | os.PathLike | Rows, out_path: str | os.PathLike, *, events: Sequence[EvolutionEvent] = ()
+) -> Path | None:
     """TrueSkill mu per member with a +-sigma band; teachers and students in separate panels."""
     rows = _rows(metrics)
     groups = _rating_groups(rows)
@@ -364,18 +441,33 @@ def plot_ratings(metrics: str | os.PathLike | Rows, out_path: str | os.PathLike,
         for j, member_id in enumerate(groups[role]):
             k = sorted(tied).index(member_id) if member_id in tied else 0
             dodge = (k - (len(tied) - 1) / 2) * 0.08 if member_id in tied else 0.0
-            _draw_rating(ax, rows, member_id, member_id, index=j, dodge=dodge,
-                         linestyle=styles[k % len(styles)] if member_id in tied else "-")
-        _style(ax, title=f"TrueSkill rating ({role}): mu \u00b1 sigma", ylabel="mu", legend=len(groups[role]),
-               events=[e for e in events if e.child[:1] == role[:1] or role == "members" or not e.child])
+            _draw_rating(
+                ax,
+                rows,
+                member_id,
+                member_id,
+                index=j,
+                dodge=dodge,
+                linestyle=styles[k % len(styles)] if member_id in tied else "-",
+            )
+        _style(
+            ax,
+            title=f"TrueSkill rating ({role}): mu \u00b1 sigma",
+            ylabel="mu",
+            legend=len(groups[role]),
+            events=[e for e in events if e.child[:1] == role[:1] or role == "members" or not e.child],
+        )
     return _save(fig, Path(out_path))
 
 
-def _plot_groups(name: str, pattern: re.Pattern, key_fmt: str, title: str, ylabel: str,
-                 ylim: tuple[float, float] | None = None) -> Callable[..., Path | None]:
+def _plot_groups(
+    name: str, pattern: re.Pattern, key_fmt: str, title: str, ylabel: str, ylim: tuple[float, float] | None = None
+) -> Callable[..., Path | None]:
     """A plot with one line per value of the key's one captured group (a role, a task type)."""
-    def plot(metrics: str | os.PathLike | Rows, out_path: str | os.PathLike, *,
-             events: Sequence[EvolutionEvent] = ()) -> Path | None:
+
+    def plot(
+        metrics: str | os.PathLike | Rows, out_path: str | os.PathLike, *, events: Sequence[EvolutionEvent] = ()
+    ) -> Path | None:
         rows = _rows(metrics)
         groups = _group_values(rows, pattern)
         if not groups:
@@ -392,12 +484,24 @@ def _plot_groups(name: str, pattern: re.Pattern, key_fmt: str, title: str, ylabe
     return plot
 
 
-plot_validity_by_type = _plot_groups("validity_by_type", _TYPE_VALIDITY, f"{PREFIX}/task_type/{{}}/validity",
-                                     "Valid proposals per task type (all teachers)", "valid / proposals", RATE)
-plot_response_length = _plot_groups("response_length", _ROLE_LENGTH, f"{PREFIX}/role/{{}}/response_length_mean",
-                                    "Mean response length per role", "tokens")
-plot_reward = _plot_groups("reward", _ROLE_REWARD, f"{PREFIX}/role/{{}}/reward_mean", "Mean training reward per role",
-                           "reward")
+plot_validity_by_type = _plot_groups(
+    "validity_by_type",
+    _TYPE_VALIDITY,
+    f"{PREFIX}/task_type/{{}}/validity",
+    "Valid proposals per task type (all teachers)",
+    "valid / proposals",
+    RATE,
+)
+plot_response_length = _plot_groups(
+    "response_length",
+    _ROLE_LENGTH,
+    f"{PREFIX}/role/{{}}/response_length_mean",
+    "Mean response length per role",
+    "tokens",
+)
+plot_reward = _plot_groups(
+    "reward", _ROLE_REWARD, f"{PREFIX}/role/{{}}/reward_mean", "Mean training reward per role", "reward"
+)
 
 
 PLOTS: dict[str, Callable[..., Path | None]] = {
@@ -412,8 +516,9 @@ PLOTS: dict[str, Callable[..., Path | None]] = {
 }
 
 
-def plot_all(metrics: str | os.PathLike | Rows, out_dir: str | os.PathLike, *,
-             events: Sequence[EvolutionEvent] | None = None) -> list[Path]:
+def plot_all(
+    metrics: str | os.PathLike | Rows, out_dir: str | os.PathLike, *, events: Sequence[EvolutionEvent] | None = None
+) -> list[Path]:
     """Every plot the log (a path, or rows already read) has data for, as ``<out_dir>/<name>.png``; returns the
     files written. ``events``: evolution events to mark (default: read from the run directory when ``metrics``
     is a path, else from the log's event counts)."""
@@ -480,9 +585,14 @@ def _mean_series(rows: Rows, pattern: re.Pattern) -> tuple[list[float], list[flo
     return steps, values
 
 
-def _compare_panels(runs: Sequence[_Run], out_path: Path, title: str, ylabel: str,
-                    panels: Sequence[tuple[str, Callable[[Rows], tuple[list[float], list[float]]]]],
-                    ylim: tuple[float, float] | None = None) -> Path | None:
+def _compare_panels(
+    runs: Sequence[_Run],
+    out_path: Path,
+    title: str,
+    ylabel: str,
+    panels: Sequence[tuple[str, Callable[[Rows], tuple[list[float], list[float]]]]],
+    ylim: tuple[float, float] | None = None,
+) -> Path | None:
     """One panel per ``(name, series of a run)``; every run one colour in every panel. None if no run has data."""
     drawn = [(name, fn) for name, fn in panels if any(fn(r.rows)[0] for r in runs)]
     if not drawn:
@@ -496,9 +606,14 @@ def _compare_panels(runs: Sequence[_Run], out_path: Path, title: str, ylabel: st
             if xs:
                 ax.plot(xs, ys, color=f"C{i}", linewidth=1.5, label=run.label, **_marker(i))
         # Runs keep their colour in every panel: one legend, right of the first row.
-        _style(ax, title=f"{title}: {name}" if name else title, ylabel=ylabel, ylim=ylim,
-               legend=len(runs) if k == ncols - 1 else 0)
-    for ax in axes[len(drawn):]:
+        _style(
+            ax,
+            title=f"{title}: {name}" if name else title,
+            ylabel=ylabel,
+            ylim=ylim,
+            legend=len(runs) if k == ncols - 1 else 0,
+        )
+    for ax in axes[len(drawn) :]:
         ax.set_visible(False)
     return _save(fig, out_path)
 
@@ -522,8 +637,15 @@ def _compare_ratings(runs: Sequence[_Run], out_path: Path) -> Path | None:
         for i, run in enumerate(runs):
             members = _rating_groups(run.rows).get(role, [])
             for j, member_id in enumerate(members):
-                _draw_rating(ax, run.rows, member_id, f"{run.label}: {member_id}", color=f"C{i}",
-                             linestyle=styles[j % len(styles)], index=j)
+                _draw_rating(
+                    ax,
+                    run.rows,
+                    member_id,
+                    f"{run.label}: {member_id}",
+                    color=f"C{i}",
+                    linestyle=styles[j % len(styles)],
+                    index=j,
+                )
             n += len(members)
             if not members:  # another run's panel: its events would mislead here
                 continue
@@ -533,8 +655,9 @@ def _compare_ratings(runs: Sequence[_Run], out_path: Path) -> Path | None:
     return _save(fig, out_path)
 
 
-def compare_runs(run_dirs: Sequence[str | os.PathLike], out_dir: str | os.PathLike,
-                 labels: Sequence[str] | None = None) -> list[Path]:
+def compare_runs(
+    run_dirs: Sequence[str | os.PathLike], out_dir: str | os.PathLike, labels: Sequence[str] | None = None
+) -> list[Path]:
     """One PNG per quantity with every run on the same axes (one colour per run); returns the files written.
 
     Solve rate (all student answers, else the mean pair solve rate), valid proposals (all types and per task
@@ -563,29 +686,59 @@ def compare_runs(run_dirs: Sequence[str | os.PathLike], out_dir: str | os.PathLi
     descriptors = [d for d in ("ast_depth", "cyclomatic", "loc") if d in _union(runs, _COMPLEXITY)]
     descriptors += [d for d in _union(runs, _COMPLEXITY) if d not in descriptors]
     figures: dict[str, Callable[[], Path | None]] = {
-        "solve_rate": lambda: _compare_panels(runs, out / "solve_rate.png", "Student solve rate", "solve rate",
-                                              [("", solve)], RATE),
+        "solve_rate": lambda: _compare_panels(
+            runs, out / "solve_rate.png", "Student solve rate", "solve rate", [("", solve)], RATE
+        ),
         "validity": lambda: _compare_panels(
-            runs, out / "validity.png", "Valid proposals", "valid / proposals",
+            runs,
+            out / "validity.png",
+            "Valid proposals",
+            "valid / proposals",
             [("all types", _key(f"{PREFIX}/validity/mean"))]
-            + [(t, _key(f"{PREFIX}/task_type/{t}/validity")) for t in types], RATE),
+            + [(t, _key(f"{PREFIX}/task_type/{t}/validity")) for t in types],
+            RATE,
+        ),
         "complexity": lambda: _compare_panels(
-            runs, out / "complexity.png", "Valid programs", "mean over the step's valid programs",
-            [(d, _key(f"{PREFIX}/complexity/{d}/mean")) for d in descriptors]),
+            runs,
+            out / "complexity.png",
+            "Valid programs",
+            "mean over the step's valid programs",
+            [(d, _key(f"{PREFIX}/complexity/{d}/mean")) for d in descriptors],
+        ),
         "coverage": lambda: _compare_panels(
-            runs, out / "coverage.png", "CVT coverage", "fraction of cells",
-            [("cumulative", _key(f"{PREFIX}/coverage/fraction")),
-             ("last W steps", _key(f"{PREFIX}/coverage/window_fraction"))], RATE),
+            runs,
+            out / "coverage.png",
+            "CVT coverage",
+            "fraction of cells",
+            [
+                ("cumulative", _key(f"{PREFIX}/coverage/fraction")),
+                ("last W steps", _key(f"{PREFIX}/coverage/window_fraction")),
+            ],
+            RATE,
+        ),
         "ratings": lambda: _compare_ratings(runs, out / "ratings.png"),
         "response_length": lambda: _compare_panels(
-            runs, out / "response_length.png", "Mean response length", "tokens",
-            [(r, _key(f"{PREFIX}/role/{r}/response_length_mean")) for r in roles]),
+            runs,
+            out / "response_length.png",
+            "Mean response length",
+            "tokens",
+            [(r, _key(f"{PREFIX}/role/{r}/response_length_mean")) for r in roles],
+        ),
         "format_error": lambda: _compare_panels(
-            runs, out / "format_error.png", "Format errors (answer envelope)", "format errors / texts",
-            [(r, _key(f"{PREFIX}/role/{r}/format_error_rate")) for r in roles], RATE),
+            runs,
+            out / "format_error.png",
+            "Format errors (answer envelope)",
+            "format errors / texts",
+            [(r, _key(f"{PREFIX}/role/{r}/format_error_rate")) for r in roles],
+            RATE,
+        ),
         "reward": lambda: _compare_panels(
-            runs, out / "reward.png", "Mean training reward", "reward",
-            [(r, _key(f"{PREFIX}/role/{r}/reward_mean")) for r in roles]),
+            runs,
+            out / "reward.png",
+            "Mean training reward",
+            "reward",
+            [(r, _key(f"{PREFIX}/role/{r}/reward_mean")) for r in roles],
+        ),
     }
     written = []
     for name, draw in figures.items():
@@ -598,8 +751,9 @@ def compare_runs(run_dirs: Sequence[str | os.PathLike], out_dir: str | os.PathLi
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="populora_verl.diagnostics.plots",
-                                     description="Plot a PopuLoRA run's metrics log.")
+    parser = argparse.ArgumentParser(
+        prog="populora_verl.diagnostics.plots", description="Plot a PopuLoRA run's metrics log."
+    )
     parser.add_argument("run", help="run directory (with metrics.jsonl) or a metrics .jsonl file")
     parser.add_argument("--out", help="output folder (default: <run_dir>/plots)")
     parser.add_argument("--debug", action="store_true", help="show the full traceback of an error")

@@ -23,8 +23,14 @@ class ProblemDiagnostics:
     layout of docs/CONTRACTS.md), so a resumed run's coverage continues exactly.
     """
 
-    def __init__(self, cfg: DiagnosticsConfig | None = None, *, seed: int = 0,
-                 archive: CoverageArchive | None = None, max_program_chars: int | None = None) -> None:
+    def __init__(
+        self,
+        cfg: DiagnosticsConfig | None = None,
+        *,
+        seed: int = 0,
+        archive: CoverageArchive | None = None,
+        max_program_chars: int | None = None,
+    ) -> None:
         self.cfg = cfg if cfg is not None else DiagnosticsConfig()
         self.archive = archive if archive is not None else CoverageArchive(self.cfg, seed=seed)
         self.max_program_chars = max_program_chars
@@ -34,8 +40,9 @@ class ProblemDiagnostics:
         measured, skipped = complexities(programs, max_chars=self.max_program_chars)
         return self.observe_complexities(measured, step, skipped=skipped)
 
-    def observe_complexities(self, measured: Sequence[ProgramComplexity], step: int,
-                             *, skipped: int = 0) -> dict[str, float]:
+    def observe_complexities(
+        self, measured: Sequence[ProgramComplexity], step: int, *, skipped: int = 0
+    ) -> dict[str, float]:
         new_cells = self.archive.add(measured, step)
         return merge_metrics(
             complexity_metrics(measured, self.cfg.descriptors, skipped=skipped),
@@ -46,8 +53,9 @@ class ProblemDiagnostics:
         return self.archive.save(Path(ckpt_dir) / COVERAGE_FILE)
 
     @classmethod
-    def load(cls, ckpt_dir: str | os.PathLike, cfg: DiagnosticsConfig | None = None,
-             *, max_program_chars: int | None = None) -> "ProblemDiagnostics":
+    def load(
+        cls, ckpt_dir: str | os.PathLike, cfg: DiagnosticsConfig | None = None, *, max_program_chars: int | None = None
+    ) -> ProblemDiagnostics:
         cfg = cfg if cfg is not None else DiagnosticsConfig()
         archive = CoverageArchive.load(Path(ckpt_dir) / COVERAGE_FILE, cfg)
         return cls(cfg, archive=archive, max_program_chars=max_program_chars)

@@ -11,7 +11,8 @@ or of stdin strings), ``deserialize`` (null | "mbpp"), ``task_id``, ``time_limit
 
 Each result line is ``{"i": k, "s": "ok", "v": <encoded value>, "t": seconds}`` or
 ``{"i": k, "s": "timeout"|"error", "e": message}``; a value whose JSON exceeds ``digest_over_mb`` is sent as
-``{"__t": "digest", "v": sha256, "n": bytes}`` (exact comparison only); a first line ``{"stage": ...}`` reports set-up failures.
+``{"__t": "digest", "v": sha256, "n": bytes}`` (exact comparison only); a first line ``{"stage": ...}`` reports set-up
+failures.
 Values are encoded as JSON with tags for what JSON lacks (tuple, set, dict with any keys, bytes, complex, big
 ints, other objects by repr) so the parent can rebuild them without ``eval``.
 """
@@ -41,11 +42,13 @@ def _on_alarm(signum, frame):
 
 def _set_limits(job):
     mb = 1024 * 1024
-    for name, value in (("RLIMIT_AS", int(job["memory_mb"]) * mb),
-                        ("RLIMIT_DATA", int(job["memory_mb"]) * mb),
-                        ("RLIMIT_FSIZE", int(job["fsize_mb"]) * mb),
-                        ("RLIMIT_CPU", int(math.ceil(job["cpu_s"]))),
-                        ("RLIMIT_CORE", 0)):
+    for name, value in (
+        ("RLIMIT_AS", int(job["memory_mb"]) * mb),
+        ("RLIMIT_DATA", int(job["memory_mb"]) * mb),
+        ("RLIMIT_FSIZE", int(job["fsize_mb"]) * mb),
+        ("RLIMIT_CPU", int(math.ceil(job["cpu_s"]))),
+        ("RLIMIT_CORE", 0),
+    ):
         limit = getattr(resource, name, None)
         if limit is None:
             continue
@@ -62,10 +65,39 @@ def _disable_escape_hatches():
     import shutil
     import subprocess
 
-    for name in ("kill", "killpg", "system", "fork", "forkpty", "putenv", "remove", "removedirs", "rmdir",
-                 "unlink", "rename", "renames", "replace", "truncate", "chmod", "chown", "lchown", "fchmod",
-                 "fchown", "chroot", "setuid", "setgid", "execv", "execve", "execvp", "execl", "spawnv",
-                 "spawnve", "popen", "posix_spawn", "posix_spawnp"):
+    for name in (
+        "kill",
+        "killpg",
+        "system",
+        "fork",
+        "forkpty",
+        "putenv",
+        "remove",
+        "removedirs",
+        "rmdir",
+        "unlink",
+        "rename",
+        "renames",
+        "replace",
+        "truncate",
+        "chmod",
+        "chown",
+        "lchown",
+        "fchmod",
+        "fchown",
+        "chroot",
+        "setuid",
+        "setgid",
+        "execv",
+        "execve",
+        "execvp",
+        "execl",
+        "spawnv",
+        "spawnve",
+        "popen",
+        "posix_spawn",
+        "posix_spawnp",
+    ):
         if hasattr(os, name):
             setattr(os, name, None)
     shutil.rmtree = None
@@ -129,8 +161,30 @@ def _mbpp_deserialize(task_id, inputs):
     def deep_tuple(x):
         return tuple(deep_tuple(y) for y in x) if isinstance(x, list) else x
 
-    if n in (2, 116, 132, 143, 222, 261, 273, 394, 399, 421, 424, 429, 470, 560, 579, 596, 616, 630, 726, 740,
-             744, 809):
+    if n in (
+        2,
+        116,
+        132,
+        143,
+        222,
+        261,
+        273,
+        394,
+        399,
+        421,
+        424,
+        429,
+        470,
+        560,
+        579,
+        596,
+        616,
+        630,
+        726,
+        740,
+        744,
+        809,
+    ):
         return [tuples(args) for args in inputs]  # every argument is a tuple
     if n in (63, 64, 70, 94, 120, 237, 272, 299, 400, 409, 417, 438, 473, 614, 780):
         return [[tuples(arg) for arg in args] for args in inputs]  # every argument is a list of tuples
@@ -254,7 +308,7 @@ def main(argv):
         else:
             fn = ns.get(name)
         if not callable(fn):
-            emit({"stage": "exec", "e": "entry point %r is not defined" % name})
+            emit({"stage": "exec", "e": f"entry point {name!r} is not defined"})
             return 0
 
     for i, raw in enumerate(inputs):
@@ -283,7 +337,7 @@ def main(argv):
                     signal.setitimer(signal.ITIMER_REAL, 0)
             row = {"i": i, "s": "ok", "v": _encode(value), "t": time.perf_counter() - start}
         except _Timeout:
-            row = {"i": i, "s": "timeout", "e": "exceeded %.3fs" % limit}
+            row = {"i": i, "s": "timeout", "e": f"exceeded {limit:.3f}s"}
         except BaseException as e:
             row = {"i": i, "s": "error", "e": _short(e)}
         try:

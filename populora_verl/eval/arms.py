@@ -69,8 +69,9 @@ def arm_scores(outcomes: Mapping[str, Mapping[str, np.ndarray]]) -> dict[str, di
     return out
 
 
-def pool_arms(scores: Mapping[str, Mapping[str, np.ndarray]], name: str, arms: Sequence[str]
-              ) -> dict[str, dict[str, np.ndarray]]:
+def pool_arms(
+    scores: Mapping[str, Mapping[str, np.ndarray]], name: str, arms: Sequence[str]
+) -> dict[str, dict[str, np.ndarray]]:
     """``scores`` with one more arm, ``name``: per item, the mean over ``arms`` (each seed of a setting counts once,
     whatever its number of members). Every benchmark that has all of ``arms`` gets it."""
     if name in {a for s in scores.values() for a in s}:
@@ -85,8 +86,9 @@ def pool_arms(scores: Mapping[str, Mapping[str, np.ndarray]], name: str, arms: S
     return out
 
 
-def paired_difference(scores: Mapping[str, Mapping[str, np.ndarray]], a: str, b: str, *,
-                      draws: int = BOOTSTRAP_SAMPLES, seed: int = 0) -> dict[str, tuple[float, float, float]]:
+def paired_difference(
+    scores: Mapping[str, Mapping[str, np.ndarray]], a: str, b: str, *, draws: int = BOOTSTRAP_SAMPLES, seed: int = 0
+) -> dict[str, tuple[float, float, float]]:
     """{column: (a - b, low, high)} in fractions, per benchmark and ``code avg``; 95 % paired percentile bootstrap."""
     rng = np.random.default_rng(seed)
     out: dict[str, tuple[float, float, float]] = {}
@@ -100,8 +102,10 @@ def paired_difference(scores: Mapping[str, Mapping[str, np.ndarray]], a: str, b:
         boot = d[idx].mean(axis=1)
         per_bench_draws.append(boot)
         out[bench] = (float(d.mean()), *_percentile_interval(boot))
-    out["code avg"] = (float(np.mean([out[b][0] for b in benches])),
-                       *_percentile_interval(np.mean(per_bench_draws, axis=0)))
+    out["code avg"] = (
+        float(np.mean([out[b][0] for b in benches])),
+        *_percentile_interval(np.mean(per_bench_draws, axis=0)),
+    )
     return out
 
 
@@ -111,14 +115,19 @@ def markdown(scores: Mapping[str, Mapping[str, np.ndarray]], pairs: Sequence[tup
     lines = [head, "|---|" + "---|" * (len(benches) + 1)]
     for a, b in pairs:
         d = paired_difference(scores, a, b)
-        cells = [f"{100 * d[c][0]:+.1f} [{100 * d[c][1]:+.1f}, {100 * d[c][2]:+.1f}]" if c in d else "–"
-                 for c in [*benches, "code avg"]]
+        cells = [
+            f"{100 * d[c][0]:+.1f} [{100 * d[c][1]:+.1f}, {100 * d[c][2]:+.1f}]" if c in d else "–"
+            for c in [*benches, "code avg"]
+        ]
         lines.append(f"| {a} - {b} | " + " | ".join(cells) + " |")
     arms = sorted({a for s in scores.values() for a in s})
     lines += ["", "| arm | " + " | ".join(benches) + " |", "|---|" + "---|" * len(benches)]
     for arm in arms:
-        lines.append(f"| {arm} | " + " | ".join(f"{100 * scores[b][arm].mean():.1f}" if arm in scores[b] else "–"
-                                                for b in benches) + " |")
+        lines.append(
+            f"| {arm} | "
+            + " | ".join(f"{100 * scores[b][arm].mean():.1f}" if arm in scores[b] else "–" for b in benches)
+            + " |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -126,8 +135,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m populora_verl.eval.arms", description=__doc__.split("\n\n")[0])
     ap.add_argument("results", nargs="+", help="populora-eval results.json files")
     ap.add_argument("--pair", nargs=2, action="append", metavar=("A", "B"), help="report A - B (repeatable)")
-    ap.add_argument("--pool", action="append", default=[], metavar="NAME=ARM,ARM",
-                    help="an arm averaging the named arms per item, e.g. several seeds of one setting (repeatable)")
+    ap.add_argument(
+        "--pool",
+        action="append",
+        default=[],
+        metavar="NAME=ARM,ARM",
+        help="an arm averaging the named arms per item, e.g. several seeds of one setting (repeatable)",
+    )
     args = ap.parse_args(argv)
     pools = []
     for spec in args.pool:

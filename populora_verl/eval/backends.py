@@ -34,8 +34,9 @@ class Member:
         if not self.name:
             raise ValueError("member name must be non-empty")
         if self.adapter is not None and not (Path(self.adapter) / "adapter_config.json").is_file():
-            raise FileNotFoundError(f"member {self.name!r}: {self.adapter} is not a PEFT adapter folder "
-                                    "(no adapter_config.json)")
+            raise FileNotFoundError(
+                f"member {self.name!r}: {self.adapter} is not a PEFT adapter folder (no adapter_config.json)"
+            )
 
 
 class GenerationBackend(Protocol):
@@ -58,8 +59,16 @@ def _lora_rank(members: Sequence[Member]) -> int:
 class HFBackend:
     """transformers + PEFT, batched greedy decoding (CPU friendly)."""
 
-    def __init__(self, model_path: str, members: Sequence[Member], *, max_new_tokens: int = 1024,
-                 batch_size: int = 8, dtype: str = "auto", device: str | None = None) -> None:
+    def __init__(
+        self,
+        model_path: str,
+        members: Sequence[Member],
+        *,
+        max_new_tokens: int = 1024,
+        batch_size: int = 8,
+        dtype: str = "auto",
+        device: str | None = None,
+    ) -> None:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -102,10 +111,17 @@ class HFBackend:
 
         enc = self.tokenizer(list(prompts), return_tensors="pt", padding=True, add_special_tokens=False).to(self.device)
         with torch.no_grad():
-            out = self.model.generate(**enc, max_new_tokens=self.max_new_tokens, do_sample=False,
-                                      pad_token_id=self.tokenizer.pad_token_id, eos_token_id=self.stop_ids,
-                                      temperature=None, top_p=None, top_k=None)
-        new = out[:, enc["input_ids"].shape[1]:]
+            out = self.model.generate(
+                **enc,
+                max_new_tokens=self.max_new_tokens,
+                do_sample=False,
+                pad_token_id=self.tokenizer.pad_token_id,
+                eos_token_id=self.stop_ids,
+                temperature=None,
+                top_p=None,
+                top_k=None,
+            )
+        new = out[:, enc["input_ids"].shape[1] :]
         return self.tokenizer.batch_decode(new, skip_special_tokens=True)
 
     def _member(self, prompts: Sequence[str], member: Member) -> list[str]:
@@ -119,9 +135,9 @@ class HFBackend:
         outs: list[str] = []
         with ctx:
             for i in range(0, len(prompts), self.batch_size):
-                outs.extend(self._batch(prompts[i:i + self.batch_size]))
+                outs.extend(self._batch(prompts[i : i + self.batch_size]))
                 if self._bar is not None:
-                    self._bar.update(len(prompts[i:i + self.batch_size]))
+                    self._bar.update(len(prompts[i : i + self.batch_size]))
         return outs
 
     def generate(self, prompts: Sequence[str], members: Sequence[Member]) -> dict[str, list[str]]:
@@ -142,24 +158,43 @@ class VLLMBackend:
     ``lora_slots`` / ``max_lora_rank`` size the engine's LoRA support for adapters that come after it started
     (:meth:`prepare`); otherwise ``members`` size it."""
 
-    def __init__(self, model_path: str, members: Sequence[Member], *, max_new_tokens: int = 1024,
-                 tensor_parallel_size: int = 1, gpu_memory_utilization: float = 0.85,
-                 max_model_len: int | None = None, dtype: str = "auto", enforce_eager: bool = False,
-                 lora_slots: int | None = None, max_lora_rank: int | None = None,
-                 extra: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        model_path: str,
+        members: Sequence[Member],
+        *,
+        max_new_tokens: int = 1024,
+        tensor_parallel_size: int = 1,
+        gpu_memory_utilization: float = 0.85,
+        max_model_len: int | None = None,
+        dtype: str = "auto",
+        enforce_eager: bool = False,
+        lora_slots: int | None = None,
+        max_lora_rank: int | None = None,
+        extra: dict[str, Any] | None = None,
+    ) -> None:
         from vllm import LLM, SamplingParams
 
         adapters = [m for m in members if m.adapter is not None]
         self.lora_slots = max(len(adapters), lora_slots or 0)
         self.max_lora_rank = max(_lora_rank(adapters) if adapters else 0, max_lora_rank or 0)
-        kwargs: dict[str, Any] = dict(model=model_path, tensor_parallel_size=tensor_parallel_size,
-                                      gpu_memory_utilization=gpu_memory_utilization, dtype=dtype,
-                                      enforce_eager=enforce_eager, seed=0)
+        kwargs: dict[str, Any] = dict(
+            model=model_path,
+            tensor_parallel_size=tensor_parallel_size,
+            gpu_memory_utilization=gpu_memory_utilization,
+            dtype=dtype,
+            enforce_eager=enforce_eager,
+            seed=0,
+        )
         if max_model_len is not None:
             kwargs["max_model_len"] = max_model_len
         if self.lora_slots:
-            kwargs.update(enable_lora=True, max_loras=self.lora_slots, max_lora_rank=self.max_lora_rank,
-                          max_cpu_loras=self.lora_slots)
+            kwargs.update(
+                enable_lora=True,
+                max_loras=self.lora_slots,
+                max_lora_rank=self.max_lora_rank,
+                max_cpu_loras=self.lora_slots,
+            )
         kwargs.update(extra or {})
         self.llm = LLM(**kwargs)
         self.tokenizer = self.llm.get_tokenizer()
@@ -177,18 +212,23 @@ class VLLMBackend:
         if not new:
             return
         if len(self._ids) + len(new) > self.lora_slots:
-            raise ValueError(f"{len(self._ids) + len(new)} adapters for an engine started with {self.lora_slots} LoRA "
-                             "slots (--max-loras)")
+            raise ValueError(
+                f"{len(self._ids) + len(new)} adapters for an engine started with {self.lora_slots} LoRA "
+                "slots (--max-loras)"
+            )
         rank = _lora_rank(new)
         if rank > self.max_lora_rank:
-            raise ValueError(f"an adapter of rank {rank} for an engine started with max LoRA rank "
-                             f"{self.max_lora_rank} (--max-lora-rank)")
+            raise ValueError(
+                f"an adapter of rank {rank} for an engine started with max LoRA rank "
+                f"{self.max_lora_rank} (--max-lora-rank)"
+            )
         for m in new:
             self._ids[m.name] = len(self._ids) + 1  # LoRA int ids start at 1
 
     def _run(self, prompts: list[str], requests: list[Any] | None) -> list[str]:
-        token_prompts = [{"prompt_token_ids": self.tokenizer(p, add_special_tokens=False)["input_ids"]}
-                         for p in prompts]
+        token_prompts = [
+            {"prompt_token_ids": self.tokenizer(p, add_special_tokens=False)["input_ids"]} for p in prompts
+        ]
         import sys
 
         # vLLM's own progress bar, on a terminal only (a log file gets none)
@@ -210,7 +250,7 @@ class VLLMBackend:
             reqs = [LoRARequest(m.name, self._ids[m.name], str(m.adapter)) for m in lora for _ in prompts]
             texts = self._run(flat_prompts, reqs)
             for k, m in enumerate(lora):
-                result[m.name] = texts[k * len(prompts):(k + 1) * len(prompts)]
+                result[m.name] = texts[k * len(prompts) : (k + 1) * len(prompts)]
         return result
 
 

@@ -28,14 +28,30 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from populora_verl.eval.sandbox import RunOutcome, SandboxLimits, decode_value, run_program
+from populora_verl.eval.sandbox import DEFAULT_LIMITS, RunOutcome, SandboxLimits, decode_value, run_program
 
-__all__ = ["Expected", "CodeResult", "compute_expected", "check_candidate", "build_program", "extract_code",
-           "outputs_match", "poly"]
+__all__ = [
+    "Expected",
+    "CodeResult",
+    "compute_expected",
+    "check_candidate",
+    "build_program",
+    "extract_code",
+    "outputs_match",
+    "poly",
+]
 
 HARNESS_VERSION = "1"
-MBPP_SET_EQ = {"similar_elements", "find_char_long", "common_in_nested_lists", "extract_singly", "larg_nnum",
-               "intersection_array", "find_dissimilar", "Diff"}
+MBPP_SET_EQ = {
+    "similar_elements",
+    "find_char_long",
+    "common_in_nested_lists",
+    "extract_singly",
+    "larg_nnum",
+    "intersection_array",
+    "find_dissimilar",
+    "Diff",
+}
 MBPP_NOT_NONE = {"check_str", "text_match_three", "text_starta_endb"}
 
 
@@ -62,8 +78,8 @@ def poly(xs: list[float], x: float) -> float:
 
 
 def _surface_area(base_edge: float, height: float) -> float:
-    slant = math.sqrt((base_edge / 2) ** 2 + height ** 2)
-    return round(base_edge ** 2 + 4 * (base_edge * slant) / 2)
+    slant = math.sqrt((base_edge / 2) ** 2 + height**2)
+    return round(base_edge**2 + 4 * (base_edge * slant) / 2)
 
 
 def _digit_distance(a: int, b: int) -> int:
@@ -149,7 +165,7 @@ def extract_code(text: str, entry_point: str | None = None) -> str:
     if not blocks:
         opened = re.search(r"```[ \t]*(?:python|py)?[^\n]*\n", text)
         if opened:
-            return text[opened.end():]
+            return text[opened.end() :]
         return text
     py = [b for lang, b in blocks if lang in ("python", "py", "python3", "")] or [b for _, b in blocks]
     if entry_point:
@@ -167,13 +183,25 @@ def _input_lists(gold: dict[str, Any]) -> list[Any]:
 def _cache_path(cache_dir: Path | None, gold: dict[str, Any]) -> Path | None:
     if cache_dir is None:
         return None
-    h = hashlib.sha256(json.dumps([HARNESS_VERSION, gold["task_id"], gold["canonical_solution"], gold["prompt"],
-                                   gold["base_input"], gold["plus_input"]], sort_keys=True).encode()).hexdigest()
+    h = hashlib.sha256(
+        json.dumps(
+            [
+                HARNESS_VERSION,
+                gold["task_id"],
+                gold["canonical_solution"],
+                gold["prompt"],
+                gold["base_input"],
+                gold["plus_input"],
+            ],
+            sort_keys=True,
+        ).encode()
+    ).hexdigest()
     return cache_dir / f"{gold['dataset']}-{h[:24]}.json"
 
 
-def compute_expected(gold: dict[str, Any], *, cache_dir: str | os.PathLike | None = None,
-                     timeout_s: float = 600.0, memory_mb: int = 4096) -> Expected:
+def compute_expected(
+    gold: dict[str, Any], *, cache_dir: str | os.PathLike | None = None, timeout_s: float = 600.0, memory_mb: int = 4096
+) -> Expected:
     """Run the canonical solution on every input (cached on disk by content hash when ``cache_dir`` is set)."""
     cpath = _cache_path(Path(cache_dir) if cache_dir else None, gold)
     if cpath is not None and cpath.is_file():
@@ -182,10 +210,18 @@ def compute_expected(gold: dict[str, Any], *, cache_dir: str | os.PathLike | Non
         return Expected(d["values"], d["times"], d["n_base"], d.get("error"))
     inputs = _input_lists(gold)
     limits = SandboxLimits(memory_mb=memory_mb, exec_timeout_s=60.0)
-    outcome = run_program(canonical_program(gold), inputs, mode="call", entry_point=gold["entry_point"],
-                          time_limits=[max(20.0, timeout_s / 4)] * len(inputs), wall_timeout_s=timeout_s,
-                          limits=limits, deserialize="mbpp" if gold["dataset"] == "mbpp" else None,
-                          task_id=gold["task_id"], stop_on_error=False)
+    outcome = run_program(
+        canonical_program(gold),
+        inputs,
+        mode="call",
+        entry_point=gold["entry_point"],
+        time_limits=[max(20.0, timeout_s / 4)] * len(inputs),
+        wall_timeout_s=timeout_s,
+        limits=limits,
+        deserialize="mbpp" if gold["dataset"] == "mbpp" else None,
+        task_id=gold["task_id"],
+        stop_on_error=False,
+    )
     exp = _expected_from(outcome, len(inputs), len(gold["base_input"]))
     if cpath is not None and exp.error is None:
         cpath.parent.mkdir(parents=True, exist_ok=True)
@@ -219,17 +255,26 @@ def _deserialized_args(gold: dict[str, Any]) -> list[Any]:
     return mod._mbpp_deserialize(gold["task_id"], inputs)
 
 
-def check_candidate(gold: dict[str, Any], response_code: str, expected: Expected, *,
-                    limits: SandboxLimits = SandboxLimits()) -> CodeResult:
+def check_candidate(
+    gold: dict[str, Any], response_code: str, expected: Expected, *, limits: SandboxLimits = DEFAULT_LIMITS
+) -> CodeResult:
     """Grade one extracted candidate program (already passed through :func:`extract_code`)."""
     if expected.error is not None:
         return CodeResult(False, False, expected.error)
     inputs = _input_lists(gold)
     time_limits = [max(limits.min_time_limit_s, limits.gt_time_factor * t) for t in expected.times]
     wall = min(limits.task_timeout_s, sum(time_limits)) + 1.0
-    outcome = run_program(build_program(gold, response_code), inputs, mode="call", entry_point=gold["entry_point"],
-                          time_limits=time_limits, wall_timeout_s=wall + limits.exec_timeout_s, limits=limits,
-                          deserialize="mbpp" if gold["dataset"] == "mbpp" else None, task_id=gold["task_id"])
+    outcome = run_program(
+        build_program(gold, response_code),
+        inputs,
+        mode="call",
+        entry_point=gold["entry_point"],
+        time_limits=time_limits,
+        wall_timeout_s=wall + limits.exec_timeout_s,
+        limits=limits,
+        deserialize="mbpp" if gold["dataset"] == "mbpp" else None,
+        task_id=gold["task_id"],
+    )
     args = None
     wrong = None
     verdicts: list[bool] = []
@@ -246,8 +291,14 @@ def check_candidate(gold: dict[str, Any], response_code: str, expected: Expected
             exp = exp is not None
         if args is None and (gold["entry_point"] in ("find_zero", "surface_Area", "digit_distance_nums")):
             args = _deserialized_args(gold)
-        ok = outputs_match(out, exp, atol=gold["atol"], dataset=gold["dataset"], entry_point=gold["entry_point"],
-                           args=list(args[i]) if args is not None else [])
+        ok = outputs_match(
+            out,
+            exp,
+            atol=gold["atol"],
+            dataset=gold["dataset"],
+            entry_point=gold["entry_point"],
+            args=list(args[i]) if args is not None else [],
+        )
         verdicts.append(ok)
         if not ok:
             wrong = f"wrong output on {'base' if i < expected.n_base else 'plus'} input {i}"

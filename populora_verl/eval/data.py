@@ -2,7 +2,8 @@
 
 Data directory (first that applies): the ``data_dir`` argument / ``--data-dir``, env ``POPULORA_BENCHMARKS``, else
 the package's own copy (``populora_verl/eval/benchmark_data``: HumanEval+, MBPP+, GSM8K, MATH-500, AIME24/25, AMC23;
-see its MANIFEST.md); the rest comes through the first two. Layout and formats are the EvalPlus releases and the AZR / Qwen2.5-Math ``math_eval`` files;
+see its MANIFEST.md); the rest comes through the first two. Layout and formats are the EvalPlus releases and the AZR /
+Qwen2.5-Math ``math_eval`` files;
 LiveCodeBench is read from a user-supplied release jsonl (see :mod:`populora_verl.eval.lcb`).
 """
 
@@ -14,11 +15,22 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from populora_verl.eval.items import Item, read_jsonl as _read_jsonl
+from populora_verl.eval.items import Item
+from populora_verl.eval.items import read_jsonl as _read_jsonl
 from populora_verl.eval.math_grader import extract_boxed
 
-__all__ = ["Item", "BenchmarkSpec", "BENCHMARKS", "CODE_BENCHMARKS", "MATH_BENCHMARKS", "PACKAGE_DATA", "resolve_data_dir",
-           "load_benchmark", "benchmark_names", "register_benchmark"]
+__all__ = [
+    "Item",
+    "BenchmarkSpec",
+    "BENCHMARKS",
+    "CODE_BENCHMARKS",
+    "MATH_BENCHMARKS",
+    "PACKAGE_DATA",
+    "resolve_data_dir",
+    "load_benchmark",
+    "benchmark_names",
+    "register_benchmark",
+]
 
 
 @dataclass(frozen=True)
@@ -54,14 +66,20 @@ def _load_evalplus(dataset: str) -> Callable[[Path, str], list[Item]]:
     def load(path: Path, name: str) -> list[Item]:
         items = []
         for row in _read_jsonl(path):
-            _require(row, ("task_id", "prompt", "entry_point", "canonical_solution", "base_input", "plus_input"),
-                     path)
+            _require(row, ("task_id", "prompt", "entry_point", "canonical_solution", "base_input", "plus_input"), path)
             plus = row["plus_input"]
             if isinstance(plus, dict):  # Mbpp/793 stores {} for "no plus inputs"
                 plus = list(plus.values())
-            gold = {"dataset": dataset, "task_id": row["task_id"], "entry_point": row["entry_point"],
-                    "prompt": row["prompt"], "canonical_solution": row["canonical_solution"],
-                    "base_input": row["base_input"], "plus_input": plus, "atol": float(row.get("atol") or 0)}
+            gold = {
+                "dataset": dataset,
+                "task_id": row["task_id"],
+                "entry_point": row["entry_point"],
+                "prompt": row["prompt"],
+                "canonical_solution": row["canonical_solution"],
+                "base_input": row["base_input"],
+                "plus_input": plus,
+                "atol": float(row.get("atol") or 0),
+            }
             items.append(Item(name, row["task_id"], "code", row["prompt"], gold))
         return items
 
@@ -117,8 +135,11 @@ def _olympiad(path: Path, name: str) -> list[Item]:
         _require(row, ("question", "final_answer"), path)
         fa = row["final_answer"]
         gold = (fa[0] if isinstance(fa, list) and fa else str(fa)).strip().strip("$").strip()
-        meta = {"unit": row.get("unit"), "answer_type": row.get("answer_type"),
-                "is_multiple_answer": row.get("is_multiple_answer")}
+        meta = {
+            "unit": row.get("unit"),
+            "answer_type": row.get("answer_type"),
+            "is_multiple_answer": row.get("is_multiple_answer"),
+        }
         items.append(Item(name, str(row.get("id", i)), "math", row["question"], gold, meta))
     return items
 
@@ -130,8 +151,13 @@ def _lcb(path: Path, name: str) -> list[Item]:
 
 
 for _spec in (
-    BenchmarkSpec("humaneval_plus", "HumanEval+", "code", ("humanevalplus/*.jsonl.gz", "humanevalplus/*.jsonl"),
-                  _load_evalplus("humaneval")),
+    BenchmarkSpec(
+        "humaneval_plus",
+        "HumanEval+",
+        "code",
+        ("humanevalplus/*.jsonl.gz", "humanevalplus/*.jsonl"),
+        _load_evalplus("humaneval"),
+    ),
     BenchmarkSpec("mbpp_plus", "MBPP+", "code", ("mbppplus/*.jsonl.gz", "mbppplus/*.jsonl"), _load_evalplus("mbpp")),
     BenchmarkSpec("livecodebench", "LCB", "code", ("livecodebench/*.jsonl", "livecodebench/*.jsonl.gz"), _lcb),
     BenchmarkSpec("aime24", "AIME24", "math", ("aime24/test.jsonl*",), _answer_field("problem", "answer")),
@@ -174,8 +200,9 @@ def resolve_data_dir(data_dir: str | os.PathLike | None = None, name: str | None
     if PACKAGE_DATA.is_dir() and (name is None or find_benchmark_file(name, PACKAGE_DATA) is not None):
         return PACKAGE_DATA
     what = f"no {name} file" if name else "no benchmark data"
-    raise FileNotFoundError(f"{what} in {PACKAGE_DATA}: pass --data-dir or set POPULORA_BENCHMARKS (layout in "
-                            "docs/evaluation.md)")
+    raise FileNotFoundError(
+        f"{what} in {PACKAGE_DATA}: pass --data-dir or set POPULORA_BENCHMARKS (layout in docs/evaluation.md)"
+    )
 
 
 def find_benchmark_file(name: str, data_dir: Path) -> Path | None:
@@ -187,8 +214,13 @@ def find_benchmark_file(name: str, data_dir: Path) -> Path | None:
     return None
 
 
-def load_benchmark(name: str, data_dir: str | os.PathLike | None = None, *, path: str | os.PathLike | None = None,
-                   limit: int | None = None) -> list[Item]:
+def load_benchmark(
+    name: str,
+    data_dir: str | os.PathLike | None = None,
+    *,
+    path: str | os.PathLike | None = None,
+    limit: int | None = None,
+) -> list[Item]:
     """Load benchmark ``name`` (a registry key) from ``path`` or from its file under the data dir."""
     if name not in BENCHMARKS:
         raise KeyError(f"unknown benchmark {name!r}; known: {sorted(BENCHMARKS)}")

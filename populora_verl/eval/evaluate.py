@@ -14,15 +14,15 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from populora_verl.eval.backends import GenerationBackend, Member
-from populora_verl.eval.code_grader import CodeResult, Expected, check_candidate, compute_expected, extract_code
 from tqdm.auto import tqdm
 
+from populora_verl.eval.backends import GenerationBackend, Member
+from populora_verl.eval.code_grader import CodeResult, Expected, check_candidate, compute_expected, extract_code
 from populora_verl.eval.data import Item, find_benchmark_file, load_benchmark, resolve_data_dir
 from populora_verl.eval.lcb import check_lcb, load_lcb_items
 from populora_verl.eval.math_grader import score_math
 from populora_verl.eval.prompts import messages_for, render_prompt
-from populora_verl.eval.sandbox import SandboxLimits
+from populora_verl.eval.sandbox import DEFAULT_LIMITS, SandboxLimits
 
 __all__ = ["RESULTS_FORMAT", "load_items", "grade", "evaluate", "default_cache_dir"]
 
@@ -34,8 +34,14 @@ def default_cache_dir() -> Path:
     return Path(root) / "eval"
 
 
-def load_items(benchmarks: Sequence[str], *, data_dir: str | None = None, limit: int | None = None,
-               paths: dict[str, str] | None = None, lcb_on_pickle: str = "error") -> dict[str, list[Item]]:
+def load_items(
+    benchmarks: Sequence[str],
+    *,
+    data_dir: str | None = None,
+    limit: int | None = None,
+    paths: dict[str, str] | None = None,
+    lcb_on_pickle: str = "error",
+) -> dict[str, list[Item]]:
     """Items per benchmark; ``paths`` overrides a benchmark's file, ``lcb_on_pickle`` is passed to the LCB loader."""
     paths = paths or {}
     out = {}
@@ -61,21 +67,27 @@ def _grade_code(item: Item, text: str, expected: Expected | None, limits: Sandbo
     return {"correct": res.plus_pass, "base_correct": res.base_pass, "error": res.error}
 
 
-def expected_outputs(items_by_bench: dict[str, list[Item]], *, cache_dir: str | os.PathLike | None = None,
-                     workers: int | None = None, log: Callable[[str], None] = lambda s: None
-                     ) -> dict[tuple[str, str], Expected]:
+def expected_outputs(
+    items_by_bench: dict[str, list[Item]],
+    *,
+    cache_dir: str | os.PathLike | None = None,
+    workers: int | None = None,
+    log: Callable[[str], None] = lambda s: None,
+) -> dict[tuple[str, str], Expected]:
     """The canonical solutions' outputs for every HumanEval+/MBPP+ item, ``{(benchmark, id): Expected}``, from
     ``cache_dir`` where present (else computed and stored there)."""
     workers = workers or max(1, os.cpu_count() or 1)
-    code_items = [it for items in items_by_bench.values() for it in items
-                  if it.kind == "code" and it.gold["dataset"] != "lcb"]
+    code_items = [
+        it for items in items_by_bench.values() for it in items if it.kind == "code" and it.gold["dataset"] != "lcb"
+    ]
     expected: dict[tuple[str, str], Expected] = {}
     if code_items:
         t0 = time.time()
         with ThreadPoolExecutor(workers) as pool:
             results = pool.map(lambda it: compute_expected(it.gold, cache_dir=cache_dir), code_items)
-            for it, exp in zip(code_items, tqdm(results, total=len(code_items), desc="expected outputs", unit="task",
-                                                disable=None)):
+            for it, exp in zip(
+                code_items, tqdm(results, total=len(code_items), desc="expected outputs", unit="task", disable=None)
+            ):
                 expected[(it.benchmark, it.id)] = exp
                 if exp.error:
                     log(f"warning: {it.id}: {exp.error}")
@@ -83,9 +95,15 @@ def expected_outputs(items_by_bench: dict[str, list[Item]], *, cache_dir: str | 
     return expected
 
 
-def warm_expected_cache(benchmarks: Sequence[str], *, data_dir: str | None = None, limit: int | None = None,
-                        cache_dir: str | os.PathLike | None = None, workers: int | None = None,
-                        log: Callable[[str], None] = lambda s: None) -> int:
+def warm_expected_cache(
+    benchmarks: Sequence[str],
+    *,
+    data_dir: str | None = None,
+    limit: int | None = None,
+    cache_dir: str | os.PathLike | None = None,
+    workers: int | None = None,
+    log: Callable[[str], None] = lambda s: None,
+) -> int:
     """Fill the expected-output cache for ``benchmarks`` ahead of an evaluation (no model needed): on a GPU
     machine this runs on idle CPUs while training, so the evaluation does not wait for it. Returns the number of
     code tasks whose outputs are now cached."""
@@ -94,9 +112,15 @@ def warm_expected_cache(benchmarks: Sequence[str], *, data_dir: str | None = Non
     return sum(1 for e in got.values() if e.error is None)
 
 
-def grade(items_by_bench: dict[str, list[Item]], completions: dict[str, dict[str, list[str]]], *,
-          limits: SandboxLimits = SandboxLimits(), cache_dir: str | os.PathLike | None = None,
-          workers: int | None = None, log: Callable[[str], None] = lambda s: None) -> list[dict[str, Any]]:
+def grade(
+    items_by_bench: dict[str, list[Item]],
+    completions: dict[str, dict[str, list[str]]],
+    *,
+    limits: SandboxLimits = DEFAULT_LIMITS,
+    cache_dir: str | os.PathLike | None = None,
+    workers: int | None = None,
+    log: Callable[[str], None] = lambda s: None,
+) -> list[dict[str, Any]]:
     """Grade ``completions[member][benchmark][k]`` (the k-th item's response). Returns one record per
     (member, benchmark, item): ``correct`` (HumanEval+/MBPP+: plus tests), ``base_correct`` for EvalPlus sets,
     the extracted ``answer`` (math) and an ``error`` note."""
@@ -113,17 +137,33 @@ def grade(items_by_bench: dict[str, list[Item]], completions: dict[str, dict[str
                 jobs.append((member, it, text))
     code_jobs = [j for j in jobs if j[1].kind == "code"]
     with ThreadPoolExecutor(workers) as pool:
-        code_out = list(tqdm(pool.map(lambda j: _grade_code(j[1], j[2], expected.get((j[1].benchmark, j[1].id)),
-                                                            limits), code_jobs),
-                             total=len(code_jobs), desc="grade code", unit="answer", disable=None))
+        code_out = list(
+            tqdm(
+                pool.map(lambda j: _grade_code(j[1], j[2], expected.get((j[1].benchmark, j[1].id)), limits), code_jobs),
+                total=len(code_jobs),
+                desc="grade code",
+                unit="answer",
+                disable=None,
+            )
+        )
     for (member, it, text), res in zip(code_jobs, code_out):
         records.append({"member": member, "benchmark": it.benchmark, "id": it.id, **res, "completion": text})
-    for member, it, text in tqdm(jobs, desc="grade math", unit="answer", disable=None if any(
-            j[1].kind == "math" for j in jobs) else True):
+    for member, it, text in tqdm(
+        jobs, desc="grade math", unit="answer", disable=None if any(j[1].kind == "math" for j in jobs) else True
+    ):
         if it.kind == "math":
             ok, pred = score_math(text, it.gold)
-            records.append({"member": member, "benchmark": it.benchmark, "id": it.id, "correct": ok,
-                            "answer": pred, "gold": it.gold, "completion": text})
+            records.append(
+                {
+                    "member": member,
+                    "benchmark": it.benchmark,
+                    "id": it.id,
+                    "correct": ok,
+                    "answer": pred,
+                    "gold": it.gold,
+                    "completion": text,
+                }
+            )
     return records
 
 
@@ -145,12 +185,22 @@ def summarize(records: list[dict[str, Any]], members: Sequence[Member], benchmar
     return scores
 
 
-def evaluate(backend: GenerationBackend, members: Sequence[Member], benchmarks: Sequence[str], *,
-             data_dir: str | None = None, limit: int | None = None, paths: dict[str, str] | None = None,
-             limits: SandboxLimits = SandboxLimits(), cache_dir: str | os.PathLike | None = None,
-             workers: int | None = None, samples_path: str | os.PathLike | None = None,
-             info: dict[str, Any] | None = None, log: Callable[[str], None] = lambda s: None,
-             lcb_on_pickle: str = "error") -> dict[str, Any]:
+def evaluate(
+    backend: GenerationBackend,
+    members: Sequence[Member],
+    benchmarks: Sequence[str],
+    *,
+    data_dir: str | None = None,
+    limit: int | None = None,
+    paths: dict[str, str] | None = None,
+    limits: SandboxLimits = DEFAULT_LIMITS,
+    cache_dir: str | os.PathLike | None = None,
+    workers: int | None = None,
+    samples_path: str | os.PathLike | None = None,
+    info: dict[str, Any] | None = None,
+    log: Callable[[str], None] = lambda s: None,
+    lcb_on_pickle: str = "error",
+) -> dict[str, Any]:
     """Generate greedily for every member on every benchmark item and grade. Returns the results document
     (``format``, ``members``, ``benchmarks``, ``scores[member][benchmark]``, run info); writes per-sample
     records to ``samples_path`` (jsonl) when given."""
@@ -175,7 +225,12 @@ def evaluate(backend: GenerationBackend, members: Sequence[Member], benchmarks: 
         with open(samples_path, "w", encoding="utf-8") as f:
             for r in records:
                 f.write(json.dumps(r, default=str) + "\n")
-    return {"format": RESULTS_FORMAT, "members": [{"name": m.name, "adapter": m.adapter, "role": m.role}
-                                                  for m in members],
-            "benchmarks": list(benchmarks), "limit": limit, "scores": summarize(records, members, benchmarks),
-            "timing_s": {"generate": round(gen_s, 2), "grade": round(time.time() - t1, 2)}, **(info or {})}
+    return {
+        "format": RESULTS_FORMAT,
+        "members": [{"name": m.name, "adapter": m.adapter, "role": m.role} for m in members],
+        "benchmarks": list(benchmarks),
+        "limit": limit,
+        "scores": summarize(records, members, benchmarks),
+        "timing_s": {"generate": round(gen_s, 2), "grade": round(time.time() - t1, 2)},
+        **(info or {}),
+    }

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from populora_verl.eval.items import Item, read_jsonl
-from populora_verl.eval.sandbox import SandboxLimits, decode_value, run_program
+from populora_verl.eval.sandbox import DEFAULT_LIMITS, SandboxLimits, decode_value, run_program
 
 __all__ = ["LCBFormatError", "load_lcb_items", "decode_private_tests", "check_lcb", "stdout_matches"]
 
@@ -76,8 +76,10 @@ def decode_private_tests(raw: Any, where: str = "private_test_cases") -> list[di
     except (UnicodeDecodeError, json.JSONDecodeError):
         pass
     if blob[:1] == b"\x80" or blob.rstrip()[-1:] == b".":  # protocol 2+ header / protocol 0-1 STOP opcode
-        raise LCBFormatError(f"{where}: payload is a Python pickle; refusing to unpickle untrusted data "
-                             "(convert private tests to JSON first)")
+        raise LCBFormatError(
+            f"{where}: payload is a Python pickle; refusing to unpickle untrusted data "
+            "(convert private tests to JSON first)"
+        )
     raise LCBFormatError(f"{where}: decoded payload is not JSON")
 
 
@@ -94,9 +96,13 @@ def load_lcb_items(path: str | Path, *, name: str = "livecodebench", on_pickle: 
             if k not in row:
                 raise LCBFormatError(f"{where}: missing field {k!r}")
         public = _json_tests(row["public_test_cases"], f"{where}: public_test_cases")
-        meta = {"platform": row.get("platform"), "difficulty": row.get("difficulty"),
-                "contest_date": row.get("contest_date"), "title": row.get("question_title"),
-                "private_skipped": False}
+        meta = {
+            "platform": row.get("platform"),
+            "difficulty": row.get("difficulty"),
+            "contest_date": row.get("contest_date"),
+            "title": row.get("question_title"),
+            "private_skipped": False,
+        }
         try:
             private = decode_private_tests(row.get("private_test_cases"), f"{where}: private_test_cases")
         except LCBFormatError:
@@ -110,8 +116,14 @@ def load_lcb_items(path: str | Path, *, name: str = "livecodebench", on_pickle: 
         testtype = tests[0].get("testtype", "stdin") if tests else "stdin"
         if testtype == "functional" and not md.get("func_name"):
             raise LCBFormatError(f"{where}: functional tests need metadata.func_name")
-        gold = {"dataset": "lcb", "task_id": qid, "tests": tests, "testtype": testtype,
-                "func_name": md.get("func_name", ""), "starter_code": row.get("starter_code") or ""}
+        gold = {
+            "dataset": "lcb",
+            "task_id": qid,
+            "tests": tests,
+            "testtype": testtype,
+            "func_name": md.get("func_name", ""),
+            "starter_code": row.get("starter_code") or "",
+        }
         items.append(Item(name, qid, "code", row["question_content"], gold, meta))
     return items
 
@@ -144,8 +156,9 @@ def stdout_matches(got: str, want: str) -> bool:
     return True
 
 
-def check_lcb(gold: dict[str, Any], code: str, *, limits: SandboxLimits = SandboxLimits(),
-              time_limit_s: float = 6.0) -> tuple[bool, str | None]:
+def check_lcb(
+    gold: dict[str, Any], code: str, *, limits: SandboxLimits = DEFAULT_LIMITS, time_limit_s: float = 6.0
+) -> tuple[bool, str | None]:
     """(passed, error) for one extracted program on all tests of an LCB problem."""
     tests = gold["tests"]
     if not tests:
@@ -157,8 +170,15 @@ def check_lcb(gold: dict[str, Any], code: str, *, limits: SandboxLimits = Sandbo
             wants = [json.loads(t["output"]) for t in tests]
         except json.JSONDecodeError as e:
             return False, f"bad functional test JSON: {e.msg}"
-        out = run_program(code, inputs, mode="lcb_functional", entry_point=gold["func_name"],
-                          time_limits=[time_limit_s] * len(tests), wall_timeout_s=wall, limits=limits)
+        out = run_program(
+            code,
+            inputs,
+            mode="lcb_functional",
+            entry_point=gold["func_name"],
+            time_limits=[time_limit_s] * len(tests),
+            wall_timeout_s=wall,
+            limits=limits,
+        )
         for row, want in zip(out.rows, wants):
             if row.get("s") != "ok":
                 return False, row.get("e")
@@ -171,8 +191,14 @@ def check_lcb(gold: dict[str, Any], code: str, *, limits: SandboxLimits = Sandbo
             if got != want:
                 return False, f"wrong answer on test {row['i']}"
     else:
-        out = run_program(code, [t["input"] for t in tests], mode="stdin", time_limits=[time_limit_s] * len(tests),
-                          wall_timeout_s=wall, limits=limits)
+        out = run_program(
+            code,
+            [t["input"] for t in tests],
+            mode="stdin",
+            time_limits=[time_limit_s] * len(tests),
+            wall_timeout_s=wall,
+            limits=limits,
+        )
         for row, t in zip(out.rows, tests):
             if row.get("s") != "ok":
                 return False, row.get("e")

@@ -37,7 +37,7 @@ def extract_boxed(text: str) -> str | None:
                         break
                 j += 1
             if depth == 0:
-                last = text[i + 1:j]
+                last = text[i + 1 : j]
         else:
             tail = re.match(r"([^\s$]+)", text[i:])
             if tail:

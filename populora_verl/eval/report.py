@@ -16,14 +16,32 @@ import re
 from pathlib import Path
 from typing import Any, Sequence
 
-from populora_verl.diagnostics.lineage import (find_population_dir, member_sort_key, plot_lineage, read_lineage,
-                                              read_population)
+from populora_verl.diagnostics.lineage import (
+    find_population_dir,
+    member_sort_key,
+    plot_lineage,
+    read_lineage,
+    read_population,
+)
 from populora_verl.eval.data import BENCHMARKS, CODE_BENCHMARKS, MATH_BENCHMARKS
 
-__all__ = ["population_table", "write_table", "markdown_table", "find_population_dir", "read_lineage",
-           "plot_lineage", "final_ratings", "build_run_report", "build_compare_report", "wilson_interval",
-           "table_intervals", "markdown_interval_table", "paired_differences", "markdown_difference_table",
-           "young_members"]
+__all__ = [
+    "population_table",
+    "write_table",
+    "markdown_table",
+    "find_population_dir",
+    "read_lineage",
+    "plot_lineage",
+    "final_ratings",
+    "build_run_report",
+    "build_compare_report",
+    "wilson_interval",
+    "table_intervals",
+    "markdown_interval_table",
+    "paired_differences",
+    "markdown_difference_table",
+    "young_members",
+]
 
 AGG_COLUMNS = ("code_avg", "math_avg", "avg")
 NON_POPULATION_ROLES = ("base", "baseline")
@@ -75,8 +93,11 @@ def population_table(results: dict[str, Any]) -> dict[str, Any]:
 
 
 def _display(col: str) -> str:
-    return BENCHMARKS[col].display if col in BENCHMARKS else {"code_avg": "Code avg", "math_avg": "Math avg",
-                                                              "avg": "Avg"}.get(col, col)
+    return (
+        BENCHMARKS[col].display
+        if col in BENCHMARKS
+        else {"code_avg": "Code avg", "math_avg": "Math avg", "avg": "Avg"}.get(col, col)
+    )
 
 
 def markdown_table(table: dict[str, Any], *, percent: bool = True) -> str:
@@ -102,33 +123,45 @@ def write_table(results: dict[str, Any], out_dir: str | Path, stem: str = "eval"
     table = population_table(results)
     md = out / f"{stem}.md"
     diffs = paired_differences(results, table)
-    md.write_text(f"# Evaluation (greedy pass@1, %)\n\n{markdown_table(table)}\n\n{_notes(results)}\n\n"
-                  + _uncertainty_sections(results, table, diffs, level=2), encoding="utf-8")
+    md.write_text(
+        f"# Evaluation (greedy pass@1, %)\n\n{markdown_table(table)}\n\n{_notes(results)}\n\n"
+        + _uncertainty_sections(results, table, diffs, level=2),
+        encoding="utf-8",
+    )
     cs = out / f"{stem}.csv"
     with open(cs, "w", newline="", encoding="utf-8") as f:
         w = csv.writer(f)
         w.writerow(["model", "role", "kind"] + table["columns"])
         for r in table["rows"]:
-            w.writerow([r["name"], r["role"], r["kind"]] + ["" if r[c] is None else f"{r[c]:.6f}"
-                                                             for c in table["columns"]])
+            w.writerow(
+                [r["name"], r["role"], r["kind"]] + ["" if r[c] is None else f"{r[c]:.6f}" for c in table["columns"]]
+            )
     js = out / f"{stem}.json"
-    intervals = {name: {c: list(iv) for c, iv in cells.items()} for name, cells in table_intervals(results, table).items()}
-    js.write_text(json.dumps({"table": table, "intervals": intervals, "differences": diffs, "results": results},
-                             indent=1), encoding="utf-8")
+    intervals = {
+        name: {c: list(iv) for c, iv in cells.items()} for name, cells in table_intervals(results, table).items()
+    }
+    js.write_text(
+        json.dumps({"table": table, "intervals": intervals, "differences": diffs, "results": results}, indent=1),
+        encoding="utf-8",
+    )
     return {"md": md, "csv": cs, "json": js}
 
 
 def _notes(results: dict[str, Any]) -> str:
-    bits = ["Code avg = mean of HumanEval+ / MBPP+ / LCB present; Math avg = mean of AIME24, AIME25, AMC23, MATH500, "
-            "Minerva, OlympiadBench, GSM8K present; Avg = (Code + Math) / 2. HumanEval+/MBPP+ use base + plus tests."]
+    bits = [
+        "Code avg = mean of HumanEval+ / MBPP+ / LCB present; Math avg = mean of AIME24, AIME25, AMC23, MATH500, "
+        "Minerva, OlympiadBench, GSM8K present; Avg = (Code + Math) / 2. HumanEval+/MBPP+ use base + plus tests."
+    ]
     if results.get("limit"):
         bits.append(f"Smoke run: first {results['limit']} items per benchmark only.")
     n = {b: max((s[b]["n"] for s in results["scores"].values() if b in s), default=0) for b in results["benchmarks"]}
     bits.append("Items: " + ", ".join(f"{_display(b)} {k}" for b, k in n.items()) + ".")
     young = results.get("young_members") or {}
     if young:
-        bits.append(f"Younger than the final quiet window ({results.get('age_window')} steps), so possibly not "
-                    "recovered from their operator: " + ", ".join(f"{m} ({a} steps)" for m, a in young.items()) + ".")
+        bits.append(
+            f"Younger than the final quiet window ({results.get('age_window')} steps), so possibly not "
+            "recovered from their operator: " + ", ".join(f"{m} ({a} steps)" for m, a in young.items()) + "."
+        )
     return " ".join(bits)
 
 
@@ -146,8 +179,9 @@ def wilson_interval(correct: int, n: int, confidence: float = CONFIDENCE) -> tup
     return float(ci.low), float(ci.high)
 
 
-def _column_draws(results: dict[str, Any], members: Sequence[str], columns: Sequence[str], samples: int,
-                  seed: int) -> dict[str, Any] | None:
+def _column_draws(
+    results: dict[str, Any], members: Sequence[str], columns: Sequence[str], samples: int, seed: int
+) -> dict[str, Any] | None:
     """Bootstrap draws (members x samples) of every column: items resampled with replacement, per benchmark, the
     same draw for every member (paired). None when a member lacks per-item outcomes (older results files)."""
     import numpy as np
@@ -202,12 +236,16 @@ def _group_draws(column_draws: Any, rows: Sequence[int], stat: str) -> Any | Non
 
 def _group_members(table: dict[str, Any], label: str) -> list[str]:
     """Members behind a stat row label: ``population`` (every member row) or ``<role>s``."""
-    return [r["name"] for r in table["rows"] if r["kind"] == "member"
-            and (label == "population" or f"{r['role']}s" == label)]
+    return [
+        r["name"]
+        for r in table["rows"]
+        if r["kind"] == "member" and (label == "population" or f"{r['role']}s" == label)
+    ]
 
 
-def table_intervals(results: dict[str, Any], table: dict[str, Any] | None = None, *,
-                    samples: int = BOOTSTRAP_SAMPLES, seed: int = 0) -> dict[str, dict[str, tuple[float, float]]]:
+def table_intervals(
+    results: dict[str, Any], table: dict[str, Any] | None = None, *, samples: int = BOOTSTRAP_SAMPLES, seed: int = 0
+) -> dict[str, dict[str, tuple[float, float]]]:
     """95% interval of every number of :func:`population_table`: ``{row name: {column: (low, high)}}``.
 
     A member's pass@1 on one benchmark: Wilson score interval. Averages over benchmarks and the population rows
@@ -267,9 +305,11 @@ def markdown_interval_table(results: dict[str, Any], table: dict[str, Any] | Non
     return "\n".join(lines)
 
 
-INTERVAL_NOTE = ("95% intervals: Wilson score interval for a member on one benchmark; percentile bootstrap over "
-                 f"items ({BOOTSTRAP_SAMPLES} draws, resampled per benchmark, paired across members) for averages "
-                 "and population rows, the best member re-chosen in every draw.")
+INTERVAL_NOTE = (
+    "95% intervals: Wilson score interval for a member on one benchmark; percentile bootstrap over "
+    f"items ({BOOTSTRAP_SAMPLES} draws, resampled per benchmark, paired across members) for averages "
+    "and population rows, the best member re-chosen in every draw."
+)
 
 
 # --- paired differences ---------------------------------------------------------------------------------------
@@ -300,8 +340,9 @@ def _comparison_sides(table: dict[str, Any]) -> list[tuple[_Side, _Side]]:
     return pairs
 
 
-def paired_differences(results: dict[str, Any], table: dict[str, Any] | None = None, *,
-                       samples: int = BOOTSTRAP_SAMPLES, seed: int = 0) -> list[dict[str, Any]]:
+def paired_differences(
+    results: dict[str, Any], table: dict[str, Any] | None = None, *, samples: int = BOOTSTRAP_SAMPLES, seed: int = 0
+) -> list[dict[str, Any]]:
     """Differences (fractions) between the population and the baseline / base model, with 95% paired bootstrap
     intervals: ``[{"name", "a", "b", "diff": {column: a - b}, "interval": {column: [low, high]}}]``.
 
@@ -336,8 +377,9 @@ def paired_differences(results: dict[str, Any], table: dict[str, Any] | None = N
     return out
 
 
-def markdown_difference_table(results: dict[str, Any], table: dict[str, Any] | None = None,
-                              diffs: list[dict[str, Any]] | None = None) -> str:
+def markdown_difference_table(
+    results: dict[str, Any], table: dict[str, Any] | None = None, diffs: list[dict[str, Any]] | None = None
+) -> str:
     """One row per pair of :func:`paired_differences`: ``+diff [low, high]`` in percentage points."""
     table = table or population_table(results)
     diffs = paired_differences(results, table) if diffs is None else diffs
@@ -357,19 +399,28 @@ def markdown_difference_table(results: dict[str, Any], table: dict[str, Any] | N
     return "\n".join(lines)
 
 
-DIFFERENCE_NOTE = (f"Paired differences: the same resampled items for both sides ({BOOTSTRAP_SAMPLES} draws, per "
-                   "benchmark, the population max re-chosen in every draw), 95% percentile interval; an interval "
-                   "that excludes 0 is a difference the item sample supports, even where the intervals above overlap.")
+DIFFERENCE_NOTE = (
+    f"Paired differences: the same resampled items for both sides ({BOOTSTRAP_SAMPLES} draws, per "
+    "benchmark, the population max re-chosen in every draw), 95% percentile interval; an interval "
+    "that excludes 0 is a difference the item sample supports, even where the intervals above overlap."
+)
 
 
-def _uncertainty_sections(results: dict[str, Any], table: dict[str, Any] | None = None,
-                          diffs: list[dict[str, Any]] | None = None, *, level: int = 2) -> str:
+def _uncertainty_sections(
+    results: dict[str, Any],
+    table: dict[str, Any] | None = None,
+    diffs: list[dict[str, Any]] | None = None,
+    *,
+    level: int = 2,
+) -> str:
     """The intervals table and the paired differences with their notes, headings at markdown ``level``."""
     table = table or population_table(results)
     h = "#" * level
-    return (f"{h} With 95% intervals\n\n{markdown_interval_table(results, table)}\n\n{INTERVAL_NOTE}\n\n"
-            f"{h} Paired differences (percentage points, 95% paired bootstrap)\n\n"
-            f"{markdown_difference_table(results, table, diffs)}\n\n{DIFFERENCE_NOTE}\n")
+    return (
+        f"{h} With 95% intervals\n\n{markdown_interval_table(results, table)}\n\n{INTERVAL_NOTE}\n\n"
+        f"{h} Paired differences (percentage points, 95% paired bootstrap)\n\n"
+        f"{markdown_difference_table(results, table, diffs)}\n\n{DIFFERENCE_NOTE}\n"
+    )
 
 
 def young_members(state: dict[str, Any]) -> tuple[dict[str, int], int | None]:
@@ -404,8 +455,9 @@ def final_ratings(metrics_rows: Sequence[dict[str, Any]]) -> dict[str, dict[str,
     return out
 
 
-def build_run_report(run_dir: str | Path, out_dir: str | Path | None = None, *,
-                     eval_results: dict[str, Any] | None = None) -> Path:
+def build_run_report(
+    run_dir: str | Path, out_dir: str | Path | None = None, *, eval_results: dict[str, Any] | None = None
+) -> Path:
     """Write ``<out_dir>/report.md`` (default ``<run_dir>/report``): evaluation table (if any), dynamics plots
     from ``metrics.jsonl`` (``populora_verl.diagnostics.plot_all``), final ratings, lineage tree and records."""
     run = Path(run_dir)
@@ -419,9 +471,12 @@ def build_run_report(run_dir: str | Path, out_dir: str | Path | None = None, *,
         eval_results = json.loads((run / "eval" / "results.json").read_text(encoding="utf-8"))
     if eval_results is not None:
         paths = write_table(eval_results, out)
-        parts.append("## Evaluation (greedy pass@1, %)\n\n" + markdown_table(population_table(eval_results))
-                     + f"\n\n{_notes(eval_results)} Files: `{paths['csv'].name}`, `{paths['json'].name}`.\n\n"
-                     + _uncertainty_sections(eval_results, level=3))
+        parts.append(
+            "## Evaluation (greedy pass@1, %)\n\n"
+            + markdown_table(population_table(eval_results))
+            + f"\n\n{_notes(eval_results)} Files: `{paths['csv'].name}`, `{paths['json'].name}`.\n\n"
+            + _uncertainty_sections(eval_results, level=3)
+        )
     else:
         parts.append("## Evaluation\n\nNo evaluation results (run `populora-eval --run-dir ...` first).\n")
 
@@ -455,8 +510,9 @@ def build_run_report(run_dir: str | Path, out_dir: str | Path | None = None, *,
             r = ratings[mid]
             cons = r.get("conservative", r.get("mu", math.nan) - 3 * r.get("sigma", math.nan))
             status = f"replaced at step {died[mid]} (last logged rating)" if mid in died else "alive"
-            lines.append(f"| {mid} | {r.get('mu', math.nan):.2f} | {r.get('sigma', math.nan):.2f} | {cons:.2f} "
-                         f"| {status} |")
+            lines.append(
+                f"| {mid} | {r.get('mu', math.nan):.2f} | {r.get('sigma', math.nan):.2f} | {cons:.2f} | {status} |"
+            )
         parts.append("### Final TrueSkill ratings\n\n" + "\n".join(lines) + "\n")
 
     if pop_dir is not None:
@@ -464,20 +520,30 @@ def build_run_report(run_dir: str | Path, out_dir: str | Path | None = None, *,
         if lineage:
             young, window = young_members(read_population(pop_dir))
             img = plot_lineage(lineage, out / "lineage.png", last_step=last_step)
-            lines = ["| id | role | parents | operator | born | died | age (steps) |",
-                     "|---|---|---|---|---:|---:|---:|"]
+            lines = [
+                "| id | role | parents | operator | born | died | age (steps) |",
+                "|---|---|---|---|---:|---:|---:|",
+            ]
             for r in lineage:
                 age = "-" if r.get("age") is None else str(r["age"])
-                lines.append(f"| {r['id']} | {r.get('role', '')} | {', '.join(r.get('parents') or []) or '-'} | "
-                             f"{r.get('operator') or '-'} | {r.get('birth_step', 0)} | "
-                             f"{'-' if r.get('death_step') is None else r['death_step']} | "
-                             f"{age}{' (young)' if r['id'] in young else ''} |")
+                lines.append(
+                    f"| {r['id']} | {r.get('role', '')} | {', '.join(r.get('parents') or []) or '-'} | "
+                    f"{r.get('operator') or '-'} | {r.get('birth_step', 0)} | "
+                    f"{'-' if r.get('death_step') is None else r['death_step']} | "
+                    f"{age}{' (young)' if r['id'] in young else ''} |"
+                )
             note = ""
             if young:
-                note = (f"\n\nYoung members (alive, trained fewer than the final quiet window of {window} steps, "
-                        f"so possibly not recovered from their operator): {', '.join(young)}.")
-            parts.append(f"## Lineage\n\nFrom `{pop_dir / 'population.json'}`.\n\n![lineage]({img.name})\n\n"
-                         + "\n".join(lines) + note + "\n")
+                note = (
+                    f"\n\nYoung members (alive, trained fewer than the final quiet window of {window} steps, "
+                    f"so possibly not recovered from their operator): {', '.join(young)}."
+                )
+            parts.append(
+                f"## Lineage\n\nFrom `{pop_dir / 'population.json'}`.\n\n![lineage]({img.name})\n\n"
+                + "\n".join(lines)
+                + note
+                + "\n"
+            )
     else:
         parts.append("## Lineage\n\nNo population.json found in the run directory.\n")
     report = out / "report.md"
@@ -485,8 +551,9 @@ def build_run_report(run_dir: str | Path, out_dir: str | Path | None = None, *,
     return report
 
 
-def build_compare_report(run_dirs: Sequence[str | Path], out_dir: str | Path, *,
-                         labels: Sequence[str] | None = None) -> Path:
+def build_compare_report(
+    run_dirs: Sequence[str | Path], out_dir: str | Path, *, labels: Sequence[str] | None = None
+) -> Path:
     """``<out_dir>/compare.md`` with one figure per quantity, every run on the same axes
     (:func:`populora_verl.diagnostics.plots.compare_runs`), and each run's last logged headline numbers."""
     from populora_verl.diagnostics.plots import compare_runs, read_metrics
@@ -495,8 +562,12 @@ def build_compare_report(run_dirs: Sequence[str | Path], out_dir: str | Path, *,
     out.mkdir(parents=True, exist_ok=True)
     figures = compare_runs(run_dirs, out, labels=labels)
     names = list(labels) if labels else [Path(r).name for r in run_dirs]
-    keys = [("steps", None), ("solve rate", "populora/student/accuracy"), ("validity", "populora/validity/mean"),
-            ("coverage", "populora/coverage/fraction")]
+    keys = [
+        ("steps", None),
+        ("solve rate", "populora/student/accuracy"),
+        ("validity", "populora/validity/mean"),
+        ("coverage", "populora/coverage/fraction"),
+    ]
     lines = ["| run | " + " | ".join(k for k, _ in keys) + " |", "|---|" + "---:|" * len(keys)]
     for name, run in zip(names, run_dirs):
         rows = read_metrics(run)
@@ -505,8 +576,12 @@ def build_compare_report(run_dirs: Sequence[str | Path], out_dir: str | Path, *,
             vals = [r[key] for r in rows if key in r]
             cells.append(f"{vals[-1]:.3f}" if vals else "-")
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    parts = ["# PopuLoRA runs compared\n", "Runs: " + ", ".join(f"`{r}`" for r in run_dirs) + "\n",
-             "## Last logged step\n\n" + "\n".join(lines) + "\n", "## Figures\n"]
+    parts = [
+        "# PopuLoRA runs compared\n",
+        "Runs: " + ", ".join(f"`{r}`" for r in run_dirs) + "\n",
+        "## Last logged step\n\n" + "\n".join(lines) + "\n",
+        "## Figures\n",
+    ]
     parts += [f"### {p.stem.replace('_', ' ')}\n\n![{p.stem}]({p.name})\n" for p in figures]
     report = out / "compare.md"
     report.write_text("\n".join(parts), encoding="utf-8")

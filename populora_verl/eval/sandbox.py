@@ -45,6 +45,9 @@ class SandboxLimits:
                 raise ValueError(f"{k} must be > 0, got {getattr(self, k)}")
 
 
+DEFAULT_LIMITS = SandboxLimits()  # frozen: one instance serves as every signature's default
+
+
 @dataclass
 class RunOutcome:
     """What one child run produced: per-input rows (in order, possibly fewer than inputs when it stopped early),
@@ -101,9 +104,17 @@ def decode_value(obj: Any) -> Any:
 
 
 def _child_env(workdir: str) -> dict[str, str]:
-    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": workdir, "TMPDIR": workdir,
-           "LANG": "C.UTF-8", "PYTHONHASHSEED": "0", "PYTHONDONTWRITEBYTECODE": "1",
-           "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    env = {
+        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+        "HOME": workdir,
+        "TMPDIR": workdir,
+        "LANG": "C.UTF-8",
+        "PYTHONHASHSEED": "0",
+        "PYTHONDONTWRITEBYTECODE": "1",
+        "OMP_NUM_THREADS": "1",
+        "OPENBLAS_NUM_THREADS": "1",
+        "MKL_NUM_THREADS": "1",
+    }
     return env
 
 
@@ -119,10 +130,19 @@ def _kill_group(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
-def run_program(code: str, inputs: list[Any], *, mode: str = "call", entry_point: str = "",
-                time_limits: list[float] | None = None, wall_timeout_s: float = 60.0,
-                limits: SandboxLimits = SandboxLimits(), deserialize: str | None = None, task_id: str = "",
-                stop_on_error: bool = True) -> RunOutcome:
+def run_program(
+    code: str,
+    inputs: list[Any],
+    *,
+    mode: str = "call",
+    entry_point: str = "",
+    time_limits: list[float] | None = None,
+    wall_timeout_s: float = 60.0,
+    limits: SandboxLimits = DEFAULT_LIMITS,
+    deserialize: str | None = None,
+    task_id: str = "",
+    stop_on_error: bool = True,
+) -> RunOutcome:
     """Run ``code`` on each input in one sandboxed child and return its rows (never raises for bad code).
 
     ``mode``: ``call`` (``entry_point(*args)``), ``lcb_functional`` (``Solution().entry_point(*args)`` when a
@@ -135,17 +155,33 @@ def run_program(code: str, inputs: list[Any], *, mode: str = "call", entry_point
         raise ValueError("time_limits needs one value per input")
     with tempfile.TemporaryDirectory(prefix="populora-eval-") as workdir:
         out_path = os.path.join(workdir, "results.jsonl")
-        job = {"mode": mode, "code": code, "entry_point": entry_point, "inputs": inputs,
-               "deserialize": deserialize, "task_id": task_id, "time_limits": time_limits,
-               "exec_timeout": limits.exec_timeout_s, "stop_on_error": stop_on_error,
-               "memory_mb": limits.memory_mb, "cpu_s": wall_timeout_s + 2, "fsize_mb": limits.max_result_mb,
-               "out_path": out_path}
+        job = {
+            "mode": mode,
+            "code": code,
+            "entry_point": entry_point,
+            "inputs": inputs,
+            "deserialize": deserialize,
+            "task_id": task_id,
+            "time_limits": time_limits,
+            "exec_timeout": limits.exec_timeout_s,
+            "stop_on_error": stop_on_error,
+            "memory_mb": limits.memory_mb,
+            "cpu_s": wall_timeout_s + 2,
+            "fsize_mb": limits.max_result_mb,
+            "out_path": out_path,
+        }
         job_path = os.path.join(workdir, "job.json")
         with open(job_path, "w", encoding="utf-8") as f:
             json.dump(job, f)
-        proc = subprocess.Popen([sys.executable, "-I", "-B", str(HARNESS), job_path], cwd=workdir,
-                                env=_child_env(workdir), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL, start_new_session=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-I", "-B", str(HARNESS), job_path],
+            cwd=workdir,
+            env=_child_env(workdir),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         error = None
         try:
             proc.wait(timeout=wall_timeout_s)

@@ -77,13 +77,17 @@ def pair_modules(state_dict: Mapping[str, Tensor]) -> dict[str, tuple[Tensor, Te
     for m in module_names(state_dict):
         a, b = state_dict[m + LORA_A_SUFFIX], state_dict[m + LORA_B_SUFFIX]
         if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[1]:
-            raise ValueError(f"{m}: expected lora_A [r, in] and lora_B [out, r], got {tuple(a.shape)} and {tuple(b.shape)}")
+            raise ValueError(
+                f"{m}: expected lora_A [r, in] and lora_B [out, r], got {tuple(a.shape)} and {tuple(b.shape)}"
+            )
         if rank is None:
             rank = a.shape[0]
         elif a.shape[0] != rank:
             raise ValueError(f"{m}: rank {a.shape[0]} differs from the adapter's rank {rank}")
         if a.dtype != b.dtype or a.device != b.device:
-            raise ValueError(f"{m}: lora_A and lora_B differ in dtype/device ({a.dtype}/{a.device} vs {b.dtype}/{b.device})")
+            raise ValueError(
+                f"{m}: lora_A and lora_B differ in dtype/device ({a.dtype}/{a.device} vs {b.dtype}/{b.device})"
+            )
         pairs[m] = (a, b)
     return pairs
 
@@ -98,8 +102,10 @@ def check_compatible(parents: Sequence[Mapping[str, Tensor]]) -> None:
         for k, v in first.items():
             w = other[k]
             if tuple(w.shape) != tuple(v.shape) or w.dtype != v.dtype or w.device != v.device:
-                raise ValueError(f"parents[0] and parents[{i}] differ at {k}: {tuple(v.shape)} {v.dtype} {v.device} "
-                                 f"vs {tuple(w.shape)} {w.dtype} {w.device}")
+                raise ValueError(
+                    f"parents[0] and parents[{i}] differ at {k}: {tuple(v.shape)} {v.dtype} {v.device} "
+                    f"vs {tuple(w.shape)} {w.dtype} {w.device}"
+                )
 
 
 # --- batched stacks ---------------------------------------------------------------------------------------------
@@ -113,7 +119,7 @@ class LoRAGroup:
     A: Tensor
     B: Tensor
 
-    def like(self, A: Tensor, B: Tensor) -> "LoRAGroup":
+    def like(self, A: Tensor, B: Tensor) -> LoRAGroup:
         return LoRAGroup(self.names, A, B)
 
 
@@ -290,4 +296,4 @@ def delta_w_distance(sd_x: Mapping[str, Tensor], sd_y: Mapping[str, Tensor]) -> 
         # The Gram form can round slightly below zero for (near-)identical adapters.
         diff += max(0.0, float(delta_w_sq_norm(a_cat, b_cat)))
         ref += max(0.0, float(delta_w_sq_norm(ay, by)))
-    return diff ** 0.5, ref ** 0.5
+    return diff**0.5, ref**0.5

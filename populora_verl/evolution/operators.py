@@ -89,13 +89,16 @@ class Operator:
     def doc(self) -> str:
         return inspect.getdoc(self.fn) or ""
 
-    def __call__(self, parents: Sequence[Mapping[str, Tensor]], *, generator: torch.Generator, **params: Any) -> Adapter:
+    def __call__(
+        self, parents: Sequence[Mapping[str, Tensor]], *, generator: torch.Generator, **params: Any
+    ) -> Adapter:
         if isinstance(parents, Mapping):
             raise TypeError(f"{self.name}: parents must be a sequence of state dicts, got a single mapping")
         parents = list(parents)
         if len(parents) != self.num_parents:
-            raise ValueError(f"{self.name} is a {self.kind} and needs exactly {self.num_parents} parent(s), "
-                             f"got {len(parents)}")
+            raise ValueError(
+                f"{self.name} is a {self.kind} and needs exactly {self.num_parents} parent(s), got {len(parents)}"
+            )
         unknown = sorted(set(params) - set(self.defaults))
         if unknown:
             raise TypeError(f"{self.name}: unknown parameter(s) {unknown}; accepted: {sorted(self.defaults)}")
@@ -110,7 +113,9 @@ class Operator:
 OPERATORS: dict[str, Operator] = {}
 
 
-def register_operator(name: str, *, kind: str, num_parents: int) -> Callable[[Callable[..., LoRAStack]], Callable[..., LoRAStack]]:
+def register_operator(
+    name: str, *, kind: str, num_parents: int
+) -> Callable[[Callable[..., LoRAStack]], Callable[..., LoRAStack]]:
     """Decorator registering ``fn(parents: list[LoRAStack], *, generator, **params) -> LoRAStack`` as ``name``.
 
     The operator's parameters and defaults are ``fn``'s keyword-only arguments (besides ``generator``); every one
@@ -120,7 +125,9 @@ def register_operator(name: str, *, kind: str, num_parents: int) -> Callable[[Ca
     if kind not in KINDS:
         raise ValueError(f"operator {name!r}: kind must be one of {KINDS}, got {kind!r}")
     if num_parents not in (1, 2) or (kind == "mutation") != (num_parents == 1):
-        raise ValueError(f"operator {name!r}: a mutation takes 1 parent and a crossover 2, got {kind} with {num_parents}")
+        raise ValueError(
+            f"operator {name!r}: a mutation takes 1 parent and a crossover 2, got {kind} with {num_parents}"
+        )
 
     def decorator(fn: Callable[..., LoRAStack]) -> Callable[..., LoRAStack]:
         defaults = {}
@@ -215,8 +222,9 @@ def svd_mutation(parents: Sequence[LoRAStack], *, generator: torch.Generator, ep
 
 
 @register_operator("layer_gaussian", kind="mutation", num_parents=1)
-def layer_gaussian(parents: Sequence[LoRAStack], *, generator: torch.Generator, eps: float = 0.1,
-                   fraction: float = 0.33) -> LoRAStack:
+def layer_gaussian(
+    parents: Sequence[LoRAStack], *, generator: torch.Generator, eps: float = 0.1, fraction: float = 0.33
+) -> LoRAStack:
     """M2 layer-selective Gaussian: on max(1, ⌊f·L⌋) random modules of L, X += ε·std(X)·N(0, 1) for X in {A, B}.
 
     std(X) is per module and per factor; where it is ≈ 0 (a fresh PEFT B) the scale is 1/sqrt(last dim).
@@ -263,8 +271,9 @@ def component_mask(parents: Sequence[LoRAStack], *, generator: torch.Generator, 
 def full_gaussian(parents: Sequence[LoRAStack], *, generator: torch.Generator, eps: float = 0.15) -> LoRAStack:
     """M4 full Gaussian: X += ε·std(X)·N(0, 1) for A and B of every module (M2's noise, std fallback included)."""
     _check(eps >= 0, "full_gaussian", "eps", f"must be >= 0, got {eps!r}")
-    return [g.like(_relative_gaussian(g.A, eps, generator), _relative_gaussian(g.B, eps, generator))
-            for g in parents[0]]
+    return [
+        g.like(_relative_gaussian(g.A, eps, generator), _relative_gaussian(g.B, eps, generator)) for g in parents[0]
+    ]
 
 
 @register_operator("neftune", kind="mutation", num_parents=1)
@@ -299,8 +308,7 @@ def dare_crossover(parents: Sequence[LoRAStack], *, generator: torch.Generator, 
         keep = _rand(tuple(x.shape), generator, x) >= p
         return x * keep / (1 - p)
 
-    return [g0.like((dare(g0.A) + dare(g1.A)) / 2, (dare(g0.B) + dare(g1.B)) / 2)
-            for g0, g1 in zip(*parents)]
+    return [g0.like((dare(g0.A) + dare(g1.A)) / 2, (dare(g0.B) + dare(g1.B)) / 2) for g0, g1 in zip(*parents)]
 
 
 @register_operator("layer_crossover", kind="crossover", num_parents=2)
@@ -330,7 +338,9 @@ def svd_crossover(parents: Sequence[LoRAStack], *, generator: torch.Generator, k
     for g0, g1 in zip(s0, s1):
         n, r = g0.A.shape[0], g0.A.shape[1]
         if k is not None:
-            _check(isinstance(k, int) and 0 <= k <= r, "svd_crossover", "k", f"must be an integer in [0, r={r}], got {k!r}")
+            _check(
+                isinstance(k, int) and 0 <= k <= r, "svd_crossover", "k", f"must be an integer in [0, r={r}], got {k!r}"
+            )
             split = torch.full((n, 1), k, device=g0.A.device)
         elif r == 1:
             split = torch.ones((n, 1), dtype=torch.long, device=g0.A.device)
@@ -347,14 +357,17 @@ def svd_crossover(parents: Sequence[LoRAStack], *, generator: torch.Generator, k
 
 
 @register_operator("extrapolative_crossover", kind="crossover", num_parents=2)
-def extrapolative_crossover(parents: Sequence[LoRAStack], *, generator: torch.Generator, eta_min: float = 1.0,
-                            eta_max: float = 1.5) -> LoRAStack:
+def extrapolative_crossover(
+    parents: Sequence[LoRAStack], *, generator: torch.Generator, eta_min: float = 1.0, eta_max: float = 1.5
+) -> LoRAStack:
     """X4 extrapolative crossover (factor space): θ = θ₁ + η·(θ₀ − θ₁), η ~ U(eta_min, eta_max), one η per child.
 
     parents[0] is the fitter parent, so η > 1 overshoots past it; η = 1 returns parents[0]. Set
     eta_min = eta_max for a fixed η.
     """
-    _check(eta_min <= eta_max, "extrapolative_crossover", "eta_min", f"must be <= eta_max ({eta_max!r}), got {eta_min!r}")
+    _check(
+        eta_min <= eta_max, "extrapolative_crossover", "eta_min", f"must be <= eta_max ({eta_max!r}), got {eta_min!r}"
+    )
     eta = eta_min + (eta_max - eta_min) * float(torch.rand((), generator=generator, device=generator.device))
     # θ₁ + η(θ₀ − θ₁) written as θ₀ + (η − 1)(θ₀ − θ₁): the same number, but exactly θ₀ at η = 1.
     return [g0.like(g0.A + (eta - 1) * (g0.A - g1.A), g0.B + (eta - 1) * (g0.B - g1.B)) for g0, g1 in zip(*parents)]

@@ -44,7 +44,7 @@ __all__ = ["Replacement", "EvolutionPlan", "PBTController", "num_victims"]
 
 log = logging.getLogger(__name__)
 
-_MAX_SEED = 2 ** 63 - 1
+_MAX_SEED = 2**63 - 1
 
 
 def num_victims(n: int, cull_fraction: float, protect_top: int = 0) -> int:
@@ -127,15 +127,21 @@ def trim_events(run_dir: str | os.PathLike, step: int) -> None:
 
 def describe(r: Replacement) -> str:
     """One log line's worth of a replacement."""
-    return (f"{r.victim_id} (slot {r.victim_slot}) <- {r.child_id} = {r.operator}({', '.join(r.parent_ids)})"
-            + (" [tie-break: the victim's fitness equals a survivor's]" if r.tie_break else ""))
+    return f"{r.victim_id} (slot {r.victim_slot}) <- {r.child_id} = {r.operator}({', '.join(r.parent_ids)})" + (
+        " [tie-break: the victim's fitness equals a survivor's]" if r.tie_break else ""
+    )
 
 
 class PBTController:
     """Decides and applies evolution events. ``operators`` defaults to the ``OPERATORS`` registry."""
 
-    def __init__(self, cfg: PBTConfig | None = None, seed: int = 0,
-                 operators: Mapping[str, Any] | None = None, total_steps: int | None = None) -> None:
+    def __init__(
+        self,
+        cfg: PBTConfig | None = None,
+        seed: int = 0,
+        operators: Mapping[str, Any] | None = None,
+        total_steps: int | None = None,
+    ) -> None:
         self.cfg = cfg if cfg is not None else PBTConfig()
         self.seed = int(seed)
         # The run's last step (CPU driver: --steps; verl: trainer.total_training_steps); None: unknown, so the
@@ -179,22 +185,29 @@ class PBTController:
             except (TypeError, ValueError):
                 sig = None
             if sig is not None:
-                accepted = {p.name for p in sig.parameters.values()
-                            if p.kind is inspect.Parameter.KEYWORD_ONLY and p.name != "generator"}
+                accepted = {
+                    p.name
+                    for p in sig.parameters.values()
+                    if p.kind is inspect.Parameter.KEYWORD_ONLY and p.name != "generator"
+                }
         return accepted
 
     def _operator_params(self) -> dict[str, dict[str, Any]]:
         out: dict[str, dict[str, Any]] = {}
         for name, params in (self.cfg.operator_params or {}).items():
             if name not in self.operators:
-                raise ConfigError(f"{self._key}.operator_params.{name}: unknown operator; known: {sorted(self.operators)}")
+                raise ConfigError(
+                    f"{self._key}.operator_params.{name}: unknown operator; known: {sorted(self.operators)}"
+                )
             if not isinstance(params, Mapping):
                 raise ConfigError(f"{self._key}.operator_params.{name}: must be a mapping of parameter -> value")
             accepted = self._accepted_params(name)
             for p in params:
                 if p not in accepted:
-                    raise ConfigError(f"{self._key}.operator_params.{name}.{p}: {name} does not accept {p!r}; "
-                                      f"accepted: {sorted(accepted)}")
+                    raise ConfigError(
+                        f"{self._key}.operator_params.{name}.{p}: {name} does not accept {p!r}; "
+                        f"accepted: {sorted(accepted)}"
+                    )
             out[name] = dict(params)
         return out
 
@@ -217,22 +230,31 @@ class PBTController:
                 raise ConfigError(
                     f"{self._key}.crossover_rate: 1.0 forces crossovers, which need 2 survivors, but the {role} "
                     f"sub-population ({n} members) leaves {max(survivors, 0)}; lower it, lower cull_fraction or "
-                    f"use >= 3 {role}s")
+                    f"use >= 3 {role}s"
+                )
             if victims == 0:
                 continue  # nobody is replaced in this sub-population: plan() notes it
             if n == 2:
                 # Say it once at start-up: with two members every event is "replace the weaker by a child of the
                 # stronger", so the role collapses to one lineage. Allowed (the 1T+1S-like ablations want it).
-                log.warning("%s: the %s sub-population has 2 members, so every evolution event replaces one of "
-                            "them (floor(2 x %s) clamped to 1) with a child of the other; drop %r from %s.roles to "
-                            "keep both lineages", self._key, role, self.cfg.cull_fraction, role, self._key)
+                log.warning(
+                    "%s: the %s sub-population has 2 members, so every evolution event replaces one of "
+                    "them (floor(2 x %s) clamped to 1) with a child of the other; drop %r from %s.roles to "
+                    "keep both lineages",
+                    self._key,
+                    role,
+                    self.cfg.cull_fraction,
+                    role,
+                    self._key,
+                )
             p_cross, p_mut = self._kind_odds(survivors)
             if p_cross + p_mut > 0:
                 continue
             missing = "crossover" if self.cfg.crossover_rate == 1.0 else "mutation"
             raise ConfigError(
                 f"{self._key}.operators: no {missing} operator with a positive weight, but the {role} "
-                f"sub-population ({n} members, {survivors} survivors) needs one")
+                f"sub-population ({n} members, {survivors} survivors) needs one"
+            )
 
     # --- when ---------------------------------------------------------------------------------------------
 
@@ -243,8 +265,12 @@ class PBTController:
     def due(self, step: int) -> bool:
         """True on steps ``E, 2E, ...`` (never at step 0, before anybody has been rated), except in the final quiet
         window: a child born there would be evaluated untrained."""
-        return (bool(self.cfg.enabled) and step > 0 and step % self.cfg.interval_steps == 0
-                and not self.in_final_quiet(step))
+        return (
+            bool(self.cfg.enabled)
+            and step > 0
+            and step % self.cfg.interval_steps == 0
+            and not self.in_final_quiet(step)
+        )
 
     # --- deciding -----------------------------------------------------------------------------------------
 
@@ -257,8 +283,9 @@ class PBTController:
         w = np.array([weights[n] for n in names], dtype=np.float64)
         return names[int(self._rng.choice(len(names), p=w / w.sum()))]
 
-    def plan(self, population: "Population", step: int,
-             recent_rewards: Mapping[str, float] | None = None) -> EvolutionPlan:
+    def plan(
+        self, population: Population, step: int, recent_rewards: Mapping[str, float] | None = None
+    ) -> EvolutionPlan:
         """Decide who dies and how each child is made. Does not change the population."""
         fitness = population.fitness(self.cfg.fitness, recent_rewards)
         plan = EvolutionPlan(step=int(step), fitness=fitness)
@@ -275,15 +302,20 @@ class PBTController:
                 continue
             # Best first; ties broken at random (e.g. at the start every rating is the prior).
             ties = self._rng.permutation(n)
-            ranked = [m for _, _, m in sorted(zip((-fitness[m.id] for m in group), ties.tolist(), group),
-                                              key=lambda x: (x[0], x[1]))]
+            ranked = [
+                m
+                for _, _, m in sorted(
+                    zip((-fitness[m.id] for m in group), ties.tolist(), group), key=lambda x: (x[0], x[1])
+                )
+            ]
             # Victims: the lowest-ranked members that are neither elite (protect_top) nor a newborn child (min_age).
-            eligible = [m for m in ranked[self.cfg.protect_top:] if not self._newborn(m)]
-            victims = eligible[len(eligible) - min(victims_n, len(eligible)):] if eligible else []
+            eligible = [m for m in ranked[self.cfg.protect_top :] if not self._newborn(m)]
+            victims = eligible[len(eligible) - min(victims_n, len(eligible)) :] if eligible else []
             if len(victims) < victims_n:
                 young = [m.id for m in group if self._newborn(m)]
-                plan.notes.append(f"{role}: {victims_n - len(victims)} fewer victims: {young} younger than "
-                                  f"min_age={self.cfg.min_age}")
+                plan.notes.append(
+                    f"{role}: {victims_n - len(victims)} fewer victims: {young} younger than min_age={self.cfg.min_age}"
+                )
             if not victims:
                 continue
             dead = {m.id for m in victims}
@@ -293,8 +325,10 @@ class PBTController:
             for victim in victims:
                 p_cross, p_mut = self._kind_odds(len(survivors))
                 if p_cross + p_mut <= 0:
-                    raise ConfigError(f"{self._key}.crossover_rate: no operator kind possible for the {role} "
-                                      f"sub-population ({len(survivors)} survivors); see PBTController.validate")
+                    raise ConfigError(
+                        f"{self._key}.crossover_rate: no operator kind possible for the {role} "
+                        f"sub-population ({len(survivors)} survivors); see PBTController.validate"
+                    )
                 kind = "crossover" if self._rng.random() * (p_cross + p_mut) < p_cross else "mutation"
                 name = self._pick(self._weights[kind])
                 k = 2 if kind == "crossover" else 1
@@ -303,24 +337,35 @@ class PBTController:
                 params = {**dict(getattr(self.operators[name], "defaults", {}) or {}), **self._params.get(name, {})}
                 off = offsets.get(role, 0)
                 offsets[role] = off + 1
-                plan.replacements.append(Replacement(
-                    victim_id=victim.id, victim_slot=victim.slot, child_id=population.next_id(role, off),
-                    role=role, operator=name, kind=kind, parent_ids=parents, params=params,
-                    seed=int(self._rng.integers(0, _MAX_SEED)), reset_optimizer=bool(self.cfg.reset_optimizer_on_replace),
-                    tie_break=fitness[victim.id] in survivor_fitness))
+                plan.replacements.append(
+                    Replacement(
+                        victim_id=victim.id,
+                        victim_slot=victim.slot,
+                        child_id=population.next_id(role, off),
+                        role=role,
+                        operator=name,
+                        kind=kind,
+                        parent_ids=parents,
+                        params=params,
+                        seed=int(self._rng.integers(0, _MAX_SEED)),
+                        reset_optimizer=bool(self.cfg.reset_optimizer_on_replace),
+                        tie_break=fitness[victim.id] in survivor_fitness,
+                    )
+                )
         return plan
 
     # --- applying -----------------------------------------------------------------------------------------
 
-    def _child_rating(self, population: "Population", r: Replacement) -> tuple[float | None, float | None]:
+    def _child_rating(self, population: Population, r: Replacement) -> tuple[float | None, float | None]:
         if self.cfg.child_rating == "prior":
             return None, None
         # inherit_inflate_sigma: the fitter parent's mu; doubled sigma (more uncertain), never above the prior's.
         fitter = population.ratings[r.parent_ids[0]]
         return float(fitter.mu), float(min(2.0 * fitter.sigma, population.ratings.env.sigma))
 
-    def apply(self, plan: EvolutionPlan, population: "Population",
-              adapters: Mapping[str, Mapping[str, "torch.Tensor"]]) -> dict[str, dict[str, "torch.Tensor"]]:
+    def apply(
+        self, plan: EvolutionPlan, population: Population, adapters: Mapping[str, Mapping[str, torch.Tensor]]
+    ) -> dict[str, dict[str, torch.Tensor]]:
         """Make the children and update ``population``; returns ``{child_id: state_dict}``.
 
         All children are made before the population changes, so an operator error leaves it untouched. The
@@ -342,8 +387,9 @@ class PBTController:
             generator = torch.Generator(device="cpu").manual_seed(r.seed)
             child = self.operators[r.operator](parents, generator=generator, **r.params)
             ref = adapters[r.parent_ids[0]]
-            if set(child) != set(ref) or any(child[k].shape != ref[k].shape or child[k].dtype != ref[k].dtype
-                                             for k in ref):
+            if set(child) != set(ref) or any(
+                child[k].shape != ref[k].shape or child[k].dtype != ref[k].dtype for k in ref
+            ):
                 raise RuntimeError(f"operator {r.operator!r} changed the adapter's keys, shapes or dtypes")
             children[r.child_id] = child
         for r in plan.replacements:

@@ -126,13 +126,15 @@ def retention_test(
         if related is None:
             related = get_operator("full_gaussian")([parent], generator=generator(10_007), eps=second_parent_eps)
         unrelated = unrelated_parent if unrelated_parent is not None else regauge(related, generator(20_011))
-        others = {"related": (related, float(evaluate(dict(related)))),
-                  "unrelated": (unrelated, float(evaluate(dict(unrelated))))}
+        others = {
+            "related": (related, float(evaluate(dict(related)))),
+            "unrelated": (unrelated, float(evaluate(dict(unrelated)))),
+        }
 
     rows = []
     for name, params in specs:
         op = get_operator(name)
-        for pair in ([None] if op.num_parents == 1 else list(others)):
+        for pair in [None] if op.num_parents == 1 else list(others):
             parents = [parent] if pair is None else [parent, others[pair][0]]
             scores, rel, secs = [], [], []
             for j in range(children):
@@ -142,12 +144,19 @@ def retention_test(
                 dist, ref = delta_w_distance(child, parent)
                 rel.append(dist / ref if ref > 0 else (0.0 if dist == 0 else math.inf))
                 scores.append(float(evaluate(child)))
-            rows.append(RetentionRow(
-                operator=name, kind=op.kind, params={**op.defaults, **params}, parent_score=parent_score,
-                child_scores=scores, delta_w_rel=statistics.fmean(rel), seconds=statistics.fmean(secs),
-                other_parent_score=None if pair is None else others[pair][1],
-                extra={} if pair is None else {"pair": pair},
-            ))
+            rows.append(
+                RetentionRow(
+                    operator=name,
+                    kind=op.kind,
+                    params={**op.defaults, **params},
+                    parent_score=parent_score,
+                    child_scores=scores,
+                    delta_w_rel=statistics.fmean(rel),
+                    seconds=statistics.fmean(secs),
+                    other_parent_score=None if pair is None else others[pair][1],
+                    extra={} if pair is None else {"pair": pair},
+                )
+            )
     return rows
 
 
@@ -163,13 +172,31 @@ def format_retention_table(rows: Sequence[RetentionRow], style: str = "markdown"
     """Render rows as a markdown table (``style="markdown"``) or aligned plain text (``style="plain"``)."""
     if style not in ("markdown", "plain"):
         raise ValueError(f"style must be 'markdown' or 'plain', got {style!r}")
-    header = ["operator", "kind", "params", "parent", "child (mean)", "child/parent", "min child/parent",
-              "|ΔW'-ΔW|/|ΔW|", "ms/child"]
-    body = [[
-        r.operator, r.kind + (f" ({r.extra['pair']})" if r.extra.get("pair") else ""), ", ".join(f"{k}={v}" for k, v in r.params.items()) or "-", _fmt(r.parent_score),
-        _fmt(r.child_score), _fmt(r.retention), _fmt(r.min_retention), _fmt(r.delta_w_rel, 3),
-        _fmt(1000 * r.seconds, 3),
-    ] for r in rows]
+    header = [
+        "operator",
+        "kind",
+        "params",
+        "parent",
+        "child (mean)",
+        "child/parent",
+        "min child/parent",
+        "|ΔW'-ΔW|/|ΔW|",
+        "ms/child",
+    ]
+    body = [
+        [
+            r.operator,
+            r.kind + (f" ({r.extra['pair']})" if r.extra.get("pair") else ""),
+            ", ".join(f"{k}={v}" for k, v in r.params.items()) or "-",
+            _fmt(r.parent_score),
+            _fmt(r.child_score),
+            _fmt(r.retention),
+            _fmt(r.min_retention),
+            _fmt(r.delta_w_rel, 3),
+            _fmt(1000 * r.seconds, 3),
+        ]
+        for r in rows
+    ]
     if style == "markdown":
         lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
         lines += ["| " + " | ".join(row) + " |" for row in body]

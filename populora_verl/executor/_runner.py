@@ -34,12 +34,29 @@ INPUT_FILE = "<input>"
 
 # Names through which a program can reach the import machinery or builtins without an import
 # statement. Rejected statically in addition to the configured banned modules.
-TRICK_NAMES = frozenset({"__import__", "__builtins__", "__loader__", "__spec__", "importlib", "builtins",
-                         "__subclasses__", "__globals__"})
+TRICK_NAMES = frozenset(
+    {"__import__", "__builtins__", "__loader__", "__spec__", "importlib", "builtins", "__subclasses__", "__globals__"}
+)
 # Code objects and frames: rewriting a function's code (``code.replace(co_filename=...)``) or walking frames
 # reaches the runner's own state. No honest ``f`` needs them.
-INTERNALS_NAMES = frozenset({"__code__", "f_globals", "f_builtins", "f_locals", "f_back", "f_code", "tb_frame",
-                             "gi_frame", "gi_code", "cr_frame", "cr_code", "ag_frame", "ag_code", "_getframe"})
+INTERNALS_NAMES = frozenset(
+    {
+        "__code__",
+        "f_globals",
+        "f_builtins",
+        "f_locals",
+        "f_back",
+        "f_code",
+        "tb_frame",
+        "gi_frame",
+        "gi_code",
+        "cr_frame",
+        "cr_code",
+        "ag_frame",
+        "ag_code",
+        "_getframe",
+    }
+)
 DYNAMIC_CODE = frozenset({"exec", "eval", "compile"})
 _ATTR_FUNCS = frozenset({"getattr", "setattr", "delattr", "hasattr"})
 _FOLD_MAX = 4096  # longest string the static check builds while folding constants
@@ -135,8 +152,11 @@ def _fold_node(node: ast.AST, folded: dict[int, str]) -> str | None:
         if method == "format":
             parts = [get(a) for a in node.args]
             # Plain "{}"/"{0}" fields only: no format spec (width), no attribute or item lookup (code).
-            if (None in parts or any(c in base for c in ":.[!")
-                    or len(base) + base.count("{") * max(map(len, parts), default=0) > _FOLD_MAX):
+            if (
+                None in parts
+                or any(c in base for c in ":.[!")
+                or len(base) + base.count("{") * max(map(len, parts), default=0) > _FOLD_MAX
+            ):
                 return None
             try:
                 return base.format(*parts)
@@ -237,8 +257,12 @@ def find_banned(program: str, banned: list[str], _depth: int = 0) -> str | None:
         text = folded.get(id(node))
         if text is not None and _name_problem(text):
             return f"banned import: string {text!r}"  # getattr(x, "__import__"), '__bui' + 'ltins__'
-        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in _ATTR_FUNCS
-                and len(node.args) >= 2):
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in _ATTR_FUNCS
+            and len(node.args) >= 2
+        ):
             base, name = _attr_chain(node.args[0]), folded.get(id(node.args[1]))
             problem = _chain_problem(f"{base}.{name}", banned, modules) if base and name else None
             if problem:
@@ -283,15 +307,20 @@ def _read_msg(fd: int) -> dict | None:
 
 from time import monotonic as _now  # noqa: E402  (children purge "time" from sys.modules)
 
-
 # ----------------------------------------------------------------------------- sandbox setup (once)
 _MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC = 1, 2, 4, 8
 _MS_REMOUNT, _MS_BIND, _MS_REC, _MS_PRIVATE = 32, 4096, 16384, 1 << 18
 _MS_NOATIME, _MS_NODIRATIME, _MS_RELATIME = 1024, 2048, 1 << 21
 _MNT_DETACH = 2
 _TMP_INODES = 32768  # files + dirs a program may leave behind: bounds the wipe after each call
-_OPT_FLAGS = {"nosuid": _MS_NOSUID, "nodev": _MS_NODEV, "noexec": _MS_NOEXEC, "noatime": _MS_NOATIME,
-              "nodiratime": _MS_NODIRATIME, "relatime": _MS_RELATIME}
+_OPT_FLAGS = {
+    "nosuid": _MS_NOSUID,
+    "nodev": _MS_NODEV,
+    "noexec": _MS_NOEXEC,
+    "noatime": _MS_NOATIME,
+    "nodiratime": _MS_NODIRATIME,
+    "relatime": _MS_RELATIME,
+}
 _libc = None
 
 
@@ -361,8 +390,25 @@ def _expose(paths: list[str], notes: list[str]) -> None:
 
 
 # Never covered: the system's own folders and the mount points the sandbox replaces itself.
-_NEVER_HIDDEN = frozenset({"/", "/usr", "/lib", "/lib32", "/lib64", "/bin", "/sbin", "/etc", "/var", "/run", "/boot",
-                           "/proc", "/sys", "/dev", "/tmp"})
+_NEVER_HIDDEN = frozenset(
+    {
+        "/",
+        "/usr",
+        "/lib",
+        "/lib32",
+        "/lib64",
+        "/bin",
+        "/sbin",
+        "/etc",
+        "/var",
+        "/run",
+        "/boot",
+        "/proc",
+        "/sys",
+        "/dev",
+        "/tmp",
+    }
+)
 
 
 def _hide(paths: list[str], expose: list[str], notes: list[str]) -> None:
@@ -373,8 +419,11 @@ def _hide(paths: list[str], expose: list[str], notes: list[str]) -> None:
     needs below one of them (the interpreter's standard library) is bound aside and back."""
     for i, path in enumerate(paths):
         path = os.path.realpath(path)
-        if path in _NEVER_HIDDEN or not os.path.isdir(path) or any(
-                p == path or p.startswith(path + "/") for p in ("/proc", "/sys", "/dev", "/tmp")):
+        if (
+            path in _NEVER_HIDDEN
+            or not os.path.isdir(path)
+            or any(p == path or p.startswith(path + "/") for p in ("/proc", "/sys", "/dev", "/tmp"))
+        ):
             continue
         keep = [os.path.realpath(e) for e in expose]
         if path in keep:
@@ -402,8 +451,14 @@ def _setup_mounts(cfg: dict, notes: list[str]) -> dict[str, bool]:
     /tmp is a root-owned (0755) tmpfs: the only place a program can write is the slot's work directory
     inside it (its cwd, $TMPDIR, $HOME, the same path in every slot), which is emptied after every call.
     """
-    prot = {"private_proc": False, "private_tmp": False, "readonly_fs": False, "private_dev": False,
-            "no_sys": False, "masked_proc": False}
+    prot = {
+        "private_proc": False,
+        "private_tmp": False,
+        "readonly_fs": False,
+        "private_dev": False,
+        "no_sys": False,
+        "masked_proc": False,
+    }
     try:
         _mount(None, "/", None, _MS_REC | _MS_PRIVATE)
         try:  # the runner, the zygote and a run's init are root's: a program (the slot's uid) sees none of them
@@ -414,7 +469,13 @@ def _setup_mounts(cfg: dict, notes: list[str]) -> dict[str, bool]:
     except OSError as e:
         notes.append(f"proc: {e}")
     try:
-        _mount("tmpfs", "/tmp", "tmpfs", _MS_NOSUID | _MS_NODEV, f"size={int(cfg['tmp_mb'])}m,nr_inodes={_TMP_INODES},mode=755")
+        _mount(
+            "tmpfs",
+            "/tmp",
+            "tmpfs",
+            _MS_NOSUID | _MS_NODEV,
+            f"size={int(cfg['tmp_mb'])}m,nr_inodes={_TMP_INODES},mode=755",
+        )
         prot["private_tmp"] = True
     except OSError as e:
         notes.append(f"tmp: {e}")
@@ -429,8 +490,11 @@ def _setup_mounts(cfg: dict, notes: list[str]) -> dict[str, bool]:
         _expose(cfg.get("expose", []), notes)
     except OSError as e:
         notes.append(f"expose: {e}")
-    for key, setup, needs in (("private_dev", _private_dev, "private_tmp"), ("no_sys", _hide_sys, None),
-                              ("masked_proc", lambda: _mask_proc(int(cfg["memory_mb"])), "private_proc")):
+    for key, setup, needs in (
+        ("private_dev", _private_dev, "private_tmp"),
+        ("no_sys", _hide_sys, None),
+        ("masked_proc", lambda: _mask_proc(int(cfg["memory_mb"])), "private_proc"),
+    ):
         if needs and not prot[needs]:
             notes.append(f"{key}: needs {needs}")
             continue
@@ -443,8 +507,9 @@ def _setup_mounts(cfg: dict, notes: list[str]) -> dict[str, bool]:
     for point, flags in _mountinfo():
         if point == "/proc" or point.startswith("/proc/") or point == "/tmp":
             continue
-        if (prot["no_sys"] and point.startswith("/sys/")) or (prot["private_dev"] and point.startswith("/dev/")
-                                                               and point[5:] not in _DEV_NODES):
+        if (prot["no_sys"] and point.startswith("/sys/")) or (
+            prot["private_dev"] and point.startswith("/dev/") and point[5:] not in _DEV_NODES
+        ):
             continue  # covered by the empty /sys or the private /dev: out of reach
         try:
             _mount(None, point, None, _MS_REMOUNT | _MS_BIND | _MS_RDONLY | flags)
@@ -460,8 +525,12 @@ def _setup_mounts(cfg: dict, notes: list[str]) -> dict[str, bool]:
 # A program sees only these devices (host nodes bound into a private /dev): no terminal, no GPU, no
 # /dev/shm to leave files in. The links are what programs and libc expect.
 _DEV_NODES = ("null", "zero", "full", "random", "urandom")
-_DEV_LINKS = {"fd": "/proc/self/fd", "stdin": "/proc/self/fd/0", "stdout": "/proc/self/fd/1",
-              "stderr": "/proc/self/fd/2"}
+_DEV_LINKS = {
+    "fd": "/proc/self/fd",
+    "stdin": "/proc/self/fd/0",
+    "stdout": "/proc/self/fd/1",
+    "stderr": "/proc/self/fd/2",
+}
 
 
 def _private_dev() -> None:
@@ -499,15 +568,30 @@ def proc_views(memory_mb: int) -> dict[str, str]:
     """Fixed contents for host-wide /proc files (load, memory, CPU, boot and lock tables, counters): the same
     in every slot and every run, and nothing about the host. Memory reads as the call's own limit."""
     kb = int(memory_mb) * 1024
-    meminfo = "".join(f"{k + ':':<16}{v:>8} kB\n" for k, v in (
-        ("MemTotal", kb), ("MemFree", kb), ("MemAvailable", kb), ("Buffers", 0), ("Cached", 0),
-        ("SwapCached", 0), ("Active", 0), ("Inactive", 0), ("SwapTotal", 0), ("SwapFree", 0), ("Dirty", 0),
-        ("Shmem", 0)))
+    meminfo = "".join(
+        f"{k + ':':<16}{v:>8} kB\n"
+        for k, v in (
+            ("MemTotal", kb),
+            ("MemFree", kb),
+            ("MemAvailable", kb),
+            ("Buffers", 0),
+            ("Cached", 0),
+            ("SwapCached", 0),
+            ("Active", 0),
+            ("Inactive", 0),
+            ("SwapTotal", 0),
+            ("SwapFree", 0),
+            ("Dirty", 0),
+            ("Shmem", 0),
+        )
+    )
     views = {
         "loadavg": "0.00 0.00 0.00 1/1 1\n",
         "meminfo": meminfo,
-        "stat": ("cpu  0 0 0 0 0 0 0 0 0 0\ncpu0 0 0 0 0 0 0 0 0 0 0\nintr 0\nctxt 0\nbtime 0\nprocesses 0\n"
-                 "procs_running 1\nprocs_blocked 0\nsoftirq 0 0 0 0 0 0 0 0 0 0 0\n"),
+        "stat": (
+            "cpu  0 0 0 0 0 0 0 0 0 0\ncpu0 0 0 0 0 0 0 0 0 0 0\nintr 0\nctxt 0\nbtime 0\nprocesses 0\n"
+            "procs_running 1\nprocs_blocked 0\nsoftirq 0 0 0 0 0 0 0 0 0 0 0\n"
+        ),
         "cpuinfo": "processor\t: 0\n\n",
         "swaps": "Filename\t\t\t\tType\t\tSize\t\tUsed\t\tPriority\n",
         "sys/kernel/random/boot_id": "00000000-0000-0000-0000-000000000000\n",
@@ -517,9 +601,28 @@ def proc_views(memory_mb: int) -> dict[str, str]:
         "sys/fs/inode-state": "0\t0\t0\t0\t0\t0\t0\n",
         "sys/fs/dentry-state": "0\t0\t0\t0\t0\t0\n",
     }
-    for name in ("vmstat", "zoneinfo", "buddyinfo", "pagetypeinfo", "diskstats", "interrupts", "softirqs",
-                 "schedstat", "locks", "key-users", "cgroups", "slabinfo", "vmallocinfo", "timer_list",
-                 "sched_debug", "partitions", "iomem", "ioports", "kallsyms", "modules"):
+    for name in (
+        "vmstat",
+        "zoneinfo",
+        "buddyinfo",
+        "pagetypeinfo",
+        "diskstats",
+        "interrupts",
+        "softirqs",
+        "schedstat",
+        "locks",
+        "key-users",
+        "cgroups",
+        "slabinfo",
+        "vmallocinfo",
+        "timer_list",
+        "sched_debug",
+        "partitions",
+        "iomem",
+        "ioports",
+        "kallsyms",
+        "modules",
+    ):
         views[name] = ""
     return views
 
@@ -547,8 +650,13 @@ def _mask_proc(memory_mb: int) -> None:
             _mount(None, target, None, ro)
         for rel in _PROC_HIDDEN_DIRS:
             if os.path.isdir(f"/proc/{rel}"):
-                _mount("tmpfs", f"/proc/{rel}", "tmpfs", _MS_RDONLY | _MS_NOSUID | _MS_NODEV | _MS_NOEXEC,
-                       "size=4k,nr_inodes=1,mode=555")
+                _mount(
+                    "tmpfs",
+                    f"/proc/{rel}",
+                    "tmpfs",
+                    _MS_RDONLY | _MS_NOSUID | _MS_NODEV | _MS_NOEXEC,
+                    "size=4k,nr_inodes=1,mode=555",
+                )
     finally:
         _umount(stage)  # the bound files stay reachable through their mounts only
         os.rmdir(stage)
@@ -651,13 +759,13 @@ def _make_user_namespace(uid: int, gid: int) -> int:
 
 
 def process_descendants():
-    # Every process below this one, setsid or not (orphans come back to a subreaper). No annotations and no
-    # f-string: SandboxFusion's supervisor script carries this source to whatever Python the service runs.
+    # Every process below this one, setsid or not (orphans come back to a subreaper). No annotations:
+    # SandboxFusion's supervisor script carries this source to whatever Python the service runs.
     parents = {}
     for name in os.listdir("/proc"):
         if name.isdigit():
             try:
-                with open("/proc/%s/stat" % name) as fh:
+                with open("/proc/" + name + "/stat") as fh:
                     parents[int(name)] = int(fh.read().rsplit(")", 1)[1].split()[1])
             except (OSError, ValueError, IndexError):
                 continue
@@ -692,23 +800,29 @@ def install_namespace_filter() -> str | None:
     # Keyrings outlive processes (the persistent keyring even outlives every process of the uid): a channel
     # between runs and calls that no cleanup reaches, and nothing an honest program needs.
     prog = [
-        (ld, 0, 0, 4), (jeq, 0, 15, arch),              # 0-1: foreign ABI -> 17
-        (ld, 0, 0, 0), (jge, 13, 0, 0x40000000),        # 2-3: x32 syscall numbers -> 17
-        (jeq, 13, 0, nr_clone3),                        # 4: -> 18
-        (jeq, 5, 0, nr_unshare), (jeq, 7, 0, nr_clone),  # 5-6: -> 11, -> 14
-        (jeq, 9, 0, nr_add_key), (jeq, 8, 0, nr_request_key), (jeq, 7, 0, nr_keyctl),  # 7-9: -> 17
-        (ret, 0, 0, allow),                             # 10
-        (ld, 0, 0, 16), (jset, 4, 0, new_ns | 0x80),    # 11-12: unshare, CLONE_NEWTIME too -> 17
-        (ret, 0, 0, allow),                             # 13
-        (ld, 0, 0, 16), (jset, 1, 0, new_ns),           # 14-15: clone (its low byte is the exit signal) -> 17
-        (ret, 0, 0, allow),                             # 16
-        (ret, 0, 0, eperm),                             # 17
-        (ret, 0, 0, enosys),                            # 18
+        (ld, 0, 0, 4),
+        (jeq, 0, 15, arch),  # 0-1: foreign ABI -> 17
+        (ld, 0, 0, 0),
+        (jge, 13, 0, 0x40000000),  # 2-3: x32 syscall numbers -> 17
+        (jeq, 13, 0, nr_clone3),  # 4: -> 18
+        (jeq, 5, 0, nr_unshare),
+        (jeq, 7, 0, nr_clone),  # 5-6: -> 11, -> 14
+        (jeq, 9, 0, nr_add_key),
+        (jeq, 8, 0, nr_request_key),
+        (jeq, 7, 0, nr_keyctl),  # 7-9: -> 17
+        (ret, 0, 0, allow),  # 10
+        (ld, 0, 0, 16),
+        (jset, 4, 0, new_ns | 0x80),  # 11-12: unshare, CLONE_NEWTIME too -> 17
+        (ret, 0, 0, allow),  # 13
+        (ld, 0, 0, 16),
+        (jset, 1, 0, new_ns),  # 14-15: clone (its low byte is the exit signal) -> 17
+        (ret, 0, 0, allow),  # 16
+        (ret, 0, 0, eperm),  # 17
+        (ret, 0, 0, enosys),  # 18
     ]
 
     class SockFilter(ctypes.Structure):
-        _fields_ = [("code", ctypes.c_ushort), ("jt", ctypes.c_ubyte), ("jf", ctypes.c_ubyte),
-                    ("k", ctypes.c_uint32)]
+        _fields_ = [("code", ctypes.c_ushort), ("jt", ctypes.c_ubyte), ("jf", ctypes.c_ubyte), ("k", ctypes.c_uint32)]
 
     class SockFprog(ctypes.Structure):
         _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(SockFilter))]
@@ -730,10 +844,37 @@ def install_namespace_filter() -> str | None:
 # ----------------------------------------------------------------------------- the child
 _BANNED: list[str] = []
 _BANNED_PATHS: list[str] = []
-WARM_MODULES = ("collections", "collections.abc", "itertools", "functools", "math", "cmath", "re", "string",
-                "heapq", "bisect", "copy", "operator", "typing", "dataclasses", "fractions", "decimal", "json",
-                "pickle", "enum", "abc", "numbers", "textwrap", "unicodedata", "array", "struct", "base64",
-                "binascii", "pprint", "contextlib")
+WARM_MODULES = (
+    "collections",
+    "collections.abc",
+    "itertools",
+    "functools",
+    "math",
+    "cmath",
+    "re",
+    "string",
+    "heapq",
+    "bisect",
+    "copy",
+    "operator",
+    "typing",
+    "dataclasses",
+    "fractions",
+    "decimal",
+    "json",
+    "pickle",
+    "enum",
+    "abc",
+    "numbers",
+    "textwrap",
+    "unicodedata",
+    "array",
+    "struct",
+    "base64",
+    "binascii",
+    "pprint",
+    "contextlib",
+)
 # Stdlib modules that import a banned module themselves (statistics: random, queue: threading). Once the
 # guard is in place nobody can import a banned module, so they are imported before it: honest programs
 # keep them, and the static check refuses reaching the banned module through them.
@@ -785,9 +926,18 @@ def install_import_guard(banned: list[str], banned_paths: tuple[str, ...]) -> No
     """
     import sys
 
-    def hook(event, args, _names=tuple(banned), _paths=tuple(banned_paths), _str=str, _type=type,
-             _getattr=getattr, _err=ImportError, _code_attrs=frozenset({"__code__", "__defaults__", "__kwdefaults__"}),
-             _watched=frozenset({"import", "exec", "code.__new__", "object.__setattr__"})):
+    def hook(
+        event,
+        args,
+        _names=tuple(banned),
+        _paths=tuple(banned_paths),
+        _str=str,
+        _type=type,
+        _getattr=getattr,
+        _err=ImportError,
+        _code_attrs=frozenset({"__code__", "__defaults__", "__kwdefaults__"}),
+        _watched=frozenset({"import", "exec", "code.__new__", "object.__setattr__"}),
+    ):
         if event not in _watched:
             return
         if event == "import":
@@ -1055,7 +1205,7 @@ def _child(request_fd: int, wfd: int, cfg: dict) -> None:
 
 
 def _complete(buf: bytearray) -> bool:
-    return len(buf) >= _HDR.size and len(buf) >= _HDR.size + _HDR.unpack(buf[:_HDR.size])[0]
+    return len(buf) >= _HDR.size and len(buf) >= _HDR.size + _HDR.unpack(buf[: _HDR.size])[0]
 
 
 _SIGNAMES = {getattr(signal, n): n for n in dir(signal) if n.startswith("SIG") and not n.startswith("SIG_")}
@@ -1286,13 +1436,19 @@ class Runner:
             pass
         self._spawn_zygote()
         own_world = bool(cfg.get("setup_mounts"))
-        self.protections.update(dict.fromkeys(("private_proc", "private_tmp", "readonly_fs", "private_dev", "no_sys",
-                                               "masked_proc", "hidden_paths"), False))
+        self.protections.update(
+            dict.fromkeys(
+                ("private_proc", "private_tmp", "readonly_fs", "private_dev", "no_sys", "masked_proc", "hidden_paths"),
+                False,
+            )
+        )
         if own_world:
             self.protections.update(_setup_mounts(cfg, self.notes))
         # After joining the slot's cgroup: /proc/self/cgroup then reads "/" in every slot.
-        for key, setup in (("fixed_hostname", _fixed_names),
-                           ("cgroup_namespace", lambda: _libc_call("unshare", _CLONE_NEWCGROUP))):
+        for key, setup in (
+            ("fixed_hostname", _fixed_names),
+            ("cgroup_namespace", lambda: _libc_call("unshare", _CLONE_NEWCGROUP)),
+        ):
             self.protections[key] = False
             if own_world:
                 try:
@@ -1321,15 +1477,18 @@ class Runner:
         self.cfg["userns_fd"] = self.userns_fd
         self.protections["user_namespace_limit"] = self.userns_fd is not None
         self.protections["fixed_identity"] = bool(
-            self.protections.get("private_tmp") and (self.userns_fd is not None or cfg.get("user_namespace")))
+            self.protections.get("private_tmp") and (self.userns_fd is not None or cfg.get("user_namespace"))
+        )
         try:
             _libc_call("prctl", 36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER: orphans come back to us
         except OSError:
             pass
-        self.protections.update({
-            "uid_drop": cfg.get("uid") is not None,
-            "fork_limit": cfg.get("uid") is not None,
-        })
+        self.protections.update(
+            {
+                "uid_drop": cfg.get("uid") is not None,
+                "fork_limit": cfg.get("uid") is not None,
+            }
+        )
         self._setup_per_call_confinement()
         try:  # a program that keeps our uid can neither read our memory nor borrow our descriptors
             _libc_call("prctl", _PR_SET_DUMPABLE, 0, 0, 0, 0)
@@ -1418,8 +1577,11 @@ class Runner:
                     _libc.personality(_libc.personality(0xFFFFFFFF) | _ADDR_NO_RANDOMIZE)
                 except Exception:  # noqa: BLE001 - the layout is then random, as any process's
                     pass
-                os.execve(sys.executable, [sys.executable, "-s", "-S", "-P", "-B", os.path.abspath(__file__),
-                                           "--zygote"], dict(os.environ))
+                os.execve(
+                    sys.executable,
+                    [sys.executable, "-s", "-S", "-P", "-B", os.path.abspath(__file__), "--zygote"],
+                    dict(os.environ),
+                )
             finally:
                 os._exit(127)
         theirs.close()
@@ -1432,8 +1594,11 @@ class Runner:
 
         keys = ("banned", "nproc", "fsize_mb", "uid", "gid", "keyrings")
         setup = {k: self.cfg.get(k) for k in keys}
-        setup.update(workdirs=self.workdirs, namespace_filter=self.cfg.get("namespace_filter", True),
-                     fresh_namespaces=bool(self.cfg.get("setup_mounts")))
+        setup.update(
+            workdirs=self.workdirs,
+            namespace_filter=self.cfg.get("namespace_filter", True),
+            fresh_namespaces=bool(self.cfg.get("setup_mounts")),
+        )
         socket.send_fds(self.zygote, [json.dumps(setup).encode()], [] if self.userns_fd is None else [self.userns_fd])
         hello = self.zygote.recv(1 << 16)
         if not hello:
@@ -1527,7 +1692,7 @@ class Runner:
         data = json.dumps(dict(req, role=role)).encode()
         view = memoryview(data)
         while view:
-            view = view[os.write(request, view):]
+            view = view[os.write(request, view) :]
         rfd, wfd = os.pipe()
         try:
             child = int(self._zygote_say(b"run", [request, wfd]))
@@ -1576,8 +1741,9 @@ class Runner:
             # would tell the second run what the first chose, and their buffers stay charged to the slot. A
             # fresh slot has none; checked after each run, not each call, so the second run never sees them.
             raise RuntimeError("unix sockets outlived the run")
-        return self._interpret(buf, timed_out, status if exited else None, deadline, limit,
-                               int(req["max_output_chars"]))
+        return self._interpret(
+            buf, timed_out, status if exited else None, deadline, limit, int(req["max_output_chars"])
+        )
 
     def _remove_left_in_shared_dirs(self) -> None:
         """Without a private /tmp the host's world-writable directories are shared by both runs of a call and
@@ -1625,23 +1791,24 @@ class Runner:
                 if kind in ("timeout", "memory"):
                     first = second
                 else:
-                    first = {"ok": False, "output": None,
-                             "error": f"nondeterministic: a second process failed: {second['error']}"[:300]}
+                    first = {
+                        "ok": False,
+                        "output": None,
+                        "error": f"nondeterministic: a second process failed: {second['error']}"[:300],
+                    }
             elif second["output"] != first["output"]:
-                first = {"ok": False, "output": None,
-                         "error": "nondeterministic: two processes gave different results"}
+                first = {"ok": False, "output": None, "error": "nondeterministic: two processes gave different results"}
         first["duration_s"] = _now() - start
         return first
 
     @staticmethod
-    def _interpret(buf: bytearray, timed_out: bool, status: int | None, deadline: float, limit: int,
-                   cap: int) -> dict:
+    def _interpret(buf: bytearray, timed_out: bool, status: int | None, deadline: float, limit: int, cap: int) -> dict:
         """The child's message, treated as untrusted bytes: shape, types and size are checked here."""
         if len(buf) >= _HDR.size:
-            n = _HDR.unpack(buf[:_HDR.size])[0]
+            n = _HDR.unpack(buf[: _HDR.size])[0]
             if len(buf) >= _HDR.size + n:
                 try:
-                    res = json.loads(bytes(buf[_HDR.size:_HDR.size + n]))
+                    res = json.loads(bytes(buf[_HDR.size : _HDR.size + n]))
                     ok, output, error = res["ok"], res["output"], res["error"]
                 except (ValueError, KeyError, TypeError):
                     return {"ok": False, "output": None, "error": "crashed: malformed result"}
@@ -1664,14 +1831,23 @@ class Runner:
                 return {"ok": False, "output": None, "error": "memory: killed (SIGKILL, likely out of memory)"}
             return {"ok": False, "output": None, "error": f"crashed: killed by {_SIGNAMES.get(sig, sig)}"}
         if status is not None and os.WIFEXITED(status):
-            return {"ok": False, "output": None,
-                    "error": f"crashed: exited with code {os.WEXITSTATUS(status)} before returning"}
+            return {
+                "ok": False,
+                "output": None,
+                "error": f"crashed: exited with code {os.WEXITSTATUS(status)} before returning",
+            }
         return {"ok": False, "output": None, "error": "crashed: no result"}
 
     def serve(self) -> None:
-        _write_msg(self.ctl_out, {"ready": True, "protections": self.protections, "notes": self.notes,
-                                  "workdirs": [] if self.protections.get("private_tmp") else
-                                  sorted(set(self.workdirs.values()))})
+        _write_msg(
+            self.ctl_out,
+            {
+                "ready": True,
+                "protections": self.protections,
+                "notes": self.notes,
+                "workdirs": [] if self.protections.get("private_tmp") else sorted(set(self.workdirs.values())),
+            },
+        )
         while True:
             msg = _read_msg(self.ctl_in)
             if msg is None:
@@ -1679,8 +1855,14 @@ class Runner:
             replies, fatal = [], None
             for req in msg["batch"]:
                 if fatal is not None:
-                    replies.append({"ok": False, "output": None, "duration_s": 0.0,
-                                    "error": "crashed: sandbox slot restarted before this request ran"})
+                    replies.append(
+                        {
+                            "ok": False,
+                            "output": None,
+                            "duration_s": 0.0,
+                            "error": "crashed: sandbox slot restarted before this request ran",
+                        }
+                    )
                     continue
                 try:
                     replies.append(self.run(req))

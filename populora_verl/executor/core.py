@@ -106,7 +106,7 @@ def truncate_middle(text: str, limit: int = AZR_STORED_CHARS) -> str:
     if len(text) <= limit:
         return text
     keep = limit - 3
-    return text[: (keep + 1) // 2] + "..." + text[len(text) - keep // 2:]
+    return text[: (keep + 1) // 2] + "..." + text[len(text) - keep // 2 :]
 
 
 class Executor:
@@ -134,12 +134,27 @@ class Executor:
             and home, where run folders and their saved golds live); needs the namespaces.
     """
 
-    def __init__(self, timeout_s: float = 10.0, memory_mb: int = 512, *, max_workers: int | None = None,
-                 max_output_chars: int = 100_000, check_determinism: bool = True,
-                 banned_modules: Iterable[str] = AZR_BANNED, truncate_output: bool = True, backend: str = "local",
-                 sandbox_fusion_url: str | None = None, isolation: str = "auto", max_processes: int = 16,
-                 file_size_mb: int = 16, tmp_mb: int = 64, grace_s: float = 5.0, memory_cgroup: bool = True,
-                 plain_data: bool = True, hidden_paths: Iterable[str] | None = None) -> None:
+    def __init__(
+        self,
+        timeout_s: float = 10.0,
+        memory_mb: int = 512,
+        *,
+        max_workers: int | None = None,
+        max_output_chars: int = 100_000,
+        check_determinism: bool = True,
+        banned_modules: Iterable[str] = AZR_BANNED,
+        truncate_output: bool = True,
+        backend: str = "local",
+        sandbox_fusion_url: str | None = None,
+        isolation: str = "auto",
+        max_processes: int = 16,
+        file_size_mb: int = 16,
+        tmp_mb: int = 64,
+        grace_s: float = 5.0,
+        memory_cgroup: bool = True,
+        plain_data: bool = True,
+        hidden_paths: Iterable[str] | None = None,
+    ) -> None:
         for key, why in executor_limit_problems(timeout_s, memory_mb).items():
             raise ValueError(f"{key} {why}")
         if isolation not in ("auto", "rlimits"):
@@ -154,17 +169,28 @@ class Executor:
         if backend == "local":
             from populora_verl.executor.local import LocalBackend
 
-            settings = {"banned": self.banned_modules, "nproc": int(max_processes), "fsize_mb": int(file_size_mb),
-                        "tmp_mb": int(tmp_mb), "memory_mb": self.memory_mb}
+            settings = {
+                "banned": self.banned_modules,
+                "nproc": int(max_processes),
+                "fsize_mb": int(file_size_mb),
+                "tmp_mb": int(tmp_mb),
+                "memory_mb": self.memory_mb,
+            }
             if hidden_paths is not None:
                 settings["hide"] = [os.path.realpath(p) for p in hidden_paths]
-            self._backend = LocalBackend(num_workers=workers, settings=settings, isolation=isolation,
-                                         grace_s=grace_s, memory_cgroup=memory_cgroup)
+            self._backend = LocalBackend(
+                num_workers=workers,
+                settings=settings,
+                isolation=isolation,
+                grace_s=grace_s,
+                memory_cgroup=memory_cgroup,
+            )
         elif backend == "sandbox_fusion":
             from populora_verl.executor.sandbox_fusion import SandboxFusionBackend
 
-            self._backend = SandboxFusionBackend(sandbox_fusion_url or "", num_workers=workers,
-                                                 banned=self.banned_modules)
+            self._backend = SandboxFusionBackend(
+                sandbox_fusion_url or "", num_workers=workers, banned=self.banned_modules
+            )
         else:
             raise ValueError(f"backend must be 'local' or 'sandbox_fusion', got {backend!r}")
         self.backend = backend
@@ -172,32 +198,50 @@ class Executor:
         self._closed = False
         on = [k for k, v in self.protections.items() if v]
         off = [k for k, v in self.protections.items() if not v]
-        logger.info("populora executor: backend=%s workers=%d active protections: %s%s%s", backend, workers,
-                    ", ".join(on) or "none", f"; OFF: {', '.join(off)}" if off else "",
-                    f" ({'; '.join(self._backend.notes)})" if self._backend.notes else "")
+        logger.info(
+            "populora executor: backend=%s workers=%d active protections: %s%s%s",
+            backend,
+            workers,
+            ", ".join(on) or "none",
+            f"; OFF: {', '.join(off)}" if off else "",
+            f" ({'; '.join(self._backend.notes)})" if self._backend.notes else "",
+        )
 
     @classmethod
     def from_config(cls, cfg: ExecutorConfig, **overrides) -> Executor:
-        kwargs = dict(timeout_s=cfg.timeout_s, memory_mb=cfg.memory_mb, max_workers=cfg.max_workers,
-                      max_output_chars=cfg.max_output_chars, check_determinism=cfg.check_determinism,
-                      banned_modules=cfg.banned_modules, truncate_output=cfg.truncate_output, backend=cfg.backend,
-                      sandbox_fusion_url=cfg.sandbox_fusion_url)
+        kwargs = dict(
+            timeout_s=cfg.timeout_s,
+            memory_mb=cfg.memory_mb,
+            max_workers=cfg.max_workers,
+            max_output_chars=cfg.max_output_chars,
+            check_determinism=cfg.check_determinism,
+            banned_modules=cfg.banned_modules,
+            truncate_output=cfg.truncate_output,
+            backend=cfg.backend,
+            sandbox_fusion_url=cfg.sandbox_fusion_url,
+        )
         kwargs.update(overrides)
         return cls(**kwargs)
 
     @property
     def protections(self) -> dict[str, bool]:
         """Which isolation measures are active (name -> on)."""
-        base = {"separate_process": True, "rlimits": True, "static_import_check": True, "runtime_import_guard": True,
-                "clean_environment": True}
+        base = {
+            "separate_process": True,
+            "rlimits": True,
+            "static_import_check": True,
+            "runtime_import_guard": True,
+            "clean_environment": True,
+        }
         return {**base, **self._backend.protections}
 
     @property
     def num_workers(self) -> int:
         return self._backend.num_workers
 
-    def _prepare(self, program: str, inputs: str, check_determinism: bool | None,
-                 timeout_s: float | None) -> dict | ExecResult:
+    def _prepare(
+        self, program: str, inputs: str, check_determinism: bool | None, timeout_s: float | None
+    ) -> dict | ExecResult:
         """The request for the backend, or the result when the request is refused here."""
         if not isinstance(program, str) or not isinstance(inputs, str):
             return ExecResult(False, None, "bad request: program and inputs must be str", 0.0)
@@ -211,9 +255,15 @@ class Executor:
             reason = check_program(program, self.banned_modules)  # before anything leaves this machine
             if reason:
                 return ExecResult(False, None, reason, 0.0)
-        return {"program": program, "inputs": inputs, "timeout_s": float(timeout_s or self.timeout_s),
-                "memory_mb": self.memory_mb, "max_output_chars": self.max_output_chars, "plain_data": self.plain_data,
-                "check_determinism": self.check_determinism if check_determinism is None else bool(check_determinism)}
+        return {
+            "program": program,
+            "inputs": inputs,
+            "timeout_s": float(timeout_s or self.timeout_s),
+            "memory_mb": self.memory_mb,
+            "max_output_chars": self.max_output_chars,
+            "plain_data": self.plain_data,
+            "check_determinism": self.check_determinism if check_determinism is None else bool(check_determinism),
+        }
 
     def _finish(self, res: dict, start: float) -> ExecResult:
         """The backend's reply, checked here again: the sandbox's word on size and shape is not trusted."""
@@ -224,8 +274,7 @@ class Executor:
         if not isinstance(output, str):
             return ExecResult(False, None, "crashed: malformed result", duration)
         if len(output) > self.max_output_chars:
-            return ExecResult(False, None, f"output too large: {len(output)} chars > {self.max_output_chars}",
-                              duration)
+            return ExecResult(False, None, f"output too large: {len(output)} chars > {self.max_output_chars}", duration)
         if self.plain_data:
             problem = literal_problem(output)
             if problem:
@@ -234,13 +283,15 @@ class Executor:
             return ExecResult(False, None, "not plain data: output not UTF-8 encodable", duration)
         return ExecResult(True, output, None, duration)
 
-    def run(self, program: str, inputs: str, *, check_determinism: bool | None = None,
-            timeout_s: float | None = None) -> ExecResult:
+    def run(
+        self, program: str, inputs: str, *, check_determinism: bool | None = None, timeout_s: float | None = None
+    ) -> ExecResult:
         """Evaluate ``f(<inputs>)``; never raises for a bad program (only for a closed executor)."""
         return self.run_many([(program, inputs)], check_determinism=check_determinism, timeout_s=timeout_s)[0]
 
-    def run_many(self, items: Iterable[tuple[str, str]], *, check_determinism: bool | None = None,
-                 timeout_s: float | None = None) -> list[ExecResult]:
+    def run_many(
+        self, items: Iterable[tuple[str, str]], *, check_determinism: bool | None = None, timeout_s: float | None = None
+    ) -> list[ExecResult]:
         """Evaluate a batch in parallel across the sandbox slots; results in input order.
 
         Requests go to a slot in small batches (one round trip each), so that a slot never waits for the
@@ -255,7 +306,7 @@ class Executor:
         if not todo:
             return out  # type: ignore[return-value]
         size = max(1, min(8, -(-len(todo) // (4 * self.num_workers))))
-        chunks = [todo[k:k + size] for k in range(0, len(todo), size)]
+        chunks = [todo[k : k + size] for k in range(0, len(todo), size)]
         run_batch = getattr(self._backend, "run_batch", None)
 
         def one_chunk(idx: list[int]) -> list[dict]:

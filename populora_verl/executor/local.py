@@ -3,7 +3,8 @@
 Each slot is one long-lived runner started as ``unshare --pid --net --mount --ipc --uts ... python -s -S -P -B
 _runner.py`` with a clean environment. The runner is PID 1 of its own PID namespace, has no network, sees a
 read-only filesystem with a private /tmp, /proc and /dev and no /sys, and has its zygote (an exec'd interpreter
-that never sees a request) fork one child per program, in the run's own pid and time namespaces, that applies rlimits and drops to the slot's own unprivileged uid (uid 1000 inside the slot's user namespace, the
+that never sees a request) fork one child per program, in the run's own pid and time namespaces, that applies rlimits
+and drops to the slot's own unprivileged uid (uid 1000 inside the slot's user namespace, the
 same in every slot). Where namespaces are forbidden (containers) the same runner runs without them and the
 missing protections are reported as off.
 """
@@ -49,13 +50,22 @@ class SandboxPlan:
 
 def _probe(cmd: list[str]) -> bool:
     try:
-        return subprocess.run(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                              timeout=15, env=WORKER_ENV).returncode == 0
+        return (
+            subprocess.run(
+                cmd,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                timeout=15,
+                env=WORKER_ENV,
+            ).returncode
+            == 0
+        )
     except (OSError, subprocess.SubprocessError):
         return False
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def detect_sandbox(isolation: str = "auto") -> SandboxPlan:
     """Probe what this machine allows. ``isolation``: auto (best available) or rlimits (no namespaces)."""
     root = os.geteuid() == 0
@@ -79,8 +89,9 @@ def detect_sandbox(isolation: str = "auto") -> SandboxPlan:
 class Worker:
     """One sandbox slot: a runner process and its control pipes. Not thread-safe; the pool hands it out."""
 
-    def __init__(self, slot: int, plan: SandboxPlan, settings: dict, uid_base: int,
-                 cgroups: MemoryCgroups | None = None) -> None:
+    def __init__(
+        self, slot: int, plan: SandboxPlan, settings: dict, uid_base: int, cgroups: MemoryCgroups | None = None
+    ) -> None:
         self.slot, self.plan, self.settings = slot, plan, settings
         self.uid = uid_base + slot if plan.uid_drop else None
         self.cgroups = cgroups
@@ -92,15 +103,28 @@ class Worker:
 
     def start(self) -> None:
         cmd = [*self.plan.launcher, sys.executable, "-s", "-S", "-P", "-B", RUNNER]
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=WORKER_ENV, cwd="/",
-                                     start_new_session=True, close_fds=True)
+        self.proc = subprocess.Popen(
+            cmd,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=WORKER_ENV,
+            cwd="/",
+            start_new_session=True,
+            close_fds=True,
+        )
         cgroup = self.cgroups.slot_dir(self.slot) if self.cgroups is not None else None
         if cgroup is not None:
             self.cgroups.set_limit(self.slot, 1 << 62)  # no limit while the runner starts (restarts too)
-        cfg = dict(self.settings, uid=self.uid, gid=self.uid, setup_mounts=self.plan.namespaces != "none",
-                   expose=[os.path.dirname(os.__file__)], hide=self.settings.get("hide", default_hidden_paths()),
-                   cgroup=cgroup,
-                   user_namespace=self.plan.namespaces == "user")
+        cfg = dict(
+            self.settings,
+            uid=self.uid,
+            gid=self.uid,
+            setup_mounts=self.plan.namespaces != "none",
+            expose=[os.path.dirname(os.__file__)],
+            hide=self.settings.get("hide", default_hidden_paths()),
+            cgroup=cgroup,
+            user_namespace=self.plan.namespaces == "user",
+        )
         try:
             self._send(cfg)
             hello = self._recv(time.monotonic() + 60.0)
@@ -126,7 +150,7 @@ class Worker:
         fd = self.proc.stdin.fileno()
         view = memoryview(data)
         while view:
-            view = view[os.write(fd, view):]
+            view = view[os.write(fd, view) :]
 
     def _recv(self, deadline: float) -> dict | None:
         fd = self.proc.stdout.fileno()
@@ -161,8 +185,15 @@ class Worker:
                 logger.error("%s", e)
             if reply is not None:
                 return reply["batch"]
-            return [{"ok": False, "output": None, "error": "crashed: sandbox worker died (restarted)",
-                     "duration_s": time.monotonic() - start} for _ in reqs]
+            return [
+                {
+                    "ok": False,
+                    "output": None,
+                    "error": "crashed: sandbox worker died (restarted)",
+                    "duration_s": time.monotonic() - start,
+                }
+                for _ in reqs
+            ]
         return reply["batch"]
 
     def restart(self) -> None:
@@ -227,8 +258,11 @@ def _is_work_folder(path: str) -> bool:
     """Whether ``path``, named by a runner, is one of the work folders runners make (nothing else is removed)."""
     import tempfile
 
-    return (isinstance(path, str) and os.path.dirname(path) == tempfile.gettempdir()
-            and os.path.basename(path).startswith("populora_exec_"))
+    return (
+        isinstance(path, str)
+        and os.path.dirname(path) == tempfile.gettempdir()
+        and os.path.basename(path).startswith("populora_exec_")
+    )
 
 
 def default_uid_base() -> int:
@@ -346,8 +380,16 @@ class LocalBackend:
 
     name = "local"
 
-    def __init__(self, *, num_workers: int, settings: dict, isolation: str = "auto", grace_s: float = 5.0,
-                 uid_base: int | None = None, memory_cgroup: bool = True) -> None:
+    def __init__(
+        self,
+        *,
+        num_workers: int,
+        settings: dict,
+        isolation: str = "auto",
+        grace_s: float = 5.0,
+        uid_base: int | None = None,
+        memory_cgroup: bool = True,
+    ) -> None:
         if not 1 <= num_workers <= MAX_SLOTS:
             raise ValueError(f"num_workers must be in [1, {MAX_SLOTS}], got {num_workers}")
         self.plan = detect_sandbox(isolation)
@@ -384,12 +426,17 @@ class LocalBackend:
         self._idle: list[Worker] = list(self.workers)
         self._cond = threading.Condition()
         first = self.workers[0]
-        self.protections = dict(first.protections, network_namespace=self.plan.namespaces != "none",
-                                ipc_uts_namespaces=self.plan.namespaces != "none")
+        self.protections = dict(
+            first.protections,
+            network_namespace=self.plan.namespaces != "none",
+            ipc_uts_namespaces=self.plan.namespaces != "none",
+        )
         self.notes = list(self.plan.notes) + list(first.notes)
         if cgroup_note:
-            self.notes.append(cgroup_note + ": a call's memory is capped by RLIMIT_AS only (SysV shared memory "
-                              "is removed after each run)")
+            self.notes.append(
+                cgroup_note + ": a call's memory is capped by RLIMIT_AS only (SysV shared memory "
+                "is removed after each run)"
+            )
 
     @property
     def num_workers(self) -> int:

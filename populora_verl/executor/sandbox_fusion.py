@@ -5,7 +5,8 @@ interpreter process (which also calls ``f`` twice, as AZR does) and, for the det
 a second, independent process; both with the hash seed fixed, a clean environment, a work directory and (where
 the service allows a mount namespace) a /tmp of their own, a uid of their own when the service runs as root,
 the runtime import guard and the namespace filter of the local backend, and no handle on the supervisor's
-output. Whatever a run started is killed by its uid and by descent (the supervisor is a subreaper), setsid or not. The supervisor compares the two results and prints one JSON line behind a marker whose
+output. Whatever a run started is killed by its uid and by descent (the supervisor is a subreaper), setsid or not. The
+supervisor compares the two results and prints one JSON line behind a marker whose
 secret half, a per-call nonce, reaches it on stdin and never appears in the script (which the program can
 read). The response's ``run_result`` is mapped onto the executor's result; the banned-module check runs
 locally before anything is sent, and the host checks every reply again (size, plain data).
@@ -34,7 +35,7 @@ RUN_UIDS = (1 << 30, 1 << 28)
 
 # The process that runs the program: reads its request on stdin, writes one length-prefixed JSON result to
 # the descriptor named in argv, and nothing else (its stdout and stderr go nowhere).
-_CHILD = '''\
+_CHILD = """\
 import sys
 sys.path[:] = [p for p in sys.path if p not in ("", ".")]
 import json, os, resource, struct
@@ -84,7 +85,8 @@ def _main():
     fd = int(sys.argv[1])
     req = json.loads(sys.stdin.buffer.read())
     mem = int(req["memory_mb"]) << 20
-    for which, value in ((resource.RLIMIT_AS, mem), (resource.RLIMIT_CORE, 0), (resource.RLIMIT_CPU, int(req["cpu_s"]))):
+    limits = ((resource.RLIMIT_AS, mem), (resource.RLIMIT_CORE, 0), (resource.RLIMIT_CPU, int(req["cpu_s"])))
+    for which, value in limits:
         try:
             resource.setrlimit(which, (value, value))
         except (ValueError, OSError):
@@ -107,9 +109,9 @@ def _main():
 
 
 _main()
-'''
+"""
 
-_SUPERVISOR = '''\
+_SUPERVISOR = """\
 import ctypes, json, os, secrets, select, shutil, signal, struct, subprocess, sys, tempfile, time
 
 _NONCE = sys.stdin.readline().strip()  # the marker's secret half: never in this file
@@ -320,25 +322,43 @@ def _main():
 _res = _main()
 sys.stdout.write("\\n$marker_prefix" + _NONCE + "@@" + json.dumps(_res) + "\\n")
 sys.stdout.flush()
-'''
+"""
 
 
 def _source(fn) -> str:
     return inspect.getsource(fn)
 
 
-def build_script(program: str, inputs: str, *, check_determinism: bool, max_output_chars: int,
-                 timeout_s: float = 10.0, memory_mb: int = 512, banned: list[str] | tuple[str, ...] = ()) -> str:
+def build_script(
+    program: str,
+    inputs: str,
+    *,
+    check_determinism: bool,
+    max_output_chars: int,
+    timeout_s: float = 10.0,
+    memory_mb: int = 512,
+    banned: list[str] | tuple[str, ...] = (),
+) -> str:
     """The Python source sent to SandboxFusion for one evaluation; it reads the marker's nonce from stdin."""
-    child = string.Template(_CHILD).substitute(banned_module_paths=_source(_runner.banned_module_paths),
-                                               install_import_guard=_source(_runner.install_import_guard),
-                                               import_before_guard=repr(_runner.IMPORT_BEFORE_GUARD))
+    child = string.Template(_CHILD).substitute(
+        banned_module_paths=_source(_runner.banned_module_paths),
+        install_import_guard=_source(_runner.install_import_guard),
+        import_before_guard=repr(_runner.IMPORT_BEFORE_GUARD),
+    )
     return string.Template(_SUPERVISOR).substitute(
-        program=repr(program), inputs=repr(inputs), cap=int(max_output_chars), det=bool(check_determinism),
-        timeout=float(timeout_s), memory_mb=int(memory_mb), banned=repr([str(b) for b in banned]),
-        child=repr(child), uid_range=repr(RUN_UIDS), marker_prefix=MARKER_PREFIX,
+        program=repr(program),
+        inputs=repr(inputs),
+        cap=int(max_output_chars),
+        det=bool(check_determinism),
+        timeout=float(timeout_s),
+        memory_mb=int(memory_mb),
+        banned=repr([str(b) for b in banned]),
+        child=repr(child),
+        uid_range=repr(RUN_UIDS),
+        marker_prefix=MARKER_PREFIX,
         install_namespace_filter=_source(_runner.install_namespace_filter),
-        process_descendants=_source(_runner.process_descendants))
+        process_descendants=_source(_runner.process_descendants),
+    )
 
 
 def new_marker() -> tuple[str, str]:
@@ -359,7 +379,7 @@ def parse_response(resp: dict, marker: str, timeout_s: float) -> dict:
         return {"ok": False, "output": None, "error": "crashed: more than one result line from sandbox_fusion"}
     if lines:
         try:
-            res = json.loads(lines[0][len(marker):])
+            res = json.loads(lines[0][len(marker) :])
             out = {"ok": bool(res["ok"]), "output": res.get("output"), "error": res.get("error")}
             if "private_tmp" in res:  # whether the script could give each run a /tmp of its own
                 out["private_tmp"] = res["private_tmp"] is True
@@ -377,7 +397,11 @@ def parse_response(resp: dict, marker: str, timeout_s: float) -> dict:
     if "MemoryError" in tail:
         return {"ok": False, "output": None, "error": "memory: MemoryError (limit exceeded)"}
     code = run.get("return_code")
-    return {"ok": False, "output": None, "error": f"crashed: exited with code {code} before returning {tail}".strip()[:300]}
+    return {
+        "ok": False,
+        "output": None,
+        "error": f"crashed: exited with code {code} before returning {tail}".strip()[:300],
+    }
 
 
 class SandboxFusionBackend:
@@ -385,27 +409,45 @@ class SandboxFusionBackend:
 
     name = "sandbox_fusion"
 
-    def __init__(self, url: str, *, num_workers: int, max_retries: int = 3, retry_delay_s: float = 1.0,
-                 request_timeout_s: float = 30.0, banned: list[str] | tuple[str, ...] = ()) -> None:
+    def __init__(
+        self,
+        url: str,
+        *,
+        num_workers: int,
+        max_retries: int = 3,
+        retry_delay_s: float = 1.0,
+        request_timeout_s: float = 30.0,
+        banned: list[str] | tuple[str, ...] = (),
+    ) -> None:
         if not url:
             raise ValueError("sandbox_fusion backend needs a URL (executor.sandbox_fusion_url)")
         self.url = url
         self.num_workers = num_workers
         self.banned = [str(b) for b in banned]
         self.max_retries, self.retry_delay_s, self.request_timeout_s = max_retries, retry_delay_s, request_timeout_s
-        self.protections = {"remote_sandbox": True, "cross_process_determinism": True, "fixed_hash_seed": True,
-                            "private_result_channel": True}
-        self.notes = [f"programs run remotely at {url}; each run gets a /tmp of its own only where the service "
-                      "lets the script make a mount namespace (root or user namespaces): elsewhere determinism "
-                      "through files in the service's /tmp is not checked (warned on the first such reply)"]
+        self.protections = {
+            "remote_sandbox": True,
+            "cross_process_determinism": True,
+            "fixed_hash_seed": True,
+            "private_result_channel": True,
+        }
+        self.notes = [
+            f"programs run remotely at {url}; each run gets a /tmp of its own only where the service "
+            "lets the script make a mount namespace (root or user namespaces): elsewhere determinism "
+            "through files in the service's /tmp is not checked (warned on the first such reply)"
+        ]
         self._warned_shared_tmp = False
 
     def _post(self, payload: dict, timeout: float) -> dict:
         data = json.dumps(payload).encode()
         last = "no attempt"
         for attempt in range(self.max_retries):
-            req = urllib.request.Request(self.url, data=data, method="POST",
-                                         headers={"Content-Type": "application/json", "Accept": "application/json"})
+            req = urllib.request.Request(
+                self.url,
+                data=data,
+                method="POST",
+                headers={"Content-Type": "application/json", "Accept": "application/json"},
+            )
             try:
                 with urllib.request.urlopen(req, timeout=timeout) as resp:
                     return json.loads(resp.read())
@@ -423,20 +465,36 @@ class SandboxFusionBackend:
         start = time.monotonic()
         nonce, marker = new_marker()
         timeout = float(req["timeout_s"])
-        code = build_script(req["program"], req["inputs"], check_determinism=req["check_determinism"],
-                            max_output_chars=req["max_output_chars"], timeout_s=timeout,
-                            memory_mb=int(req["memory_mb"]), banned=self.banned)
+        code = build_script(
+            req["program"],
+            req["inputs"],
+            check_determinism=req["check_determinism"],
+            max_output_chars=req["max_output_chars"],
+            timeout_s=timeout,
+            memory_mb=int(req["memory_mb"]),
+            banned=self.banned,
+        )
         # The supervisor enforces ``timeout`` on the program (both runs); the second on top is its own.
-        payload = {"code": code, "stdin": nonce + "\n", "language": "python", "compile_timeout": 10,
-                   "run_timeout": max(1, math.ceil(timeout)) + 1, "memory_limit_MB": int(req["memory_mb"]),
-                   "files": {}, "fetch_files": []}
+        payload = {
+            "code": code,
+            "stdin": nonce + "\n",
+            "language": "python",
+            "compile_timeout": 10,
+            "run_timeout": max(1, math.ceil(timeout)) + 1,
+            "memory_limit_MB": int(req["memory_mb"]),
+            "files": {},
+            "fetch_files": [],
+        }
         try:
             resp = self._post(payload, timeout + 1 + self.request_timeout_s)
             res = parse_response(resp, marker, timeout)
             if res.get("private_tmp") is False and not self._warned_shared_tmp:
                 self._warned_shared_tmp = True
-                logger.warning("sandbox_fusion at %s: the service gives the script no mount namespace, so both runs "
-                               "of a call share its /tmp: determinism through files there is not checked", self.url)
+                logger.warning(
+                    "sandbox_fusion at %s: the service gives the script no mount namespace, so both runs "
+                    "of a call share its /tmp: determinism through files there is not checked",
+                    self.url,
+                )
         except ConnectionError as e:
             res = {"ok": False, "output": None, "error": f"crashed: sandbox_fusion request failed: {e}"[:300]}
         res["duration_s"] = time.monotonic() - start

@@ -63,9 +63,11 @@ def _parse_override(item: str) -> tuple[str, Any]:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="populora-local",
-                                description="PopuLoRA on CPU: a population of LoRA adapters in AZR self-play "
-                                "(also `python -m populora_verl.local`).")
+    p = argparse.ArgumentParser(
+        prog="populora-local",
+        description="PopuLoRA on CPU: a population of LoRA adapters in AZR self-play "
+        "(also `python -m populora_verl.local`).",
+    )
     p.add_argument("--model", help="local HF model folder (default: an embedded tiny random model)")
     p.add_argument("--gguf", help="a GGUF model file (transformers + gguf)")
     p.add_argument("--steps", type=int, help="total steps (local.steps)")
@@ -117,8 +119,10 @@ def build_configs(args: argparse.Namespace) -> tuple[PopuLoRAConfig, LocalConfig
             raise ConfigError(f"{sorted(unknown)[0]}: unknown top-level section in {path} (known: populora, local)")
         tree = _merge(tree, data)
     flags = {
-        "local.steps": args.steps, "populora.population.num_teachers": args.teachers,
-        "populora.population.num_students": args.students, "populora.population.seed": args.seed,
+        "local.steps": args.steps,
+        "populora.population.num_teachers": args.teachers,
+        "populora.population.num_students": args.students,
+        "populora.population.seed": args.seed,
         "populora.population.mode": "single_agent" if args.single_agent else None,
     }
     for key, value in flags.items():
@@ -138,8 +142,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     from populora_verl.cli_errors import run_cli
 
-    return run_cli("populora-local", lambda: _run(args), debug=args.debug,
-                   on_interrupt=lambda: interrupted_message(args.run_dir, resume_cmd(args)))
+    return run_cli(
+        "populora-local",
+        lambda: _run(args),
+        debug=args.debug,
+        on_interrupt=lambda: interrupted_message(args.run_dir, resume_cmd(args)),
+    )
 
 
 def resume_cmd(args: argparse.Namespace) -> str:
@@ -147,7 +155,13 @@ def resume_cmd(args: argparse.Namespace) -> str:
 
     # The model is a flag, not part of the saved config: the resumed run must be given the same one. So is a
     # --steps given on a resume (the saved config keeps the first start's): without it, the run would end at once.
-    model = f" --model {shlex.quote(args.model)}" if args.model else f" --gguf {shlex.quote(args.gguf)}" if args.gguf else ""
+    model = (
+        f" --model {shlex.quote(args.model)}"
+        if args.model
+        else f" --gguf {shlex.quote(args.gguf)}"
+        if args.gguf
+        else ""
+    )
     steps = f" --steps {args.steps}" if args.steps is not None else ""
     return f"python -m populora_verl.local --run-dir {shlex.quote(str(args.run_dir))}{model}{steps} --resume"
 
@@ -187,8 +201,13 @@ def check_paths(args: argparse.Namespace) -> None:
 def _default_population(args: argparse.Namespace) -> bool:
     """Whether the population's sizes and PBT roles are the driver's own defaults (2T+2S, both roles evolve)."""
     keys = ("populora.population.", "populora.pbt.roles", "populora.pbt.cull_fraction")
-    return (args.teachers is None and args.students is None and not args.config and not args.resume
-            and not any(o.split("=", 1)[0].strip().startswith(keys) for o in args.overrides))
+    return (
+        args.teachers is None
+        and args.students is None
+        and not args.config
+        and not args.resume
+        and not any(o.split("=", 1)[0].strip().startswith(keys) for o in args.overrides)
+    )
 
 
 class _DefaultPopulationNote(logging.Filter):
@@ -228,8 +247,11 @@ def _run(args: argparse.Namespace) -> int:
         pbt_log.removeFilter(note)
     try:
         pop = driver.population
-        what = "single agent (AZR baseline)" if cfg.population.mode == "single_agent" else \
-            f"{len(pop.teachers())} teachers + {len(pop.students())} students"
+        what = (
+            "single agent (AZR baseline)"
+            if cfg.population.mode == "single_agent"
+            else f"{len(pop.teachers())} teachers + {len(pop.students())} students"
+        )
         print(f"populora local: {what}, steps {driver.start_step + 1}..{local.steps}, run dir {driver.run_dir}")
         driver.run()
     finally:
@@ -251,8 +273,10 @@ def _print_summary(driver: Any, tiny: bool = False) -> None:
     if dead:
         print("  replaced: " + ", ".join(f"{m.id} (step {m.death_step})" for m in dead))
     if last:
-        print(f"last step: validity {last.get('populora/validity/mean', 0):.2f}, student accuracy "
-              f"{last.get('populora/student/accuracy', 0):.2f}, coverage {last.get('populora/coverage/fraction', 0):.2f}")
+        print(
+            f"last step: validity {last.get('populora/validity/mean', 0):.2f}, student accuracy "
+            f"{last.get('populora/student/accuracy', 0):.2f}, coverage {last.get('populora/coverage/fraction', 0):.2f}"
+        )
     from populora_verl.local.progress import TINY_MODEL_NOTE, files_written
 
     print("files written:")

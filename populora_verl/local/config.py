@@ -57,18 +57,28 @@ class LocalConfig:
         p = self._prefix
         for k in ("steps", "micro_batch_size", "gen_batch_size", "max_prompt_tokens", "lora_r", "lora_alpha"):
             v = getattr(self, k)
-            _check(isinstance(v, int) and not isinstance(v, bool) and v >= 1, f"{p}.{k}",
-                   f"must be an integer >= 1, got {v!r}")
+            _check(
+                isinstance(v, int) and not isinstance(v, bool) and v >= 1,
+                f"{p}.{k}",
+                f"must be an integer >= 1, got {v!r}",
+            )
         _check(self.lr > 0, f"{p}.lr", f"must be > 0, got {self.lr!r}")
         _check(self.weight_decay >= 0, f"{p}.weight_decay", "must be >= 0")
-        _check(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), f"{p}.betas",
-               f"must be two numbers in [0, 1), got {self.betas!r}")
+        _check(
+            len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas),
+            f"{p}.betas",
+            f"must be two numbers in [0, 1), got {self.betas!r}",
+        )
         _check(0 < self.top_p <= 1, f"{p}.top_p", f"must be in (0, 1], got {self.top_p!r}")
         _check(len(self.lora_target_modules) >= 1, f"{p}.lora_target_modules", "must name at least one module")
         _check(isinstance(self.save_every, int) and self.save_every >= 0, f"{p}.save_every", "must be an integer >= 0")
-        _check(isinstance(self.keep_checkpoints, int) and not isinstance(self.keep_checkpoints, bool)
-               and self.keep_checkpoints >= 0, f"{p}.keep_checkpoints",
-               f"must be an integer >= 0 (0 keeps every checkpoint), got {self.keep_checkpoints!r}")
+        _check(
+            isinstance(self.keep_checkpoints, int)
+            and not isinstance(self.keep_checkpoints, bool)
+            and self.keep_checkpoints >= 0,
+            f"{p}.keep_checkpoints",
+            f"must be an integer >= 0 (0 keeps every checkpoint), got {self.keep_checkpoints!r}",
+        )
         _choice(self.dtype, ("float32", "bfloat16", "float16"), f"{p}.dtype")
 
 

@@ -15,9 +15,16 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 import torch
 
-from populora_verl.checkpoint import (CheckpointError, Checkpoint, capture_rng_state, latest_checkpoint,
-                                      load_latest_checkpoint, prune_checkpoints, restore_rng_state,
-                                      save_checkpoint)
+from populora_verl.checkpoint import (
+    Checkpoint,
+    CheckpointError,
+    capture_rng_state,
+    latest_checkpoint,
+    load_latest_checkpoint,
+    prune_checkpoints,
+    restore_rng_state,
+    save_checkpoint,
+)
 from populora_verl.config import PopuLoRAConfig, to_dict
 from populora_verl.evolution.pbt import trim_events
 from populora_verl.local.config import LocalConfig
@@ -32,8 +39,9 @@ __all__ = ["LocalDriver", "LocalEngine", "load_model"]
 log = logging.getLogger(__name__)
 
 
-def load_model(model_path: str | None = None, gguf: str | None = None, *, seed: int = 0,
-               dtype: str = "float32") -> tuple[Any, Any]:
+def load_model(
+    model_path: str | None = None, gguf: str | None = None, *, seed: int = 0, dtype: str = "float32"
+) -> tuple[Any, Any]:
     """``(model, tokenizer)``: the embedded tiny model, a local HF model folder, or a GGUF file (needs ``gguf``)."""
     if model_path is None and gguf is None:
         from populora_verl.local.tiny import build_tiny
@@ -53,8 +61,10 @@ def load_model(model_path: str | None = None, gguf: str | None = None, *, seed: 
         if not Path(model_path).is_dir():
             raise FileNotFoundError(f"--model: no such directory {model_path}")
         if not (Path(model_path) / "config.json").is_file():
-            raise FileNotFoundError(f"--model: {model_path} holds no HF model (no config.json); convert a GGUF with "
-                                    "`python -m populora_verl.models convert` or pass --gguf")
+            raise FileNotFoundError(
+                f"--model: {model_path} holds no HF model (no config.json); convert a GGUF with "
+                "`python -m populora_verl.models convert` or pass --gguf"
+            )
         tok = AutoTokenizer.from_pretrained(model_path)
         model = AutoModelForCausalLM.from_pretrained(model_path, torch_dtype=torch_dtype)
     if tok.pad_token is None:
@@ -95,9 +105,19 @@ class LocalEngine:
 class LocalDriver:
     """Runs PopuLoRA steps on one CPU process and keeps ``run_dir`` (metrics, tb, plots, checkpoints) up to date."""
 
-    def __init__(self, cfg: PopuLoRAConfig, local: LocalConfig, run_dir: str | Path, *, model: Any = None,
-                 tokenizer: Any = None, model_path: str | None = None, gguf: str | None = None,
-                 resume: bool = False, executor: Any = None) -> None:
+    def __init__(
+        self,
+        cfg: PopuLoRAConfig,
+        local: LocalConfig,
+        run_dir: str | Path,
+        *,
+        model: Any = None,
+        tokenizer: Any = None,
+        model_path: str | None = None,
+        gguf: str | None = None,
+        resume: bool = False,
+        executor: Any = None,
+    ) -> None:
         self.cfg, self.local = cfg, local
         self.run_dir = Path(run_dir)
         from populora_verl.runlock import claim_run_dir
@@ -110,18 +130,31 @@ class LocalDriver:
             self._lock.abandon()  # a failed start leaves no debris: a folder this run created goes with its lock
             raise
 
-    def _start(self, cfg: PopuLoRAConfig, local: LocalConfig, model: Any, tokenizer: Any, model_path: str | None,
-               gguf: str | None, resume: bool, executor: Any) -> None:
+    def _start(
+        self,
+        cfg: PopuLoRAConfig,
+        local: LocalConfig,
+        model: Any,
+        tokenizer: Any,
+        model_path: str | None,
+        gguf: str | None,
+        resume: bool,
+        executor: Any,
+    ) -> None:
         check_compute_plan(cfg)  # the verl trainer's start-up check: a plan not matched per adapter never starts
         ckpt = latest_checkpoint(self.run_dir)
         if resume and ckpt is None:
             # Starting fresh here would silently throw away what the user meant to continue.
-            raise CheckpointError(f"--resume: no complete checkpoint in {self.run_dir / 'checkpoints'}; drop --resume "
-                                  "to start a new run there")
+            raise CheckpointError(
+                f"--resume: no complete checkpoint in {self.run_dir / 'checkpoints'}; drop --resume "
+                "to start a new run there"
+            )
         if ckpt is not None and not resume:
             # A fresh run here would interleave its metrics and checkpoints with the old run's.
-            raise FileExistsError(f"run dir {self.run_dir} already holds a run (checkpoint {ckpt.name}): pass "
-                                  "--resume to continue it, or choose another --run-dir")
+            raise FileExistsError(
+                f"run dir {self.run_dir} already holds a run (checkpoint {ckpt.name}): pass "
+                "--resume to continue it, or choose another --run-dir"
+            )
         # On --resume, find a checkpoint that loads before spending time on the model.
         resumed = load_latest_checkpoint(self.run_dir) if resume else None
         self.seed = int(cfg.population.seed)
@@ -134,10 +167,15 @@ class LocalDriver:
         self.base_model_path = self._base_model_path(model, tokenizer, model_path, gguf)
         self.step_obj = PopulationStep(cfg, executor=executor, seed=self.seed)
         # rollout.max_new_tokens / temperature null: the CPU driver's own defaults.
-        self.engine = HFEngine(model, tokenizer, num_slots=len(self.step_obj.population.members), cfg=local,
-                               temperature=1.0 if cfg.rollout.temperature is None else cfg.rollout.temperature,
-                               max_new_tokens=cfg.rollout.max_new_tokens or 1024,
-                               shared_a=cfg.population.founder_init == "shared_a")
+        self.engine = HFEngine(
+            model,
+            tokenizer,
+            num_slots=len(self.step_obj.population.members),
+            cfg=local,
+            temperature=1.0 if cfg.rollout.temperature is None else cfg.rollout.temperature,
+            max_new_tokens=cfg.rollout.max_new_tokens or 1024,
+            shared_a=cfg.population.founder_init == "shared_a",
+        )
         self.pop_engine = LocalEngine(self.engine, self.slot_of, self.seed)  # what the shared step code drives
         self.start_step = 0
         if resumed is not None:
@@ -147,8 +185,9 @@ class LocalDriver:
         trim_events(self.run_dir, self.start_step)
         from populora_verl.diagnostics.metrics import MetricsLogger
 
-        self.logger = MetricsLogger(self.run_dir, tensorboard=local.tensorboard and _has_tensorboard(),
-                                    resume_step=self.start_step)
+        self.logger = MetricsLogger(
+            self.run_dir, tensorboard=local.tensorboard and _has_tensorboard(), resume_step=self.start_step
+        )
         self.history: list[dict[str, float]] = []
 
     # --- state ------------------------------------------------------------------------------------------
@@ -197,9 +236,16 @@ class LocalDriver:
     def save(self, step: int) -> Path:
         optim = {m.id: self.engine.optimizer_state(slot_name(m.slot)) for m in self.population.members}
         lora_config = dict(self.engine.lora_config_dict(), base_model_name_or_path=self.base_model_path)
-        path = save_checkpoint(self.run_dir, step, population=self.population, adapters=self.adapters(),
-                               lora_config=lora_config, optimizers=optim,
-                               step_state=self.step_obj.state_dict(), rng=capture_rng_state())
+        path = save_checkpoint(
+            self.run_dir,
+            step,
+            population=self.population,
+            adapters=self.adapters(),
+            lora_config=lora_config,
+            optimizers=optim,
+            step_state=self.step_obj.state_dict(),
+            rng=capture_rng_state(),
+        )
         if self.local.keep_checkpoints:
             prune_checkpoints(self.run_dir, self.local.keep_checkpoints)
         return path
@@ -208,8 +254,10 @@ class LocalDriver:
         path = ck.path
         members = ck.population.members
         if len(members) != len(self.engine.slots):
-            raise ValueError(f"checkpoint {path} has {len(members)} members, this run has {len(self.engine.slots)} "
-                             "slots: resume with the same population size")
+            raise ValueError(
+                f"checkpoint {path} has {len(members)} members, this run has {len(self.engine.slots)} "
+                "slots: resume with the same population size"
+            )
         self.step_obj.load_state_dict(ck.step_state, population=ck.population)
         for m in members:
             slot = slot_name(m.slot)
@@ -230,8 +278,9 @@ class LocalDriver:
         the seed set is written to ``<run_dir>/seed_tasks.jsonl`` (reuse it with ``buffer.seed_file``)."""
         rounds = seed_buffers(self.step_obj, self.pop_engine, self.run_dir)
         if rounds:
-            log.info("seeding: %d rounds, %d seed tasks -> %s", rounds, len(self.step_obj.seed_set),
-                     seed_file(self.run_dir))
+            log.info(
+                "seeding: %d rounds, %d seed tasks -> %s", rounds, len(self.step_obj.seed_set), seed_file(self.run_dir)
+            )
         return rounds
 
     # --- one step ---------------------------------------------------------------------------------------
@@ -259,9 +308,15 @@ class LocalDriver:
         metrics.update(evolution.metrics)
         for line in evolution.lines:  # the verl trainer's lines, with the tie-break notes the step line leaves out
             log.debug(line)
-        metrics.update({"populora/time/propose_s": t1 - t0, "populora/time/solve_s": t2 - t1,
-                        "populora/time/score_s": t3 - t2, "populora/time/update_s": t4 - t3,
-                        "populora/time/step_s": time.perf_counter() - t0})
+        metrics.update(
+            {
+                "populora/time/propose_s": t1 - t0,
+                "populora/time/solve_s": t2 - t1,
+                "populora/time/score_s": t3 - t2,
+                "populora/time/update_s": t4 - t3,
+                "populora/time/step_s": time.perf_counter() - t0,
+            }
+        )
         return result, metrics
 
     def _stop_due(self, step: int) -> bool:
@@ -279,8 +334,9 @@ class LocalDriver:
         exists; checkpoint, log, plot at the end."""
         total = self.local.steps if steps is None else int(steps)
         if (self.run_dir / "STOP").exists():  # a stop file left from an earlier run would end this one early
-            log.info("stop file %s exists: the run ends at its first safe step (remove it to run on)",
-                     self.run_dir / "STOP")
+            log.info(
+                "stop file %s exists: the run ends at its first safe step (remove it to run on)", self.run_dir / "STOP"
+            )
         self.step_obj.set_total_steps(total)  # no evolution in the last pbt.final_quiet_steps steps
         bar = None
         if self.local.progress:
@@ -301,12 +357,17 @@ class LocalDriver:
                     self.save(step)
                 if bar is not None:
                     bar.update(1)
-                    bar.set_postfix(valid=f"{metrics.get('populora/validity/mean', 0):.2f}",
-                                    acc=f"{metrics.get('populora/student/accuracy', 0):.2f}",
-                                    evo=int(metrics.get("populora/evolution/events", 0)))
+                    bar.set_postfix(
+                        valid=f"{metrics.get('populora/validity/mean', 0):.2f}",
+                        acc=f"{metrics.get('populora/student/accuracy', 0):.2f}",
+                        evo=int(metrics.get("populora/evolution/events", 0)),
+                    )
                 if self.stopping:
-                    log.info("step %d: stop file %s found; no evolution, checkpoint, then the run ends", step,
-                             self.run_dir / "STOP")
+                    log.info(
+                        "step %d: stop file %s found; no evolution, checkpoint, then the run ends",
+                        step,
+                        self.run_dir / "STOP",
+                    )
                     break
         finally:
             if bar is not None:
@@ -342,4 +403,3 @@ def _has_tensorboard() -> bool:
         log.warning("tensorboard is not installed: metrics go to metrics.jsonl only")
         return False
     return True
-

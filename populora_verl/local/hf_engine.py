@@ -40,8 +40,17 @@ class _Row:
 class HFEngine:
     """Generation and training of a population of LoRA adapters on one HF causal LM."""
 
-    def __init__(self, model: Any, tokenizer: Any, num_slots: int, cfg: LocalConfig, *, temperature: float = 1.0,
-                 max_new_tokens: int = 32, shared_a: bool = False) -> None:
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        num_slots: int,
+        cfg: LocalConfig,
+        *,
+        temperature: float = 1.0,
+        max_new_tokens: int = 32,
+        shared_a: bool = False,
+    ) -> None:
         from peft import LoraConfig, get_peft_model
 
         self.cfg = cfg
@@ -51,8 +60,14 @@ class HFEngine:
         tokenizer.padding_side = "left"
         self.temperature = float(temperature)
         self.max_new_tokens = int(max_new_tokens)
-        self.lora_config = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=0.0,
-                                      target_modules=list(cfg.lora_target_modules), bias="none", task_type="CAUSAL_LM")
+        self.lora_config = LoraConfig(
+            r=cfg.lora_r,
+            lora_alpha=cfg.lora_alpha,
+            lora_dropout=0.0,
+            target_modules=list(cfg.lora_target_modules),
+            bias="none",
+            task_type="CAUSAL_LM",
+        )
         self.slots = [slot_name(i) for i in range(num_slots)]
         # PEFT initialises B=0: every founder starts at the base model (lora_A draws from the global torch RNG,
         # which the driver seeds before building the engine).
@@ -70,12 +85,18 @@ class HFEngine:
     # --- adapters -----------------------------------------------------------------------------------------
 
     def lora_config_dict(self) -> dict[str, Any]:
-        return {"r": self.cfg.lora_r, "lora_alpha": self.cfg.lora_alpha,
-                "target_modules": list(self.cfg.lora_target_modules), "lora_dropout": 0.0, "bias": "none",
-                "task_type": "CAUSAL_LM"}
+        return {
+            "r": self.cfg.lora_r,
+            "lora_alpha": self.cfg.lora_alpha,
+            "target_modules": list(self.cfg.lora_target_modules),
+            "lora_dropout": 0.0,
+            "bias": "none",
+            "task_type": "CAUSAL_LM",
+        }
 
     def _slot_params(self, slot: str) -> dict[str, torch.nn.Parameter]:
-        """``{contract key: parameter}``: PEFT names ``...q_proj.lora_A.<slot>.weight`` -> ``...q_proj.lora_A.weight``."""
+        """``{contract key: parameter}``: PEFT names ``...q_proj.lora_A.<slot>.weight`` ->
+        ``...q_proj.lora_A.weight``."""
         out = {}
         tag = f".{slot}."
         for name, p in self.model.named_parameters():
@@ -97,15 +118,21 @@ class HFEngine:
             raise ValueError(f"adapter for {slot}: missing keys {sorted(missing)[:3]}, unexpected {sorted(extra)[:3]}")
         for k, p in params.items():
             if tuple(state[k].shape) != tuple(p.shape):
-                raise ValueError(f"adapter for {slot}: {k} has shape {tuple(state[k].shape)}, expected {tuple(p.shape)}")
+                raise ValueError(
+                    f"adapter for {slot}: {k} has shape {tuple(state[k].shape)}, expected {tuple(p.shape)}"
+                )
             p.copy_(state[k].to(p.dtype))
 
     # --- optimizers ---------------------------------------------------------------------------------------
 
     def optimizer(self, slot: str) -> torch.optim.Optimizer:
         if slot not in self._optim:
-            self._optim[slot] = torch.optim.AdamW(list(self._params[slot].values()), lr=self.cfg.lr,
-                                                  betas=tuple(self.cfg.betas), weight_decay=self.cfg.weight_decay)
+            self._optim[slot] = torch.optim.AdamW(
+                list(self._params[slot].values()),
+                lr=self.cfg.lr,
+                betas=tuple(self.cfg.betas),
+                weight_decay=self.cfg.weight_decay,
+            )
         return self._optim[slot]
 
     def reset_optimizer(self, slot: str) -> None:
@@ -125,7 +152,7 @@ class HFEngine:
     def _encode(self, prompt: Any) -> list[int]:
         from populora_verl.tasks.prompts import encode_prompt
 
-        return encode_prompt(self.tokenizer, prompt)[-self.cfg.max_prompt_tokens:]
+        return encode_prompt(self.tokenizer, prompt)[-self.cfg.max_prompt_tokens :]
 
     @torch.no_grad()
     def generate(self, requests: Sequence[GenRequest], slot_of: Callable[[str], str], seed: int) -> list[GenResponse]:
@@ -145,26 +172,28 @@ class HFEngine:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             for start in range(0, len(rows), self.cfg.gen_batch_size):
-                batch = rows[start:start + self.cfg.gen_batch_size]
+                batch = rows[start : start + self.cfg.gen_batch_size]
                 width = max(len(r.prompt_ids) for r in batch)
                 input_ids = torch.full((len(batch), width), pad, dtype=torch.long)
                 attn = torch.zeros((len(batch), width), dtype=torch.long)
                 for j, r in enumerate(batch):
                     if r.prompt_ids:
-                        input_ids[j, width - len(r.prompt_ids):] = torch.tensor(r.prompt_ids)
-                        attn[j, width - len(r.prompt_ids):] = 1
+                        input_ids[j, width - len(r.prompt_ids) :] = torch.tensor(r.prompt_ids)
+                        attn[j, width - len(r.prompt_ids) :] = 1
                 sample = self.temperature > 0
-                kwargs: dict[str, Any] = dict(do_sample=sample, max_new_tokens=self.max_new_tokens, pad_token_id=pad,
-                                              eos_token_id=stops)
+                kwargs: dict[str, Any] = dict(
+                    do_sample=sample, max_new_tokens=self.max_new_tokens, pad_token_id=pad, eos_token_id=stops
+                )
                 if sample:
                     kwargs.update(temperature=self.temperature, top_p=self.cfg.top_p, top_k=0)
-                out = self.model.generate(input_ids=input_ids, attention_mask=attn,
-                                          adapter_names=[r.slot for r in batch], **kwargs)
+                out = self.model.generate(
+                    input_ids=input_ids, attention_mask=attn, adapter_names=[r.slot for r in batch], **kwargs
+                )
                 for j, r in enumerate(batch):
                     resp = out[j, width:].tolist()
                     end = next((k for k, t in enumerate(resp) if t in stops), None)
                     if end is not None:  # keep the stop token: ending is an action the policy is trained on
-                        resp = resp[:end + 1]
+                        resp = resp[: end + 1]
                     texts[r.request_index].append(self.tokenizer.decode(resp, skip_special_tokens=True))
                     extra[r.request_index].append((r.prompt_ids, resp))
                     lengths[r.request_index].append(max(1, len(resp)))
@@ -185,7 +214,7 @@ class HFEngine:
         loss_total = 0.0
         pad = self.tokenizer.pad_token_id
         for start in range(0, len(samples), self.cfg.micro_batch_size):
-            mb = samples[start:start + self.cfg.micro_batch_size]
+            mb = samples[start : start + self.cfg.micro_batch_size]
             seqs = [list(s.extra[0]) + list(s.extra[1]) for s in mb]
             width = max(len(x) for x in seqs)
             input_ids = torch.full((len(mb), width), pad, dtype=torch.long)
@@ -207,8 +236,11 @@ class HFEngine:
             loss = -(a * logp * mask).sum() / total_tokens
             loss.backward()
             loss_total += float(loss.detach())
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip) if self.cfg.grad_clip > 0 else \
-            torch.sqrt(sum((p.grad.detach() ** 2).sum() for p in params if p.grad is not None))
+        grad_norm = (
+            torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip)
+            if self.cfg.grad_clip > 0
+            else torch.sqrt(sum((p.grad.detach() ** 2).sum() for p in params if p.grad is not None))
+        )
         opt.step()
         opt.zero_grad(set_to_none=True)
         return {"loss": loss_total, "tokens": float(total_tokens), "grad_norm": float(grad_norm)}

@@ -16,8 +16,9 @@ TINY_MODEL_NOTE = (
 )
 
 
-def step_line(step: int, total: int, result: Any, metrics: Mapping[str, float], population: Any,
-              plan: Any = None) -> str:
+def step_line(
+    step: int, total: int, result: Any, metrics: Mapping[str, float], population: Any, plan: Any = None
+) -> str:
     """``step 2/3 | teachers: 1/8 proposals valid | students: 3/16 solved (8 on buffer tasks) | mu t0 21.3 ... |
     evolved t1->t2 (neftune)``: counts a user can follow step by step."""
     teacher = [s for s in result.samples if s.role == "teacher"]
@@ -29,8 +30,10 @@ def step_line(step: int, total: int, result: Any, metrics: Mapping[str, float], 
     if teacher:
         parts.append(f"teachers: {valid}/{len(teacher)} proposals valid")
     parts.append(f"students: {solved}/{len(student)} solved" + (f" ({buffer} on buffer tasks)" if buffer else ""))
-    ratings = " ".join(f"{m.id} {metrics.get(f'populora/rating/{m.id}/mu', population.ratings[m.id].mu):.1f}"
-                       for m in population.members)
+    ratings = " ".join(
+        f"{m.id} {metrics.get(f'populora/rating/{m.id}/mu', population.ratings[m.id].mu):.1f}"
+        for m in population.members
+    )
     parts.append(f"mu {ratings}")
     if plan is not None and getattr(plan, "replacements", None):
         parts.append("evolved " + ", ".join(f"{r.victim_id}->{r.child_id} ({r.operator})" for r in plan.replacements))
@@ -52,6 +55,8 @@ def files_written(run_dir: Path) -> list[str]:
         out.append(f"  {run_dir / 'plots'}/  ({', '.join(p.name for p in plots)})")
     latest = run_dir / "checkpoints" / "latest"
     if latest.is_file():
-        out.append(f"  {run_dir / 'checkpoints' / latest.read_text().strip()}  (latest checkpoint; PEFT folders "
-                   "under population/adapters/)")
+        out.append(
+            f"  {run_dir / 'checkpoints' / latest.read_text().strip()}  (latest checkpoint; PEFT folders "
+            "under population/adapters/)"
+        )
     return out

@@ -21,13 +21,16 @@ TINY_CORPUS: tuple[str, ...] = (
     "def f(a):\n    return a\n",
     "def f(x):\n    return x * 2 + 1\n",
     "def f(s):\n    return s[::-1]\n",
-    "def f(nums):\n    total = 0\n    for n in nums:\n        if n % 2 == 0:\n            total += n\n    return total\n",
+    "def f(nums):\n    total = 0\n    for n in nums:\n        if n % 2 == 0:\n            total += n\n"
+    "    return total\n",
     "def f(words):\n    return sorted(words, key=len)\n",
     "def f(d):\n    return {k: v for k, v in d.items() if v > 0}\n",
     "def f(n):\n    if n <= 1:\n        return n\n    return f(n - 1) + f(n - 2)\n",
-    "def f(text, k):\n    out = []\n    for i, ch in enumerate(text):\n        if i % k == 0:\n            out.append(ch.upper())\n        else:\n            out.append(ch)\n    return ''.join(out)\n",
+    "def f(text, k):\n    out = []\n    for i, ch in enumerate(text):\n        if i % k == 0:\n"
+    "            out.append(ch.upper())\n        else:\n            out.append(ch)\n    return ''.join(out)\n",
     "def f(a, b):\n    while b:\n        a, b = b, a % b\n    return a\n",
-    "def f(lst):\n    seen = set()\n    result = []\n    for x in lst:\n        if x not in seen:\n            seen.add(x)\n            result.append(x)\n    return result\n",
+    "def f(lst):\n    seen = set()\n    result = []\n    for x in lst:\n        if x not in seen:\n"
+    "            seen.add(x)\n            result.append(x)\n    return result\n",
     "def f(matrix):\n    return [list(row) for row in zip(*matrix)]\n",
     "import math\n\ndef f(x):\n    return math.floor(math.sqrt(abs(x)))\n",
     "from collections import Counter\n\ndef f(s):\n    return Counter(s).most_common(1)[0][0]\n",
@@ -56,8 +59,9 @@ def build_tiny_tokenizer(vocab_size: int = 1024) -> Any:
     """
     from transformers import PreTrainedTokenizerFast
 
-    fast = PreTrainedTokenizerFast(tokenizer_object=_trained_bpe(vocab_size), eos_token=EOS, pad_token=EOS,
-                                   bos_token=None)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=_trained_bpe(vocab_size), eos_token=EOS, pad_token=EOS, bos_token=None
+    )
     fast.padding_side = "left"  # decoder-only generation pads on the left
     return fast
 
@@ -69,8 +73,12 @@ def _bpe_json(vocab_size: int) -> str:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     # Repeat the corpus so frequent Python bigrams win merges over one-off strings.
     tok.train_from_iterator(list(TINY_CORPUS) * 4, trainer=trainer)
     return tok.to_str()
@@ -89,9 +97,16 @@ def build_tiny_model(tokenizer: Any, seed: int = 0, hidden_size: int = 64, num_l
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     cfg = Qwen2Config(
-        vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
-        num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-        tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
         bos_token_id=tokenizer.eos_token_id,
     )
     # Initialise under a private generator state so building the model does not disturb the caller's RNG stream.

@@ -68,12 +68,12 @@ class Matchmaker:
         self._rng = np.random.Generator(np.random.PCG64(self.seed))
         self._drawn: set[str] = set()  # students that had their extra match in the current pool cycle
 
-    def weight_of(self, population: "Population", teacher_id: str, student_id: str) -> float:
+    def weight_of(self, population: Population, teacher_id: str, student_id: str) -> float:
         if self.cfg.method == "uniform":
             return 1.0
         return pfsp_weight(population.ratings.win_probability(student_id, teacher_id), self.cfg.weight)
 
-    def pairs(self, population: "Population", step: int) -> list[tuple[str, str]]:
+    def pairs(self, population: Population, step: int) -> list[tuple[str, str]]:
         """``[(teacher_id, student_id), ...]``: each teacher (by slot) with ``students_per_problem`` distinct
         students (fewer only when there are fewer students), each student in ``⌊T·k / S⌋`` or ``⌈T·k / S⌉`` pairs.
         The single agent is paired with itself."""

@@ -52,8 +52,9 @@ class Member:
             raise ValueError(f"member {self.id!r}: role must be one of {list(ROLES)}, got {self.role!r}")
         m = _ID_RE.match(self.id)
         if m is None or m.group(1) != ROLE_PREFIX[self.role]:
-            raise ValueError(f"member id {self.id!r} does not match role {self.role!r} "
-                             f"(expected {ROLE_PREFIX[self.role]}<number>)")
+            raise ValueError(
+                f"member id {self.id!r} does not match role {self.role!r} (expected {ROLE_PREFIX[self.role]}<number>)"
+            )
         self.parents = tuple(self.parents)
 
     @property
@@ -70,7 +71,7 @@ class Member:
         return d
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "Member":
+    def from_dict(cls, d: Mapping[str, Any]) -> Member:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = set(d) - known
         if unknown:
@@ -102,7 +103,7 @@ class Population:
     # --- construction -------------------------------------------------------------------------------------
 
     @classmethod
-    def create(cls, cfg: "PopuLoRAConfig") -> "Population":
+    def create(cls, cfg: PopuLoRAConfig) -> Population:
         """Founders: ``t0..t{T-1}`` in slots ``0..T-1``, then ``s0..s{S-1}``; or ``a0`` alone (single agent)."""
         pop = cls(Ratings.from_config(cfg.matchmaking), mode=cfg.population.mode)
         if cfg.pbt.enabled and cfg.population.mode != "single_agent":
@@ -180,8 +181,9 @@ class Population:
             return []
         return [m for m in self.members if m.age < window]
 
-    def fitness(self, kind: str = "trueskill_conservative",
-                recent_rewards: Mapping[str, float] | None = None) -> dict[str, float]:
+    def fitness(
+        self, kind: str = "trueskill_conservative", recent_rewards: Mapping[str, float] | None = None
+    ) -> dict[str, float]:
         """Fitness of every alive member: ``trueskill_conservative`` (mu - 3 sigma), ``mu`` or ``recent_reward``."""
         ids = self.ids()
         if kind == "trueskill_conservative":
@@ -199,8 +201,16 @@ class Population:
 
     # --- evolution ----------------------------------------------------------------------------------------
 
-    def replace(self, victim_id: str, child_id: str, parents: Sequence[str], operator: str, step: int,
-                mu: float | None = None, sigma: float | None = None) -> Member:
+    def replace(
+        self,
+        victim_id: str,
+        child_id: str,
+        parents: Sequence[str],
+        operator: str,
+        step: int,
+        mu: float | None = None,
+        sigma: float | None = None,
+    ) -> Member:
         """The victim dies at ``step``; the child is born into its slot with the given (or prior) rating."""
         victim = self.member(victim_id)
         if not victim.alive:
@@ -211,8 +221,15 @@ class Population:
         gen = 1 + max(self.member(p).generation for p in parents) if parents else 0
         final = self.ratings.remove(victim_id)
         victim.death_step, victim.final_mu, victim.final_sigma = int(step), float(final.mu), float(final.sigma)
-        child = Member(child_id, victim.role, slot=victim.slot, parents=tuple(parents), operator=operator,
-                       birth_step=int(step), generation=gen)
+        child = Member(
+            child_id,
+            victim.role,
+            slot=victim.slot,
+            parents=tuple(parents),
+            operator=operator,
+            birth_step=int(step),
+            generation=gen,
+        )
         return self.add(child, mu=mu, sigma=sigma)
 
     # --- persistence --------------------------------------------------------------------------------------
@@ -229,7 +246,7 @@ class Population:
         }
 
     @classmethod
-    def from_state_dict(cls, state: Mapping[str, Any]) -> "Population":
+    def from_state_dict(cls, state: Mapping[str, Any]) -> Population:
         ratings_state = state["ratings"]
         pop = cls(Ratings(**ratings_state["env"]), mode=state["mode"])
         pop.step = int(state["step"])
@@ -249,19 +266,27 @@ class Population:
         pop.age_window = state.get("age_window")
         return pop
 
-    def save(self, directory: str | Path, adapters: Mapping[str, Mapping[str, "torch.Tensor"]] | None = None,
-             lora_config: Mapping[str, Any] | None = None, *, states: Mapping[str, Any] | None = None) -> Path:
+    def save(
+        self,
+        directory: str | Path,
+        adapters: Mapping[str, Mapping[str, torch.Tensor]] | None = None,
+        lora_config: Mapping[str, Any] | None = None,
+        *,
+        states: Mapping[str, Any] | None = None,
+    ) -> Path:
         """Write ``population.json`` (+ ``adapters/<id>/`` PEFT folders) atomically; see :mod:`.state`."""
         return save_population(self, directory, adapters=adapters, lora_config=lora_config, states=states)
 
     @classmethod
-    def load(cls, directory: str | Path) -> tuple["Population", dict[str, dict[str, "torch.Tensor"]] | None]:
+    def load(cls, directory: str | Path) -> tuple[Population, dict[str, dict[str, torch.Tensor]] | None]:
         """Inverse of :meth:`save`: ``(population, adapters or None)``."""
         state, adapters = read_population_state(directory)
         population = cls.from_state_dict(state)
         if adapters is not None and sorted(adapters) != sorted(population.ids()):
-            raise ValueError(f"{Path(directory) / POPULATION_FILE}: adapters {sorted(adapters)} do not match the "
-                             f"alive members {population.ids()}")
+            raise ValueError(
+                f"{Path(directory) / POPULATION_FILE}: adapters {sorted(adapters)} do not match the "
+                f"alive members {population.ids()}"
+            )
         return population, adapters
 
     def __repr__(self) -> str:

@@ -40,8 +40,9 @@ def _compare(observed: float, expected: float) -> str:
     return DRAW
 
 
-def match_outcomes(solve_rates: Sequence[float], expected: float, rule: str = "vs_expected",
-                   invalid: int = 0) -> list[str]:
+def match_outcomes(
+    solve_rates: Sequence[float], expected: float, rule: str = "vs_expected", invalid: int = 0
+) -> list[str]:
     """Game outcomes of one match, from the student's solve rate on each of the teacher's valid problems.
 
     ``invalid``: the teacher's proposals in this match that were not valid tasks; only ``learnable`` reads it.
@@ -80,15 +81,22 @@ def match_outcomes(solve_rates: Sequence[float], expected: float, rule: str = "v
 class Ratings:
     """Per-member TrueSkill ratings over one shared environment (prior, beta, tau, draw probability)."""
 
-    def __init__(self, mu: float = 25.0, sigma: float = 25.0 / 3, beta: float = 25.0 / 6, tau: float = 25.0 / 300,
-                 draw_probability: float = 0.1) -> None:
+    def __init__(
+        self,
+        mu: float = 25.0,
+        sigma: float = 25.0 / 3,
+        beta: float = 25.0 / 6,
+        tau: float = 25.0 / 300,
+        draw_probability: float = 0.1,
+    ) -> None:
         # backend=None: the package's own pure-Python cdf/pdf/ppf, identical on every machine.
-        self.env = trueskill.TrueSkill(mu=mu, sigma=sigma, beta=beta, tau=tau, draw_probability=draw_probability,
-                                       backend=None)
+        self.env = trueskill.TrueSkill(
+            mu=mu, sigma=sigma, beta=beta, tau=tau, draw_probability=draw_probability, backend=None
+        )
         self._ratings: dict[str, trueskill.Rating] = {}
 
     @classmethod
-    def from_config(cls, cfg: MatchmakingConfig) -> "Ratings":
+    def from_config(cls, cfg: MatchmakingConfig) -> Ratings:
         return cls(mu=cfg.mu, sigma=cfg.sigma, beta=cfg.beta, tau=cfg.tau, draw_probability=cfg.draw_probability)
 
     # --- the table ----------------------------------------------------------------------------------------
@@ -144,7 +152,7 @@ class Ratings:
     def win_probability(self, student_id: str, teacher_id: str) -> float:
         """P(student beats teacher) = Phi((mu_s - mu_t) / sqrt(sigma_s^2 + sigma_t^2 + 2 beta^2))."""
         s, t = self[student_id], self[teacher_id]
-        denom = math.sqrt(s.sigma ** 2 + t.sigma ** 2 + 2.0 * self.env.beta ** 2)
+        denom = math.sqrt(s.sigma**2 + t.sigma**2 + 2.0 * self.env.beta**2)
         return float(self.env.cdf((s.mu - t.mu) / denom))
 
     def rate_game(self, teacher_id: str, student_id: str, outcome: str) -> None:
@@ -160,8 +168,14 @@ class Ratings:
         (t,), (s,) = self.env.rate([(self[teacher_id],), (self[student_id],)], ranks=ranks)
         self._ratings[teacher_id], self._ratings[student_id] = t, s
 
-    def rate_match(self, teacher_id: str, student_id: str, solve_rates: Sequence[float],
-                   rule: str = "vs_expected", invalid: int = 0) -> list[str]:
+    def rate_match(
+        self,
+        teacher_id: str,
+        student_id: str,
+        solve_rates: Sequence[float],
+        rule: str = "vs_expected",
+        invalid: int = 0,
+    ) -> list[str]:
         """Rate one match; returns the game outcomes applied (in order).
 
         A member matched against itself (the single agent ``a0`` teaching itself) is not rated: a self-play game
@@ -178,11 +192,10 @@ class Ratings:
 
     def state_dict(self) -> dict[str, Any]:
         # JSON floats round-trip exactly (repr is shortest-round-trip), so a save/load keeps every bit.
-        return {"env": self.env_params,
-                "ratings": {k: [float(r.mu), float(r.sigma)] for k, r in self._ratings.items()}}
+        return {"env": self.env_params, "ratings": {k: [float(r.mu), float(r.sigma)] for k, r in self._ratings.items()}}
 
     @classmethod
-    def from_state_dict(cls, state: Mapping[str, Any]) -> "Ratings":
+    def from_state_dict(cls, state: Mapping[str, Any]) -> Ratings:
         out = cls(**state["env"])
         out.load_ratings(state["ratings"].items())
         return out

@@ -66,7 +66,7 @@ def adapter_config_dict(lora_config: Any) -> dict[str, Any]:
     return _jsonable(d)
 
 
-def write_adapter(folder: str | Path, state_dict: Mapping[str, "torch.Tensor"], config: Mapping[str, Any]) -> None:
+def write_adapter(folder: str | Path, state_dict: Mapping[str, torch.Tensor], config: Mapping[str, Any]) -> None:
     """Write one PEFT adapter folder (weights in safetensors, keys exactly as given)."""
     from safetensors.torch import save_file
 
@@ -78,7 +78,7 @@ def write_adapter(folder: str | Path, state_dict: Mapping[str, "torch.Tensor"], 
     _write_json(folder / ADAPTER_CONFIG, _jsonable(dict(config)))
 
 
-def read_adapter(folder: str | Path) -> tuple[dict[str, "torch.Tensor"], dict[str, Any]]:
+def read_adapter(folder: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     from safetensors.torch import load_file
 
     folder = Path(folder)
@@ -91,10 +91,13 @@ def _component_state(obj: Any) -> Any:
     return obj.state_dict() if hasattr(obj, "state_dict") else obj
 
 
-def save_population(population: "Population", directory: str | Path,
-                    adapters: Mapping[str, Mapping[str, "torch.Tensor"]] | None = None,
-                    lora_config: Mapping[str, Any] | None = None,
-                    states: Mapping[str, Any] | None = None) -> Path:
+def save_population(
+    population: Population,
+    directory: str | Path,
+    adapters: Mapping[str, Mapping[str, torch.Tensor]] | None = None,
+    lora_config: Mapping[str, Any] | None = None,
+    states: Mapping[str, Any] | None = None,
+) -> Path:
     """Save ``population`` (and the alive members' adapters) to ``directory``, replacing it atomically.
 
     ``states`` maps a name to a component (anything with ``state_dict()``, e.g. the Matchmaker or the
@@ -135,7 +138,7 @@ def save_population(population: "Population", directory: str | Path,
     return directory
 
 
-def read_population_state(directory: str | Path) -> tuple[dict[str, Any], dict[str, dict[str, "torch.Tensor"]] | None]:
+def read_population_state(directory: str | Path) -> tuple[dict[str, Any], dict[str, dict[str, torch.Tensor]] | None]:
     """The state dict :func:`save_population` wrote and the adapters saved with it (None when none were):
     :meth:`Population.load <populora_verl.population.members.Population.load>` builds the population from them."""
     directory = Path(directory)

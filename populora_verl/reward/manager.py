@@ -50,7 +50,7 @@ FIELD = "populora"
 DEFERRED_TO = "population_step"  # ``populora.scored_by`` value of rows the trainer scores itself
 FIELD_DOC = {
     "role": "'propose' (teacher / proposer trajectory) or 'solve' (student / solver trajectory); "
-            "'teacher' and 'student' are accepted as aliases",
+    "'teacher' and 'student' are accepted as aliases",
     "task_type": "'code_i' | 'code_o' | 'code_f'",
     "adapter": "member id of the adapter that generated the trajectory (t0, s3, a0, ...)",
     "step": "training step (int), stamped on validated tasks",
@@ -58,8 +58,17 @@ FIELD_DOC = {
     "think_prefilled": "optional bool (default true): the prompt ended with '<think>'",
     "scored_by": "optional: 'population_step' when the populora trainer scores the trajectory itself (deferred)",
 }
-EXTRA_KEYS = ("populora_role", "populora_task_type", "populora_adapter", "populora_status", "populora_correct",
-              "populora_valid", "populora_task", "populora_task_id", "populora_reason")
+EXTRA_KEYS = (
+    "populora_role",
+    "populora_task_type",
+    "populora_adapter",
+    "populora_status",
+    "populora_correct",
+    "populora_valid",
+    "populora_task",
+    "populora_task_id",
+    "populora_reason",
+)
 
 # "seed": the seeding phase's base-policy proposals (validated like a teacher's, never trained on).
 _ROLE_ALIASES = {"propose": "propose", "teacher": "propose", "seed": "propose", "solve": "solve", "student": "solve"}
@@ -104,8 +113,7 @@ class PopuLoRACodeRewardManager(RewardManagerBase):
     cfg: PopuLoRAConfig | None = None
     executor: Any = None
 
-    def __init__(self, config, tokenizer, compute_score=None, reward_router_address=None,
-                 reward_model_tokenizer=None):
+    def __init__(self, config, tokenizer, compute_score=None, reward_router_address=None, reward_model_tokenizer=None):
         super().__init__(config, tokenizer, compute_score)
 
     @classmethod
@@ -152,16 +160,31 @@ class PopuLoRACodeRewardManager(RewardManagerBase):
     def score_text(self, info: Mapping[str, Any], text: str) -> dict[str, Any]:
         """Score one decoded response given its normalised ``populora`` info (blocking; runs the executor)."""
         cfg = self.cfg
-        extra = {"populora_role": info["role"], "populora_task_type": info["task_type"],
-                 "populora_adapter": info["adapter"], "populora_status": "", "populora_correct": 0.0,
-                 "populora_valid": 0.0, "populora_task": "", "populora_task_id": "", "populora_reason": ""}
+        extra = {
+            "populora_role": info["role"],
+            "populora_task_type": info["task_type"],
+            "populora_adapter": info["adapter"],
+            "populora_status": "",
+            "populora_correct": 0.0,
+            "populora_valid": 0.0,
+            "populora_task": "",
+            "populora_task_id": "",
+            "populora_reason": "",
+        }
         if info.get("deferred"):
             extra.update(populora_status="deferred", populora_reason=f"scored by the {DEFERRED_TO}")
             return {"reward_score": 0.0, "reward_extra_info": extra}
         if info["role"] == "propose":
-            res = validate_proposal(text, info["task_type"], self._get_executor(), cfg, program=info.get("task"),
-                                    teacher=info["adapter"], step=info["step"],
-                                    think_prefilled=info["think_prefilled"])
+            res = validate_proposal(
+                text,
+                info["task_type"],
+                self._get_executor(),
+                cfg,
+                program=info.get("task"),
+                teacher=info["adapter"],
+                step=info["step"],
+                think_prefilled=info["think_prefilled"],
+            )
             extra.update(populora_status=res.status, populora_reason=res.reason, populora_valid=float(res.has_task))
             if res.has_task:  # AZR: a valid program is a task even under a failed envelope
                 extra.update(populora_task=res.task.to_json(), populora_task_id=res.task.id)
@@ -170,8 +193,13 @@ class PopuLoRACodeRewardManager(RewardManagerBase):
         else:
             task: Task = info["task"]
             s = score_answer(task, text, self._get_executor(), cfg, think_prefilled=info["think_prefilled"])
-            extra.update(populora_status=s.status, populora_reason=s.reason, populora_correct=float(s.correct),
-                         populora_valid=1.0, populora_task_id=task.id)
+            extra.update(
+                populora_status=s.status,
+                populora_reason=s.reason,
+                populora_correct=float(s.correct),
+                populora_valid=1.0,
+                populora_task_id=task.id,
+            )
             score = float(s.reward)
         return {"reward_score": score, "reward_extra_info": extra}
 
@@ -194,7 +222,9 @@ def register() -> type[PopuLoRACodeRewardManager]:
     if current is PopuLoRACodeRewardManager:
         return current
     if current is not None and (current.__module__, current.__qualname__) == (
-            PopuLoRACodeRewardManager.__module__, PopuLoRACodeRewardManager.__qualname__):
+        PopuLoRACodeRewardManager.__module__,
+        PopuLoRACodeRewardManager.__qualname__,
+    ):
         del REWARD_MANAGER[NAME]  # the same class from a reloaded module: replace it
     verl_register(NAME)(PopuLoRACodeRewardManager)
     return PopuLoRACodeRewardManager

@@ -21,7 +21,9 @@ __all__ = ["PopuLoRAAgentLoop", "AGENT_NAME", "LoraInjectingClient"]
 
 AGENT_NAME = "populora_agent"
 
-_PROMPT_LORA: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar("populora_prompt_lora", default=None)
+_PROMPT_LORA: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar(
+    "populora_prompt_lora", default=None
+)
 # The current prompt when it is plain text (populora.prompt_format="text"): tokenized as is, no chat template.
 _PROMPT_TEXT: contextvars.ContextVar[str | None] = contextvars.ContextVar("populora_prompt_text", default=None)
 

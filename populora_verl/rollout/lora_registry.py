@@ -91,7 +91,11 @@ def _nonneg_int(x: Any, what: str) -> int:
 
 def lora_int_id(slot: int, version: int, num_slots: int) -> int:
     """The vLLM ``lora_int_id`` of ``slot`` at weight ``version`` (see the module docstring)."""
-    slot, version, num_slots = _nonneg_int(slot, "slot"), _nonneg_int(version, "version"), _nonneg_int(num_slots, "num_slots")
+    slot, version, num_slots = (
+        _nonneg_int(slot, "slot"),
+        _nonneg_int(version, "version"),
+        _nonneg_int(num_slots, "num_slots"),
+    )
     if num_slots < 1 or slot >= num_slots:
         raise ValueError(f"slot {slot} out of range for {num_slots} slots")
     return LORA_ID_BASE + version * num_slots + slot
@@ -157,9 +161,15 @@ def lora_targets(raw: Iterable[Mapping[str, Any] | LoraTarget]) -> list[LoraTarg
     """Checked targets of a several-adapter transfer: PopuLoRA ids and names, each id once."""
     out: list[LoraTarget] = []
     for t in raw:
-        t = t if isinstance(t, LoraTarget) else LoraTarget(
-            lora_int_id=_nonneg_int(t.get("lora_int_id"), "lora_int_id"), lora_name=str(t.get("lora_name")),
-            retire=tuple(_nonneg_int(r, "retired lora_int_id") for r in (t.get("retire") or ())))
+        t = (
+            t
+            if isinstance(t, LoraTarget)
+            else LoraTarget(
+                lora_int_id=_nonneg_int(t.get("lora_int_id"), "lora_int_id"),
+                lora_name=str(t.get("lora_name")),
+                retire=tuple(_nonneg_int(r, "retired lora_int_id") for r in (t.get("retire") or ())),
+            )
+        )
         if t.lora_int_id < LORA_ID_BASE:
             raise ValueError(f"lora_int_id {t.lora_int_id} is below {LORA_ID_BASE}: not a PopuLoRA id")
         parse_lora_name(t.lora_name)
@@ -185,7 +195,7 @@ def split_adapter_tensors(items: Iterable[tuple[str, Any]], lora_ids: Iterable[i
     for name, t in items:
         if not name.startswith(ADAPTER_TAG):
             raise ValueError(f"tensor {name!r} of a several-adapter transfer names no adapter")
-        lid, _, key = name[len(ADAPTER_TAG):].partition("/")
+        lid, _, key = name[len(ADAPTER_TAG) :].partition("/")
         if not lid.isdigit() or int(lid) not in out or not key:
             raise ValueError(f"tensor {name!r} names an adapter outside this transfer {want}")
         out[int(lid)][key] = t
@@ -206,7 +216,9 @@ class LoraCapacity:
         if not (isinstance(self.max_loras, int) and self.max_loras >= 1):
             raise ValueError(f"max_loras must be an integer >= 1, got {self.max_loras!r}")
         if not (isinstance(self.max_cpu_loras, int) and self.max_cpu_loras >= self.max_loras):
-            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras!r}) must be an integer >= max_loras ({self.max_loras})")
+            raise ValueError(
+                f"max_cpu_loras ({self.max_cpu_loras!r}) must be an integer >= max_loras ({self.max_loras})"
+            )
 
     @classmethod
     def from_engine_kwargs(cls, engine_kwargs: Mapping[str, Any] | None) -> LoraCapacity:
@@ -315,5 +327,10 @@ class LiveLoraRegistry:
             )
 
     def state(self) -> dict[str, Any]:
-        return {"live": self.live, "retired": self.retired, "pending": dict(self._pending),
-                "max_loras": self.capacity.max_loras, "max_cpu_loras": self.capacity.max_cpu_loras}
+        return {
+            "live": self.live,
+            "retired": self.retired,
+            "pending": dict(self._pending),
+            "max_loras": self.capacity.max_loras,
+            "max_cpu_loras": self.capacity.max_cpu_loras,
+        }

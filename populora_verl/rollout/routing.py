@@ -113,8 +113,9 @@ class PopuLoRAServerMixin:
         registry.commit_update(int(lora_id))
         return result
 
-    async def _populora_update_several(self, method: str, timeout: float | None, args: tuple,
-                                       kwargs: dict[str, Any]) -> Any:
+    async def _populora_update_several(
+        self, method: str, timeout: float | None, args: tuple, kwargs: dict[str, Any]
+    ) -> Any:
         """Several adapters in one weight transfer: every id out of service until all of them have arrived."""
         registry = self._registry()
         targets = lora_targets(kwargs["lora_targets"])
@@ -163,7 +164,9 @@ class PopuLoRAServerMixin:
         registry.check_loaded(lora_id, await self.engine.list_loras())
         return self._make_lora_request(lora_id, name)
 
-    async def generate(self, prompt_ids, sampling_params, request_id, *args: Any, populora_lora: Any = None, **kwargs: Any):
+    async def generate(
+        self, prompt_ids, sampling_params, request_id, *args: Any, populora_lora: Any = None, **kwargs: Any
+    ):
         """verl's ``generate`` served by the request's adapter; ``populora_lora = {"lora_int_id", "lora_name"?}``."""
         request = await self._populora_lora_request(populora_lora)
         token = _REQUEST_LORA.set(request)

@@ -44,7 +44,9 @@ class PopuLoRAWorkerExtension(vLLMColocateWorkerExtension):
             if peft_config and base_sync_done:
                 # verl's path would load the adapter as id 123, which no PopuLoRA request names.
                 raise ValueError("populora_vllm adapter sync needs lora_int_id and lora_name (see PopuLoRA worker)")
-            return super().update_weights_from_ipc(peft_config=peft_config, base_sync_done=base_sync_done, use_shm=use_shm)
+            return super().update_weights_from_ipc(
+                peft_config=peft_config, base_sync_done=base_sync_done, use_shm=use_shm
+            )
         if not (peft_config and base_sync_done):
             raise ValueError("lora_int_id is only meaningful for an adapter sync (peft_config and base_sync_done)")
         lora_int_id = int(lora_int_id)
@@ -57,7 +59,9 @@ class PopuLoRAWorkerExtension(vLLMColocateWorkerExtension):
         self.remove_lora(lora_int_id)
         self._populora_target = (lora_int_id, str(lora_name))
         try:
-            return super().update_weights_from_ipc(peft_config=peft_config, base_sync_done=base_sync_done, use_shm=use_shm)
+            return super().update_weights_from_ipc(
+                peft_config=peft_config, base_sync_done=base_sync_done, use_shm=use_shm
+            )
         finally:
             self._populora_target = None
 
@@ -74,7 +78,9 @@ class PopuLoRAWorkerExtension(vLLMColocateWorkerExtension):
             self.remove_lora(t.lora_int_id)
         self._populora_targets = targets
         try:
-            return super().update_weights_from_ipc(peft_config=peft_config, base_sync_done=base_sync_done, use_shm=use_shm)
+            return super().update_weights_from_ipc(
+                peft_config=peft_config, base_sync_done=base_sync_done, use_shm=use_shm
+            )
         finally:
             self._populora_targets = None
 

@@ -6,7 +6,8 @@ stays untouched):
 
 * raise ``max_loras``/``max_cpu_loras`` back to ``rollout.engine_kwargs.vllm.{max_loras,max_cpu_loras}`` in
   ``run_server``/``run_headless``, the last hook before vLLM reads them;
-* wrap ``self.engine`` (``routing.LoraRoutingEngine``) so ``generate`` takes its ``LoRARequest`` from a context variable that
+* wrap ``self.engine`` (``routing.LoraRoutingEngine``) so ``generate`` takes its ``LoRARequest`` from a context
+variable that
   :meth:`PopuLoRAvLLMHttpServer.generate` sets from the request's ``populora_lora`` (asyncio gives every Ray call its
   own context, so concurrent requests never see each other's adapter);
 * keep a :class:`LiveLoraRegistry` updated from the weight-sync RPCs and consult it (and vLLM's cache) before every
@@ -21,10 +22,9 @@ import logging
 from typing import Any
 
 import ray
-from vllm.lora.request import LoRARequest
-
 from verl.workers.rollout.vllm_rollout.utils import VLLM_LORA_PATH
 from verl.workers.rollout.vllm_rollout.vllm_async_server import vLLMHttpServer, vLLMReplica
+from vllm.lora.request import LoRARequest
 
 from populora_verl import verl_compat
 from populora_verl.rollout.routing import PopuLoRAServerMixin

@@ -33,8 +33,10 @@ def rewrite_zmq_handle(handle: str, job_id: str, unique: str) -> str:
     renamed it): failing at start-up beats a sender and a receiver that silently disagree."""
     marker = f"rl-colocate-zmq-{job_id}-replica-"
     if marker not in handle:
-        raise ValueError(f"unexpected verl weight-sync socket {handle!r} (expected one containing {marker!r}); "
-                         "populora_verl.rollout.weight_sync must follow verl's naming")
+        raise ValueError(
+            f"unexpected verl weight-sync socket {handle!r} (expected one containing {marker!r}); "
+            "populora_verl.rollout.weight_sync must follow verl's naming"
+        )
     return handle.replace(marker, f"rl-colocate-zmq-{unique}-replica-", 1)
 
 

@@ -12,8 +12,15 @@ import numpy as np
 from populora_verl.config import ConfigError, PopuLoRAConfig
 from populora_verl.step.records import Sample
 
-__all__ = ["ComputePlan", "compute_plan", "check_compute_plan", "planned_trajectories", "realised_compute",
-           "compare_to_plan", "PLAN_TOLERANCE"]
+__all__ = [
+    "ComputePlan",
+    "compute_plan",
+    "check_compute_plan",
+    "planned_trajectories",
+    "realised_compute",
+    "compare_to_plan",
+    "PLAN_TOLERANCE",
+]
 
 #: A step warns when an adapter's realised trajectories are off its plan by more than this share of the plan.
 PLAN_TOLERANCE = 0.10
@@ -66,14 +73,15 @@ def compute_plan(cfg: PopuLoRAConfig) -> ComputePlan:
     answers on a ``max_new`` buffer task each under ``student_mix=max_new``."""
     r, rw = cfg.rollout, cfg.rewards
     proposals = _proposals(cfg)
-    per_task = (r.student_n if rw.train_on_estimation_rollouts else 0)
+    per_task = r.student_n if rw.train_on_estimation_rollouts else 0
     if cfg.buffer.student_mix == "max_new":
         per_task += r.buffer_task_n or r.student_n
     if cfg.population.mode == "single_agent":
         return ComputePlan("single_agent", float(proposals), float(proposals * per_task), 1, 1)
     p = cfg.population
-    return ComputePlan("population", float(proposals), _matches_per_student(cfg) * proposals * per_task,
-                       p.num_teachers, p.num_students)
+    return ComputePlan(
+        "population", float(proposals), _matches_per_student(cfg) * proposals * per_task, p.num_teachers, p.num_students
+    )
 
 
 def planned_trajectories(cfg: PopuLoRAConfig) -> float:
@@ -89,22 +97,28 @@ def check_compute_plan(cfg: PopuLoRAConfig) -> ComputePlan:
     r, rw, b = cfg.rollout, cfg.rewards, cfg.buffer
     proposals = _proposals(cfg)
     if cfg.tasks.probabilities is not None:
-        raise ConfigError("populora.tasks.probabilities: task types drawn each step change a student's batch (one "
-                          "quota per type drawn) from step to step, so its compute is not planned; set it null "
-                          "(rollout.proposals_per_type of every type)")
+        raise ConfigError(
+            "populora.tasks.probabilities: task types drawn each step change a student's batch (one "
+            "quota per type drawn) from step to step, so its compute is not planned; set it null "
+            "(rollout.proposals_per_type of every type)"
+        )
     if b.student_mix == "fallback" and not rw.train_on_estimation_rollouts:
         n_buf = r.buffer_task_n or r.student_n
-        raise ConfigError("populora.rewards.train_on_estimation_rollouts: false under populora.buffer.student_mix="
-                          "fallback trains a student only on the stand-ins for invalid proposals (0 to "
-                          f"{proposals * n_buf} trajectories per teacher met, set by validity); set it true, or "
-                          "buffer.student_mix=max_new")
+        raise ConfigError(
+            "populora.rewards.train_on_estimation_rollouts: false under populora.buffer.student_mix="
+            "fallback trains a student only on the stand-ins for invalid proposals (0 to "
+            f"{proposals * n_buf} trajectories per teacher met, set by validity); set it true, or "
+            "buffer.student_mix=max_new"
+        )
     if b.student_mix == "fallback" and r.buffer_task_n not in (None, r.student_n):
         lo, hi = proposals * r.buffer_task_n, proposals * r.student_n
-        raise ConfigError(f"populora.rollout.buffer_task_n: {r.buffer_task_n} under populora.buffer.student_mix="
-                          f"fallback trains a valid task's {r.student_n} answers (rollout.student_n) but a stand-in's "
-                          f"{r.buffer_task_n}, so a student trains {min(lo, hi)} to {max(lo, hi)} trajectories per "
-                          "teacher met, set by validity; set it null (= rollout.student_n), or "
-                          "buffer.student_mix=max_new")
+        raise ConfigError(
+            f"populora.rollout.buffer_task_n: {r.buffer_task_n} under populora.buffer.student_mix="
+            f"fallback trains a valid task's {r.student_n} answers (rollout.student_n) but a stand-in's "
+            f"{r.buffer_task_n}, so a student trains {min(lo, hi)} to {max(lo, hi)} trajectories per "
+            "teacher met, set by validity; set it null (= rollout.student_n), or "
+            "buffer.student_mix=max_new"
+        )
     plan = compute_plan(cfg)
     if cfg.population.mode == "single_agent":
         return plan
@@ -112,16 +126,19 @@ def check_compute_plan(cfg: PopuLoRAConfig) -> ComputePlan:
     k = min(cfg.matchmaking.students_per_problem, p.num_students)
     if (p.num_teachers * k) % p.num_students:
         per_match = plan.student / _matches_per_student(cfg)
-        raise ConfigError(f"populora.population.num_students: {p.num_teachers} teacher(s) x {k} student(s) per "
-                          f"problem = {p.num_teachers * k} matches a step cannot be shared equally by "
-                          f"{p.num_students} students (some train {per_match:g} trajectories more than others on "
-                          "every step); make population.num_teachers x matchmaking.students_per_problem a multiple "
-                          "of population.num_students")
+        raise ConfigError(
+            f"populora.population.num_students: {p.num_teachers} teacher(s) x {k} student(s) per "
+            f"problem = {p.num_teachers * k} matches a step cannot be shared equally by "
+            f"{p.num_students} students (some train {per_match:g} trajectories more than others on "
+            "every step); make population.num_teachers x matchmaking.students_per_problem a multiple "
+            "of population.num_students"
+        )
     return plan
 
 
-def realised_compute(updates: Mapping[str, Sequence[Sample]], generated: Mapping[str, int],
-                     updates_per_step: int = 1) -> dict[str, float]:
+def realised_compute(
+    updates: Mapping[str, Sequence[Sample]], generated: Mapping[str, int], updates_per_step: int = 1
+) -> dict[str, float]:
     """What each adapter was trained on this step (the compute-matching rule, docs/tasks-and-rewards.md):
     ``populora/compute/<member>/{trajectories,tokens,updates,generated}`` and their ``member_mean``.
 
@@ -130,8 +147,12 @@ def realised_compute(updates: Mapping[str, Sequence[Sample]], generated: Mapping
     out: dict[str, float] = {}
     rows = []
     for m, xs in updates.items():
-        row = {"trajectories": float(len(xs)), "tokens": float(sum(max(1, s.length) for s in xs)),
-               "updates": float(updates_per_step if xs else 0), "generated": float(generated.get(m, 0))}
+        row = {
+            "trajectories": float(len(xs)),
+            "tokens": float(sum(max(1, s.length) for s in xs)),
+            "updates": float(updates_per_step if xs else 0),
+            "generated": float(generated.get(m, 0)),
+        }
         rows.append(row)
         out.update({f"populora/compute/{m}/{k}": v for k, v in row.items()})
     for k in ("trajectories", "tokens", "updates", "generated"):
@@ -139,8 +160,12 @@ def realised_compute(updates: Mapping[str, Sequence[Sample]], generated: Mapping
     return out
 
 
-def compare_to_plan(plan: ComputePlan, roles: Mapping[str, str], updates: Mapping[str, Sequence[Sample]],
-                    tolerance: float = PLAN_TOLERANCE) -> tuple[dict[str, float], str | None]:
+def compare_to_plan(
+    plan: ComputePlan,
+    roles: Mapping[str, str],
+    updates: Mapping[str, Sequence[Sample]],
+    tolerance: float = PLAN_TOLERANCE,
+) -> tuple[dict[str, float], str | None]:
     """Each adapter's planned and realised trained trajectories this step, ``populora/compute/<id>/{planned,
     realised}``, and ``populora/compute/max_plan_deviation`` (the largest ``|realised / planned - 1|``; 1 for an
     adapter that trained with nothing planned); plus one warning line naming the adapters off the plan by more than
@@ -158,6 +183,9 @@ def compare_to_plan(plan: ComputePlan, roles: Mapping[str, str], updates: Mappin
     out["populora/compute/max_plan_deviation"] = worst
     warning = None
     if off:
-        warning = (f"trained trajectories off the plan by more than {tolerance:.0%}: " + ", ".join(off)
-                   + " (docs/tasks-and-rewards.md, compute matching)")
+        warning = (
+            f"trained trajectories off the plan by more than {tolerance:.0%}: "
+            + ", ".join(off)
+            + " (docs/tasks-and-rewards.md, compute matching)"
+        )
     return out, warning

@@ -25,8 +25,17 @@ if TYPE_CHECKING:
     from populora_verl.evolution.pbt import EvolutionPlan
     from populora_verl.step.orchestration import PopulationStep
 
-__all__ = ["Phase", "PopulationEngine", "AdapterView", "EvolutionResult", "SEED_FILE", "seed_file", "seed_buffers",
-           "apply_evolution", "evolve"]
+__all__ = [
+    "Phase",
+    "PopulationEngine",
+    "AdapterView",
+    "EvolutionResult",
+    "SEED_FILE",
+    "seed_file",
+    "seed_buffers",
+    "apply_evolution",
+    "evolve",
+]
 
 #: The seeding phase's programs in the run directory, in ``buffer.seed_file`` format (reuse them in a later run).
 SEED_FILE = "seed_tasks.jsonl"
@@ -58,11 +67,11 @@ class PopulationEngine(Protocol):
         """One :class:`GenResponse` per request (in order), ``request.n`` completions each."""
         ...
 
-    def get_adapter(self, slot: int) -> Mapping[str, "torch.Tensor"]:
+    def get_adapter(self, slot: int) -> Mapping[str, torch.Tensor]:
         """Slot ``slot``'s LoRA state dict (full tensors on the CPU): what PBT's operators read from a parent."""
         ...
 
-    def write_child(self, slot: int, state: Mapping[str, "torch.Tensor"], optimizer_from: int | None) -> None:
+    def write_child(self, slot: int, state: Mapping[str, torch.Tensor], optimizer_from: int | None) -> None:
         """Overwrite slot ``slot`` with an evolution child. ``optimizer_from=None``: the slot starts with a fresh
         optimizer; otherwise it takes a copy of slot ``optimizer_from``'s optimizer state (a child keeping its
         parent's moments). Never the victim's own state: those moments belong to weights that are gone."""
@@ -76,7 +85,7 @@ class AdapterView(Mapping):
     def __init__(self, engine: PopulationEngine, slot_of: Mapping[str, int]) -> None:
         self._engine, self._slot_of, self._cache = engine, dict(slot_of), {}
 
-    def __getitem__(self, member_id: str) -> Mapping[str, "torch.Tensor"]:
+    def __getitem__(self, member_id: str) -> Mapping[str, torch.Tensor]:
         if member_id not in self._cache:
             self._cache[member_id] = self._engine.get_adapter(self._slot_of[member_id])
         return self._cache[member_id]
@@ -88,7 +97,7 @@ class AdapterView(Mapping):
         return len(self._slot_of)
 
 
-def seed_buffers(step: "PopulationStep", engine: PopulationEngine, run_dir: str | os.PathLike | None = None) -> int:
+def seed_buffers(step: PopulationStep, engine: PopulationEngine, run_dir: str | os.PathLike | None = None) -> int:
     """The seeding phase (``buffer.seed_programs``): rounds of base-policy proposals until the step reports the
     buffers seeded (or ``buffer.seed_rounds`` spent); returns the rounds run, 0 when there was nothing to seed.
 
@@ -120,13 +129,18 @@ class EvolutionResult:
     """What an evolution event did: its plan (``None`` when none was due), the metrics row's evolution keys, and one
     log line per replacement (the verl trainer prints them; the CPU driver's step line names the replacements)."""
 
-    plan: "EvolutionPlan | None" = None
+    plan: EvolutionPlan | None = None
     metrics: dict[str, float] = field(default_factory=dict)
     lines: list[str] = field(default_factory=list)
 
 
-def apply_evolution(plan: "EvolutionPlan", children: Mapping[str, Mapping[str, Any]], engine: PopulationEngine,
-                    slot_of: Mapping[str, int], run_dir: str | os.PathLike) -> EvolutionResult:
+def apply_evolution(
+    plan: EvolutionPlan,
+    children: Mapping[str, Mapping[str, Any]],
+    engine: PopulationEngine,
+    slot_of: Mapping[str, int],
+    run_dir: str | os.PathLike,
+) -> EvolutionResult:
     """Write each child of ``plan`` into its victim's slot, in plan order, and record the event.
 
     A child takes a copy of its first (fittest) parent's optimizer state unless ``Replacement.reset_optimizer``.
@@ -140,28 +154,34 @@ def apply_evolution(plan: "EvolutionPlan", children: Mapping[str, Mapping[str, A
     writes = []
     victims = {int(r.victim_slot) for r in plan.replacements}
     if len(victims) != len(plan.replacements):
-        raise ValueError(f"evolution at step {plan.step} writes a slot twice: "
-                         f"{[int(r.victim_slot) for r in plan.replacements]}")
+        raise ValueError(
+            f"evolution at step {plan.step} writes a slot twice: {[int(r.victim_slot) for r in plan.replacements]}"
+        )
     for r in plan.replacements:
         if r.child_id not in children:
             raise KeyError(f"evolution at step {plan.step}: no state for child {r.child_id!r}")
         source = None if r.reset_optimizer else int(slot_of[r.parent_ids[0]])
         if source is not None and source in victims:
-            raise ValueError(f"evolution at step {plan.step}: {r.child_id}'s optimizer would come from slot {source}, "
-                             "which this event overwrites; parents must be survivors")
+            raise ValueError(
+                f"evolution at step {plan.step}: {r.child_id}'s optimizer would come from slot {source}, "
+                "which this event overwrites; parents must be survivors"
+            )
         writes.append((int(r.victim_slot), children[r.child_id], source))
     for slot, state, source in writes:
         engine.write_child(slot, state, source)
     if plan.replacements:
         append_event(run_dir, plan)
     ties = sum(bool(r.tie_break) for r in plan.replacements)
-    return EvolutionResult(plan, {"populora/evolution/events": float(len(plan.replacements)),
-                                  "populora/evolution/tie_breaks": float(ties)},
-                           [f"[populora] step {plan.step} evolution: {describe(r)}" for r in plan.replacements])
+    return EvolutionResult(
+        plan,
+        {"populora/evolution/events": float(len(plan.replacements)), "populora/evolution/tie_breaks": float(ties)},
+        [f"[populora] step {plan.step} evolution: {describe(r)}" for r in plan.replacements],
+    )
 
 
-def evolve(step: "PopulationStep", global_step: int, engine: PopulationEngine,
-           run_dir: str | os.PathLike) -> EvolutionResult:
+def evolve(
+    step: PopulationStep, global_step: int, engine: PopulationEngine, run_dir: str | os.PathLike
+) -> EvolutionResult:
     """PBT after ``global_step`` when it is due (:meth:`PopulationStep.maybe_evolve`), then
     :func:`apply_evolution`; an empty :class:`EvolutionResult` when it is not due. Only the parents' adapters are
     read from the engine."""

@@ -10,11 +10,22 @@ import numpy as np
 
 from populora_verl.config import PopuLoRAConfig
 from populora_verl.diagnostics.metrics import reward_metrics, validity_metrics
-from populora_verl.step.compute import planned_trajectories, realised_compute  # noqa: F401  (callers import them from here)
+from populora_verl.step.compute import (  # noqa: F401  (callers import them from here)
+    planned_trajectories,
+    realised_compute,
+)
 from populora_verl.step.records import STUDENT, Sample, TeacherRecord
 
-__all__ = ["realised_compute", "planned_trajectories", "proposal_outcome_metrics", "proposal_validity_metrics",
-           "sample_metrics", "teacher_group_size", "small_group_warning", "MIN_TEACHER_GROUP"]
+__all__ = [
+    "realised_compute",
+    "planned_trajectories",
+    "proposal_outcome_metrics",
+    "proposal_validity_metrics",
+    "sample_metrics",
+    "teacher_group_size",
+    "small_group_warning",
+    "MIN_TEACHER_GROUP",
+]
 
 
 def _valid_counts(records: Sequence[TeacherRecord], key: str) -> dict[str, tuple[int, int]]:
@@ -100,7 +111,9 @@ def small_group_warning(cfg: PopuLoRAConfig) -> str | None:
     n = teacher_group_size(cfg)
     if n >= MIN_TEACHER_GROUP:
         return None
-    return (f"populora.rollout.proposals_per_type: a teacher's TRR++ group has {n} sample(s) per task type (fewer than "
-            f"{MIN_TEACHER_GROUP}); while most proposals are invalid such groups have identical rewards and teachers get "
-            "no advantage. Raise proposals_per_type (or teacher_n), or pool teachers with "
-            "populora.advantage.group=subpop_task_role")
+    return (
+        f"populora.rollout.proposals_per_type: a teacher's TRR++ group has {n} sample(s) per task type (fewer than "
+        f"{MIN_TEACHER_GROUP}); while most proposals are invalid such groups have identical rewards and teachers get "
+        "no advantage. Raise proposals_per_type (or teacher_n), or pool teachers with "
+        "populora.advantage.group=subpop_task_role"
+    )

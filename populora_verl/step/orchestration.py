@@ -62,6 +62,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["GenRequest", "GenResponse", "Sample", "TeacherRecord", "StepResult", "PopulationStep", "BASE_POLICY"]
 
+
 class PopulationStep:
     """The population step as phases with explicit data in and out (see the module docstring).
 
@@ -70,9 +71,16 @@ class PopulationStep:
     population, which :mod:`populora_verl.checkpoint` saves with the adapters (``Population.save``).
     """
 
-    def __init__(self, cfg: PopuLoRAConfig | Mapping[str, Any] | None = None, *, executor: Any = None,
-                 seed: int | None = None, population: Any = None, tasks_env: Any = None,
-                 total_steps: int | None = None) -> None:
+    def __init__(
+        self,
+        cfg: PopuLoRAConfig | Mapping[str, Any] | None = None,
+        *,
+        executor: Any = None,
+        seed: int | None = None,
+        population: Any = None,
+        tasks_env: Any = None,
+        total_steps: int | None = None,
+    ) -> None:
         from populora_verl.diagnostics.tracker import ProblemDiagnostics
         from populora_verl.population import Matchmaker, Population
 
@@ -89,8 +97,9 @@ class PopulationStep:
         from populora_verl.step.task_env import TaskEnv
 
         self.tasks = tasks_env if tasks_env is not None else TaskEnv(self.cfg, executor=executor)
-        self.diagnostics = ProblemDiagnostics(self.cfg.diagnostics, seed=self.seed + 3,
-                                              max_program_chars=self.cfg.tasks.max_program_chars)
+        self.diagnostics = ProblemDiagnostics(
+            self.cfg.diagnostics, seed=self.seed + 3, max_program_chars=self.cfg.tasks.max_program_chars
+        )
         self._rng = np.random.Generator(np.random.PCG64(self.seed + 4))
         self.completed_step = 0  # the last step whose answers were scored (0 before the first)
         self.recent_rewards: dict[str, float] = {}
@@ -152,8 +161,9 @@ class PopulationStep:
         if self._phase != "seeding":
             raise RuntimeError(f"PopulationStep.seed_on_proposals called in phase {self._phase!r}")
         responses = self._align(responses, self._seed_requests, "seed_on_proposals")
-        verdicts = self.tasks.validate_many([(r.request.task_type, text, r.request.meta, SEED, 0)
-                                             for r in responses for text in r.texts])
+        verdicts = self.tasks.validate_many(
+            [(r.request.task_type, text, r.request.meta, SEED, 0) for r in responses for text in r.texts]
+        )
         valid = [v[0] for v in verdicts if v[0] is not None]
         added = self.tasks.add_seeds(valid)
         c = self._seed_counts
@@ -228,8 +238,9 @@ class PopulationStep:
         for req, r in zip(requests, responses):
             resp = r if isinstance(r, GenResponse) else GenResponse(req, list(r))
             if len(resp.texts) != req.n:
-                raise ValueError(f"{what}: request for {req.adapter}/{req.task_type} wanted {req.n} samples, "
-                                 f"got {len(resp.texts)}")
+                raise ValueError(
+                    f"{what}: request for {req.adapter}/{req.task_type} wanted {req.n} samples, got {len(resp.texts)}"
+                )
             out.append(resp)
         return out
 
@@ -240,13 +251,22 @@ class PopulationStep:
         responses = self._align(responses, self._teacher_requests, "on_proposals")
         items = [(resp, k) for resp in responses for k in range(len(resp.texts))]
         verdicts = self.tasks.validate_many(
-            [(r.request.task_type, r.texts[k], r.request.meta, r.request.adapter, self._current) for r, k in items])
-        records = [TeacherRecord(adapter=resp.request.adapter, task_type=resp.request.task_type,
-                                 prompt=resp.request.prompt, response=resp.texts[k],
-                                 length=resp.lengths[k] if resp.lengths else 1,
-                                 extra=resp.extra[k] if resp.extra else None, task=task, status=status,
-                                 code=why[0] if why else "")
-                   for (resp, k), (task, status, *why) in zip(items, verdicts)]
+            [(r.request.task_type, r.texts[k], r.request.meta, r.request.adapter, self._current) for r, k in items]
+        )
+        records = [
+            TeacherRecord(
+                adapter=resp.request.adapter,
+                task_type=resp.request.task_type,
+                prompt=resp.request.prompt,
+                response=resp.texts[k],
+                length=resp.lengths[k] if resp.lengths else 1,
+                extra=resp.extra[k] if resp.extra else None,
+                task=task,
+                status=status,
+                code=why[0] if why else "",
+            )
+            for (resp, k), (task, status, *why) in zip(items, verdicts)
+        ]
         self._teacher_records = records
 
         students_of: dict[str, list[str]] = {}
@@ -262,9 +282,16 @@ class PopulationStep:
             for s in students_of.get(teacher.id, []):
                 for i, r in mine:
                     if r.task is not None:
-                        requests.append(GenRequest(s, STUDENT, r.task.type, self.tasks.solver_request(r.task),
-                                                   n_ans, {"task": r.task, "teacher": teacher.id,
-                                                           "record": i, "source": "teacher"}))
+                        requests.append(
+                            GenRequest(
+                                s,
+                                STUDENT,
+                                r.task.type,
+                                self.tasks.solver_request(r.task),
+                                n_ans,
+                                {"task": r.task, "teacher": teacher.id, "record": i, "source": "teacher"},
+                            )
+                        )
                 asked = sorted({r.task_type for _, r in mine})
                 for task_type in asked:
                     if max_new:  # AZR's solver batch: newest buffer tasks first (last step's proposals)
@@ -273,9 +300,16 @@ class PopulationStep:
                         got = sum(1 for _, r in mine if r.task_type == task_type and r.has_task)
                         tasks = self.tasks.buffer_tasks(task_type, quota - got, self._rng)
                     for task in tasks:
-                        requests.append(GenRequest(s, STUDENT, task_type, self.tasks.solver_request(task), n_buf,
-                                                   {"task": task, "teacher": teacher.id, "record": None,
-                                                    "source": "buffer"}))
+                        requests.append(
+                            GenRequest(
+                                s,
+                                STUDENT,
+                                task_type,
+                                self.tasks.solver_request(task),
+                                n_buf,
+                                {"task": task, "teacher": teacher.id, "record": None, "source": "buffer"},
+                            )
+                        )
         self._student_requests = requests
         self._phase = "solving"
         return requests
@@ -300,11 +334,24 @@ class PopulationStep:
                 self._teacher_records[req.meta["record"]].solve.setdefault(req.adapter, []).append(bool(correct))
             if req.meta["source"] == "teacher" and not rw.train_on_estimation_rollouts:
                 continue
-            student_samples.append(Sample(
-                req.adapter, STUDENT, req.task_type, req.prompt, resp.texts[k], float(reward),
-                length=resp.lengths[k] if resp.lengths else 1, extra=resp.extra[k] if resp.extra else None,
-                meta={"teacher": req.meta["teacher"], "source": req.meta["source"], "correct": bool(correct),
-                      "task_id": req.meta["task"].id}))
+            student_samples.append(
+                Sample(
+                    req.adapter,
+                    STUDENT,
+                    req.task_type,
+                    req.prompt,
+                    resp.texts[k],
+                    float(reward),
+                    length=resp.lengths[k] if resp.lengths else 1,
+                    extra=resp.extra[k] if resp.extra else None,
+                    meta={
+                        "teacher": req.meta["teacher"],
+                        "source": req.meta["source"],
+                        "correct": bool(correct),
+                        "task_id": req.meta["task"].id,
+                    },
+                )
+            )
 
         # Teacher rewards: learnability of each valid task for its matched student(s).
         teacher_samples: list[Sample] = []
@@ -323,12 +370,23 @@ class PopulationStep:
                 if rec.status == "format_error":  # a valid program under a failed envelope (AZR): still -1
                     reward = teacher_reward("format_error", None, rw)
                 else:  # no matched student answered (no students at all): the task taught nobody, reward Z
-                    reward = teacher_reward("valid", rate, rw) if rate is not None else float(rw.zero_learnability_reward)
+                    reward = (
+                        teacher_reward("valid", rate, rw) if rate is not None else float(rw.zero_learnability_reward)
+                    )
                 new_tasks.append((task, rate))  # the buffer applies buffer.valid_program_filter
-            teacher_samples.append(Sample(
-                rec.adapter, TEACHER, rec.task_type, rec.prompt, rec.response, float(reward),
-                length=rec.length, extra=rec.extra,
-                meta={"status": rec.status, "solve_rate": rate, "task_id": task.id if task else None}))
+            teacher_samples.append(
+                Sample(
+                    rec.adapter,
+                    TEACHER,
+                    rec.task_type,
+                    rec.prompt,
+                    rec.response,
+                    float(reward),
+                    length=rec.length,
+                    extra=rec.extra,
+                    meta={"status": rec.status, "solve_rate": rate, "task_id": task.id if task else None},
+                )
+            )
 
         # Ratings: one match per (teacher, student) pair over the teacher's valid tasks (matchmaking.outcome
         # = learnable also counts the teacher's invalid proposals against it).
@@ -337,8 +395,9 @@ class PopulationStep:
             invalid[rec.adapter] = invalid.get(rec.adapter, 0) + (not rec.has_task)
         outcomes = {}
         for (t, s), rates in pair_rates.items():
-            outcomes[(t, s)] = self.population.ratings.rate_match(t, s, rates, self.cfg.matchmaking.outcome,
-                                                                  invalid=invalid.get(t, 0))
+            outcomes[(t, s)] = self.population.ratings.rate_match(
+                t, s, rates, self.cfg.matchmaking.outcome, invalid=invalid.get(t, 0)
+            )
         solve_rates = {p: float(np.mean(r)) for p, r in pair_rates.items() if r}
 
         samples = teacher_samples + student_samples
@@ -349,8 +408,9 @@ class PopulationStep:
 
         # Complexity and coverage describe what teachers wrote: a code_f task's program is a buffer program the
         # teacher was shown (it only wrote inputs and a message), so it is left out.
-        valid_programs = [r.task.program for r in self._teacher_records
-                          if r.task is not None and r.task.type != "code_f"]
+        valid_programs = [
+            r.task.program for r in self._teacher_records if r.task is not None and r.task.type != "code_f"
+        ]
         self.tasks.add_to_buffers(new_tasks)
         metrics = self._metrics(samples, solve_rates, valid_programs)
         generated: dict[str, int] = {}
@@ -391,20 +451,30 @@ class PopulationStep:
             mask[i, :n] = 1.0
             rewards[i, n - 1] = s.reward  # outcome reward on the last response token
         subpops = [self.population.member(s.adapter).role for s in samples]
-        keys = group_keys([s.adapter for s in samples], [s.task_type for s in samples], [s.role for s in samples],
-                          subpops, self.cfg.advantage.group)
+        keys = group_keys(
+            [s.adapter for s in samples],
+            [s.task_type for s in samples],
+            [s.role for s in samples],
+            subpops,
+            self.cfg.advantage.group,
+        )
         adv, _ = trrpp_advantages(rewards, mask, keys, gamma=1.0, eps=self.cfg.advantage.eps)
         for i, s in enumerate(samples):
             # Reward only on the last token with gamma=1: the return, hence the advantage, is constant per sample.
             s.advantage = float(adv[i, 0])
 
-    def _metrics(self, samples: Sequence[Sample], solve_rates: Mapping[tuple[str, str], float],
-                 valid_programs: Sequence[str]) -> dict[str, float]:
-        return merge_metrics(self.population.ratings.metrics(), pair_metrics(solve_rates),
-                             proposal_validity_metrics(self._teacher_records),
-                             proposal_outcome_metrics(self._teacher_records),
-                             self.diagnostics.observe(list(valid_programs), self._current),
-                             sample_metrics(samples, self._answer_format_errors), evolution_metrics(0))
+    def _metrics(
+        self, samples: Sequence[Sample], solve_rates: Mapping[tuple[str, str], float], valid_programs: Sequence[str]
+    ) -> dict[str, float]:
+        return merge_metrics(
+            self.population.ratings.metrics(),
+            pair_metrics(solve_rates),
+            proposal_validity_metrics(self._teacher_records),
+            proposal_outcome_metrics(self._teacher_records),
+            self.diagnostics.observe(list(valid_programs), self._current),
+            sample_metrics(samples, self._answer_format_errors),
+            evolution_metrics(0),
+        )
 
     # --- phase 4: evolve -----------------------------------------------------------------------------------
 

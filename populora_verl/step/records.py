@@ -9,8 +9,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["TEACHER", "STUDENT", "SEED", "BASE_POLICY", "GenRequest", "GenResponse", "Sample", "TeacherRecord",
-           "StepResult"]
+__all__ = [
+    "TEACHER",
+    "STUDENT",
+    "SEED",
+    "BASE_POLICY",
+    "GenRequest",
+    "GenResponse",
+    "Sample",
+    "TeacherRecord",
+    "StepResult",
+]
 
 TEACHER = "teacher"
 STUDENT = "student"

@@ -81,8 +81,9 @@ class TaskEnv:
 
     # --- checks ---------------------------------------------------------------------------------------------
 
-    def validate_many(self, items: Sequence[tuple[str, str, Mapping[str, Any], str, int]]
-                      ) -> list[tuple[Any, str, str]]:
+    def validate_many(
+        self, items: Sequence[tuple[str, str, Mapping[str, Any], str, int]]
+    ) -> list[tuple[Any, str, str]]:
         """``(task_type, response, meta, teacher, step)`` -> ``(Task | None, status, code)``; status ``valid`` |
         ``format_error`` (envelope or blocks) | ``invalid`` (failed checks or execution); the task is there whenever
         the program is valid, also under a failed envelope (``tasks.keep_unformatted_tasks``); ``code`` says why
@@ -91,8 +92,16 @@ class TaskEnv:
 
         out = []
         for task_type, text, meta, teacher, step in items:
-            res = validate_proposal(text, task_type, self.executor, self.cfg, program=meta.get("program"),
-                                    teacher=teacher, step=step, think_prefilled=self.think_prefilled)
+            res = validate_proposal(
+                text,
+                task_type,
+                self.executor,
+                self.cfg,
+                program=meta.get("program"),
+                teacher=teacher,
+                step=step,
+                think_prefilled=self.think_prefilled,
+            )
             out.append((res.task, res.status, res.code))
         return out
 
@@ -125,7 +134,9 @@ class TaskEnv:
 
         added = []
         for task in tasks:
-            types = ["code_f"] if task.type == "code_f" else [t for t in ("code_i", "code_o") if t in self.buffers.buffers]
+            types = (
+                ["code_f"] if task.type == "code_f" else [t for t in ("code_i", "code_o") if t in self.buffers.buffers]
+            )
             new = [self.buffers.add(replace(task, type=t, id="")) for t in types]
             if any(new):
                 added.append(task)

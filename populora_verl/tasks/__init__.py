@@ -19,13 +19,30 @@ import importlib
 # name -> submodule. Loaded on first use (PEP 562), so that importing one submodule (the config reads
 # ``populora_verl.tasks.templates``) does not pull in verify, the executor and the config itself.
 _EXPORTS = {
-    "Task": "task", "identity_task": "task", "identity_code_f_task": "task", "truncate_output": "task",
-    "TaskBuffer": "buffer", "TaskBuffers": "buffer", "load_seed_file": "buffer", "save_seed_file": "buffer",
-    "ParseError": "parsing", "check_format": "parsing", "check_program": "parsing", "extract_answer": "parsing",
-    "proposer_prompt": "prompts", "solver_prompt": "prompts", "render_prompt": "prompts",
-    "proposer_request": "prompts", "solver_request": "prompts",
-    "Proposal": "verify", "ProposalResult": "verify", "AnswerScore": "verify", "parse_proposal": "verify",
-    "validate_proposal": "verify", "score_answer": "verify", "values_equal": "verify",
+    "Task": "task",
+    "identity_task": "task",
+    "identity_code_f_task": "task",
+    "truncate_output": "task",
+    "TaskBuffer": "buffer",
+    "TaskBuffers": "buffer",
+    "load_seed_file": "buffer",
+    "save_seed_file": "buffer",
+    "ParseError": "parsing",
+    "check_format": "parsing",
+    "check_program": "parsing",
+    "extract_answer": "parsing",
+    "proposer_prompt": "prompts",
+    "solver_prompt": "prompts",
+    "render_prompt": "prompts",
+    "proposer_request": "prompts",
+    "solver_request": "prompts",
+    "Proposal": "verify",
+    "ProposalResult": "verify",
+    "AnswerScore": "verify",
+    "parse_proposal": "verify",
+    "validate_proposal": "verify",
+    "score_answer": "verify",
+    "values_equal": "verify",
 }
 
 __all__ = list(_EXPORTS)

@@ -108,8 +108,12 @@ class TaskBuffer:
         return out
 
     def state_dict(self) -> dict[str, Any]:
-        return {"task_type": self.task_type, "max_programs": self.max_programs, "evicted": self.evicted,
-                "tasks": [t.to_dict() for t in self._tasks.values()]}
+        return {
+            "task_type": self.task_type,
+            "max_programs": self.max_programs,
+            "evicted": self.evicted,
+            "tasks": [t.to_dict() for t in self._tasks.values()],
+        }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         if state.get("task_type") != self.task_type:
@@ -140,14 +144,29 @@ def load_seed_file(path: str | Path) -> list[Task]:
                     raise ValueError("each line must be an object with a 'program'")
                 if "inputs" in d or d.get("type") == "code_f":
                     inputs, outputs = [str(x) for x in d["inputs"]], [str(x) for x in d["outputs"]]
-                    out.append(Task(type="code_f", program=d["program"], inputs=inputs, outputs=outputs,
-                                    message=str(d.get("message", "")),
-                                    num_visible=int(d.get("num_visible", len(inputs) // 2)), teacher="seed"))
+                    out.append(
+                        Task(
+                            type="code_f",
+                            program=d["program"],
+                            inputs=inputs,
+                            outputs=outputs,
+                            message=str(d.get("message", "")),
+                            num_visible=int(d.get("num_visible", len(inputs) // 2)),
+                            teacher="seed",
+                        )
+                    )
                 else:
                     types = [d["type"]] if "type" in d else ["code_i", "code_o"]
                     for tt in types:
-                        out.append(Task(type=tt, program=d["program"], input=str(d["input"]),
-                                        output=str(d["output"]), teacher="seed"))
+                        out.append(
+                            Task(
+                                type=tt,
+                                program=d["program"],
+                                input=str(d["input"]),
+                                output=str(d["output"]),
+                                teacher="seed",
+                            )
+                        )
             except (ValueError, KeyError, TypeError) as e:
                 raise ValueError(f"{path}:{lineno}: bad seed line: {e}") from None
     return out
@@ -159,8 +178,13 @@ def save_seed_file(tasks: Iterable[Task], path: str | Path) -> Path:
     lines, seen = [], set()
     for t in tasks:
         if t.type == "code_f":
-            d = {"program": t.program, "inputs": list(t.inputs), "outputs": list(t.outputs), "message": t.message,
-                 "num_visible": t.num_visible}
+            d = {
+                "program": t.program,
+                "inputs": list(t.inputs),
+                "outputs": list(t.outputs),
+                "message": t.message,
+                "num_visible": t.num_visible,
+            }
         else:
             d = {"program": t.program, "input": t.input, "output": t.output}
         line = json.dumps(d, sort_keys=True)
@@ -196,8 +220,10 @@ class TaskBuffers:
         deadline = time.monotonic() + self.cfg.seed_file_wait_s
         while not Path(path).exists():
             if time.monotonic() >= deadline:
-                raise FileNotFoundError(f"populora.buffer.seed_file: {path} did not appear within "
-                                        f"{self.cfg.seed_file_wait_s:g} s (populora.buffer.seed_file_wait_s)")
+                raise FileNotFoundError(
+                    f"populora.buffer.seed_file: {path} did not appear within "
+                    f"{self.cfg.seed_file_wait_s:g} s (populora.buffer.seed_file_wait_s)"
+                )
             time.sleep(poll_s)
         tasks = load_seed_file(path)  # written atomically by save_seed_file: complete once it exists
         self.seed(tasks)
@@ -207,8 +233,11 @@ class TaskBuffers:
     def seed(self, tasks: Iterable[Task] | None = None) -> None:
         """Fill with ``tasks``, else with the seed file, else with AZR's identity seeds."""
         if tasks is None:
-            tasks = load_seed_file(self.cfg.seed_file) if self.cfg.seed_file else [
-                identity_task("code_i"), identity_task("code_o"), identity_code_f_task()]
+            tasks = (
+                load_seed_file(self.cfg.seed_file)
+                if self.cfg.seed_file
+                else [identity_task("code_i"), identity_task("code_o"), identity_code_f_task()]
+            )
         for t in tasks:
             if t.type in self.buffers:
                 self.buffers[t.type].add(t)

@@ -103,7 +103,7 @@ def extract_answer(text: str, think_prefilled: bool = True, *, max_chars: int | 
     start = text.rfind("<answer>")
     end = text.find("</answer>", start)
     if end >= 0:
-        return text[start + len("<answer>"):end].strip()
+        return text[start + len("<answer>") : end].strip()
     # The last <answer> is unclosed: fall back to the last complete pair.
     last = _last_complete_answer(text)
     if last is None:
@@ -122,7 +122,7 @@ def _last_complete_answer(text: str) -> str | None:
         b = text.find("</answer>", a + len("<answer>"))
         if b < 0:
             break
-        last, pos = text[a + len("<answer>"):b], b + len("</answer>")
+        last, pos = text[a + len("<answer>") : b], b + len("</answer>")
     return None if last is None else last.strip()
 
 
@@ -134,7 +134,7 @@ def envelope_problem(text: str, think_prefilled: bool = True) -> str | None:
         return None
     if "</think>" not in text:
         return "no </think>"
-    after = text[text.rfind("</think>") + len("</think>"):]
+    after = text[text.rfind("</think>") + len("</think>") :]
     if "<answer>" not in after:
         return "no <answer> after </think>"
     return "<answer> not closed"
@@ -155,8 +155,8 @@ def answer_fallback(text: str, think_prefilled: bool = True, *, max_chars: int |
     for tag in ("<answer>", "</think>"):
         k = text.rfind(tag)
         if k >= 0:
-            return text[k + len(tag):].strip()
-    return text[len("<think>"):].strip() if text.startswith("<think>") else text.strip()
+            return text[k + len(tag) :].strip()
+    return text[len("<think>") :].strip() if text.startswith("<think>") else text.strip()
 
 
 def fenced_blocks(text: str) -> list[tuple[str, str]]:
@@ -177,11 +177,11 @@ def fenced_blocks(text: str) -> list[tuple[str, str]]:
         close = text.find("```", nl + 1)
         if close < 0:
             return out  # nothing closes this fence, nor any later one
-        header = text[i + 3:nl].lstrip(" \t")
+        header = text[i + 3 : nl].lstrip(" \t")
         n = 0
         while n < len(header) and header[n] in _TAG_CHARS:
             n += 1
-        out.append((header[:n].lower(), text[nl + 1:close]))
+        out.append((header[:n].lower(), text[nl + 1 : close]))
         pos = close + 3
 
 
@@ -200,14 +200,14 @@ def _tagged(text: str, tag: str) -> str | None:
     if not m:
         return None
     end = re.compile(f"</{re.escape(tag)}>", re.IGNORECASE).search(text, m.end())
-    return text[m.end():end.start()] if end else None
+    return text[m.end() : end.start()] if end else None
 
 
 def _after_marker(text: str, marker_re: str) -> str | None:
     m = re.search(marker_re, text, re.IGNORECASE)
     if not m:
         return None
-    rest = text[m.end():].strip()
+    rest = text[m.end() :].strip()
     return rest.splitlines()[0].strip().rstrip(".") if rest else None
 
 
@@ -270,8 +270,14 @@ def find_banned(tree: ast.AST, banned: Sequence[str]) -> str | None:
         elif isinstance(node, ast.Attribute):
             d = _dotted(node)
             names = [d] if d else []
-        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "__import__"
-              and node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id == "__import__"
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+            and isinstance(node.args[0].value, str)
+        ):
             names = [node.args[0].value]
         for n in names:
             hit = _module_banned(n, banned)
@@ -302,12 +308,13 @@ def _rename_function(code: str, old: str, new: str) -> str:
             prev = tok
     for row, col in reversed(hits):
         line = lines[row - 1]
-        lines[row - 1] = line[:col] + new + line[col + len(old):]
+        lines[row - 1] = line[:col] + new + line[col + len(old) :]
     return "".join(lines)
 
 
-def check_program(code: str, banned: Sequence[str], *, max_chars: int | None = None,
-                  single_function: bool = True) -> CheckedProgram:
+def check_program(
+    code: str, banned: Sequence[str], *, max_chars: int | None = None, single_function: bool = True
+) -> CheckedProgram:
     """AZR's static checks; returns the program with its entry function named ``f``.
 
     - size cap, ``ast.parse``;
@@ -353,7 +360,8 @@ def check_program(code: str, banned: Sequence[str], *, max_chars: int | None = N
     if entry.name != "f":
         # Another top-level binding called ``f`` would be shadowed by the rename: refuse instead of guessing.
         if any(isinstance(n, ast.Name) and n.id == "f" for n in ast.walk(tree)) or any(
-                isinstance(n, (ast.FunctionDef, ast.ClassDef)) and n.name == "f" for n in ast.walk(tree)):
+            isinstance(n, (ast.FunctionDef, ast.ClassDef)) and n.name == "f" for n in ast.walk(tree)
+        ):
             raise ParseError(f"cannot rename {entry.name!r} to f: the name f is already used")
         try:
             code = _rename_function(code, entry.name, "f")
@@ -434,12 +442,50 @@ def unsafe_text(text: str) -> str | None:
 
 
 # Names a solver's literal may use: constants and the containers whose repr is a constructor call.
-_VALUE_NAMES = frozenset({
-    "True", "False", "None", "inf", "nan", "set", "frozenset", "dict", "list", "tuple", "float", "int", "str",
-    "bytes", "complex", "range", "Counter", "OrderedDict", "defaultdict", "deque", "Ellipsis",
-})
-_VALUE_NODES = (ast.Expression, ast.Constant, ast.Tuple, ast.List, ast.Set, ast.Dict, ast.UnaryOp, ast.USub,
-                ast.UAdd, ast.BinOp, ast.Add, ast.Sub, ast.Mult, ast.Load, ast.keyword, ast.Call, ast.Name)
+_VALUE_NAMES = frozenset(
+    {
+        "True",
+        "False",
+        "None",
+        "inf",
+        "nan",
+        "set",
+        "frozenset",
+        "dict",
+        "list",
+        "tuple",
+        "float",
+        "int",
+        "str",
+        "bytes",
+        "complex",
+        "range",
+        "Counter",
+        "OrderedDict",
+        "defaultdict",
+        "deque",
+        "Ellipsis",
+    }
+)
+_VALUE_NODES = (
+    ast.Expression,
+    ast.Constant,
+    ast.Tuple,
+    ast.List,
+    ast.Set,
+    ast.Dict,
+    ast.UnaryOp,
+    ast.USub,
+    ast.UAdd,
+    ast.BinOp,
+    ast.Add,
+    ast.Sub,
+    ast.Mult,
+    ast.Load,
+    ast.keyword,
+    ast.Call,
+    ast.Name,
+)
 
 
 def is_value_expression(text: str, *, as_args: bool = False) -> bool:

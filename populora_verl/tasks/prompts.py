@@ -23,8 +23,9 @@ def _templates(cfg: TasksConfig | None) -> Mapping[str, str]:
     return cfg.templates if cfg is not None else DEFAULT_TEMPLATES
 
 
-def render_prompt(question: str, template: str = "azr", templates: Mapping[str, str] | None = None
-                  ) -> str | list[dict[str, str]]:
+def render_prompt(
+    question: str, template: str = "azr", templates: Mapping[str, str] | None = None
+) -> str | list[dict[str, str]]:
     """``azr``: one plain string ending with ``Assistant: <think>``. ``chat``: a messages list for
     ``tokenizer.apply_chat_template(messages, add_generation_prompt=True)``. ``templates``: ``cfg.tasks.templates``
     (the defaults when None)."""
@@ -55,13 +56,15 @@ def encode_prompt(tokenizer: Any, prompt: str | Sequence[Mapping[str, str]]) -> 
 def _references(refs: Sequence[Task], t: Mapping[str, str]) -> str:
     if not refs:
         return "(none yet)"
-    return "\n\n".join(t["reference"].format(index=i + 1, program=r.program.rstrip(), input=r.input,
-                                           output=r.shown(r.output))
-                       for i, r in enumerate(refs))
+    return "\n\n".join(
+        t["reference"].format(index=i + 1, program=r.program.rstrip(), input=r.input, output=r.shown(r.output))
+        for i, r in enumerate(refs)
+    )
 
 
-def proposer_prompt(task_type: str, cfg: TasksConfig, *, references: Sequence[Task] = (),
-                    program: Task | None = None) -> str:
+def proposer_prompt(
+    task_type: str, cfg: TasksConfig, *, references: Sequence[Task] = (), program: Task | None = None
+) -> str:
     """The proposer's question text (render it with :func:`render_prompt`).
 
     code_i / code_o: conditioned on ``references`` (K tasks from the buffer). code_f: on one buffered
@@ -70,13 +73,15 @@ def proposer_prompt(task_type: str, cfg: TasksConfig, *, references: Sequence[Ta
     t = _templates(cfg)
     banned = ", ".join(cfg.banned_keywords)
     if task_type in ("code_i", "code_o"):
-        return t[f"propose_{task_type}"].format(references=_references(references, t), banned_keywords=banned,
-                                                num_references=len(references))
+        return t[f"propose_{task_type}"].format(
+            references=_references(references, t), banned_keywords=banned, num_references=len(references)
+        )
     if task_type == "code_f":
         if program is None:
             raise ValueError("code_f proposer prompt needs the buffered program")
-        return t["propose_code_f"].format(program=program.program.rstrip(), num_inputs=cfg.num_inputs,
-                                          banned_keywords=banned)
+        return t["propose_code_f"].format(
+            program=program.program.rstrip(), num_inputs=cfg.num_inputs, banned_keywords=banned
+        )
     raise ValueError(f"unknown task type {task_type!r}")
 
 
@@ -88,14 +93,18 @@ def solver_prompt(task: Task, cfg: TasksConfig | None = None) -> str:
     if task.type == "code_i":
         return t["solve_code_i"].format(program=task.program.rstrip(), output=task.shown(task.output))
     if task.type == "code_f":
-        pairs = "\n\n".join(t["pair"].format(index=i + 1, input=a, output=task.shown(b))
-                             for i, (a, b) in enumerate(task.visible_pairs))
-        return t["solve_code_f"].format(pairs=pairs or "(No examples are shown for this task.)",
-                                        message=task.message, num_visible=task.num_visible)
+        pairs = "\n\n".join(
+            t["pair"].format(index=i + 1, input=a, output=task.shown(b)) for i, (a, b) in enumerate(task.visible_pairs)
+        )
+        return t["solve_code_f"].format(
+            pairs=pairs or "(No examples are shown for this task.)", message=task.message, num_visible=task.num_visible
+        )
     raise ValueError(f"unknown task type {task.type!r}")
 
 
-def proposer_request(task_type: str, buffers: Any, cfg: TasksConfig, rng: Any) -> tuple[str | list[dict[str, str]], Task | None]:
+def proposer_request(
+    task_type: str, buffers: Any, cfg: TasksConfig, rng: Any
+) -> tuple[str | list[dict[str, str]], Task | None]:
     """A rendered proposer prompt drawn from ``buffers`` (a :class:`~populora_verl.tasks.buffer.TaskBuffers`).
 
     Returns ``(prompt, program)``: ``program`` is the buffered task shown to a code_f proposer (pass it to
@@ -103,8 +112,9 @@ def proposer_request(task_type: str, buffers: Any, cfg: TasksConfig, rng: Any) -
     """
     if task_type == "code_f":
         program = buffers.sample_program(rng)
-        return render_prompt(proposer_prompt("code_f", cfg, program=program), cfg.prompt_template,
-                             cfg.templates), program
+        return render_prompt(
+            proposer_prompt("code_f", cfg, program=program), cfg.prompt_template, cfg.templates
+        ), program
     refs = buffers.references(task_type, cfg.num_references, rng)
     return render_prompt(proposer_prompt(task_type, cfg, references=refs), cfg.prompt_template, cfg.templates), None
 

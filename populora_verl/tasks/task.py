@@ -10,8 +10,7 @@ from typing import Any, Mapping
 
 from populora_verl.config import TASK_TYPES
 
-__all__ = ["Task", "IDENTITY_PROGRAM", "identity_task", "identity_code_f_task", "truncate_output",
-           "TRUNCATE_CHARS"]
+__all__ = ["Task", "IDENTITY_PROGRAM", "identity_task", "identity_code_f_task", "truncate_output", "TRUNCATE_CHARS"]
 
 #: AZR's cap on a stored gold output; longer reprs keep their two ends around a "..." marker.
 TRUNCATE_CHARS = 400
@@ -24,7 +23,7 @@ def truncate_output(text: str, limit: int = TRUNCATE_CHARS) -> str:
     if len(text) <= limit:
         return text
     keep = limit - 3
-    return text[: (keep + 1) // 2] + "..." + text[len(text) - keep // 2:]
+    return text[: (keep + 1) // 2] + "..." + text[len(text) - keep // 2 :]
 
 
 @dataclass
@@ -58,8 +57,10 @@ class Task:
             raise ValueError(f"Task.type must be one of {list(TASK_TYPES)}, got {self.type!r}")
         if self.type == "code_f":
             if len(self.inputs) != len(self.outputs):
-                raise ValueError(f"code_f task needs one output per input, got {len(self.inputs)} inputs and "
-                                 f"{len(self.outputs)} outputs")
+                raise ValueError(
+                    f"code_f task needs one output per input, got {len(self.inputs)} inputs and "
+                    f"{len(self.outputs)} outputs"
+                )
             if not 0 <= self.num_visible <= len(self.inputs):
                 raise ValueError(f"num_visible={self.num_visible} outside [0, {len(self.inputs)}]")
         if not self.id:
@@ -80,7 +81,7 @@ class Task:
 
     @property
     def hidden_pairs(self) -> list[tuple[str, str]]:
-        return self.pairs[self.num_visible:]
+        return self.pairs[self.num_visible :]
 
     # --- identity --------------------------------------------------------------------------------------
     def key(self) -> tuple[str, str]:
@@ -102,7 +103,7 @@ class Task:
         return json.dumps(self.to_dict(), sort_keys=True)
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "Task":
+    def from_dict(cls, d: Mapping[str, Any]) -> Task:
         if not isinstance(d, Mapping):
             raise ValueError(f"task must be a mapping, got {type(d).__name__}")
         known = {f.name for f in dataclasses.fields(cls)}
@@ -116,7 +117,7 @@ class Task:
         return cls(**kw)
 
     @classmethod
-    def from_json(cls, text: str) -> "Task":
+    def from_json(cls, text: str) -> Task:
         return cls.from_dict(json.loads(text))
 
 
@@ -146,6 +147,12 @@ _CODE_F_SEED_OUTPUTS = [
 
 
 def identity_code_f_task() -> Task:
-    return Task(type="code_f", program=IDENTITY_PROGRAM, inputs=list(_CODE_F_SEED_INPUTS),
-                outputs=list(_CODE_F_SEED_OUTPUTS), message="Write a function that returns whatever you input",
-                num_visible=len(_CODE_F_SEED_INPUTS) // 2, teacher="seed")
+    return Task(
+        type="code_f",
+        program=IDENTITY_PROGRAM,
+        inputs=list(_CODE_F_SEED_INPUTS),
+        outputs=list(_CODE_F_SEED_OUTPUTS),
+        message="Write a function that returns whatever you input",
+        num_visible=len(_CODE_F_SEED_INPUTS) // 2,
+        teacher="seed",
+    )

@@ -69,17 +69,27 @@ Reference programs, each with an input and the output it produces:
 {references}"""
 
 _DIFFICULTY = {
-    "code_o": ("It must be hard to predict: someone who sees your program and your input, but not the output, has "
-               "to work out the exact output."),
-    "code_i": ("It must be hard to invert: someone who sees your program and the output it returned, but not your "
-               "input, has to find an input that produces that output."),
+    "code_o": (
+        "It must be hard to predict: someone who sees your program and your input, but not the output, has "
+        "to work out the exact output."
+    ),
+    "code_i": (
+        "It must be hard to invert: someone who sees your program and the output it returned, but not your "
+        "input, has to find an input that produces that output."
+    ),
 }
 
 
 def _io_proposer(task_type: str) -> str:
-    return "\n\n".join([
-        "Design a new Python program and one input for it, as a test of someone's ability to reason about code.",
-        _PROGRAM_RULES, _INPUT_RULES, _JUDGED.replace("{difficulty}", _DIFFICULTY[task_type]), _IO_TAIL])
+    return "\n\n".join(
+        [
+            "Design a new Python program and one input for it, as a test of someone's ability to reason about code.",
+            _PROGRAM_RULES,
+            _INPUT_RULES,
+            _JUDGED.replace("{difficulty}", _DIFFICULTY[task_type]),
+            _IO_TAIL,
+        ]
+    )
 
 
 DEFAULT_TEMPLATES: dict[str, str] = {
@@ -88,11 +98,13 @@ DEFAULT_TEMPLATES: dict[str, str] = {
         "A conversation between User and Assistant. The User asks a question and the Assistant answers it. The "
         "Assistant first reasons about the question step by step, then gives the answer. The reasoning is written "
         "inside <think> </think> tags and the answer inside <answer> </answer> tags, like this: <think> reasoning "
-        "here </think> <answer> answer here </answer>.\nUser: {question}\nAssistant: <think>"),
+        "here </think> <answer> answer here </answer>.\nUser: {question}\nAssistant: <think>"
+    ),
     # The one user message of tasks.prompt_template=chat.
     "chat_wrapper": (
         "{question}\n\nReason step by step inside <think> </think> tags first, then give your final answer inside "
-        "<answer> </answer> tags: <think> reasoning here </think> <answer> answer here </answer>."),
+        "<answer> </answer> tags: <think> reasoning here </think> <answer> answer here </answer>."
+    ),
     "propose_code_o": _io_proposer("code_o"),
     "propose_code_i": _io_proposer("code_i"),
     # One buffer task shown to a code_i / code_o proposer ({references} joins them with blank lines).
@@ -224,14 +236,18 @@ def _fields(name: str, text: str) -> set[str]:
     try:
         parsed = list(string.Formatter().parse(text))
     except ValueError as e:  # a lone "{" or "}"
-        raise ValueError(f"template {name!r} is not a valid format string ({e}); write literal braces as {{{{ }}}}")
+        raise ValueError(
+            f"template {name!r} is not a valid format string ({e}); write literal braces as {{{{ }}}}"
+        ) from e
     out = set()
     for _, field, spec, conv in parsed:
         if field is None:
             continue
         if field == "" or not field.isidentifier():
-            raise ValueError(f"template {name!r} has a bad placeholder {{{field}}} (use named ones: "
-                             f"{', '.join('{' + p + '}' for p in sorted(PLACEHOLDERS[name]))})")
+            raise ValueError(
+                f"template {name!r} has a bad placeholder {{{field}}} (use named ones: "
+                f"{', '.join('{' + p + '}' for p in sorted(PLACEHOLDERS[name]))})"
+            )
         if spec or conv:
             raise ValueError(f"template {name!r}: placeholder {{{field}}} may not carry a format spec or conversion")
         out.add(field)
@@ -251,8 +267,10 @@ def check_templates(templates: Mapping[str, Any]) -> dict[str, str]:
         used = _fields(name, text)
         bad = sorted(used - PLACEHOLDERS[name])
         if bad:
-            raise ValueError(f"template {name!r} uses unknown placeholder {{{bad[0]}}} (allowed: "
-                             f"{', '.join('{' + p + '}' for p in sorted(PLACEHOLDERS[name]))})")
+            raise ValueError(
+                f"template {name!r} uses unknown placeholder {{{bad[0]}}} (allowed: "
+                f"{', '.join('{' + p + '}' for p in sorted(PLACEHOLDERS[name]))})"
+            )
         missing = sorted(REQUIRED[name] - used)
         if missing:
             raise ValueError(f"template {name!r} lacks the placeholder {{{missing[0]}}}")

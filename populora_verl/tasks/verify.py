@@ -37,8 +37,20 @@ __all__ = [
 ]
 
 #: Why a proposal yields no task, as short codes for per-type metrics (``ProposalResult.code``).
-FAILURE_CODES = ("too_long", "envelope", "blocks", "input_count", "message", "program", "input", "text", "execution",
-                 "output", "min_inputs", "unparsable")
+FAILURE_CODES = (
+    "too_long",
+    "envelope",
+    "blocks",
+    "input_count",
+    "message",
+    "program",
+    "input",
+    "text",
+    "execution",
+    "output",
+    "min_inputs",
+    "unparsable",
+)
 
 
 class ExecutorLike(Protocol):
@@ -140,8 +152,16 @@ class _BlockError(P.ParseError):
         self.code = code
 
 
-def parse_proposal(response: str, task_type: str, *, num_inputs: int = 10, think_prefilled: bool = True,
-                   code_f_rule: str = "azr", max_chars: int | None = None, envelope_fallback: bool = False) -> Proposal:
+def parse_proposal(
+    response: str,
+    task_type: str,
+    *,
+    num_inputs: int = 10,
+    think_prefilled: bool = True,
+    code_f_rule: str = "azr",
+    max_chars: int | None = None,
+    envelope_fallback: bool = False,
+) -> Proposal:
     """Extract the blocks a proposal must contain; :class:`~populora_verl.tasks.parsing.ParseError` if missing.
 
     code_i / code_o: the first python block and the first input block. code_f: the first message block and the
@@ -199,36 +219,64 @@ def _args_key(text: str) -> str:
         return "\0" + text
 
 
-def validate_proposal(response: str, task_type: str, executor: ExecutorLike, cfg: PopuLoRAConfig, *,
-                      program: Task | None = None, teacher: str = "", step: int = -1,
-                      think_prefilled: bool = True) -> ProposalResult:
+def validate_proposal(
+    response: str,
+    task_type: str,
+    executor: ExecutorLike,
+    cfg: PopuLoRAConfig,
+    *,
+    program: Task | None = None,
+    teacher: str = "",
+    step: int = -1,
+    think_prefilled: bool = True,
+) -> ProposalResult:
     """See :func:`_validate_proposal`; model text never raises out of here (a parser's recursion or memory
     limit on pathological text makes the proposal invalid)."""
     if task_type == "code_f" and program is None:
         raise ValueError("code_f validation needs the buffered program the proposer was shown")
     try:
-        return _validate_proposal(response, task_type, executor, cfg, program=program, teacher=teacher, step=step,
-                                  think_prefilled=think_prefilled)
+        return _validate_proposal(
+            response,
+            task_type,
+            executor,
+            cfg,
+            program=program,
+            teacher=teacher,
+            step=step,
+            think_prefilled=think_prefilled,
+        )
     except _TEXT_ERRORS as e:
         return ProposalResult("invalid", reason=f"unparsable: {type(e).__name__}", code="unparsable")
 
 
-def _validate_proposal(response: str, task_type: str, executor: ExecutorLike, cfg: PopuLoRAConfig, *,
-                       program: Task | None = None, teacher: str = "", step: int = -1,
-                       think_prefilled: bool = True) -> ProposalResult:
+def _validate_proposal(
+    response: str,
+    task_type: str,
+    executor: ExecutorLike,
+    cfg: PopuLoRAConfig,
+    *,
+    program: Task | None = None,
+    teacher: str = "",
+    step: int = -1,
+    think_prefilled: bool = True,
+) -> ProposalResult:
     """The envelope and the program, judged apart (AZR): a failed envelope makes the status ``format_error``; under
     ``tasks.keep_unformatted_tasks`` the program is still read (:func:`parse_proposal`'s fallback) and checked, and a
     valid one keeps its task. Without it, a failed envelope ends the check there (no task)."""
     tcfg = cfg.tasks
     limit = tcfg.max_response_chars
     if not isinstance(response, str) or len(response) > limit:
-        return ProposalResult("format_error", reason=f"response longer than {limit} characters"
-                              if isinstance(response, str) else "response is not text", code="too_long")
+        return ProposalResult(
+            "format_error",
+            reason=f"response longer than {limit} characters" if isinstance(response, str) else "response is not text",
+            code="too_long",
+        )
     envelope = P.envelope_problem(response, think_prefilled)
     if envelope is not None and not tcfg.keep_unformatted_tasks:
         return ProposalResult("format_error", reason=f"envelope: {envelope}", code="envelope", envelope=envelope)
-    res = _check_program(response, task_type, executor, cfg, program=program, teacher=teacher, step=step,
-                         think_prefilled=think_prefilled)
+    res = _check_program(
+        response, task_type, executor, cfg, program=program, teacher=teacher, step=step, think_prefilled=think_prefilled
+    )
     if envelope is None:
         return res
     # A failed envelope is a format error whatever the program: the teacher gets rewards.format_error.
@@ -236,9 +284,17 @@ def _validate_proposal(response: str, task_type: str, executor: ExecutorLike, cf
     return ProposalResult("format_error", task=res.task, reason=why, code=res.code, envelope=envelope)
 
 
-def _check_program(response: str, task_type: str, executor: ExecutorLike, cfg: PopuLoRAConfig, *,
-                   program: Task | None = None, teacher: str = "", step: int = -1,
-                   think_prefilled: bool = True) -> ProposalResult:
+def _check_program(
+    response: str,
+    task_type: str,
+    executor: ExecutorLike,
+    cfg: PopuLoRAConfig,
+    *,
+    program: Task | None = None,
+    teacher: str = "",
+    step: int = -1,
+    think_prefilled: bool = True,
+) -> ProposalResult:
     """Parse, statically check and execute a proposal; a valid one becomes a :class:`Task` with gold answers.
 
     code_i / code_o: the program must pass :func:`~populora_verl.tasks.parsing.check_program` (one top-level
@@ -252,9 +308,15 @@ def _check_program(response: str, task_type: str, executor: ExecutorLike, cfg: P
     """
     tcfg = cfg.tasks
     try:
-        prop = parse_proposal(response, task_type, num_inputs=tcfg.num_inputs, think_prefilled=think_prefilled,
-                              code_f_rule=tcfg.code_f_rule, max_chars=tcfg.max_response_chars,
-                              envelope_fallback=True)
+        prop = parse_proposal(
+            response,
+            task_type,
+            num_inputs=tcfg.num_inputs,
+            think_prefilled=think_prefilled,
+            code_f_rule=tcfg.code_f_rule,
+            max_chars=tcfg.max_response_chars,
+            envelope_fallback=True,
+        )
     except P.ParseError as e:
         return ProposalResult("format_error", reason=str(e), code=getattr(e, "code", "blocks"))
 
@@ -275,8 +337,15 @@ def _check_program(response: str, task_type: str, executor: ExecutorLike, cfg: P
         why = literal_problem(res.output)  # the executor checks it too; a remote or fake one may not
         if why:
             return ProposalResult("invalid", reason=f"output is not plain data: {why}", code="output")
-        task = Task(type=task_type, program=checked.code, input=inp, output=res.output,
-                    teacher=teacher, step=step, prompt_chars=_prompt_chars(cfg))
+        task = Task(
+            type=task_type,
+            program=checked.code,
+            input=inp,
+            output=res.output,
+            teacher=teacher,
+            step=step,
+            prompt_chars=_prompt_chars(cfg),
+        )
         return ProposalResult("valid", task=task)
 
     # code_f
@@ -297,30 +366,45 @@ def _check_program(response: str, task_type: str, executor: ExecutorLike, cfg: P
             continue
         if _task_text_problem(inp):
             if strict:
-                return ProposalResult("invalid", reason=f"input {inp[:40]!r}: {_task_text_problem(inp)}",
-                                      code="text")
+                return ProposalResult("invalid", reason=f"input {inp[:40]!r}: {_task_text_problem(inp)}", code="text")
             continue
         key = _args_key(inp)
         if strict or key not in seen:  # AZR keeps repeated inputs; the lenient rule counts each once
             seen.add(key)
             kept.append(inp)
-    results = executor.run_many([(program.program, inp) for inp in kept],
-                                check_determinism=cfg.executor.check_determinism) if kept else []
+    results = (
+        executor.run_many([(program.program, inp) for inp in kept], check_determinism=cfg.executor.check_determinism)
+        if kept
+        else []
+    )
     if strict:
         for inp, r in zip(kept, results):
             if not r.ok or r.output is None:
                 return ProposalResult("invalid", reason=f"input {inp[:40]!r} failed: {r.error}", code="execution")
             if literal_problem(r.output) is not None:
-                return ProposalResult("invalid", reason=f"input {inp[:40]!r}: output {literal_problem(r.output)}",
-                                      code="output")
-    pairs = [(inp, r.output) for inp, r in zip(kept, results)
-             if r.ok and r.output is not None and literal_problem(r.output) is None]
+                return ProposalResult(
+                    "invalid", reason=f"input {inp[:40]!r}: output {literal_problem(r.output)}", code="output"
+                )
+    pairs = [
+        (inp, r.output)
+        for inp, r in zip(kept, results)
+        if r.ok and r.output is not None and literal_problem(r.output) is None
+    ]
     if not strict and len(pairs) < tcfg.min_valid_inputs:
-        return ProposalResult("invalid", reason=f"{len(pairs)} valid distinct inputs, need {tcfg.min_valid_inputs}",
-                              code="min_inputs")
-    task = Task(type="code_f", program=program.program, inputs=[a for a, _ in pairs], outputs=[b for _, b in pairs],
-                message=prop.message, num_visible=len(pairs) // 2, teacher=teacher, step=step,
-                prompt_chars=_prompt_chars(cfg))
+        return ProposalResult(
+            "invalid", reason=f"{len(pairs)} valid distinct inputs, need {tcfg.min_valid_inputs}", code="min_inputs"
+        )
+    task = Task(
+        type="code_f",
+        program=program.program,
+        inputs=[a for a, _ in pairs],
+        outputs=[b for _, b in pairs],
+        message=prop.message,
+        num_visible=len(pairs) // 2,
+        teacher=teacher,
+        step=step,
+        prompt_chars=_prompt_chars(cfg),
+    )
     return ProposalResult("valid", task=task)
 
 
@@ -364,8 +448,9 @@ def _judge(task: Task, payload: str, executor: ExecutorLike, cfg: PopuLoRAConfig
         return ok, "" if ok else "f(input) differs from the output"
     # code_f: the solver's own function must reproduce every hidden pair.
     try:
-        checked = P.check_program(payload, banned_names(cfg), max_chars=cfg.tasks.max_program_chars,
-                                  single_function=False)
+        checked = P.check_program(
+            payload, banned_names(cfg), max_chars=cfg.tasks.max_program_chars, single_function=False
+        )
     except P.ParseError as e:
         return False, str(e)
     hidden = task.hidden_pairs or task.pairs
@@ -380,8 +465,9 @@ def _judge(task: Task, payload: str, executor: ExecutorLike, cfg: PopuLoRAConfig
     return n_ok == len(hidden), f"{n_ok}/{len(hidden)} hidden pairs"
 
 
-def score_answer(task: Task, response: str, executor: ExecutorLike, cfg: PopuLoRAConfig, *,
-                 think_prefilled: bool = True) -> AnswerScore:
+def score_answer(
+    task: Task, response: str, executor: ExecutorLike, cfg: PopuLoRAConfig, *, think_prefilled: bool = True
+) -> AnswerScore:
     """Score a solver response: ``correct`` (``rewards.correct``), ``wrong`` (``rewards.wrong_answer``) or
     ``format_error`` (``rewards.format_error``). Never raises on model text.
 

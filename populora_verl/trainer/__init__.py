@@ -15,6 +15,7 @@ def register():
     # Import verl first: its __init__ loads this plugin (entry point or VERL_USE_EXTERNAL_MODULES), which calls
     # back into register(); importing trainer.trainer before verl would make that a circular import.
     import verl  # noqa: F401
+
     from populora_verl.trainer.trainer import register as _register
 
     return _register()

@@ -101,9 +101,15 @@ def with_base_policy(lora_of: Mapping[str, Mapping[str, Any]], member_id: str) -
     return {**lora_of, BASE_POLICY: lora_of[member_id]}
 
 
-def requests_to_rows(requests: Sequence[Any], lora_of: Mapping[str, Mapping[str, Any]], step: int, *,
-                     start_index: int = 0, agent_name: str = AGENT_NAME,
-                     uids: Sequence[str] | None = None) -> list[dict[str, Any]]:
+def requests_to_rows(
+    requests: Sequence[Any],
+    lora_of: Mapping[str, Mapping[str, Any]],
+    step: int,
+    *,
+    start_index: int = 0,
+    agent_name: str = AGENT_NAME,
+    uids: Sequence[str] | None = None,
+) -> list[dict[str, Any]]:
     """One prompt row per request. ``lora_of[member_id] = {slot, lora_int_id, lora_name}``."""
     if uids is not None and len(uids) != len(requests):
         raise ValueError(f"{len(uids)} uids for {len(requests)} requests")
@@ -113,15 +119,17 @@ def requests_to_rows(requests: Sequence[Any], lora_of: Mapping[str, Mapping[str,
             raise KeyError(f"no LoRA id for member {req.adapter!r} (known: {sorted(lora_of)})")
         if int(req.n) < 1:
             raise ValueError(f"request for {req.adapter} asks for n={req.n} samples")
-        rows.append({
-            "uid": uids[i] if uids is not None else new_uid(),
-            "index": start_index + i,
-            "raw_prompt": prompt_to_messages(req.prompt),
-            "agent_name": agent_name,
-            "data_source": DATA_SOURCE,
-            "__rollout_n__": int(req.n),
-            "populora": populora_field(req, lora_of[req.adapter], step),
-        })
+        rows.append(
+            {
+                "uid": uids[i] if uids is not None else new_uid(),
+                "index": start_index + i,
+                "raw_prompt": prompt_to_messages(req.prompt),
+                "agent_name": agent_name,
+                "data_source": DATA_SOURCE,
+                "__rollout_n__": int(req.n),
+                "populora": populora_field(req, lora_of[req.adapter], step),
+            }
+        )
     return rows
 
 
@@ -159,8 +167,13 @@ def group_trajectory_keys(keys: Sequence[str]) -> dict[str, dict[int, str]]:
     return {uid: {s: k for s, (_, k) in sorted(sess.items())} for uid, sess in out.items()}
 
 
-def build_gen_responses(requests: Sequence[Any], uids: Sequence[str], keys: Sequence[str],
-                        texts: Mapping[str, str], lengths: Mapping[str, int]) -> tuple[list[Any], int]:
+def build_gen_responses(
+    requests: Sequence[Any],
+    uids: Sequence[str],
+    keys: Sequence[str],
+    texts: Mapping[str, str],
+    lengths: Mapping[str, int],
+) -> tuple[list[Any], int]:
     """``GenResponse`` per request (texts in session order; ``extra`` = the TQ key of each completion).
 
     A session that produced no trajectory (a failed rollout) becomes an empty text with ``extra=None``: the
@@ -194,7 +207,9 @@ def build_gen_responses(requests: Sequence[Any], uids: Sequence[str], keys: Sequ
     return out, missing
 
 
-def signal_rows(samples: Sequence[Any], response_masks: Mapping[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
+def signal_rows(
+    samples: Sequence[Any], response_masks: Mapping[str, torch.Tensor]
+) -> dict[str, dict[str, torch.Tensor]]:
     """Per TQ key: ``rm_scores`` (the reward on the last response token), ``advantages`` (the sample's TRR++
     advantage on every response token) and ``returns`` (the outcome return: reward on every response token, gamma 1).
 

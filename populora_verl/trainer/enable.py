@@ -22,8 +22,15 @@ from typing import Any
 
 from populora_verl.config import ConfigError, PopuLoRAConfig, load_config
 
-__all__ = ["ENABLE_KEY", "Setting", "SETTINGS", "is_enabled", "populora_settings", "apply_populora_settings",
-           "describe"]
+__all__ = [
+    "ENABLE_KEY",
+    "Setting",
+    "SETTINGS",
+    "is_enabled",
+    "populora_settings",
+    "apply_populora_settings",
+    "describe",
+]
 
 ENABLE_KEY = "populora.enable"
 AR = "actor_rollout_ref"
@@ -53,18 +60,34 @@ class Setting:
 SETTINGS: tuple[Setting, ...] = (
     Setting("trainer.use_v1", True, (), "the population trainer is a V1 trainer"),
     Setting("trainer.v1.trainer_mode", "populora", ("sync",), "the population trainer"),
-    Setting("algorithm.adv_estimator", "populora_trrpp", ("gae", "grpo"),
-            "TRR++: the population step computes advantages per adapter, task and role"),
-    Setting(f"{AR}.rollout.agent.default_agent_loop", "populora_agent", ("single_turn_agent",),
-            "each prompt goes to its member's adapter"),
+    Setting(
+        "algorithm.adv_estimator",
+        "populora_trrpp",
+        ("gae", "grpo"),
+        "TRR++: the population step computes advantages per adapter, task and role",
+    ),
+    Setting(
+        f"{AR}.rollout.agent.default_agent_loop",
+        "populora_agent",
+        ("single_turn_agent",),
+        "each prompt goes to its member's adapter",
+    ),
     Setting("reward.reward_manager.source", "register", ("register",), "the reward manager is a registered one"),
-    Setting("reward.reward_manager.name", "populora_code", ("naive",),
-            "rewards come from running the programs the population writes"),
+    Setting(
+        "reward.reward_manager.name",
+        "populora_code",
+        ("naive",),
+        "rewards come from running the programs the population writes",
+    ),
     Setting(f"{AR}.rollout.name", "populora_vllm", (None, "vllm"), "vLLM serving one LoRA id per member"),
     Setting(f"{AR}.rollout.mode", "async", (), "the agent loop's rollout servers"),
     Setting(f"{AR}.rollout.load_format", "safetensors", ("dummy", "auto"), "verl's LoRA weight sync"),
-    Setting(f"{AR}.rollout.checkpoint_engine.backend", "naive", (),
-            "LoRA weights reach vLLM only through the naive engine in verl 0.9.1"),
+    Setting(
+        f"{AR}.rollout.checkpoint_engine.backend",
+        "naive",
+        (),
+        "LoRA weights reach vLLM only through the naive engine in verl 0.9.1",
+    ),
     Setting(f"{AR}.actor.strategy", "fsdp2", ("fsdp",), "per-adapter swaps need FSDP2's unflattened parameters"),
     Setting(f"{AR}.ref.strategy", "fsdp2", ("fsdp",), "the same backend as the actor"),
     Setting(f"{AR}.model.lora.merge", False, (), "vLLM serves the adapters unmerged, one id each"),
@@ -72,10 +95,15 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("algorithm.use_kl_in_reward", False, (_ANY,), "rewards come from the population step"),
     Setting("critic.enable", False, (None,), "TRR++ needs no critic"),
     Setting("algorithm.filter_groups.enable", False, (), "evicting groups would drop teacher rewards"),
-    Setting("trainer.v1.sampler.sync_refill_failed_groups", False, (),
-            "a failed group is scored as empty answers so its teacher keeps a reward"),
-    Setting("trainer.val_before_train", False, (_ANY,),
-            "there is no validation set (evaluate members with populora-eval)"),
+    Setting(
+        "trainer.v1.sampler.sync_refill_failed_groups",
+        False,
+        (),
+        "a failed group is scored as empty answers so its teacher keeps a reward",
+    ),
+    Setting(
+        "trainer.val_before_train", False, (_ANY,), "there is no validation set (evaluate members with populora-eval)"
+    ),
     Setting("data.train_files", None, (_ANY,), "the population writes every prompt"),
     Setting("data.val_files", None, (_ANY,), "the population writes every prompt"),
 )
@@ -105,15 +133,19 @@ def is_enabled(config: Any) -> bool:
         if _select(config, "trainer.v1.trainer_mode") == "populora":
             return True
         if _select(config, "populora") is not None:
-            raise ConfigError(f"{ENABLE_KEY}: the config has a populora section but no enable key: set "
-                              f"{ENABLE_KEY}=true for a PopuLoRA run, or false (or drop the section) for plain verl")
+            raise ConfigError(
+                f"{ENABLE_KEY}: the config has a populora section but no enable key: set "
+                f"{ENABLE_KEY}=true for a PopuLoRA run, or false (or drop the section) for plain verl"
+            )
         return False
     if not isinstance(enable, bool):
         raise ConfigError(f"{ENABLE_KEY}: must be true or false, got {enable!r}")
     if not enable and _select(config, "trainer.v1.trainer_mode") == "populora":
         # The population trainer would run anyway, without the start-up checks that enable turns on.
-        raise ConfigError(f"{ENABLE_KEY}: false, but trainer.v1.trainer_mode is 'populora': set {ENABLE_KEY}=true, "
-                          "or another trainer mode for plain verl")
+        raise ConfigError(
+            f"{ENABLE_KEY}: false, but trainer.v1.trainer_mode is 'populora': set {ENABLE_KEY}=true, "
+            "or another trainer mode for plain verl"
+        )
     return enable
 
 
@@ -127,38 +159,57 @@ def populora_settings(config: Any, pcfg: PopuLoRAConfig) -> list[Setting]:
     n = _select(config, f"{AR}.rollout.n")
     if isinstance(n, int) and n > 1:
         if _has(config, "populora.rollout.student_n") and n != pcfg.rollout.student_n:
-            raise ConfigError(f"{AR}.rollout.n: PopuLoRA asks verl for 1 sample per prompt and draws "
-                              f"populora.rollout.student_n ({pcfg.rollout.student_n}) answers itself; set one of "
-                              f"the two, got {n!r}")
+            raise ConfigError(
+                f"{AR}.rollout.n: PopuLoRA asks verl for 1 sample per prompt and draws "
+                f"populora.rollout.student_n ({pcfg.rollout.student_n}) answers itself; set one of "
+                f"the two, got {n!r}"
+            )
         out.append(Setting("populora.rollout.student_n", n, (_ANY,), f"{AR}.rollout.n's group size"))
     out.append(Setting(f"{AR}.rollout.n", 1, (_ANY,), "PopuLoRA draws its own samples per prompt"))
     # Each adapter's whole batch is one PPO mini-batch; in verl's terms ppo_mini_batch_size == train_batch_size.
-    out.append(Setting(f"{AR}.actor.ppo_mini_batch_size", _select(config, "data.train_batch_size"), (_ANY,),
-                       "each adapter's batch is one mini-batch"))
+    out.append(
+        Setting(
+            f"{AR}.actor.ppo_mini_batch_size",
+            _select(config, "data.train_batch_size"),
+            (_ANY,),
+            "each adapter's batch is one mini-batch",
+        )
+    )
     # Prompt budget: AZR's proposer prompt carries num_references reference programs (the recipes give 1,024
     # tokens each: 6,144 for six, 2,048 for two); verl left-truncates a longer prompt, cutting its instructions.
     # A larger value of the user's stays.
     need = PROMPT_TOKENS_PER_REFERENCE * max(pcfg.tasks.num_references, 1)
-    out.append(Setting("data.max_prompt_length", need, (_ANY,), "the proposer prompt's reference programs",
-                       floor=need))
+    out.append(Setting("data.max_prompt_length", need, (_ANY,), "the proposer prompt's reference programs", floor=need))
     # vLLM must hold every member's adapter at once (max_loras) and the ids evolution retires while the new ones
     # load (max_cpu_loras); a value the user set stays if it is large enough (validate_verl_config checks it).
     size = pcfg.population.num_adapters
     max_loras = pcfg.rollout.max_loras or size
     ek = f"{AR}.rollout.engine_kwargs.vllm"
-    out.append(Setting(f"{ek}.max_loras", max_loras, (None,), "every member's adapter on each replica",
-                       floor=max_loras))
+    out.append(
+        Setting(f"{ek}.max_loras", max_loras, (None,), "every member's adapter on each replica", floor=max_loras)
+    )
     mine = _select(config, f"{ek}.max_loras")
     capacity = mine if isinstance(mine, int) and mine >= max_loras else max_loras
-    out.append(Setting(f"{ek}.max_cpu_loras", max(pcfg.rollout.max_cpu_loras or 2 * size, capacity), (None,),
-                       "evolved members' new ids load before the old ones retire", floor=capacity))
+    out.append(
+        Setting(
+            f"{ek}.max_cpu_loras",
+            max(pcfg.rollout.max_cpu_loras or 2 * size, capacity),
+            (None,),
+            "evolved members' new ids load before the old ones retire",
+            floor=capacity,
+        )
+    )
     return out
 
 
 def _user_keeps(setting: Setting, current: Any) -> bool:
     """A user value the plugin leaves as it is: at least a floor's worth."""
-    return (setting.floor is not None and isinstance(current, int) and not isinstance(current, bool)
-            and current >= setting.floor)
+    return (
+        setting.floor is not None
+        and isinstance(current, int)
+        and not isinstance(current, bool)
+        and current >= setting.floor
+    )
 
 
 def apply_populora_settings(config: Any, *, dry_run: bool = False) -> list[tuple[str, Any]]:
@@ -174,8 +225,9 @@ def apply_populora_settings(config: Any, *, dry_run: bool = False) -> list[tuple
         if current == s.value and (s.value is not None or _has(config, s.key)) or _user_keeps(s, current):
             continue
         if not s.accepts(current):
-            raise ConfigError(f"{s.key}: PopuLoRA sets it to {s.value!r} ({s.why}), got {current!r}; remove it "
-                              f"or set {s.value!r}")
+            raise ConfigError(
+                f"{s.key}: PopuLoRA sets it to {s.value!r} ({s.why}), got {current!r}; remove it or set {s.value!r}"
+            )
         changes.append((s.key, s.value))
     if not dry_run:
         for key, value in changes:
@@ -186,6 +238,7 @@ def apply_populora_settings(config: Any, *, dry_run: bool = False) -> list[tuple
 
 def describe(changes: Sequence[tuple[str, Any]]) -> str:
     """The one start-up line: ``set for PopuLoRA: key=value ...`` (values as a Hydra override would write them)."""
+
     def show(v: Any) -> str:
         return "null" if v is None else str(v).lower() if isinstance(v, bool) else str(v)
 

@@ -39,8 +39,11 @@ def rollout_counts(tags: Sequence[Mapping[str, Any]], lengths: Mapping[str, int]
             prompt += int((tag or {}).get("prompt_len") or 0)
         except (TypeError, ValueError):
             continue
-    return {"sequences": float(len(lengths)), "prompt_tokens": float(prompt),
-            "response_tokens": float(sum(lengths.values()))}
+    return {
+        "sequences": float(len(lengths)),
+        "prompt_tokens": float(prompt),
+        "response_tokens": float(sum(lengths.values())),
+    }
 
 
 class GenerationMixin:
@@ -99,7 +102,8 @@ class GenerationMixin:
             self._submit_rows(rows)
             t1 = time.perf_counter()
             batch, sample_metrics = self.replay_buffer.sample(
-                global_steps=self.global_steps, partition_id=PARTITION, batch_size=len(rows))
+                global_steps=self.global_steps, partition_id=PARTITION, batch_size=len(rows)
+            )
             t2 = time.perf_counter()
             texts, lengths, masks = self._fetch_responses(batch.keys)
             t3 = time.perf_counter()
@@ -114,6 +118,10 @@ class GenerationMixin:
             metrics[f"populora/rollout/{name}/{what}"] = sec
         metrics.update(convert.prefix_metrics(rollout_counts(batch.tags, lengths), f"populora/rollout/{name}"))
         if missing:
-            logger.warning("populora step %d: %d %s sessions produced no trajectory (scored as empty answers)",
-                           self.global_steps, missing, name)
+            logger.warning(
+                "populora step %d: %d %s sessions produced no trajectory (scored as empty answers)",
+                self.global_steps,
+                missing,
+                name,
+            )
         return responses, batch, masks

@@ -37,8 +37,10 @@ class TrainerEngine:
 
     def generate(self, requests: Sequence[GenRequest], phase: Phase) -> list[GenResponse]:
         if phase.name != SEED:
-            raise ValueError(f"TrainerEngine generates the seeding phase only, not {phase.name!r}: the step's own "
-                             "phases are trained from their TransferQueue rows (PopuLoRATrainer.step)")
+            raise ValueError(
+                f"TrainerEngine generates the seeding phase only, not {phase.name!r}: the step's own "
+                "phases are trained from their TransferQueue rows (PopuLoRATrainer.step)"
+            )
         responses, batch, _ = self._trainer._generate(list(requests), phase.name, self.metrics)
         tq.kv_clear(keys=list(batch.keys), partition_id=PARTITION)  # never trained on
         return responses
@@ -48,8 +50,13 @@ class TrainerEngine:
 
     def write_child(self, slot: int, state: Mapping[str, torch.Tensor], optimizer_from: int | None) -> None:
         # The workers copy the source slot's optimizer at this call; the caller guarantees it is still pre-event.
-        self._trainer._rpc("populora_set_adapter", int(slot), state, reset_optimizer=optimizer_from is None,
-                           optimizer_from=None if optimizer_from is None else int(optimizer_from))
+        self._trainer._rpc(
+            "populora_set_adapter",
+            int(slot),
+            state,
+            reset_optimizer=optimizer_from is None,
+            optimizer_from=None if optimizer_from is None else int(optimizer_from),
+        )
 
 
 class HooksMixin:
@@ -74,8 +81,11 @@ class HooksMixin:
         run_dir = self._step_folder().rsplit(os.sep, 1)[0]
         rounds = seed_buffers(self.pop_step, TrainerEngine(self), run_dir)
         if rounds:
-            print(f"[populora] seeding: {rounds} rounds, {len(self.pop_step.seed_set)} seed tasks -> "
-                  f"{seed_file(run_dir)}", flush=True)
+            print(
+                f"[populora] seeding: {rounds} rounds, {len(self.pop_step.seed_set)} seed tasks -> "
+                f"{seed_file(run_dir)}",
+                flush=True,
+            )
 
     def on_step_end(self) -> None:
         if not self._timeline_done and self._timeline.marks and self._timeline.marks[-1][0] == "agent loop":
@@ -89,8 +99,11 @@ class HooksMixin:
             # fit() leaves its loop once global_steps passes total_training_steps: this step is the last one.
             self._save_pending = True
             self.total_training_steps = self.global_steps
-            print(f"[populora] step {self.global_steps}: stop file {self._stop_path} found; no evolution, "
-                  f"checkpoint, then the run ends", flush=True)
+            print(
+                f"[populora] step {self.global_steps}: stop file {self._stop_path} found; no evolution, "
+                f"checkpoint, then the run ends",
+                flush=True,
+            )
         step_metrics = self._step_population_metrics
         if step_metrics is not None:
             self._log_population_metrics({**step_metrics, **evo}, self.global_steps)
@@ -138,24 +151,39 @@ class HooksMixin:
         verl_config.warn_if_bank_not_shared(written)  # M nodes: every rank's file must be where the driver resumes
         pop = self.pop_step.population
         adapters = {m.id: self._get_adapter(int(m.slot)) for m in pop.members}
-        save_checkpoint(pdir, self.global_steps, population=pop, adapters=adapters, lora_config=self._lora_config(),
-                        optimizers={}, step_state=self.pop_step.state_dict(),
-                        extra={"bank": "bank", "adapter_layout": self.pcfg.population.adapter_layout,
-                               "bank_info": self._bank_info()})
+        save_checkpoint(
+            pdir,
+            self.global_steps,
+            population=pop,
+            adapters=adapters,
+            lora_config=self._lora_config(),
+            optimizers={},
+            step_state=self.pop_step.state_dict(),
+            extra={
+                "bank": "bank",
+                "adapter_layout": self.pcfg.population.adapter_layout,
+                "bank_info": self._bank_info(),
+            },
+        )
         # verl's save writes latest_checkpointed_iteration.txt last, so a crash above never points at a half save.
         super()._save_checkpoint()
         print(f"[populora] step {self.global_steps}: checkpoint {pdir}", flush=True)
         from populora_verl.trainer.resume import prune_step_folders
 
-        for folder in prune_step_folders(os.path.dirname(self._step_folder()),
-                                         self.config.trainer.get("max_actor_ckpt_to_keep", None)):
+        for folder in prune_step_folders(
+            os.path.dirname(self._step_folder()), self.config.trainer.get("max_actor_ckpt_to_keep", None)
+        ):
             print(f"[populora] removed old checkpoint {folder} (trainer.max_actor_ckpt_to_keep)", flush=True)
 
     def _load_checkpoint(self) -> None:
         self._mark("workers + vLLM")
-        info = self._rpc("populora_init_bank", self.pcfg.population.num_adapters, self.pcfg.population.seed,
-                         shared_a=self.pcfg.population.founder_init == "shared_a",
-                         layout=self.pcfg.population.adapter_layout)
+        info = self._rpc(
+            "populora_init_bank",
+            self.pcfg.population.num_adapters,
+            self.pcfg.population.seed,
+            shared_a=self.pcfg.population.founder_init == "shared_a",
+            layout=self.pcfg.population.adapter_layout,
+        )
         logger.info("populora: adapter bank initialised: %s", info)
         ck = None
         if self.config.trainer.resume_mode == "auto":
@@ -178,8 +206,10 @@ class HooksMixin:
 
         pdir = os.path.join(self._step_folder(for_load=True), "populora")
         if not os.path.isdir(pdir):
-            raise RuntimeError(f"resuming step {self.global_steps} but {pdir} is missing: without the population and "
-                               "adapter bank the run would silently restart from fresh adapters")
+            raise RuntimeError(
+                f"resuming step {self.global_steps} but {pdir} is missing: without the population and "
+                "adapter bank the run would silently restart from fresh adapters"
+            )
         ck = ck if ck is not None else load_checkpoint(pdir)
         self.pop_step.load_state_dict(ck.step_state, population=ck.population)
         if ck.rng:

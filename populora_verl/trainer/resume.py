@@ -16,8 +16,7 @@ import zipfile
 from pathlib import Path
 from typing import Callable
 
-from populora_verl.checkpoint import (Checkpoint, CheckpointError, latest_checkpoint, load_checkpoint,
-                                      newest_loadable)
+from populora_verl.checkpoint import Checkpoint, CheckpointError, latest_checkpoint, load_checkpoint, newest_loadable
 
 __all__ = ["choose_resume_folder", "check_bank_files", "tracked_folder", "prune_step_folders"]
 
@@ -68,8 +67,9 @@ def _check_folder(folder: Path) -> Checkpoint:
     return ck
 
 
-def choose_resume_folder(default_local_dir: str | os.PathLike,
-                         warn: Callable[[str], None] = print) -> tuple[Path | None, Checkpoint | None]:
+def choose_resume_folder(
+    default_local_dir: str | os.PathLike, warn: Callable[[str], None] = print
+) -> tuple[Path | None, Checkpoint | None]:
     """``(global_step folder, its loaded PopuLoRA checkpoint)`` to resume from, or ``(None, None)`` for a fresh
     run (no tracker file). Candidates are the tracker's step and older ones, newest first. Raises
     :class:`CheckpointError` when there are checkpoints but none is usable."""
@@ -81,14 +81,18 @@ def choose_resume_folder(default_local_dir: str | os.PathLike,
         newest = int(tracker.read_text().strip())
     except ValueError as e:
         raise CheckpointError(f"{tracker}: unreadable ({e})") from e
-    steps = sorted((int(m.group(1)) for p in root.iterdir() if (m := _GLOBAL_STEP.match(p.name)) and p.is_dir()),
-                   reverse=True)
-    folder, ck, tried = newest_loadable([root / f"global_step_{s}" for s in steps if s <= newest], _check_folder, warn,
-                                        prefix="[populora] ")
+    steps = sorted(
+        (int(m.group(1)) for p in root.iterdir() if (m := _GLOBAL_STEP.match(p.name)) and p.is_dir()), reverse=True
+    )
+    folder, ck, tried = newest_loadable(
+        [root / f"global_step_{s}" for s in steps if s <= newest], _check_folder, warn, prefix="[populora] "
+    )
     if folder is not None:
         return folder, ck
-    raise CheckpointError(f"no usable checkpoint in {root} (tried {', '.join(tried) or 'none: no global_step_N folder'}"
-                          f"); fix or move the damaged folders, or set trainer.resume_mode=disable to start fresh")
+    raise CheckpointError(
+        f"no usable checkpoint in {root} (tried {', '.join(tried) or 'none: no global_step_N folder'}"
+        f"); fix or move the damaged folders, or set trainer.resume_mode=disable to start fresh"
+    )
 
 
 def prune_step_folders(default_local_dir: str | os.PathLike, keep: int | None) -> list[Path]:
@@ -104,7 +108,7 @@ def prune_step_folders(default_local_dir: str | os.PathLike, keep: int | None) -
     steps = sorted((int(m.group(1)), p) for p in root.iterdir() if (m := _GLOBAL_STEP.match(p.name)) and p.is_dir())
     protected = tracked_folder(root)
     gone = []
-    for _, folder in steps[:max(0, len(steps) - int(keep))]:
+    for _, folder in steps[: max(0, len(steps) - int(keep))]:
         if protected is not None and folder.resolve() == protected.resolve():
             continue
         shutil.rmtree(folder, ignore_errors=True)

@@ -62,8 +62,9 @@ def parse_schedule(raw: Any, total_steps: int | None = None) -> list[Entry]:
         names.add(name)
         out.append(Entry(name, steps, dict(pop)))
     if total_steps is not None and sum(e.steps for e in out) != int(total_steps):
-        raise _bad(f"entries add up to {sum(e.steps for e in out)} steps but trainer.total_training_steps is "
-                   f"{total_steps}")
+        raise _bad(
+            f"entries add up to {sum(e.steps for e in out)} steps but trainer.total_training_steps is {total_steps}"
+        )
     return out
 
 
@@ -108,8 +109,10 @@ def scheduled_configs(config: Any) -> tuple[list[Entry], list[Any]]:
     """The schedule of a composed verl config and each entry's ``PopuLoRAConfig`` (``[], []`` when unset)."""
     from omegaconf import OmegaConf
 
-    entries = parse_schedule(OmegaConf.select(config, SCHEDULE_KEY, default=None),
-                             OmegaConf.select(config, "trainer.total_training_steps", default=None))
+    entries = parse_schedule(
+        OmegaConf.select(config, SCHEDULE_KEY, default=None),
+        OmegaConf.select(config, "trainer.total_training_steps", default=None),
+    )
     return entries, [entry_config(config, e) for e in entries]
 
 
@@ -127,8 +130,15 @@ def switch_population(trainer: Any, idx: int) -> None:
     trainer.pop_step = PopulationStep(trainer.pcfg, executor=old.tasks.executor)
     trainer.pop_step.updates_per_step = getattr(old, "updates_per_step", 1)  # the compute metrics count it
     trainer._phase = None
-    info = trainer._rpc("populora_init_bank", trainer.pcfg.population.num_adapters, trainer.pcfg.population.seed,
-                        layout=trainer.pcfg.population.adapter_layout)
+    info = trainer._rpc(
+        "populora_init_bank",
+        trainer.pcfg.population.num_adapters,
+        trainer.pcfg.population.seed,
+        layout=trainer.pcfg.population.adapter_layout,
+    )
     trainer.checkpoint_manager.update_weights(trainer.global_steps)
-    print(f"[populora] step {trainer.global_steps}: population schedule entry {entry.name!r} "
-          f"({info['num_slots']} adapters)", flush=True)
+    print(
+        f"[populora] step {trainer.global_steps}: population schedule entry {entry.name!r} "
+        f"({info['num_slots']} adapters)",
+        flush=True,
+    )

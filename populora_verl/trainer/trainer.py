@@ -29,7 +29,6 @@ import torch
 import transfer_queue as tq
 from omegaconf import DictConfig, OmegaConf, open_dict
 from transfer_queue import KVBatchMeta
-
 from verl.trainer.ppo.utils import Role
 from verl.trainer.ppo.v1.trainer_base import TRAINER_REGISTRY, register_trainer
 from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
@@ -41,15 +40,22 @@ from populora_verl.trainer import TRAINER_NAME, convert, schedule, stop, timelin
 from populora_verl.trainer.generation import GenerationMixin, _Phase
 from populora_verl.trainer.hooks import HooksMixin
 from populora_verl.trainer.probes import ProbesMixin
-from populora_verl.trainer.training import TrainingMixin
 from populora_verl.trainer.timeline import Timeline
+from populora_verl.trainer.training import TrainingMixin
 from populora_verl.workers import fused
 
 logger = logging.getLogger(__name__)
 logger.setLevel(os.getenv("VERL_LOGGING_LEVEL", "INFO"))
 
-__all__ = ["PopuLoRATrainer", "NullPromptLoader", "TRAINER_NAME", "register", "DEBUG_PROBES_KEY", "WORKER_CLASS_FQN",
-           "use_populora_worker"]
+__all__ = [
+    "PopuLoRATrainer",
+    "NullPromptLoader",
+    "TRAINER_NAME",
+    "register",
+    "DEBUG_PROBES_KEY",
+    "WORKER_CLASS_FQN",
+    "use_populora_worker",
+]
 
 #: ``+trainer.populora_debug_probes=true``: per-step bank checksums and a greedy probe under every LoRA id.
 DEBUG_PROBES_KEY = "trainer.populora_debug_probes"
@@ -68,8 +74,9 @@ def use_populora_worker(config: DictConfig) -> bool:
         return False
     current = OmegaConf.select(config, "actor_rollout_ref.worker_class", default=None)
     if current not in (None, WORKER_CLASS_FQN):
-        raise ConfigError(f"actor_rollout_ref.worker_class: PopuLoRA runs its own worker ({WORKER_CLASS_FQN}), "
-                          f"got {current!r}")
+        raise ConfigError(
+            f"actor_rollout_ref.worker_class: PopuLoRA runs its own worker ({WORKER_CLASS_FQN}), got {current!r}"
+        )
     with open_dict(config):
         config.actor_rollout_ref.worker_class = WORKER_CLASS_FQN
     return True
@@ -160,8 +167,11 @@ class PopuLoRATrainer(GenerationMixin, TrainingMixin, HooksMixin, ProbesMixin, P
         self._timeline_done = self._timeline is None
         self._stop_path = stop.stop_file(self.config)
         if stop.read_request(self._stop_path) is not None:
-            print(f"[populora] stop file {self._stop_path} exists: the run ends at its first safe step "
-                  "(delete the file to run to trainer.total_training_steps)", flush=True)
+            print(
+                f"[populora] stop file {self._stop_path} exists: the run ends at its first safe step "
+                "(delete the file to run to trainer.total_training_steps)",
+                flush=True,
+            )
         self._phase: _Phase | None = None
         self._next_index = 0
         self._metrics_log = None
@@ -187,8 +197,9 @@ class PopuLoRATrainer(GenerationMixin, TrainingMixin, HooksMixin, ProbesMixin, P
                     self.role_worker_mapping[role] = ray.remote(PopuLoRAActorRolloutRefWorker)
                     swapped = True
             if not swapped:
-                raise RuntimeError("no actor role to host the adapter bank in "
-                                   f"{sorted(map(str, self.role_worker_mapping))}")
+                raise RuntimeError(
+                    f"no actor role to host the adapter bank in {sorted(map(str, self.role_worker_mapping))}"
+                )
 
     def _init_dataloader(self) -> None:
         self.train_dataset = self.val_dataset = None
@@ -245,12 +256,14 @@ class PopuLoRATrainer(GenerationMixin, TrainingMixin, HooksMixin, ProbesMixin, P
     def _lora_config(self) -> dict[str, Any]:
         m = self.config.actor_rollout_ref.model
         tm = m.get("target_modules", "all-linear")
-        return {"r": int(m.lora_rank), "lora_alpha": int(m.get("lora_alpha", m.lora_rank)),
-                "target_modules": tm if isinstance(tm, str) else list(tm),
-                "base_model_name_or_path": str(m.path)}  # saved adapters load (and export) on their own
+        return {
+            "r": int(m.lora_rank),
+            "lora_alpha": int(m.get("lora_alpha", m.lora_rank)),
+            "target_modules": tm if isinstance(tm, str) else list(tm),
+            "base_model_name_or_path": str(m.path),
+        }  # saved adapters load (and export) on their own
 
     # --- generation through TransferQueue --------------------------------------------------------------------
-
 
     # --- one PopuLoRA step -----------------------------------------------------------------------------------
 
@@ -269,8 +282,11 @@ class PopuLoRATrainer(GenerationMixin, TrainingMixin, HooksMixin, ProbesMixin, P
         # Written to metrics.jsonl in on_step_end, once evolution's event count is known.
         self._step_population_metrics = dict(result.metrics)
 
-        all_meta = KVBatchMeta(partition_id=PARTITION, keys=list(t_batch.keys) + list(s_batch.keys),
-                               tags=list(t_batch.tags) + list(s_batch.tags))
+        all_meta = KVBatchMeta(
+            partition_id=PARTITION,
+            keys=list(t_batch.keys) + list(s_batch.keys),
+            tags=list(t_batch.tags) + list(s_batch.tags),
+        )
         masks = {**t_masks, **s_masks}
         signals = convert.signal_rows(result.samples, masks)
         unused = [k for k in all_meta.keys if k not in signals]
@@ -297,12 +313,9 @@ class PopuLoRATrainer(GenerationMixin, TrainingMixin, HooksMixin, ProbesMixin, P
         self._log_adapter_report(gs, per_adapter, parts, member_of, before)
         return out
 
-
     # --- hooks: probes, evolution, checkpoint, weight sync ---------------------------------------------------
 
-
     # --- population schedule (one process, several configurations: populora_verl.bench.step_scaling) ---------
-
 
     # --- logging and debug probes ----------------------------------------------------------------------------
 
@@ -313,6 +326,7 @@ def register() -> type[PopuLoRATrainer]:
     if existing is None:
         register_trainer(TRAINER_NAME)(PopuLoRATrainer)
     elif existing is not PopuLoRATrainer:
-        raise RuntimeError(f"trainer name {TRAINER_NAME!r} is already registered to {existing.__module__}."
-                           f"{existing.__qualname__}")
+        raise RuntimeError(
+            f"trainer name {TRAINER_NAME!r} is already registered to {existing.__module__}.{existing.__qualname__}"
+        )
     return PopuLoRATrainer

@@ -39,16 +39,21 @@ class TrainingMixin:
         corr = self.config.algorithm.get("rollout_correction", None)
         return bool(corr and corr.get("bypass_mode", False))
 
-    def _logprob_check(self, parts: Mapping[int, list[str]], all_meta: KVBatchMeta, member_of: Mapping[int, str],
-                       step: int) -> dict[str, dict[str, float]]:
+    def _logprob_check(
+        self, parts: Mapping[int, list[str]], all_meta: KVBatchMeta, member_of: Mapping[int, str], step: int
+    ) -> dict[str, dict[str, float]]:
         """Under bypass_mode, every ``diagnostics.logprob_check_every`` steps: the trainer's own log-probs on a few
         of each adapter's rows (before its update, so both sides are the same policy) against vLLM's. This is the
         check that each adapter was served by its own LoRA id and that the two engines agree; without it, bypass
         mode has nothing to compare (its old log-probs are vLLM's). Diagnostics: a failure only logs."""
         dcfg = self.pcfg.diagnostics
         every = int(dcfg.logprob_check_every)
-        if not self._bypass_mode() or every <= 0 or step % every != 0 \
-                or not self.config.actor_rollout_ref.rollout.calculate_log_probs:
+        if (
+            not self._bypass_mode()
+            or every <= 0
+            or step % every != 0
+            or not self.config.actor_rollout_ref.rollout.calculate_log_probs
+        ):
             return {}
         out: dict[str, dict[str, float]] = {}
         try:
@@ -62,11 +67,20 @@ class TrainingMixin:
                 if n == 0:
                     continue
                 sample = all_meta.select_keys(list(keys[:n]))
-                sample.extra_info.update({ADAPTER_KEY: slot, "calculate_entropy": False, "compute_loss": False,
-                                          "temperature": self.config.actor_rollout_ref.rollout.temperature})
+                sample.extra_info.update(
+                    {
+                        ADAPTER_KEY: slot,
+                        "calculate_entropy": False,
+                        "compute_loss": False,
+                        "temperature": self.config.actor_rollout_ref.rollout.temperature,
+                    }
+                )
                 self.actor_rollout_wg.compute_log_prob(sample)
-                data = tq.kv_batch_get(keys=list(sample.keys), partition_id=PARTITION,
-                                       select_fields=["log_probs", "rollout_log_probs", "response_mask", "responses"])
+                data = tq.kv_batch_get(
+                    keys=list(sample.keys),
+                    partition_id=PARTITION,
+                    select_fields=["log_probs", "rollout_log_probs", "response_mask", "responses"],
+                )
                 # the worker writes log-probs over the whole sequence; verl's own pass keeps the response part
                 data["old_log_probs"] = response_from_nested(data.pop("log_probs"), data["response_mask"])
                 m = calculate_debug_metrics(DataProto(batch=data.to_padded_tensor()))
@@ -77,7 +91,9 @@ class TrainingMixin:
             return {}
         return out
 
-    def _balanced_sub(self, all_meta: KVBatchMeta, slot: int, keys: list[str], m: dict, timing_raw: dict) -> KVBatchMeta:
+    def _balanced_sub(
+        self, all_meta: KVBatchMeta, slot: int, keys: list[str], m: dict, timing_raw: dict
+    ) -> KVBatchMeta:
         sub = all_meta.select_keys(keys)
         sub.extra_info[ADAPTER_KEY] = slot
         with timed("populora_balance", timing_raw):
@@ -136,8 +152,9 @@ class TrainingMixin:
             metrics.update(convert.prefix_metrics(m, f"populora/{member}"))
         return per_adapter, KVBatchMeta(partition_id=PARTITION, keys=list(batch.keys), tags=list(batch.tags))
 
-    def _per_slot_logprob_metrics(self, subs: Mapping[int, KVBatchMeta], member_of: Mapping[int, str],
-                                  per_adapter: dict[str, dict[str, Any]]) -> None:
+    def _per_slot_logprob_metrics(
+        self, subs: Mapping[int, KVBatchMeta], member_of: Mapping[int, str], per_adapter: dict[str, dict[str, Any]]
+    ) -> None:
         """Rollout-vs-trainer log-prob agreement per adapter (the check that each adapter was served by its own
         LoRA id) from the old log-probs the fused call wrote; diagnostics, so a failure only logs."""
         if not self.config.actor_rollout_ref.rollout.calculate_log_probs or self._bypass_mode():
@@ -147,8 +164,11 @@ class TrainingMixin:
             from verl.utils.debug.metrics import calculate_debug_metrics
 
             for slot, sub in subs.items():
-                data = tq.kv_batch_get(keys=list(sub.keys), partition_id=PARTITION,
-                                       select_fields=["old_log_probs", "rollout_log_probs", "response_mask", "responses"])
+                data = tq.kv_batch_get(
+                    keys=list(sub.keys),
+                    partition_id=PARTITION,
+                    select_fields=["old_log_probs", "rollout_log_probs", "response_mask", "responses"],
+                )
                 per_adapter[member_of[slot]].update(calculate_debug_metrics(DataProto(batch=data.to_padded_tensor())))
         except Exception as e:  # never fail a step over a diagnostic
             logger.warning("populora: per-adapter rollout/trainer log-prob metrics not computed: %s", e)
@@ -186,9 +206,12 @@ class TrainingMixin:
         cols = {f: [] for f in SIGNAL_FIELDS}
         for k in batch.keys:
             for f in SIGNAL_FIELDS:
-                cols[f].append(signals[k][f] if k in signals else torch.zeros(pad_masks[k].numel(), dtype=torch.float32))
-        fields = TensorDict({f: torch.nested.as_nested_tensor(v, layout=torch.jagged) for f, v in cols.items()},
-                            batch_size=len(batch))
+                cols[f].append(
+                    signals[k][f] if k in signals else torch.zeros(pad_masks[k].numel(), dtype=torch.float32)
+                )
+        fields = TensorDict(
+            {f: torch.nested.as_nested_tensor(v, layout=torch.jagged) for f, v in cols.items()}, batch_size=len(batch)
+        )
         tq.kv_batch_put(keys=list(batch.keys), partition_id=PARTITION, fields=fields)
 
     def _update_actor(self, batch: KVBatchMeta, metrics: dict) -> KVBatchMeta:

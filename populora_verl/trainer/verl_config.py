@@ -14,8 +14,16 @@ from typing import Any
 
 from populora_verl.config import ConfigError, PopuLoRAConfig
 
-__all__ = ["VLLM_MAX_LORA_RANK", "POLL_INTERVAL_KEY", "poll_interval", "validate_verl_config", "ParallelLayout",
-           "parallel_layout", "warn_if_bank_not_shared", "select"]
+__all__ = [
+    "VLLM_MAX_LORA_RANK",
+    "POLL_INTERVAL_KEY",
+    "poll_interval",
+    "validate_verl_config",
+    "ParallelLayout",
+    "parallel_layout",
+    "warn_if_bank_not_shared",
+    "select",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -61,42 +69,109 @@ def validate_verl_config(config: Any, pcfg: PopuLoRAConfig) -> None:
         ("trainer.use_v1", select(config, "trainer.use_v1"), lambda v: v is True, "must be true (the V1 trainer)"),
         # What makes it a PopuLoRA run at all: without these verl runs its own trainer, loop, rewards and
         # advantages and the populora section is silently ignored (populora.enable sets all four).
-        ("trainer.v1.trainer_mode", select(config, "trainer.v1.trainer_mode"), lambda v: v == "populora",
-         "must be 'populora' (the population trainer)"),
-        (f"{ar}.rollout.agent.default_agent_loop", select(config, f"{ar}.rollout.agent.default_agent_loop"),
-         lambda v: v == "populora_agent", "must be 'populora_agent' (each prompt goes to its member's adapter)"),
-        ("reward.reward_manager.name", select(config, "reward.reward_manager.name"), lambda v: v == "populora_code",
-         "must be 'populora_code' (rewards from running the population's programs)"),
-        ("reward.reward_manager.source", select(config, "reward.reward_manager.source", "register"),
-         lambda v: v == "register", "must be 'register' (populora_code is a registered reward manager)"),
-        ("algorithm.adv_estimator", select(config, "algorithm.adv_estimator"), lambda v: v == "populora_trrpp",
-         "must be 'populora_trrpp' (TRR++ per adapter, task and role)"),
-        (f"{ar}.actor.strategy", select(config, f"{ar}.actor.strategy"), lambda v: v == "fsdp2",
-         "must be 'fsdp2' (FSDP1 flat params break per-adapter swaps)"),
-        (f"{ar}.rollout.name", select(config, f"{ar}.rollout.name"), lambda v: v == "populora_vllm",
-         "must be 'populora_vllm' (per-request adapters; 'vllm' serves one LoRA id)"),
+        (
+            "trainer.v1.trainer_mode",
+            select(config, "trainer.v1.trainer_mode"),
+            lambda v: v == "populora",
+            "must be 'populora' (the population trainer)",
+        ),
+        (
+            f"{ar}.rollout.agent.default_agent_loop",
+            select(config, f"{ar}.rollout.agent.default_agent_loop"),
+            lambda v: v == "populora_agent",
+            "must be 'populora_agent' (each prompt goes to its member's adapter)",
+        ),
+        (
+            "reward.reward_manager.name",
+            select(config, "reward.reward_manager.name"),
+            lambda v: v == "populora_code",
+            "must be 'populora_code' (rewards from running the population's programs)",
+        ),
+        (
+            "reward.reward_manager.source",
+            select(config, "reward.reward_manager.source", "register"),
+            lambda v: v == "register",
+            "must be 'register' (populora_code is a registered reward manager)",
+        ),
+        (
+            "algorithm.adv_estimator",
+            select(config, "algorithm.adv_estimator"),
+            lambda v: v == "populora_trrpp",
+            "must be 'populora_trrpp' (TRR++ per adapter, task and role)",
+        ),
+        (
+            f"{ar}.actor.strategy",
+            select(config, f"{ar}.actor.strategy"),
+            lambda v: v == "fsdp2",
+            "must be 'fsdp2' (FSDP1 flat params break per-adapter swaps)",
+        ),
+        (
+            f"{ar}.rollout.name",
+            select(config, f"{ar}.rollout.name"),
+            lambda v: v == "populora_vllm",
+            "must be 'populora_vllm' (per-request adapters; 'vllm' serves one LoRA id)",
+        ),
         (f"{ar}.rollout.mode", select(config, f"{ar}.rollout.mode"), lambda v: v == "async", "must be 'async'"),
-        (f"{ar}.rollout.checkpoint_engine.backend", select(config, f"{ar}.rollout.checkpoint_engine.backend"),
-         lambda v: v == "naive", "must be 'naive' (LoRA with other engines never reaches vLLM, verl #7495)"),
-        (f"{ar}.rollout.load_format", select(config, f"{ar}.rollout.load_format"), lambda v: v == "safetensors",
-         "must be 'safetensors' (verl's LoRA weight sync)"),
-        (f"{ar}.model.lora.merge", select(config, f"{ar}.model.lora.merge", False), lambda v: v is False,
-         "must be false (vLLM serves the adapters unmerged, one id each)"),
-        (f"{ar}.actor.use_kl_loss", select(config, f"{ar}.actor.use_kl_loss", False), lambda v: v is False,
-         "must be false (PopuLoRA computes no reference log-probs per adapter)"),
-        ("algorithm.use_kl_in_reward", select(config, "algorithm.use_kl_in_reward", False), lambda v: v is False,
-         "must be false (rewards come from the population step)"),
-        ("critic.enable", select(config, "critic.enable"), lambda v: v is False,
-         "must be false (TRR++ needs no critic; null turns one on for gae)"),
-        ("algorithm.filter_groups.enable", select(config, "algorithm.filter_groups.enable", False),
-         lambda v: v is False, "must be false (evicting groups would drop teacher rewards)"),
-        ("trainer.v1.sampler.sync_refill_failed_groups", select(config, "trainer.v1.sampler.sync_refill_failed_groups",
-                                                               False), lambda v: v is False,
-         "must be false (a failed group is scored as empty answers so its teacher keeps a reward)"),
-        ("trainer.val_before_train", select(config, "trainer.val_before_train", False), lambda v: v is False,
-         "must be false (PopuLoRA has no validation set; evaluate with populora_verl.eval)"),
-        ("trainer.total_training_steps", select(config, "trainer.total_training_steps"),
-         lambda v: isinstance(v, int) and v >= 1, "must be an integer >= 1 (prompts come from the population)"),
+        (
+            f"{ar}.rollout.checkpoint_engine.backend",
+            select(config, f"{ar}.rollout.checkpoint_engine.backend"),
+            lambda v: v == "naive",
+            "must be 'naive' (LoRA with other engines never reaches vLLM, verl #7495)",
+        ),
+        (
+            f"{ar}.rollout.load_format",
+            select(config, f"{ar}.rollout.load_format"),
+            lambda v: v == "safetensors",
+            "must be 'safetensors' (verl's LoRA weight sync)",
+        ),
+        (
+            f"{ar}.model.lora.merge",
+            select(config, f"{ar}.model.lora.merge", False),
+            lambda v: v is False,
+            "must be false (vLLM serves the adapters unmerged, one id each)",
+        ),
+        (
+            f"{ar}.actor.use_kl_loss",
+            select(config, f"{ar}.actor.use_kl_loss", False),
+            lambda v: v is False,
+            "must be false (PopuLoRA computes no reference log-probs per adapter)",
+        ),
+        (
+            "algorithm.use_kl_in_reward",
+            select(config, "algorithm.use_kl_in_reward", False),
+            lambda v: v is False,
+            "must be false (rewards come from the population step)",
+        ),
+        (
+            "critic.enable",
+            select(config, "critic.enable"),
+            lambda v: v is False,
+            "must be false (TRR++ needs no critic; null turns one on for gae)",
+        ),
+        (
+            "algorithm.filter_groups.enable",
+            select(config, "algorithm.filter_groups.enable", False),
+            lambda v: v is False,
+            "must be false (evicting groups would drop teacher rewards)",
+        ),
+        (
+            "trainer.v1.sampler.sync_refill_failed_groups",
+            select(config, "trainer.v1.sampler.sync_refill_failed_groups", False),
+            lambda v: v is False,
+            "must be false (a failed group is scored as empty answers so its teacher keeps a reward)",
+        ),
+        (
+            "trainer.val_before_train",
+            select(config, "trainer.val_before_train", False),
+            lambda v: v is False,
+            "must be false (PopuLoRA has no validation set; evaluate with populora_verl.eval)",
+        ),
+        (
+            "trainer.total_training_steps",
+            select(config, "trainer.total_training_steps"),
+            lambda v: isinstance(v, int) and v >= 1,
+            "must be an integer >= 1 (prompts come from the population)",
+        ),
     ]
     for key, value, ok, msg in checks:
         if not ok(value):
@@ -112,9 +187,11 @@ def validate_verl_config(config: Any, pcfg: PopuLoRAConfig) -> None:
     ek = select(config, f"{ar}.rollout.engine_kwargs.vllm", {}) or {}
     max_loras = select(ek, "max_loras")
     if not (isinstance(max_loras, int) and max_loras >= n):
-        _bad(f"{ar}.rollout.engine_kwargs.vllm.max_loras",
-             f"must be >= population size ({n}) so every adapter of a batch is resident on each vLLM replica, "
-             f"got {max_loras!r}")
+        _bad(
+            f"{ar}.rollout.engine_kwargs.vllm.max_loras",
+            f"must be >= population size ({n}) so every adapter of a batch is resident on each vLLM replica, "
+            f"got {max_loras!r}",
+        )
     max_cpu = select(ek, "max_cpu_loras", max_loras)
     if not (isinstance(max_cpu, int) and max_cpu >= max_loras):
         _bad(f"{ar}.rollout.engine_kwargs.vllm.max_cpu_loras", f"must be >= max_loras ({max_loras}), got {max_cpu!r}")
@@ -123,9 +200,11 @@ def validate_verl_config(config: Any, pcfg: PopuLoRAConfig) -> None:
         _validate_resident(config)
     poll_interval(config)
     if pcfg.rollout.max_loras is not None and pcfg.rollout.max_loras > max_loras:
-        _bad("populora.rollout.max_loras",
-             f"({pcfg.rollout.max_loras}) exceeds {ar}.rollout.engine_kwargs.vllm.max_loras ({max_loras}), "
-             "which is what vLLM gets")
+        _bad(
+            "populora.rollout.max_loras",
+            f"({pcfg.rollout.max_loras}) exceeds {ar}.rollout.engine_kwargs.vllm.max_loras ({max_loras}), "
+            "which is what vLLM gets",
+        )
     parallel_layout(config, pcfg)
 
 
@@ -133,15 +212,30 @@ def _validate_resident(config: Any) -> None:
     """What resident adapters (populora.population.adapter_layout=resident) rely on in verl's actor."""
     ar = "actor_rollout_ref"
     checks = [
-        (f"{ar}.model.use_remove_padding", select(config, f"{ar}.model.use_remove_padding", False), lambda v: v is True,
-         "must be true with resident adapters (tokens are routed to their adapter in the packed layout)"),
-        (f"{ar}.actor.ulysses_sequence_parallel_size", select(config, f"{ar}.actor.ulysses_sequence_parallel_size", 1),
-         lambda v: v in (1, None), "must be 1 with resident adapters (a sequence split across ranks loses its routing)"),
-        (f"{ar}.actor.fsdp_config.optimizer_offload", select(config, f"{ar}.actor.fsdp_config.optimizer_offload", False),
-         lambda v: not v, "must be false with resident adapters (their optimizer state stays on the GPU)"),
-        (f"{ar}.actor.optim.lr_scheduler_type", select(config, f"{ar}.actor.optim.lr_scheduler_type", "constant"),
-         lambda v: v in ("constant", "cosine"),
-         "must be 'constant' or 'cosine' with resident adapters (each adapter follows the schedule's lambda)"),
+        (
+            f"{ar}.model.use_remove_padding",
+            select(config, f"{ar}.model.use_remove_padding", False),
+            lambda v: v is True,
+            "must be true with resident adapters (tokens are routed to their adapter in the packed layout)",
+        ),
+        (
+            f"{ar}.actor.ulysses_sequence_parallel_size",
+            select(config, f"{ar}.actor.ulysses_sequence_parallel_size", 1),
+            lambda v: v in (1, None),
+            "must be 1 with resident adapters (a sequence split across ranks loses its routing)",
+        ),
+        (
+            f"{ar}.actor.fsdp_config.optimizer_offload",
+            select(config, f"{ar}.actor.fsdp_config.optimizer_offload", False),
+            lambda v: not v,
+            "must be false with resident adapters (their optimizer state stays on the GPU)",
+        ),
+        (
+            f"{ar}.actor.optim.lr_scheduler_type",
+            select(config, f"{ar}.actor.optim.lr_scheduler_type", "constant"),
+            lambda v: v in ("constant", "cosine"),
+            "must be 'constant' or 'cosine' with resident adapters (each adapter follows the schedule's lambda)",
+        ),
     ]
     for key, value, ok, msg in checks:
         if not ok(value):
@@ -154,22 +248,33 @@ def _validate_overridden_keys(config: Any, pcfg: PopuLoRAConfig) -> None:
     ar = "actor_rollout_ref"
     n = select(config, f"{ar}.rollout.n")
     if n != 1:
-        _bad(f"{ar}.rollout.n", "must be 1: PopuLoRA sets samples per prompt itself (populora.rollout.teacher_n / "
-             f"student_n), got {n!r}")
+        _bad(
+            f"{ar}.rollout.n",
+            f"must be 1: PopuLoRA sets samples per prompt itself (populora.rollout.teacher_n / student_n), got {n!r}",
+        )
     # The trainer makes each slot's whole batch one PPO mini-batch; in verl's terms that is
     # ppo_mini_batch_size == train_batch_size (one optimizer step per epoch), so ask for exactly that.
     mini, batch = select(config, f"{ar}.actor.ppo_mini_batch_size"), select(config, "data.train_batch_size")
     if mini != batch:
-        _bad(f"{ar}.actor.ppo_mini_batch_size", f"must equal data.train_batch_size ({batch!r}): PopuLoRA trains each "
-             f"adapter's whole batch as one mini-batch (one optimizer step per ppo_epoch), got {mini!r}")
+        _bad(
+            f"{ar}.actor.ppo_mini_batch_size",
+            f"must equal data.train_batch_size ({batch!r}): PopuLoRA trains each "
+            f"adapter's whole batch as one mini-batch (one optimizer step per ppo_epoch), got {mini!r}",
+        )
     length = select(config, f"{ar}.rollout.response_length") or select(config, "data.max_response_length")
     if pcfg.rollout.max_new_tokens is not None and pcfg.rollout.max_new_tokens != length:
-        _bad("populora.rollout.max_new_tokens", f"({pcfg.rollout.max_new_tokens}) differs from {ar}.rollout."
-             f"response_length ({length!r}), which is what vLLM generates with: set that, or leave this null")
+        _bad(
+            "populora.rollout.max_new_tokens",
+            f"({pcfg.rollout.max_new_tokens}) differs from {ar}.rollout."
+            f"response_length ({length!r}), which is what vLLM generates with: set that, or leave this null",
+        )
     temp = select(config, f"{ar}.rollout.temperature")
     if pcfg.rollout.temperature is not None and pcfg.rollout.temperature != temp:
-        _bad("populora.rollout.temperature", f"({pcfg.rollout.temperature}) differs from {ar}.rollout.temperature "
-             f"({temp!r}), which is what vLLM samples with: set that, or leave this null")
+        _bad(
+            "populora.rollout.temperature",
+            f"({pcfg.rollout.temperature}) differs from {ar}.rollout.temperature "
+            f"({temp!r}), which is what vLLM samples with: set that, or leave this null",
+        )
 
 
 @dataclass(frozen=True)
@@ -189,12 +294,17 @@ class ParallelLayout:
     adapter_layout: str = "bank"
 
     def describe(self) -> str:
-        held = ("every adapter resident and replicated on each rank" if self.adapter_layout == "resident"
-                else f"every adapter sharded over {self.fsdp_size}")
-        return (f"{self.n_gpus} GPU(s) on {self.nnodes} node(s); actor: {self.actor_dp} data-parallel rank(s), "
-                f"{held}; rollout: {self.replicas} vLLM replica(s) x "
-                f"{self.rollout_world} GPU(s) (TP {self.rollout_tp}), each serving all {self.adapters} adapters "
-                f"(max_loras {self.max_loras})")
+        held = (
+            "every adapter resident and replicated on each rank"
+            if self.adapter_layout == "resident"
+            else f"every adapter sharded over {self.fsdp_size}"
+        )
+        return (
+            f"{self.n_gpus} GPU(s) on {self.nnodes} node(s); actor: {self.actor_dp} data-parallel rank(s), "
+            f"{held}; rollout: {self.replicas} vLLM replica(s) x "
+            f"{self.rollout_world} GPU(s) (TP {self.rollout_tp}), each serving all {self.adapters} adapters "
+            f"(max_loras {self.max_loras})"
+        )
 
 
 def _positive_int(config: Any, key: str, default: Any = None) -> int:
@@ -216,13 +326,17 @@ def parallel_layout(config: Any, pcfg: PopuLoRAConfig) -> ParallelLayout:
     pp = _positive_int(config, f"{ar}.rollout.pipeline_model_parallel_size", 1)
     rollout_world = tp * rdp * pp
     if n_gpus % rollout_world:
-        _bad(f"{ar}.rollout.tensor_model_parallel_size",
-             f"a vLLM replica needs TP {tp} x DP {rdp} x PP {pp} = {rollout_world} GPUs, which must divide "
-             f"trainer.n_gpus_per_node x trainer.nnodes = {n_gpus}")
+        _bad(
+            f"{ar}.rollout.tensor_model_parallel_size",
+            f"a vLLM replica needs TP {tp} x DP {rdp} x PP {pp} = {rollout_world} GPUs, which must divide "
+            f"trainer.n_gpus_per_node x trainer.nnodes = {n_gpus}",
+        )
     if rollout_world > per_node and rollout_world % per_node:
-        _bad(f"{ar}.rollout.tensor_model_parallel_size",
-             f"a replica spanning nodes must use whole nodes: {rollout_world} GPUs is not a multiple of "
-             f"trainer.n_gpus_per_node ({per_node})")
+        _bad(
+            f"{ar}.rollout.tensor_model_parallel_size",
+            f"a replica spanning nodes must use whole nodes: {rollout_world} GPUs is not a multiple of "
+            f"trainer.n_gpus_per_node ({per_node})",
+        )
     sp = _positive_int(config, f"{ar}.actor.ulysses_sequence_parallel_size", 1)
     if n_gpus % sp:
         _bad(f"{ar}.actor.ulysses_sequence_parallel_size", f"({sp}) must divide the {n_gpus} actor GPUs")
@@ -233,10 +347,16 @@ def parallel_layout(config: Any, pcfg: PopuLoRAConfig) -> ParallelLayout:
         _bad(f"{ar}.actor.fsdp_config.fsdp_size", f"({fsdp_size}) must divide the {n_gpus} actor GPUs (HSDP groups)")
     ek = select(config, f"{ar}.rollout.engine_kwargs.vllm", {}) or {}
     return ParallelLayout(
-        n_gpus=n_gpus, nnodes=nnodes, actor_dp=n_gpus // sp,
-        fsdp_size=fsdp_size if 0 < fsdp_size < n_gpus else n_gpus, rollout_tp=tp, rollout_world=rollout_world,
-        replicas=n_gpus // rollout_world, max_loras=int(select(ek, "max_loras", 0) or 0),
-        adapters=pcfg.population.num_adapters, adapter_layout=pcfg.population.adapter_layout,
+        n_gpus=n_gpus,
+        nnodes=nnodes,
+        actor_dp=n_gpus // sp,
+        fsdp_size=fsdp_size if 0 < fsdp_size < n_gpus else n_gpus,
+        rollout_tp=tp,
+        rollout_world=rollout_world,
+        replicas=n_gpus // rollout_world,
+        max_loras=int(select(ek, "max_loras", 0) or 0),
+        adapters=pcfg.population.num_adapters,
+        adapter_layout=pcfg.population.adapter_layout,
     )
 
 
@@ -253,5 +373,9 @@ def warn_if_bank_not_shared(paths: Sequence[str | None] | str | None) -> list[st
         logger.warning(
             "populora: %d of %d adapter bank file(s) are not visible from the driver (e.g. %s): put "
             "trainer.default_local_dir on a filesystem shared by every node, or this checkpoint cannot be resumed "
-            "elsewhere", len(unseen), len(listed), unseen[0])
+            "elsewhere",
+            len(unseen),
+            len(listed),
+            unseen[0],
+        )
     return unseen

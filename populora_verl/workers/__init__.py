@@ -14,4 +14,3 @@ __all__ = ["AdapterBank", "AdapterBankError", "PlanEntry", "bank_filename", "ADA
 
 #: Non-tensor batch entry (``KVBatchMeta.extra_info``) naming the slot of a compute_log_prob / update_actor call.
 ADAPTER_KEY = "populora_adapter"
-

@@ -32,9 +32,21 @@ from typing import Any
 
 import torch
 
-__all__ = ["AdapterBank", "AdapterBankError", "PlanEntry", "peft_key", "bank_filename", "bank_file_for",
-           "BANK_FORMAT_VERSION", "default_lora_init", "shard_like", "apply_evolution_plan", "validate_adapter_state",
-           "check_saved_bank", "save_atomically"]
+__all__ = [
+    "AdapterBank",
+    "AdapterBankError",
+    "PlanEntry",
+    "peft_key",
+    "bank_filename",
+    "bank_file_for",
+    "BANK_FORMAT_VERSION",
+    "default_lora_init",
+    "shard_like",
+    "apply_evolution_plan",
+    "validate_adapter_state",
+    "check_saved_bank",
+    "save_atomically",
+]
 
 BANK_FORMAT_VERSION = 1
 
@@ -175,7 +187,9 @@ class AdapterBank:
         for name, p in model.named_parameters():
             if adapter_name in name.split(".") and ("lora_" in name):
                 if type(p).__name__ == "FlatParameter" or "_flat_param" in name:
-                    raise AdapterBankError("FSDP1 flat parameters cannot be swapped per adapter: use actor.strategy=fsdp2")
+                    raise AdapterBankError(
+                        "FSDP1 flat parameters cannot be swapped per adapter: use actor.strategy=fsdp2"
+                    )
                 params[name] = p
         if not params:
             flat = [n for n, _ in model.named_parameters() if "_flat_param" in n]
@@ -246,8 +260,9 @@ class AdapterBank:
 
     # --- slots -----------------------------------------------------------------------------------------------
 
-    def init_slots(self, num_slots: int, seed: int | None = None, *, from_live: bool = False,
-                   shared_a: bool = False) -> None:
+    def init_slots(
+        self, num_slots: int, seed: int | None = None, *, from_live: bool = False, shared_a: bool = False
+    ) -> None:
         """Create ``num_slots`` slots with fresh optimizer state.
 
         ``from_live``: every slot starts as a copy of the live adapter (e.g. a pretrained ``lora_adapter_path``).
@@ -413,9 +428,14 @@ class AdapterBank:
         if self._active in (src, dst):
             self.swap_out()
         s, d = self._slots[src], self._slots[dst]
-        d.optim = None if s.optim is None else {
-            n: {k: (v.clone() if torch.is_tensor(v) else copy.deepcopy(v)) for k, v in st.items()}
-            for n, st in s.optim.items()}
+        d.optim = (
+            None
+            if s.optim is None
+            else {
+                n: {k: (v.clone() if torch.is_tensor(v) else copy.deepcopy(v)) for k, v in st.items()}
+                for n, st in s.optim.items()
+            }
+        )
         d.scheduler, d.lrs = copy.deepcopy(s.scheduler), copy.deepcopy(s.lrs)
         if self._active == dst:
             self._load_optimizer(d)
@@ -435,7 +455,12 @@ class AdapterBank:
                 from torch.distributed.tensor import DTensor
 
                 full = DTensor.from_local(
-                    local.to(_comm_device(p)), p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
+                    local.to(_comm_device(p)),
+                    p.device_mesh,
+                    p.placements,
+                    run_check=False,
+                    shape=p.shape,
+                    stride=p.stride(),
                 ).full_tensor()
                 # Always a copy: when no rank needs to send anything (a mesh of one shard group on CPU) the gather
                 # hands back the slot's own buffer, which the next swap_out overwrites in place.
@@ -468,7 +493,9 @@ class AdapterBank:
     def _validate_state(self, state: Mapping[str, torch.Tensor], what: str) -> None:
         validate_adapter_state(state, {k: tuple(self._params[n].shape) for k, n in self._by_key.items()}, what)
 
-    def apply_plan(self, entries: Sequence[PlanEntry | Mapping[str, Any]], operators: Mapping[str, Any] | None = None) -> list[int]:
+    def apply_plan(
+        self, entries: Sequence[PlanEntry | Mapping[str, Any]], operators: Mapping[str, Any] | None = None
+    ) -> list[int]:
         """Write evolution children into their slots; returns the child slots (:func:`apply_evolution_plan`)."""
         return apply_evolution_plan(self, entries, operators)
 
@@ -511,9 +538,16 @@ class AdapterBank:
                     n: {k: (self._cpu_copy(v) if torch.is_tensor(v) else v) for k, v in st.items()}
                     for n, st in raw["optim"].items()
                 }
-            slots.append(_Slot(params=params, optim=optim, scheduler=copy.deepcopy(raw.get("scheduler")),
-                               lrs=copy.deepcopy(raw.get("lrs")), version=int(raw.get("version", 0)),
-                               updates=int(raw.get("updates", 0))))
+            slots.append(
+                _Slot(
+                    params=params,
+                    optim=optim,
+                    scheduler=copy.deepcopy(raw.get("scheduler")),
+                    lrs=copy.deepcopy(raw.get("lrs")),
+                    version=int(raw.get("version", 0)),
+                    updates=int(raw.get("updates", 0)),
+                )
+            )
         self._slots = slots
         self._active, self._dirty = None, False
 
@@ -523,6 +557,7 @@ class AdapterBank:
 
     def load(self, path: str) -> None:
         self.load_state_dict(torch.load(path, map_location="cpu", weights_only=False))
+
 
 def validate_adapter_state(state: Mapping[str, torch.Tensor], shapes: Mapping[str, tuple[int, ...]], what: str) -> None:
     """A full PEFT adapter state dict must have exactly ``shapes``' keys, those shapes and finite values."""
@@ -585,8 +620,9 @@ def shard_like(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return sharded.to_local()
 
 
-def apply_evolution_plan(store: Any, entries: Sequence[PlanEntry | Mapping[str, Any]],
-                         operators: Mapping[str, Any] | None = None) -> list[int]:
+def apply_evolution_plan(
+    store: Any, entries: Sequence[PlanEntry | Mapping[str, Any]], operators: Mapping[str, Any] | None = None
+) -> list[int]:
     """Write evolution children into the slots of ``store`` (a bank or resident adapters); returns the child slots.
 
     Every child is computed from the parents' weights **before** any child is written, so a slot that is both a

@@ -22,8 +22,15 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # pragma: no cover
     from transfer_queue import KVBatchMeta
 
-__all__ = ["SEGMENTS_KEY", "FUSED_KEY", "interleave", "encode_segments", "decode_segments", "rank_chunks",
-           "segment_bounds"]
+__all__ = [
+    "SEGMENTS_KEY",
+    "FUSED_KEY",
+    "interleave",
+    "encode_segments",
+    "decode_segments",
+    "rank_chunks",
+    "segment_bounds",
+]
 
 #: ``extra_info`` entry that carries the fused layout (JSON; a list would be stacked per sample by TensorDict).
 SEGMENTS_KEY = "populora_segments"
@@ -99,7 +106,7 @@ def segment_bounds(n_rows: int, segments: Sequence[Mapping[str, int]]) -> list[t
     return out
 
 
-def fused_batch(subs: Mapping[int, "KVBatchMeta"], dp: int) -> "KVBatchMeta":
+def fused_batch(subs: Mapping[int, KVBatchMeta], dp: int) -> KVBatchMeta:
     """All slots' balanced sub-batches as one call's batch, laid out per :func:`interleave`.
 
     Each slot keeps its own keys (and verl's balanced order, so each rank gets the share it would get alone)."""

@@ -1,7 +1,8 @@
 """Label log-probabilities from logits without verl's per-token Python loop.
 
 verl's actor computes ``log softmax(z)[y]`` with ``verl.utils.torch_functional.logprobs_from_logits``. With the
-``flash_attn`` package it uses flash-attn's fused cross-entropy; without it (no wheel exists for the tested GPU stack) it
+``flash_attn`` package it uses flash-attn's fused cross-entropy; without it (no wheel exists for the tested GPU stack)
+it
 falls back to ``logprobs_from_logits_v2``, which loops in Python over the first dimension of the packed logits, i.e.
 once per token: on an H100 that is 0.9-1.2 s forward+backward for one 8,192-token micro-batch of Qwen2.5-1.5B, and
 0.043 s for this module's path (``python -m populora_verl.bench.logprob_paths``, BENCHMARKS.md §5). verl's own
@@ -45,7 +46,7 @@ class _LabelLogProbs(torch.autograd.Function):
         z, y = logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)
         lse = torch.empty(z.shape[0], dtype=torch.float32, device=z.device)
         for s in range(0, z.shape[0], chunk):
-            lse[s:s + chunk] = torch.logsumexp(z[s:s + chunk].float(), dim=-1)
+            lse[s : s + chunk] = torch.logsumexp(z[s : s + chunk].float(), dim=-1)
         picked = z.gather(-1, y.unsqueeze(-1)).squeeze(-1).float()
         ctx.save_for_backward(logits, labels, lse)
         ctx.chunk = chunk
@@ -65,7 +66,8 @@ class _LabelLogProbs(torch.autograd.Function):
 
 
 def label_logprobs(logits: torch.Tensor, labels: torch.Tensor, chunk: int = DEFAULT_CHUNK) -> torch.Tensor:
-    """``log_softmax(logits, -1).gather(-1, labels)`` in float32, shape ``labels.shape``, in chunks of ``chunk`` rows."""
+    """``log_softmax(logits, -1).gather(-1, labels)`` in float32, shape ``labels.shape``, in chunks of ``chunk``
+    rows."""
     if logits.shape[:-1] != labels.shape:
         raise ValueError(f"logits {tuple(logits.shape)} and labels {tuple(labels.shape)} disagree before the vocab dim")
     if chunk < 1:
@@ -73,7 +75,9 @@ def label_logprobs(logits: torch.Tensor, labels: torch.Tensor, chunk: int = DEFA
     return _LabelLogProbs.apply(logits, labels.long(), int(chunk))
 
 
-def verl_logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor, inplace_backward: bool = True) -> torch.Tensor:
+def verl_logprobs_from_logits(
+    logits: torch.Tensor, labels: torch.Tensor, inplace_backward: bool = True
+) -> torch.Tensor:
     """Drop-in for verl's ``logprobs_from_logits`` (same signature; ``inplace_backward`` only matters to flash-attn)."""
     return label_logprobs(logits, labels)
 
@@ -81,8 +85,10 @@ def verl_logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor, inplac
 def verl_uses_flash_ce() -> bool:
     """Whether verl's ``logprobs_from_logits`` takes flash-attn's cross-entropy kernel here (verl's own test)."""
     tf = importlib.import_module("verl.utils.torch_functional")
-    return bool(getattr(tf, "FLAH_ATTN_CROSS_ENTROPY_LOSS_AVAILABLE", False)) and \
-        os.environ.get("VERL_DISABLE_FLASH_ATTN_CE", "0") != "1"
+    return (
+        bool(getattr(tf, "FLAH_ATTN_CROSS_ENTROPY_LOSS_AVAILABLE", False))
+        and os.environ.get("VERL_DISABLE_FLASH_ATTN_CE", "0") != "1"
+    )
 
 
 def verl_would_loop() -> bool:

@@ -53,8 +53,18 @@ from populora_verl.workers.adapter_bank import (
     validate_adapter_state,
 )
 
-__all__ = ["ResidentAdapters", "SlotRouting", "routing", "current_routing", "lora_add", "lora_delta", "slot_weights",
-           "slot_token_mean", "grouped_mm_available", "LAYOUTS"]
+__all__ = [
+    "ResidentAdapters",
+    "SlotRouting",
+    "routing",
+    "current_routing",
+    "lora_add",
+    "lora_delta",
+    "slot_weights",
+    "slot_token_mean",
+    "grouped_mm_available",
+    "LAYOUTS",
+]
 
 #: ``populora.population.adapter_layout`` values: ``bank`` (one live adapter swapped per slot) or ``resident``.
 LAYOUTS = ("bank", "resident")
@@ -104,24 +114,43 @@ class SlotRouting:
         inverse[perm] = torch.arange(n, device=perm.device)
         present = counts > 0
         offsets = torch.cumsum(counts[present], 0).to(torch.int32)
-        return cls(num_slots=num_slots, num_tokens=n, counts=tuple(int(c) for c in counts.tolist()),
-                   perm=perm, inverse=inverse, present=tuple(int(k) for k in present.nonzero().flatten().tolist()),
-                   offsets=offsets)
+        return cls(
+            num_slots=num_slots,
+            num_tokens=n,
+            counts=tuple(int(c) for c in counts.tolist()),
+            perm=perm,
+            inverse=inverse,
+            present=tuple(int(k) for k in present.nonzero().flatten().tolist()),
+            offsets=offsets,
+        )
 
     @classmethod
-    def _contiguous(cls, num_slots: int, run_slots: Sequence[int], run_ends: Sequence[int],
-                    device: torch.device | str | None) -> SlotRouting:
+    def _contiguous(
+        cls, num_slots: int, run_slots: Sequence[int], run_ends: Sequence[int], device: torch.device | str | None
+    ) -> SlotRouting:
         counts = [0] * num_slots
         start = 0
         for k, end in zip(run_slots, run_ends, strict=True):
             counts[k] = end - start
             start = end
-        return cls(num_slots=num_slots, num_tokens=start, counts=tuple(counts), perm=None, inverse=None,
-                   present=tuple(run_slots), offsets=torch.tensor(list(run_ends), dtype=torch.int32, device=device))
+        return cls(
+            num_slots=num_slots,
+            num_tokens=start,
+            counts=tuple(counts),
+            perm=None,
+            inverse=None,
+            present=tuple(run_slots),
+            offsets=torch.tensor(list(run_ends), dtype=torch.int32, device=device),
+        )
 
     @classmethod
-    def from_rows(cls, row_slots: torch.Tensor | Sequence[int], row_lengths: torch.Tensor | Sequence[int],
-                  num_slots: int, device: torch.device | str | None = None) -> SlotRouting:
+    def from_rows(
+        cls,
+        row_slots: torch.Tensor | Sequence[int],
+        row_lengths: torch.Tensor | Sequence[int],
+        num_slots: int,
+        device: torch.device | str | None = None,
+    ) -> SlotRouting:
         """Routing for rows packed one after another (verl's remove-padding layout), or padded rows of one length.
 
         Rows grouped by slot are routed from the row lists alone (no token-level tensor, no device round trip);
@@ -146,9 +175,13 @@ class SlotRouting:
                 run_ends.append(end)
         if len(set(run_slots)) == len(run_slots):
             return cls._contiguous(num_slots, run_slots, run_ends, device)
-        return cls.from_tokens(torch.repeat_interleave(torch.tensor(slots, dtype=torch.long, device=device),
-                                                       torch.tensor(lengths, dtype=torch.long, device=device)),
-                               num_slots)
+        return cls.from_tokens(
+            torch.repeat_interleave(
+                torch.tensor(slots, dtype=torch.long, device=device),
+                torch.tensor(lengths, dtype=torch.long, device=device),
+            ),
+            num_slots,
+        )
 
 
 class _Current:
@@ -222,7 +255,7 @@ class _SlotWeights(torch.autograd.Function):
     def backward(ctx, grad_a: torch.Tensor | None, grad_b: torch.Tensor | None):
         weights = ctx.weights
         parts = []
-        for grad, ws in ((grad_a, weights[:ctx.n_a]), (grad_b, weights[ctx.n_a:])):
+        for grad, ws in ((grad_a, weights[: ctx.n_a]), (grad_b, weights[ctx.n_a :])):
             if grad is None or not ws:
                 continue
             grad = grad.to(ws[0].dtype, copy=True)  # a buffer of its own: the slots' .grad become views of it
@@ -243,8 +276,9 @@ def _stack_cast(ws: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
     return torch.stack(list(ws)).to(dtype)
 
 
-def slot_weights(r: SlotRouting, lora_a: Sequence[torch.Tensor], lora_b: Sequence[torch.Tensor],
-                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def slot_weights(
+    r: SlotRouting, lora_a: Sequence[torch.Tensor], lora_b: Sequence[torch.Tensor], dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(A, B)`` of the slots present in ``r``, in its kernel order: ``(present, r, in)`` and ``(present, out, r)``
     in ``dtype``. Only these slots enter the graph: an absent slot's weights cost nothing in this micro-batch, and a
     slot parameter (a plain tensor, not FSDP's) that saw no token on a rank simply has no gradient there
@@ -252,11 +286,19 @@ def slot_weights(r: SlotRouting, lora_a: Sequence[torch.Tensor], lora_b: Sequenc
     ws = [lora_a[k] for k in r.present] + [lora_b[k] for k in r.present]
     if torch.is_grad_enabled() and any(w.requires_grad for w in ws):
         return _SlotWeights.apply(dtype, len(r.present), *ws)
-    return _stack_cast(ws[:len(r.present)], dtype), _stack_cast(ws[len(r.present):], dtype)
+    return _stack_cast(ws[: len(r.present)], dtype), _stack_cast(ws[len(r.present) :], dtype)
 
 
-def lora_add(output: torch.Tensor, x: torch.Tensor, r: SlotRouting, lora_a: Sequence[torch.Tensor],
-             lora_b: Sequence[torch.Tensor], scaling: float, *, grouped: bool | None = None) -> torch.Tensor:
+def lora_add(
+    output: torch.Tensor,
+    x: torch.Tensor,
+    r: SlotRouting,
+    lora_a: Sequence[torch.Tensor],
+    lora_b: Sequence[torch.Tensor],
+    scaling: float,
+    *,
+    grouped: bool | None = None,
+) -> torch.Tensor:
     """``output`` plus ``scaling * B_k (A_k x_t)`` on the row of every routed token ``t`` of slot ``k``.
 
     ``x`` is ``(tokens, in)`` and ``output`` ``(tokens, out)``; rows past ``r.num_tokens`` (a packed sequence's
@@ -276,8 +318,9 @@ def lora_add(output: torch.Tensor, x: torch.Tensor, r: SlotRouting, lora_a: Sequ
     if not present:
         return output
     if output.dtype != x.dtype:  # no shared dtype for one fused kernel: the delta in x's dtype, then output's
-        return output + lora_add(torch.zeros_like(output, dtype=x.dtype), x, r, lora_a, lora_b, scaling,
-                                 grouped=grouped).to(output.dtype)
+        return output + lora_add(
+            torch.zeros_like(output, dtype=x.dtype), x, r, lora_a, lora_b, scaling, grouped=grouped
+        ).to(output.dtype)
     tail = output[n:] if x.shape[0] > n else None
     if tail is not None:  # slicing only when there is a pad: a slice's backward writes a full-size zero gradient
         x, output = x[:n], output[:n]
@@ -301,16 +344,27 @@ def lora_add(output: torch.Tensor, x: torch.Tensor, r: SlotRouting, lora_a: Sequ
             aw, bw = a.unbind(0), b.unbind(0)
             hs = [seg @ aw[j].t() for j, seg in enumerate(xs.split(sizes))]
             if perm is None:
-                out = torch.cat([torch.addmm(o, h, bw[j].t(), alpha=scaling)
-                                 for j, (o, h) in enumerate(zip(output.split(sizes), hs, strict=True))])
+                out = torch.cat(
+                    [
+                        torch.addmm(o, h, bw[j].t(), alpha=scaling)
+                        for j, (o, h) in enumerate(zip(output.split(sizes), hs, strict=True))
+                    ]
+                )
             else:
                 y = torch.cat([h @ bw[j].t() for j, h in enumerate(hs)])
                 out = output.index_add(0, perm, y, alpha=scaling)
     return out if tail is None else torch.cat([out, tail])
 
 
-def lora_delta(x: torch.Tensor, r: SlotRouting, lora_a: Sequence[torch.Tensor], lora_b: Sequence[torch.Tensor],
-               scaling: float, *, grouped: bool | None = None) -> torch.Tensor:
+def lora_delta(
+    x: torch.Tensor,
+    r: SlotRouting,
+    lora_a: Sequence[torch.Tensor],
+    lora_b: Sequence[torch.Tensor],
+    scaling: float,
+    *,
+    grouped: bool | None = None,
+) -> torch.Tensor:
     """``scaling * B_k (A_k x_t)`` for every token ``t`` of slot ``k``; ``x`` is ``(tokens, in)``. The delta alone
     (tests and benchmarks); the model adds it with :func:`lora_add`."""
     if x.shape[0] != r.num_tokens:
@@ -327,16 +381,23 @@ def _resident_hook(module: torch.nn.Module, args: tuple, output: torch.Tensor) -
     flat = x.reshape(-1, x.shape[-1])
     if flat.shape[0] < r.num_tokens:
         raise AdapterBankError(f"a LoRA linear got {flat.shape[0]} tokens but the routing has {r.num_tokens}")
-    out = lora_add(output.reshape(-1, output.shape[-1]), flat, r, module.lora_slots_A, module.lora_slots_B,
-                   module.lora_slots_scaling)
+    out = lora_add(
+        output.reshape(-1, output.shape[-1]),
+        flat,
+        r,
+        module.lora_slots_A,
+        module.lora_slots_B,
+        module.lora_slots_scaling,
+    )
     return out.view(output.shape)
 
 
 # --- the loss ------------------------------------------------------------------------------------------------------
 
 
-def slot_token_mean(loss_mat: torch.Tensor, mask: torch.Tensor, row_slots: torch.Tensor,
-                    slot_tokens: Mapping[int, float]) -> torch.Tensor:
+def slot_token_mean(
+    loss_mat: torch.Tensor, mask: torch.Tensor, row_slots: torch.Tensor, slot_tokens: Mapping[int, float]
+) -> torch.Tensor:
     """Sum over slots of each slot's token-mean loss: ``sum_k sum_{t in k} l_t / T_k``.
 
     ``loss_mat``/``mask`` are ``(rows, tokens)``; ``slot_tokens[k]`` is slot k's token count over the whole
@@ -345,11 +406,13 @@ def slot_token_mean(loss_mat: torch.Tensor, mask: torch.Tensor, row_slots: torch
     """
     # one lookup for every slot (not a pass over the rows per slot); a row of a slot without a count keeps 1
     keys = torch.tensor([int(k) for k in slot_tokens], dtype=torch.long, device=row_slots.device)
-    vals = torch.tensor([max(float(t), 1.0) for t in slot_tokens.values()], dtype=loss_mat.dtype,
-                        device=row_slots.device)
+    vals = torch.tensor(
+        [max(float(t), 1.0) for t in slot_tokens.values()], dtype=loss_mat.dtype, device=row_slots.device
+    )
     match = row_slots.reshape(-1, 1) == keys.reshape(1, -1)
-    denom = torch.where(match.any(-1), (match * vals).sum(-1), torch.ones((), dtype=loss_mat.dtype,
-                                                                           device=row_slots.device))
+    denom = torch.where(
+        match.any(-1), (match * vals).sum(-1), torch.ones((), dtype=loss_mat.dtype, device=row_slots.device)
+    )
     return ((loss_mat * mask).sum(-1) / denom.to(loss_mat.device)).sum()
 
 
@@ -365,8 +428,12 @@ class _SlotMeta:
 
 def _is_lora_layer(module: torch.nn.Module, adapter_name: str) -> bool:
     a, b = getattr(module, "lora_A", None), getattr(module, "lora_B", None)
-    return isinstance(a, torch.nn.ModuleDict) and isinstance(b, torch.nn.ModuleDict) and adapter_name in a \
+    return (
+        isinstance(a, torch.nn.ModuleDict)
+        and isinstance(b, torch.nn.ModuleDict)
+        and adapter_name in a
         and hasattr(module, "base_layer")
+    )
 
 
 class ResidentAdapters:
@@ -383,12 +450,19 @@ class ResidentAdapters:
 
     layout = "resident"
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
-                 lr_scheduler: Any | None = None, *, adapter_name: str = "default") -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        lr_scheduler: Any | None = None,
+        *,
+        adapter_name: str = "default",
+    ) -> None:
         self.model = model
         self.adapter_name = adapter_name
         self._layers: dict[str, torch.nn.Module] = {
-            n: m for n, m in model.named_modules() if _is_lora_layer(m, adapter_name)}
+            n: m for n, m in model.named_modules() if _is_lora_layer(m, adapter_name)
+        }
         if not self._layers:
             raise AdapterBankError(f"model has no LoRA linear layers of adapter {adapter_name!r}")
         # bank parameter names (the "default" adapter's, in model order) -> (layer, "A" | "B")
@@ -443,8 +517,14 @@ class ResidentAdapters:
             for which, attr in (("A", SLOT_A), ("B", SLOT_B)):
                 # a plain list, not registered with the module: verl's FSDP wrapping, checkpoints, offload and
                 # base-weight sync never see the slots; they live in the resident files (the bank's format)
-                setattr(layer, attr, [torch.nn.Parameter(torch.zeros(shapes[which], device=device, dtype=dtype))
-                                      for _ in range(num_slots)])
+                setattr(
+                    layer,
+                    attr,
+                    [
+                        torch.nn.Parameter(torch.zeros(shapes[which], device=device, dtype=dtype))
+                        for _ in range(num_slots)
+                    ],
+                )
             layer.lora_slots_scaling = float(layer.scaling[self.adapter_name])
             # PEFT's forward then runs the base layer alone; the hook adds the routed slots
             layer._disable_adapters = True
@@ -495,13 +575,16 @@ class ResidentAdapters:
     def _optimizer_step(self, slot: int) -> int:
         if self.optimizer is None:
             return 0
-        steps = [float(st["step"]) for p in self.slot_parameters(slot) if "step" in (st := self.optimizer.state.get(p, {}))]
+        steps = [
+            float(st["step"]) for p in self.slot_parameters(slot) if "step" in (st := self.optimizer.state.get(p, {}))
+        ]
         return int(max(steps)) if steps else 0
 
     # --- slots ---------------------------------------------------------------------------------------------------
 
-    def init_slots(self, num_slots: int, seed: int | None = None, *, from_live: bool = False,
-                   shared_a: bool = False) -> None:
+    def init_slots(
+        self, num_slots: int, seed: int | None = None, *, from_live: bool = False, shared_a: bool = False
+    ) -> None:
         """Create ``num_slots`` resident slots with fresh optimizer state; the same draws as the bank's."""
         if not isinstance(num_slots, int) or num_slots < 1:
             raise AdapterBankError(f"num_slots must be an integer >= 1, got {num_slots!r}")
@@ -510,7 +593,9 @@ class ResidentAdapters:
         self._allocate(num_slots)
         with torch.no_grad():
             for k in range(num_slots):
-                gen = None if from_live else torch.Generator().manual_seed(int(seed) * 1_000_003 + (0 if shared_a else k))
+                gen = (
+                    None if from_live else torch.Generator().manual_seed(int(seed) * 1_000_003 + (0 if shared_a else k))
+                )
                 for n, p in self._default.items():
                     if from_live:
                         full = _full(p)
@@ -557,8 +642,9 @@ class ResidentAdapters:
             for ps, pd in zip(self.slot_parameters(src), self.slot_parameters(dst), strict=True):
                 st = self.optimizer.state.get(ps)
                 if st:
-                    self.optimizer.state[pd] = {k: (v.clone() if torch.is_tensor(v) else copy.deepcopy(v))
-                                                for k, v in st.items()}
+                    self.optimizer.state[pd] = {
+                        k: (v.clone() if torch.is_tensor(v) else copy.deepcopy(v)) for k, v in st.items()
+                    }
                 else:
                     self.optimizer.state.pop(pd, None)
         self._meta[dst].schedule_step = self._meta[src].schedule_step
@@ -610,8 +696,9 @@ class ResidentAdapters:
             if k not in keep:
                 for p in self.slot_parameters(k):
                     p.grad = None
-        grads_by_slot = {k: [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.slot_parameters(k)]
-                         for k in trained}
+        grads_by_slot = {
+            k: [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.slot_parameters(k)] for k in trained
+        }
         for k in trained:  # a slot whose rows made no gradient here still steps with a zero one, as it would alone
             for p, g in zip(self.slot_parameters(k), grads_by_slot[k], strict=True):
                 p.grad = g
@@ -676,8 +763,10 @@ class ResidentAdapters:
         """This rank's share of every slot, in the bank's file format (a bank resumes from it and vice versa)."""
         slots = []
         for k, meta in enumerate(self._meta):
-            params = {n: shard_like(self._slot_param(k, n).detach(), self._default[n]).to("cpu", copy=True)
-                      for n in self._params}
+            params = {
+                n: shard_like(self._slot_param(k, n).detach(), self._default[n]).to("cpu", copy=True)
+                for n in self._params
+            }
             optim: dict[str, dict[str, Any]] = {}
             for n in self._params:
                 p = self._slot_param(k, n)
@@ -695,13 +784,24 @@ class ResidentAdapters:
                     else:
                         st[key] = copy.deepcopy(val)
                 optim[n] = st
-            slots.append({"params": params, "optim": optim or None, "scheduler": self._scheduler_state(meta),
-                          "lrs": [self._lr_at(meta.schedule_step)] if self._base_lr is not None else None,
-                          "version": meta.version, "updates": meta.updates})
-        return {"format_version": BANK_FORMAT_VERSION, "layout": self.layout, "adapter_name": self.adapter_name,
-                "param_names": list(self._params),
-                "local_shapes": {n: list(_local(self._default[n]).shape) for n in self._params},
-                "slots": slots}
+            slots.append(
+                {
+                    "params": params,
+                    "optim": optim or None,
+                    "scheduler": self._scheduler_state(meta),
+                    "lrs": [self._lr_at(meta.schedule_step)] if self._base_lr is not None else None,
+                    "version": meta.version,
+                    "updates": meta.updates,
+                }
+            )
+        return {
+            "format_version": BANK_FORMAT_VERSION,
+            "layout": self.layout,
+            "adapter_name": self.adapter_name,
+            "param_names": list(self._params),
+            "local_shapes": {n: list(_local(self._default[n]).shape) for n in self._params},
+            "slots": slots,
+        }
 
     def _scheduler_state(self, meta: _SlotMeta) -> dict[str, Any] | None:
         if self._sched_template is None:
@@ -727,7 +827,11 @@ class ResidentAdapters:
                     for key, val in st.items():
                         if key.startswith("__device__"):
                             continue
-                        if torch.is_tensor(val) and val.dim() > 0 and tuple(val.shape) == tuple(_local(self._default[n]).shape):
+                        if (
+                            torch.is_tensor(val)
+                            and val.dim() > 0
+                            and tuple(val.shape) == tuple(_local(self._default[n]).shape)
+                        ):
                             live[key] = _gather_like(val, self._default[n]).to(device=p.device)
                         elif torch.is_tensor(val):
                             was_cpu = str(st.get(f"__device__{key}", "cpu")).startswith("cpu")
@@ -737,8 +841,11 @@ class ResidentAdapters:
                     if self.optimizer is not None:
                         self.optimizer.state[p] = live
                 sched = raw.get("scheduler") or {}
-                self._meta[k] = _SlotMeta(version=int(raw.get("version", 0)), updates=int(raw.get("updates", 0)),
-                                          schedule_step=int(sched.get("last_epoch", 0) or 0))
+                self._meta[k] = _SlotMeta(
+                    version=int(raw.get("version", 0)),
+                    updates=int(raw.get("updates", 0)),
+                    schedule_step=int(sched.get("last_epoch", 0) or 0),
+                )
 
     def save(self, path: str) -> None:
         """``torch.save`` this rank's share to ``path``, atomically."""
@@ -746,6 +853,7 @@ class ResidentAdapters:
 
     def load(self, path: str) -> None:
         self.load_state_dict(torch.load(path, map_location="cpu", weights_only=False))
+
 
 def _slot_device(param_device: torch.device) -> torch.device:
     if param_device.type == "cpu" and torch.cuda.is_available():
@@ -764,5 +872,11 @@ def _gather_like(local: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
         return local
     from torch.distributed.tensor import DTensor
 
-    return DTensor.from_local(local.to(_comm_device(like)), like.device_mesh, like.placements, run_check=False,
-                              shape=like.shape, stride=like.stride()).full_tensor()
+    return DTensor.from_local(
+        local.to(_comm_device(like)),
+        like.device_mesh,
+        like.placements,
+        run_check=False,
+        shape=like.shape,
+        stride=like.stride(),
+    ).full_tensor()

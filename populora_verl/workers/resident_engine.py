@@ -30,8 +30,15 @@ import torch
 from populora_verl.workers.adapter_bank import AdapterBankError
 from populora_verl.workers.resident import ResidentAdapters, SlotRouting, base_only, set_routing
 
-__all__ = ["SLOT_FIELD", "install", "ResidentEngineMixin", "row_token_counts", "select_rows", "select_tensordict_rows",
-           "per_slot_loss"]
+__all__ = [
+    "SLOT_FIELD",
+    "install",
+    "ResidentEngineMixin",
+    "row_token_counts",
+    "select_rows",
+    "select_tensordict_rows",
+    "per_slot_loss",
+]
 
 #: per-row tensor field naming each row's slot (added by the worker from the fused call's layout)
 SLOT_FIELD = "populora_slot"
@@ -58,11 +65,11 @@ def _jagged_rows(vals: torch.Tensor, offs: torch.Tensor, rows: list[int]) -> tup
     are consecutive, else one concatenation. The offsets are read once (a device round trip), not twice per row."""
     run = _run(rows)
     if run is not None:
-        ends = offs[run[0]:run[1] + 1]
+        ends = offs[run[0] : run[1] + 1]
         start, end = ends[[0, -1]].tolist()
         return vals[start:end], ends - ends[0]
     bounds = offs.tolist()
-    parts = [vals[bounds[i]:bounds[i + 1]] for i in rows]
+    parts = [vals[bounds[i] : bounds[i + 1]] for i in rows]
     lengths = torch.tensor([bounds[i + 1] - bounds[i] for i in rows], device=offs.device, dtype=offs.dtype)
     return torch.cat(parts), torch.cat([offs.new_zeros(1), lengths.cumsum(0)])
 
@@ -77,7 +84,7 @@ def select_rows(t: torch.Tensor, rows: list[int], offsets: torch.Tensor | None =
         out, _ = _jagged_rows(t.reshape(-1), offsets, rows)
         return out.reshape(1, -1) if t.dim() == 2 else out
     run = _run(rows)
-    return t[run[0]:run[1]] if run is not None else t[torch.as_tensor(rows, device=t.device)]
+    return t[run[0] : run[1]] if run is not None else t[torch.as_tensor(rows, device=t.device)]
 
 
 def select_tensordict_rows(data: Any, rows: list[int]) -> Any:
@@ -97,7 +104,7 @@ def select_tensordict_rows(data: Any, rows: list[int]) -> Any:
             vals, offs = _jagged_rows(t.values(), t.offsets(), rows)
             out[key] = torch.nested.nested_tensor_from_jagged(vals, offs)
         elif isinstance(t, torch.Tensor) or t.shape:
-            out[key] = t[run[0]:run[1]]
+            out[key] = t[run[0] : run[1]]
         else:
             out[key] = t  # scalar metadata
     return TensorDict(source=out, batch_size=len(rows))
@@ -123,9 +130,16 @@ def _metric_parts(metrics: Mapping[str, Any]) -> dict[str, tuple[str, float]]:
     return out
 
 
-def per_slot_loss(loss_fn: Callable, slot_tokens: Mapping[int, float], slot_rows: Mapping[int, int],
-                  record: Callable[[int, Mapping[str, Any]], None], *, model_output: Mapping[str, Any],
-                  data: Any, dp_group: Any = None) -> tuple[torch.Tensor, dict[str, Any]]:
+def per_slot_loss(
+    loss_fn: Callable,
+    slot_tokens: Mapping[int, float],
+    slot_rows: Mapping[int, int],
+    record: Callable[[int, Mapping[str, Any]], None],
+    *,
+    model_output: Mapping[str, Any],
+    data: Any,
+    dp_group: Any = None,
+) -> tuple[torch.Tensor, dict[str, Any]]:
     """verl's loss once per slot of a micro-batch on that slot's rows, normalised by the slot's own mini-batch
     tokens and rows; returns the sum and the last slot's metrics (each slot's go to ``record``)."""
     from verl.utils import tensordict_utils as tu
@@ -144,10 +158,10 @@ def per_slot_loss(loss_fn: Callable, slot_tokens: Mapping[int, float], slot_rows
             sub, out = data, model_output
         else:
             sub = select_tensordict_rows(data, rows)
-            out = {name: (select_rows(v, rows, offsets) if torch.is_tensor(v) else v)
-                   for name, v in model_output.items()}
-        tu.assign_non_tensor(sub, batch_num_tokens=max(float(slot_tokens[k]), 1.0),
-                             global_batch_size=int(slot_rows[k]))
+            out = {
+                name: (select_rows(v, rows, offsets) if torch.is_tensor(v) else v) for name, v in model_output.items()
+            }
+        tu.assign_non_tensor(sub, batch_num_tokens=max(float(slot_tokens[k]), 1.0), global_batch_size=int(slot_rows[k]))
         loss_k, metrics = loss_fn(model_output=out, data=sub, dp_group=dp_group)
         record(k, metrics)
         total = loss_k if total is None else total + loss_k
@@ -204,8 +218,11 @@ class ResidentEngineMixin:
         lengths = ids.offsets().diff()
         # kept until the next micro-batch: gradient checkpointing recomputes this forward during backward
         # built where the forward runs (verl moves the micro-batch to the accelerator inside its forward_step)
-        set_routing(SlotRouting.from_rows(micro_batch[SLOT_FIELD].reshape(-1), lengths, self.populora_resident.num_slots,
-                                          device=_compute_device()))
+        set_routing(
+            SlotRouting.from_rows(
+                micro_batch[SLOT_FIELD].reshape(-1), lengths, self.populora_resident.num_slots, device=_compute_device()
+            )
+        )
         return super().forward_step(micro_batch, loss_function, forward_only)
 
     def _record_slot_metrics(self, slot: int, metrics: Mapping[str, Any]) -> None:
@@ -289,7 +306,7 @@ def _comm_device() -> torch.device:
     return torch.device("cpu")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _resident_class(cls: type) -> type:
     return type(f"Resident{cls.__name__}", (ResidentEngineMixin, cls), {"__module__": __name__})
 

@@ -60,8 +60,14 @@ def _tiny_peft_model(device: torch.device) -> torch.nn.Module:
 
     torch.manual_seed(0)  # identical on every rank: FSDP2 then keeps each rank's slice of the same weights
     cfg = transformers.Qwen2Config(
-        vocab_size=VOCAB, hidden_size=30, intermediate_size=45, num_hidden_layers=2, num_attention_heads=3,
-        num_key_value_heads=1, max_position_embeddings=64, tie_word_embeddings=False,
+        vocab_size=VOCAB,
+        hidden_size=30,
+        intermediate_size=45,
+        num_hidden_layers=2,
+        num_attention_heads=3,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
     )
     model = transformers.Qwen2ForCausalLM(cfg)
     lora = LoraConfig(r=3, lora_alpha=6, target_modules=["q_proj", "v_proj", "up_proj", "down_proj"], lora_dropout=0.0)
@@ -114,8 +120,9 @@ def _locals(bank: Any) -> dict[int, dict[str, torch.Tensor]]:
     return {k: {n: t.clone() for n, t in bank._slots[k].params.items()} for k in range(bank.num_slots)}
 
 
-def _same_locals(a: Mapping[int, Mapping[str, torch.Tensor]], b: Mapping[int, Mapping[str, torch.Tensor]],
-                 slot: int) -> bool:
+def _same_locals(
+    a: Mapping[int, Mapping[str, torch.Tensor]], b: Mapping[int, Mapping[str, torch.Tensor]], slot: int
+) -> bool:
     return all(torch.equal(a[slot][n], b[slot][n]) for n in a[slot])
 
 
@@ -206,13 +213,16 @@ def _scenarios(rank: int, world: int, device: torch.device, outdir: str, fsdp_si
     out["sync"], out["sync_layered"] = [], []
     for k in range(NUM_SLOTS):
         with bank.active(k, train=False):
-            out["sync"].append({n: t.detach().cpu().clone()
-                                for n, t in collect_lora_params(model, False, True).items()})
-            out["sync_layered"].append({n: t.detach().cpu().clone()
-                                        for n, t in collect_lora_params(model, True, True).items()})
+            out["sync"].append(
+                {n: t.detach().cpu().clone() for n, t in collect_lora_params(model, False, True).items()}
+            )
+            out["sync_layered"].append(
+                {n: t.detach().cpu().clone() for n, t in collect_lora_params(model, True, True).items()}
+            )
     locals_after = _locals(bank)
     out["sync_left_slots_alone"] = versions_before == [bank.version(k) for k in range(NUM_SLOTS)] and all(
-        _same_locals(locals_before, locals_after, k) for k in range(NUM_SLOTS))
+        _same_locals(locals_before, locals_after, k) for k in range(NUM_SLOTS)
+    )
 
     # Per-rank bank files, loaded into a fresh bank over the same sharded model.
     ckpt = os.path.join(outdir, f"bank_fsdp{fsdp_size}")
@@ -230,7 +240,9 @@ def _scenarios(rank: int, world: int, device: torch.device, outdir: str, fsdp_si
         torch.equal(sa["params"][n], sb["params"][n]) for sa, sb in zip(a["slots"], b["slots"]) for n in sa["params"]
     ) and all(
         torch.equal(v, sb["optim"][n][key]) if torch.is_tensor(v) else v == sb["optim"][n][key]
-        for sa, sb in zip(a["slots"], b["slots"]) for n, st in (sa["optim"] or {}).items() for key, v in st.items()
+        for sa, sb in zip(a["slots"], b["slots"])
+        for n, st in (sa["optim"] or {}).items()
+        for key, v in st.items()
     )
     # A bank file written by one unsharded process does not fit a rank's shard: refused, never half-loaded.
     unsharded_model = _tiny_peft_model(device)
@@ -334,8 +346,10 @@ def check_results(found: Sequence[Mapping[str, Any]]) -> list[Check]:
     for fsdp_size in layouts(world):
         per_rank = [f["layouts"][fsdp_size] for f in found]
         prefix = layout_name(world, fsdp_size)
-        checks += [Check(f"{prefix}: {c.name}", c.ok, c.detail)
-                   for c in _layout_checks(per_rank, found[0]["reference"], fsdp_size)]
+        checks += [
+            Check(f"{prefix}: {c.name}", c.ok, c.detail)
+            for c in _layout_checks(per_rank, found[0]["reference"], fsdp_size)
+        ]
     return checks
 
 
@@ -345,52 +359,118 @@ def _layout_checks(found: Sequence[Mapping[str, Any]], ref: Mapping[str, Any], f
     steps = [TRAIN_ORDER.count(k) for k in r]
     sharded = fsdp_size > 1  # a shard group of one rank holds whole tensors: nothing uneven, any bank file fits
     checks = [
-        _all("FSDP2 shards are uneven across ranks (the hard case)", [
-            "" if not sharded or any(f["local_rows"][n] * fsdp_size != f["full_rows"][n] for n in f["local_rows"]) else
-            "" if any(f["local_rows"][n] * world != f["full_rows"][n] for n in f["local_rows"]) else
-            f"rank {f['rank']}: every shard is even" for f in found]),
-        _all("init_slots: identical full adapters on every rank, equal to one process", [
-            _diff(f["init"][k], ref["init"][k], exact=True) for f in found for k in r]),
-        _all("training a slot changes only that slot's shards on every rank", [
-            "" if f["untouched_bit_identical"] and f["trained_slot_changed"] else
-            f"rank {f['rank']}: untouched={f['untouched_bit_identical']} trained_changed={f['trained_slot_changed']}"
-            for f in found]),
-        _all("per-slot optimizer step counts on every rank", [
-            "" if f["optimizer_steps"] == ref["optimizer_steps"] == steps else f"rank {f['rank']}: {f['optimizer_steps']}"
-            for f in found]),
-        _all("sharded per-slot AdamW training equals one process on the whole batch", [
-            _diff(f["trained"][k], ref["trained"][k], exact=False) for f in found for k in r]),
-        _all("trained adapters bit-identical across ranks", [
-            _diff(f["trained"][k], found[0]["trained"][k], exact=True) for f in found for k in r]),
-        _all("forward under each swapped-in slot equals one process", [
-            _diff({"logits": f["logits"][k]}, {"logits": ref["logits"][k]}, exact=False) for f in found for k in r]),
-        _all("weight sync (verl collect_lora_params) gives the slot's full adapter on every rank", [
-            _diff(f[key][k], f["trained"][k], exact=True) for f in found for k in r for key in ("sync", "sync_layered")]
-            + ["" if f["sync_left_slots_alone"] else f"rank {f['rank']}: sync changed a slot" for f in found]),
-        _all("per-rank bank files save and load exactly", [
-            "" if f["bank_files"] == [f"bank_world_size_{world}_rank_{i}.pt" for i in range(world)] else
-            f"rank {f['rank']}: files {f['bank_files']}" for f in found]
-            + ["" if f["loaded_local_state_equal"] and f["loaded_optimizer_steps"] == f["optimizer_steps"] else
-               f"rank {f['rank']}: loaded state differs" for f in found]
-            + [_diff(f["loaded"][k], f["trained"][k], exact=True) for f in found for k in r]),
-        _all("a bank saved at another world size is refused", [
-            "" if not sharded or "world size or sharding changed" in f["world_size_change"] else
-            f"rank {f['rank']}: {f['world_size_change'][:200]}" for f in found]),
-        _all("evolution (apply_plan): same children on every rank, equal to one process", [
-            _diff(f["evolved"][k], ref["evolved"][k], exact=False) for f in found for k in r]
+        _all(
+            "FSDP2 shards are uneven across ranks (the hard case)",
+            [
+                ""
+                if not sharded or any(f["local_rows"][n] * fsdp_size != f["full_rows"][n] for n in f["local_rows"])
+                else ""
+                if any(f["local_rows"][n] * world != f["full_rows"][n] for n in f["local_rows"])
+                else f"rank {f['rank']}: every shard is even"
+                for f in found
+            ],
+        ),
+        _all(
+            "init_slots: identical full adapters on every rank, equal to one process",
+            [_diff(f["init"][k], ref["init"][k], exact=True) for f in found for k in r],
+        ),
+        _all(
+            "training a slot changes only that slot's shards on every rank",
+            [
+                ""
+                if f["untouched_bit_identical"] and f["trained_slot_changed"]
+                else f"rank {f['rank']}: untouched={f['untouched_bit_identical']} "
+                f"trained_changed={f['trained_slot_changed']}"
+                for f in found
+            ],
+        ),
+        _all(
+            "per-slot optimizer step counts on every rank",
+            [
+                ""
+                if f["optimizer_steps"] == ref["optimizer_steps"] == steps
+                else f"rank {f['rank']}: {f['optimizer_steps']}"
+                for f in found
+            ],
+        ),
+        _all(
+            "sharded per-slot AdamW training equals one process on the whole batch",
+            [_diff(f["trained"][k], ref["trained"][k], exact=False) for f in found for k in r],
+        ),
+        _all(
+            "trained adapters bit-identical across ranks",
+            [_diff(f["trained"][k], found[0]["trained"][k], exact=True) for f in found for k in r],
+        ),
+        _all(
+            "forward under each swapped-in slot equals one process",
+            [_diff({"logits": f["logits"][k]}, {"logits": ref["logits"][k]}, exact=False) for f in found for k in r],
+        ),
+        _all(
+            "weight sync (verl collect_lora_params) gives the slot's full adapter on every rank",
+            [
+                _diff(f[key][k], f["trained"][k], exact=True)
+                for f in found
+                for k in r
+                for key in ("sync", "sync_layered")
+            ]
+            + ["" if f["sync_left_slots_alone"] else f"rank {f['rank']}: sync changed a slot" for f in found],
+        ),
+        _all(
+            "per-rank bank files save and load exactly",
+            [
+                ""
+                if f["bank_files"] == [f"bank_world_size_{world}_rank_{i}.pt" for i in range(world)]
+                else f"rank {f['rank']}: files {f['bank_files']}"
+                for f in found
+            ]
+            + [
+                ""
+                if f["loaded_local_state_equal"] and f["loaded_optimizer_steps"] == f["optimizer_steps"]
+                else f"rank {f['rank']}: loaded state differs"
+                for f in found
+            ]
+            + [_diff(f["loaded"][k], f["trained"][k], exact=True) for f in found for k in r],
+        ),
+        _all(
+            "a bank saved at another world size is refused",
+            [
+                ""
+                if not sharded or "world size or sharding changed" in f["world_size_change"]
+                else f"rank {f['rank']}: {f['world_size_change'][:200]}"
+                for f in found
+            ],
+        ),
+        _all(
+            "evolution (apply_plan): same children on every rank, equal to one process",
+            [_diff(f["evolved"][k], ref["evolved"][k], exact=False) for f in found for k in r]
             + [_diff(f["evolved"][k], found[0]["evolved"][k], exact=True) for f in found for k in r]
-            + ["" if f["evolved_versions"] == [1, 0, 1] and f["evolved_optimizer_steps"] == [0, steps[1], 0] else
-               f"rank {f['rank']}: versions {f['evolved_versions']} steps {f['evolved_optimizer_steps']}" for f in found]),
-        _all("a child sent to every rank is resharded into exact slices and trains from a fresh optimizer", [
-            _diff(f["set_child"], f["set_child_expected"], exact=True) for f in found]
-            + ["" if f["child_shards_are_slices"] and f["post_evolution_step"] == 1 else
-               f"rank {f['rank']}: slices={f['child_shards_are_slices']} step={f['post_evolution_step']}"
-               for f in found]),
+            + [
+                ""
+                if f["evolved_versions"] == [1, 0, 1] and f["evolved_optimizer_steps"] == [0, steps[1], 0]
+                else f"rank {f['rank']}: versions {f['evolved_versions']} steps {f['evolved_optimizer_steps']}"
+                for f in found
+            ],
+        ),
+        _all(
+            "a child sent to every rank is resharded into exact slices and trains from a fresh optimizer",
+            [_diff(f["set_child"], f["set_child_expected"], exact=True) for f in found]
+            + [
+                ""
+                if f["child_shards_are_slices"] and f["post_evolution_step"] == 1
+                else f"rank {f['rank']}: slices={f['child_shards_are_slices']} step={f['post_evolution_step']}"
+                for f in found
+            ],
+        ),
     ]
     if not sharded:  # say so rather than pass silently
-        vacuous = ("FSDP2 shards are uneven across ranks (the hard case)", "a bank saved at another world size is refused")
-        checks = [Check(c.name, c.ok, "n/a: shard groups of one rank hold whole tensors") if c.name in vacuous else c
-                  for c in checks]
+        vacuous = (
+            "FSDP2 shards are uneven across ranks (the hard case)",
+            "a bank saved at another world size is refused",
+        )
+        checks = [
+            Check(c.name, c.ok, "n/a: shard groups of one rank hold whole tensors") if c.name in vacuous else c
+            for c in checks
+        ]
     return checks
 
 
@@ -398,8 +478,11 @@ def load_results(outdir: str, world: int) -> list[dict[str, Any]]:
     found = []
     for rank in range(world):
         path = os.path.join(outdir, f"rank{rank}.pt")
-        found.append(torch.load(path, weights_only=False) if os.path.exists(path) else
-                     {"rank": rank, "error": f"no result file {path} (the process died)"})
+        found.append(
+            torch.load(path, weights_only=False)
+            if os.path.exists(path)
+            else {"rank": rank, "error": f"no result file {path} (the process died)"}
+        )
     return found
 
 
@@ -418,8 +501,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     checks = check_results(load_results(args.out, world))
     for c in checks:
         print(f"{'OK  ' if c.ok else 'FAIL'} {c.name}" + (f": {c.detail}" if c.detail else ""), flush=True)
-    print(f"shard_check: world={world} backend={backend} {sum(c.ok for c in checks)}/{len(checks)} checks passed",
-          flush=True)
+    print(
+        f"shard_check: world={world} backend={backend} {sum(c.ok for c in checks)}/{len(checks)} checks passed",
+        flush=True,
+    )
     return 0 if all(c.ok for c in checks) else 1
 
 

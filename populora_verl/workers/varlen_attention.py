@@ -40,8 +40,9 @@ def cu_seqlens(position_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
     return cu, int((cu[1:] - cu[:-1]).max())
 
 
-def _flash_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, max_len: int,
-                  scale: float | None) -> torch.Tensor:
+def _flash_varlen(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, max_len: int, scale: float | None
+) -> torch.Tensor:
     """torch's varlen flash attention, causal, across the signatures torch releases have given it."""
     from torch.nn.attention.varlen import varlen_attn
 
@@ -62,8 +63,9 @@ def _flash_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.T
     return varlen_attn(q, k, v, cu, cu, max_len, max_len, **kw)
 
 
-def _reference_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor,
-                      scale: float | None) -> torch.Tensor:
+def _reference_varlen(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, scale: float | None
+) -> torch.Tensor:
     """The same attention with one causal ``sdpa`` call per sequence (CPU, tests)."""
     out = torch.empty_like(q)
     rep = q.shape[1] // k.shape[1]
@@ -71,20 +73,30 @@ def _reference_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: tor
         qs, ks, vs = (t[a:b].transpose(0, 1) for t in (q, k, v))  # (H, L, D)
         if rep > 1:
             ks, vs = ks.repeat_interleave(rep, dim=0), vs.repeat_interleave(rep, dim=0)
-        out[a:b] = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale).transpose(0, 1)
+        out[a:b] = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale).transpose(
+            0, 1
+        )
     return out
 
 
-def varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                             attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
-                             **kwargs: Any) -> tuple[torch.Tensor, None]:
+def varlen_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
     """transformers attention function: ``(B, H, S, D)`` in, ``(B, S, H, D)`` out (as ``sdpa_attention_forward``)."""
     position_ids = kwargs.get("position_ids")
     if position_ids is None or query.shape[0] != 1 or attention_mask is not None or kwargs.get("sliding_window"):
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      **kwargs)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # (S, H, D)
     cu, max_len = cu_seqlens(position_ids)
     cu = cu.to(q.device)

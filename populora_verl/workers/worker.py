@@ -25,7 +25,6 @@ from typing import Any
 
 import torch
 from tensordict import TensorDict
-
 from verl.single_controller.base.decorator import Dispatch, make_nd_compute_dataproto_dispatch_fn, register
 from verl.utils import tensordict_utils as tu
 from verl.utils.device import get_torch_device, set_expandable_segments
@@ -33,8 +32,8 @@ from verl.utils.profiler import log_gpu_memory_usage
 from verl.workers.engine_workers import ActorRolloutRefWorker
 
 from populora_verl.rollout.lora_registry import lora_int_id, lora_name
-from populora_verl.workers.fused import SEGMENTS_KEY, decode_segments, segment_bounds
 from populora_verl.workers.adapter_bank import AdapterBank, AdapterBankError, bank_file_for, bank_filename
+from populora_verl.workers.fused import SEGMENTS_KEY, decode_segments, segment_bounds
 from populora_verl.workers.resident import LAYOUTS, ResidentAdapters
 
 logger = logging.getLogger(__name__)
@@ -148,7 +147,9 @@ class PopuLoRAActorRolloutRefWorker(ActorRolloutRefWorker):
 
     def _require_bank(self) -> AdapterBank:
         if self.bank is None:
-            raise AdapterBankError("adapter bank not initialised: call populora_init_bank (or populora_load_bank) first")
+            raise AdapterBankError(
+                "adapter bank not initialised: call populora_init_bank (or populora_load_bank) first"
+            )
         return self.bank
 
     def _build_bank(self, layout: str = "bank") -> AdapterBank | ResidentAdapters:
@@ -156,7 +157,9 @@ class PopuLoRAActorRolloutRefWorker(ActorRolloutRefWorker):
             raise AdapterBankError(f"role {self.role!r} has no actor: the adapter bank lives with the actor")
         strategy = self.config.actor.get("strategy", None) if hasattr(self.config, "actor") else None
         if strategy not in ("fsdp2", None):
-            raise AdapterBankError(f"PopuLoRA needs actor.strategy=fsdp2 (per-adapter swaps of local shards), got {strategy!r}")
+            raise AdapterBankError(
+                f"PopuLoRA needs actor.strategy=fsdp2 (per-adapter swaps of local shards), got {strategy!r}"
+            )
         if layout not in LAYOUTS:
             raise AdapterBankError(f"adapter layout must be one of {list(LAYOUTS)}, got {layout!r}")
         engine = self.actor.engine
@@ -175,8 +178,9 @@ class PopuLoRAActorRolloutRefWorker(ActorRolloutRefWorker):
         return isinstance(self.bank, ResidentAdapters)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def populora_init_bank(self, num_slots: int, seed: int, from_live: bool = False,
-                           shared_a: bool = False, layout: str = "bank") -> dict[str, Any]:
+    def populora_init_bank(
+        self, num_slots: int, seed: int, from_live: bool = False, shared_a: bool = False, layout: str = "bank"
+    ) -> dict[str, Any]:
         """Create ``num_slots`` adapters (PEFT init from ``seed``, one lora_A for all if ``shared_a``, or copies of
         the live adapter), swapped through one live adapter (``layout="bank"``) or all resident in the model."""
         if self.bank is None or getattr(self.bank, "layout", "bank") != layout:
@@ -207,8 +211,13 @@ class PopuLoRAActorRolloutRefWorker(ActorRolloutRefWorker):
         return self._bank_info()
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def populora_set_adapter(self, slot: int, state: Mapping[str, torch.Tensor], reset_optimizer: bool = True,
-                             optimizer_from: int | None = None) -> int:
+    def populora_set_adapter(
+        self,
+        slot: int,
+        state: Mapping[str, torch.Tensor],
+        reset_optimizer: bool = True,
+        optimizer_from: int | None = None,
+    ) -> int:
         """Overwrite a slot with a full PEFT state dict; returns the slot's new version. ``optimizer_from``: the
         slot then takes a copy of that slot's optimizer state (a child keeping its parent's moments)."""
         bank = self._require_bank()
@@ -285,8 +294,11 @@ class PopuLoRAActorRolloutRefWorker(ActorRolloutRefWorker):
         bank = self._require_bank()
         if self._resident():
             # every slot's rows in one call: verl's body runs once, its micro-batches mix slots
-            rows = [seg_slot for seg_slot, start, end, _ in segment_bounds(int(data.batch_size[0]), segments)
-                    for _ in range(start, end)]
+            rows = [
+                seg_slot
+                for seg_slot, start, end, _ in segment_bounds(int(data.batch_size[0]), segments)
+                for _ in range(start, end)
+            ]
             data = _with_slot_rows(data, rows)
             if not train:
                 return ActorRolloutRefWorker.compute_log_prob(self, data)
@@ -362,11 +374,17 @@ class PopuLoRAActorRolloutRefWorker(ActorRolloutRefWorker):
 
         def tensors():
             for t, (slot, _, _) in zip(targets, changed, strict=True):
-                yield from tag_adapter_tensors(t.lora_int_id, convert_weight_keys(bank.get_adapter_state(slot),
-                                                                                  peft_model).items())
+                yield from tag_adapter_tensors(
+                    t.lora_int_id, convert_weight_keys(bank.get_adapter_state(slot), peft_model).items()
+                )
 
-        await self.rollout.update_weights(tensors(), peft_config=peft_config, base_sync_done=True,
-                                          global_steps=global_steps, lora_targets=[t.as_dict() for t in targets])
+        await self.rollout.update_weights(
+            tensors(),
+            peft_config=peft_config,
+            base_sync_done=True,
+            global_steps=global_steps,
+            lora_targets=[t.as_dict() for t in targets],
+        )
         for slot, lid, signature in changed:
             pushed[slot] = lid
             signatures[slot] = signature
@@ -409,7 +427,7 @@ class PopuLoRAActorRolloutRefWorker(ActorRolloutRefWorker):
         pushed = dict(self._populora_pushed or {})
         if self._resident():
             await self._push_resident(pushed, global_steps)
-        for slot, lid, name, retire in ([] if self._resident() else self._lora_targets()):
+        for slot, lid, name, retire in [] if self._resident() else self._lora_targets():
             with bank.active(slot, train=False):
                 params, peft_config = self.actor.engine.get_per_tensor_param(
                     layered_summon=self.layered_summon, base_sync_done=True
@@ -417,8 +435,13 @@ class PopuLoRAActorRolloutRefWorker(ActorRolloutRefWorker):
                 if peft_config is None:
                     raise AdapterBankError("engine returned no peft_config: the actor has no LoRA adapter")
                 await self.rollout.update_weights(
-                    params, peft_config=peft_config, base_sync_done=True, global_steps=global_steps,
-                    lora_int_id=lid, lora_name=name, retire_lora_int_ids=retire,
+                    params,
+                    peft_config=peft_config,
+                    base_sync_done=True,
+                    global_steps=global_steps,
+                    lora_int_id=lid,
+                    lora_name=name,
+                    retire_lora_int_ids=retire,
                 )
             pushed[slot] = lid
         self._populora_pushed = pushed
