@@ -128,6 +128,9 @@ class PopuLoRATrainer(GenerationMixin, TrainingMixin, HooksMixin, ProbesMixin, P
             self.replay_buffer = self._build_replay_buffer()
         use_populora_worker(config)
         from populora_verl.plugin import check_registrations
+        from populora_verl.rollout import early_agent_loop
+
+        early_agent_loop.configure(config)  # the task runner's agent-loop manager: workers started by init()
 
         check_registrations()
         self.pcfg: PopuLoRAConfig = load_config(config.get("populora"))
@@ -153,6 +156,11 @@ class PopuLoRATrainer(GenerationMixin, TrainingMixin, HooksMixin, ProbesMixin, P
         return buffer
 
     def init(self) -> None:
+        # The agent-loop workers' processes start now and import while the worker groups and vLLM start; the task
+        # runner's manager binds them to the servers afterwards (populora_verl.rollout.early_agent_loop).
+        from populora_verl.rollout import early_agent_loop
+
+        early_agent_loop.start(self.config)
         super().init()  # worker groups (FSDP), vLLM engines, weight-sync manager, then _load_checkpoint
         self._mark("checkpoint + weight sync")
 

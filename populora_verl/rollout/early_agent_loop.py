@@ -1,0 +1,223 @@
+"""The agent-loop workers start while vLLM starts, not at step 1's first hand-off.
+
+verl's task runner creates its agent-loop workers (Ray actors that import verl, load the tokenizer and connect to
+TransferQueue) only after ``trainer.init()`` has brought the vLLM servers up, and step 1's first
+``generate_sequences`` waits for their processes to start (24-37 s measured). Here the trainer starts them at the
+beginning of its ``init()``, without server handles, so their imports and set-up run beside the worker groups' and
+vLLM's start; the task runner's manager (verl's ``actor_rollout_ref.rollout.agent.agent_loop_manager_class``, which
+the trainer points at :class:`EarlyAgentLoopManager`) then binds the LLM client and the reward workers' handles.
+
+``+trainer.populora_early_agent_loop=false`` keeps verl's order (the A/B lever of ``populora_verl.bench.startup``).
+A manager class set by the user, or distillation (its teacher client is needed at construction), also keeps it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+from uuid import uuid4
+
+import ray
+from omegaconf import DictConfig, OmegaConf, open_dict
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
+from verl.trainer.ppo.v1.agent_loop_tq import AgentLoopManagerTQ, AgentLoopWorkerTQ
+from verl.utils.ray_utils import auto_await
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "EARLY_KEY",
+    "MANAGER_KEY",
+    "MANAGER_FQN",
+    "WATCHED_SECTIONS",
+    "UnboundClient",
+    "EarlyAgentLoopWorker",
+    "EarlyAgentLoopManager",
+    "configure",
+    "start",
+    "take",
+    "create_workers",
+]
+
+#: ``+trainer.populora_early_agent_loop=false``: verl's order (workers created after the servers are up).
+EARLY_KEY = "trainer.populora_early_agent_loop"
+#: verl's key for a custom agent-loop manager (declared by ``verl.workers.config.AgentLoopConfig``).
+MANAGER_KEY = "actor_rollout_ref.rollout.agent.agent_loop_manager_class"
+MANAGER_FQN = "populora_verl.rollout.early_agent_loop.EarlyAgentLoopManager"
+#: The config sections an agent-loop worker reads at construction. The trainer's set-up may change others (the
+#: actor's optimizer); a change in one of these between the early start and the binding rebuilds the worker's state
+#: from the final config (the imports, the slow part, are done by then).
+WATCHED_SECTIONS = ("actor_rollout_ref.rollout", "actor_rollout_ref.model", "data", "reward", "distillation")
+
+
+def _distillation(config: DictConfig) -> bool:
+    return bool(OmegaConf.select(config, "distillation.enabled", default=False))
+
+
+def configure(config: DictConfig) -> bool:
+    """Point verl's agent-loop manager key at :class:`EarlyAgentLoopManager` when the early start is on; returns
+    whether it did. Called by the trainer's constructor, before the task runner reads the key."""
+    if not bool(OmegaConf.select(config, EARLY_KEY, default=True)):
+        return False
+    current = OmegaConf.select(config, MANAGER_KEY, default=None)
+    if current not in (None, MANAGER_FQN):
+        print(f"[populora] {MANAGER_KEY}={current}: the agent-loop workers start at verl's point", flush=True)
+        return False
+    if _distillation(config):
+        return False
+    with open_dict(config):
+        OmegaConf.update(config, MANAGER_KEY, MANAGER_FQN, force_add=True)
+    return True
+
+
+@dataclass
+class _Started:
+    workers: list[Any]
+    at: float = field(default_factory=time.time)
+
+
+_STARTED: _Started | None = None
+
+
+def _node_ids() -> list[str]:
+    """verl's placement: every live node with CPUs, round robin."""
+    return [node["NodeID"] for node in ray.nodes() if node["Alive"] and node["Resources"].get("CPU", 0) > 0]
+
+
+def worker_class() -> Any:
+    """The Ray actor class of the workers (``ray.remote`` of :class:`EarlyAgentLoopWorker`)."""
+    return ray.remote(EarlyAgentLoopWorker)
+
+
+def create_workers(config: DictConfig, worker_cls: Any, args: tuple = (), node_ids: list[str] | None = None) -> list:
+    """``agent.num_workers`` actors placed as verl places them; ``args`` follow the config in the constructor (none:
+    unbound). ``.remote`` returns at once: each actor's process starts and runs its constructor in the background."""
+    n = int(OmegaConf.select(config, "actor_rollout_ref.rollout.agent.num_workers"))
+    nodes = node_ids if node_ids is not None else _node_ids()
+    workers = []
+    for i in range(n):
+        options: dict[str, Any] = {"name": f"agent_loop_worker_{i}_{uuid4().hex[:8]}"}
+        if nodes:
+            options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_id=nodes[i % len(nodes)], soft=True)
+        workers.append(worker_cls.options(**options).remote(config, *args))
+    return workers
+
+
+def start(config: DictConfig, worker_cls: Any = None, node_ids: list[str] | None = None) -> bool:
+    """Start the agent-loop workers now, unbound, when the config names :class:`EarlyAgentLoopManager` (set by
+    :func:`configure`); the manager built by the task runner takes them (:func:`take`). Returns whether it did."""
+    global _STARTED
+    if OmegaConf.select(config, MANAGER_KEY, default=None) != MANAGER_FQN:
+        return False
+    if not bool(OmegaConf.select(config, EARLY_KEY, default=True)) or _distillation(config):
+        return False
+    workers = create_workers(config, worker_cls if worker_cls is not None else worker_class(), (), node_ids)
+    _STARTED = _Started(workers)
+    return True
+
+
+def take() -> _Started | None:
+    """The workers :func:`start` started for this process's trainer (once; None when none were started): one
+    trainer per task-runner process."""
+    global _STARTED
+    started, _STARTED = _STARTED, None
+    return started
+
+
+class UnboundClient:
+    """The LLM client of a worker started before the servers are up. verl sets ``tokenizer`` on it (traces); any
+    other use is a bug: the manager binds the real client before the first hand-off."""
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise AttributeError(f"agent-loop worker used before its LLM client was bound ({name!r})")
+
+
+def _sections(config: Any) -> dict[str, Any]:
+    return {
+        key: OmegaConf.to_container(section) if isinstance(section, DictConfig) else section
+        for key in WATCHED_SECTIONS
+        for section in (OmegaConf.select(config, key, default=None),)
+    }
+
+
+class EarlyAgentLoopWorker(getattr(AgentLoopWorkerTQ, "__ray_actor_class__", AgentLoopWorkerTQ)):
+    """verl's TransferQueue agent-loop worker that may be constructed before the servers exist (``llm_client``
+    None) and bound later (:meth:`bind`)."""
+
+    def __init__(
+        self,
+        config: DictConfig,
+        llm_client: Any = None,
+        teacher_client: Any = None,
+        reward_loop_worker_handles: list | None = None,
+    ) -> None:
+        self.started_at = time.time()
+        super().__init__(
+            config, UnboundClient() if llm_client is None else llm_client, teacher_client, reward_loop_worker_handles
+        )
+        self.ready_at = time.time()
+
+    def bind(
+        self,
+        config: DictConfig,
+        llm_client: Any,
+        teacher_client: Any = None,
+        reward_loop_worker_handles: list | None = None,
+    ) -> dict[str, Any]:
+        """Take the servers' client and the reward workers' handles (and the final config); the constructor's state
+        is rebuilt only if a section it read (:data:`WATCHED_SECTIONS`) changed since the start."""
+        rebuilt = _sections(self.config) != _sections(config)
+        if rebuilt:
+            AgentLoopWorker.__init__(self, config, llm_client, teacher_client, reward_loop_worker_handles)
+        else:
+            self.config = config
+            self.llm_client = llm_client
+            self.teacher_client = teacher_client
+            self.reward_loop_worker_handles = reward_loop_worker_handles
+            if self.rollout_config.trace.get("token2text", False):
+                llm_client.tokenizer = self.tokenizer  # what verl's constructor does for traces
+        return {"started_at": self.started_at, "ready_at": self.ready_at, "rebuilt": rebuilt}
+
+
+class EarlyAgentLoopManager(AgentLoopManagerTQ):
+    """verl's TransferQueue agent-loop manager over the workers the trainer started early (:func:`start`); without
+    them (the early start off or refused) it creates its own, bound, as verl does."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.agent_loop_workers_class = worker_class()
+
+    @classmethod
+    @auto_await
+    async def create(cls, *args: Any, **kwargs: Any) -> EarlyAgentLoopManager:
+        instance = cls(*args, **kwargs)
+        await instance.bind_workers()
+        return instance
+
+    async def bind_workers(self) -> None:
+        handles = (self.llm_client, self.teacher_client, self.reward_loop_worker_handles)
+        started = take()
+        n = int(self.rollout_config.agent.num_workers)
+        if started is None or len(started.workers) != n:
+            for worker in started.workers if started is not None else ():
+                ray.kill(worker)
+            self.agent_loop_workers = create_workers(self.config, self.agent_loop_workers_class, handles)
+            return
+        self.agent_loop_workers = started.workers
+        t0 = time.time()
+        infos = await asyncio.gather(*[w.bind.remote(self.config, *handles) for w in self.agent_loop_workers])
+        waited = time.time() - t0
+        ready = max(float(i["ready_at"]) for i in infos)
+        rebuilt = sum(bool(i["rebuilt"]) for i in infos)
+        print(
+            f"[populora] agent-loop workers: {n} started with the trainer's set-up, ready after "
+            f"{ready - started.at:.0f} s, {max(0.0, t0 - ready):.0f} s before the servers' hand-off; bound in "
+            f"{waited:.1f} s" + (f" ({rebuilt} rebuilt for a changed config)" if rebuilt else ""),
+            flush=True,
+        )

@@ -1,0 +1,184 @@
+"""The agent-loop workers start with the trainer's set-up, before the vLLM servers are up, and are bound to them
+afterwards (populora_verl.rollout.early_agent_loop). Fake worker classes and a fake verl ``init`` record an event
+log; no Ray cluster, no GPU."""
+
+from __future__ import annotations
+
+import pytest
+from omegaconf import OmegaConf
+
+from populora_verl.rollout import early_agent_loop as early
+
+SERVERS_UP = "servers up"
+NODE = "ab" * 28  # a Ray node id (hex)
+
+
+def _config(**trainer):
+    return OmegaConf.create(
+        {
+            "trainer": dict(trainer),
+            "actor_rollout_ref": {
+                "rollout": {"agent": {"num_workers": 2}, "trace": {}},
+                "model": {"path": "/m"},
+                "actor": {"optim": {"total_training_steps": 0}},
+            },
+            "data": {"max_prompt_length": 8},
+            "reward": {},
+        }
+    )
+
+
+class _Remote:
+    def __init__(self, fn):
+        self.remote = fn
+
+
+class FakeHandle:
+    """An actor handle: ``bind.remote`` is awaitable, as a Ray ObjectRef is."""
+
+    def __init__(self, events, args):
+        self.events, self.bound = events, (args or None)
+        self.bind = _Remote(self._bind)
+
+    async def _bind(self, config, *handles):
+        self.events.append("bind")
+        self.bound = handles
+        return {"started_at": 1.0, "ready_at": 2.0, "rebuilt": False}
+
+
+class FakeWorkerClass:
+    """``ray.remote(EarlyAgentLoopWorker)`` as the module uses it: ``options(...).remote(config, *args)``."""
+
+    def __init__(self, events):
+        self.events, self.created, self.options_seen = events, [], []
+
+    def options(self, **options):
+        self.options_seen.append(options)
+        return self
+
+    def remote(self, config, *args):
+        self.events.append("worker created" if not args else "worker created bound")
+        handle = FakeHandle(self.events, args)
+        self.created.append(handle)
+        return handle
+
+
+@pytest.fixture
+def fakes(monkeypatch):
+    """The trainer with verl's ``init`` replaced by the servers' start, the workers by fakes; the event log."""
+    from populora_verl.trainer import trainer as tr
+
+    events: list[str] = []
+    workers = FakeWorkerClass(events)
+    monkeypatch.setattr(early, "worker_class", lambda: workers)
+    monkeypatch.setattr(early, "_node_ids", lambda: [NODE])
+    monkeypatch.setattr(early, "_STARTED", None)
+
+    def verl_init(self):  # worker groups, then the vLLM servers: up when this returns
+        events.extend(["worker groups", "servers starting", SERVERS_UP])
+
+    monkeypatch.setattr(tr.PPOTrainerSync, "init", verl_init)
+    return tr.PopuLoRATrainer, workers, events
+
+
+def _task_runner(trainer_cls, config):
+    """verl's TaskRunnerV1.run: trainer.init(), then the manager named by the config, with the servers' client."""
+    t = object.__new__(trainer_cls)
+    t.config = config
+    t.init()
+    assert OmegaConf.select(config, early.MANAGER_KEY) == early.MANAGER_FQN
+    return early.EarlyAgentLoopManager.create(
+        config=config, llm_client="llm-client", teacher_client=None, reward_loop_worker_handles=["reward0"]
+    )
+
+
+def test_workers_start_before_the_servers_are_up_and_are_bound_after(fakes):
+    trainer_cls, workers, events = fakes
+    config = _config()
+    assert early.configure(config)  # the trainer's constructor
+    manager = _task_runner(trainer_cls, config)
+    assert events == ["worker created"] * 2 + ["worker groups", "servers starting", SERVERS_UP] + ["bind"] * 2
+    assert manager.agent_loop_workers == workers.created  # the early workers, none created at the hand-off
+    assert all(w.bound == ("llm-client", None, ["reward0"]) for w in workers.created)
+    assert [o["scheduling_strategy"].node_id for o in workers.options_seen] == [NODE, NODE]
+    assert early.take() is None  # taken once
+
+
+def test_verls_order_when_the_early_start_is_off(fakes):
+    """The contrast that the test above rules out: workers created only after the servers are up."""
+    trainer_cls, workers, events = fakes
+    config = _config(populora_early_agent_loop=False)
+    assert not early.configure(config)
+    OmegaConf.update(config, early.MANAGER_KEY, early.MANAGER_FQN, force_add=True)  # the class set by hand
+    manager = _task_runner(trainer_cls, config)
+    assert events == ["worker groups", "servers starting", SERVERS_UP] + ["worker created bound"] * 2
+    assert manager.agent_loop_workers == workers.created
+    assert all(w.bound == ("llm-client", None, ["reward0"]) for w in workers.created)
+
+
+def test_configure_leaves_a_users_manager_and_distillation_alone(capsys):
+    config = _config()
+    OmegaConf.update(config, early.MANAGER_KEY, "my.Manager", force_add=True)
+    assert not early.configure(config)
+    assert OmegaConf.select(config, early.MANAGER_KEY) == "my.Manager"
+    assert "verl's point" in capsys.readouterr().out
+    config = _config()
+    OmegaConf.update(config, "distillation", {"enabled": True}, force_add=True)
+    assert not early.configure(config)
+    assert not early.start(config, worker_cls=object(), node_ids=[])  # nothing named: nothing started
+
+
+def test_a_worker_count_changed_after_the_start_gets_fresh_bound_workers(fakes, monkeypatch):
+    _, workers, events = fakes
+    config = _config()
+    early.configure(config)
+    assert early.start(config)
+    killed = []
+    monkeypatch.setattr(early.ray, "kill", killed.append)
+    OmegaConf.update(config, "actor_rollout_ref.rollout.agent.num_workers", 3)
+    manager = early.EarlyAgentLoopManager.create(config=config, llm_client="c", teacher_client=None)
+    assert killed == workers.created[:2]
+    assert manager.agent_loop_workers == workers.created[2:] and len(manager.agent_loop_workers) == 3
+    assert events[2:] == ["worker created bound"] * 3
+
+
+def _bare_worker(config):
+    w = object.__new__(early.EarlyAgentLoopWorker)
+    w.config, w.rollout_config, w.tokenizer = config, OmegaConf.create({"trace": {"token2text": True}}), "tok"
+    w.started_at, w.ready_at = 1.0, 2.0
+    return w
+
+
+def test_bind_keeps_the_state_unless_a_watched_section_changed(monkeypatch):
+    from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
+
+    rebuilt = []
+    monkeypatch.setattr(AgentLoopWorker, "__init__", lambda self, *a: rebuilt.append(a))
+
+    class Client:
+        pass
+
+    config = _config()
+    w = _bare_worker(config)
+    later = _config()
+    OmegaConf.update(later, "actor_rollout_ref.actor.optim.total_training_steps", 100)  # not read by the worker
+    client = Client()
+    info = w.bind(later, client, None, ["r"])
+    assert info == {"started_at": 1.0, "ready_at": 2.0, "rebuilt": False} and not rebuilt
+    assert (w.config, w.llm_client, w.reward_loop_worker_handles, client.tokenizer) == (later, client, ["r"], "tok")
+
+    changed = _config()
+    OmegaConf.update(changed, "actor_rollout_ref.rollout.agent.num_workers", 4)
+    assert w.bind(changed, client, None, ["r"])["rebuilt"]
+    assert rebuilt == [(changed, client, None, ["r"])]
+
+
+def test_a_worker_started_unbound_holds_a_client_that_refuses_use(monkeypatch):
+    base = early.EarlyAgentLoopWorker.__mro__[1]
+    seen = []
+    monkeypatch.setattr(base, "__init__", lambda self, config, client, *rest: seen.append(client))
+    w = early.EarlyAgentLoopWorker(_config())
+    assert isinstance(seen[0], early.UnboundClient) and w.ready_at >= w.started_at
+    seen[0].tokenizer = "tok"  # verl's constructor may set this much
+    with pytest.raises(AttributeError, match="before its LLM client was bound"):
+        seen[0].generate  # noqa: B018
