@@ -20,11 +20,12 @@ import os
 import re
 import time
 
-__all__ = ["START_ENV", "LINE_PREFIX", "record_start", "imported_at", "Timeline", "total_seconds"]
+__all__ = ["START_ENV", "LINE_PREFIX", "record_start", "imported_at", "Timeline", "total_seconds", "parse_line"]
 
 START_ENV = "POPULORA_START_TIME"
 LINE_PREFIX = "[populora] start-up: "
 _TOTAL = re.compile(re.escape(LINE_PREFIX) + r".*\btotal (\d+(?:\.\d+)?) s")
+_PHASE = re.compile(r"^(?P<name>.+?) (?P<sec>-?\d+(?:\.\d+)?) s$")
 
 
 _IMPORTED_AT: float | None = None
@@ -82,3 +83,17 @@ def timed(name: str, timing_raw: dict, **kwargs):
     from verl.utils.debug import marked_timer
 
     return marked_timer(name, timing_raw, **kwargs)
+
+
+def parse_line(log: str) -> dict[str, float] | None:
+    """The phases of the last start-up line in ``log`` (a trainer's output), in order, ``total`` last where printed:
+    the inverse of :meth:`Timeline.line`. None when the log has no such line."""
+    lines = [ln for ln in log.splitlines() if LINE_PREFIX in ln]
+    if not lines:
+        return None
+    phases: dict[str, float] = {}
+    for part in lines[-1].split(LINE_PREFIX, 1)[1].strip().split(" | "):
+        m = _PHASE.match(part.strip())
+        if m:
+            phases[m["name"]] = float(m["sec"])
+    return phases

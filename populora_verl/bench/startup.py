@@ -1,0 +1,351 @@
+"""Start-up benchmark: a recipe's timeline from launch to the end of step 1, N times, median and spread per phase.
+
+Each run is ``python -m verl.trainer.main_ppo`` with the recipe, a fresh run directory and its own Ray instance; it
+ends once the trainer prints its start-up line (``[populora] start-up: ... | total N s``, printed at the end of
+step 1): the process group is ended then, and a stop file ends the run at step 1 should that fail. The phases come
+from that line (:func:`populora_verl.trainer.timeline.parse_line`), so a regression shows in the phase it is in.
+
+``--lever NAME`` runs an A/B of one start-up lever: arm A without it, arm B with it, alternating A B / B A per round so
+that drift of the machine falls on both alike. Levers (``--b-override`` replaces B's overrides):
+
+* ``early_agent_loop``: the agent-loop workers started while vLLM starts (B, the default) against verl's order (A);
+* ``compile_cache``: vLLM's torch.compile cache kept across the runs in one folder (B; its first run fills it) against
+  the cache off (A);
+* ``capture_sizes``: CUDA-graph capture sizes limited to the batch sizes the recipe can reach (B,
+  :mod:`populora_verl.rollout.capture_sizes`) against the recipe's own;
+* ``use_shm``: the model read from shared memory (``actor_rollout_ref.model.use_shm=true``, B);
+* ``weight_sync``: the first weight sync; no default B, give it with ``--b-override``.
+
+    python -m populora_verl.bench.startup --config-name qwen1.5b_1gpu_2t2s --model /tmp/models/qwen-coder-1.5b
+    python -m populora_verl.bench.startup --config-name qwen1.5b_1gpu_2t2s --model ... --lever compile_cache
+    python -m populora_verl.bench.startup --from-logs /tmp/startup      # the table again from a run's logs
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from populora_verl.bench import child
+from populora_verl.recipes import recipes_dir
+from populora_verl.trainer.timeline import LINE_PREFIX, parse_line
+
+__all__ = [
+    "LEVERS",
+    "Lever",
+    "arm_overrides",
+    "run_command",
+    "summarize",
+    "table",
+    "read_logs",
+    "parse_args",
+    "main",
+]
+
+RECIPES = recipes_dir()
+#: What every run adds to the recipe: no evaluation, no checkpoint before step 1 ends.
+BASE_OVERRIDES = ("trainer.save_freq=-1", "trainer.val_before_train=false")
+POLL_S = 2.0
+_LOG = re.compile(r"^(?P<arm>[A-Za-z0-9_]+)-r(?P<round>\d+)\.log$")
+ENV = "ray_kwargs.ray_init.runtime_env.env_vars"
+
+
+@dataclass(frozen=True)
+class Lever:
+    """One start-up lever: the overrides of arm A (without) and arm B (with). ``b`` may be a function of the
+    composed recipe (and the output folder); None: B must come from ``--b-override``."""
+
+    what: str
+    a: tuple[str, ...]
+    b: tuple[str, ...] | Callable[..., tuple[str, ...]] | None
+
+
+def _capture_b(config, out: Path) -> tuple[str, ...]:
+    from populora_verl.rollout.capture_sizes import capture_sizes_override
+
+    override = capture_sizes_override(config)
+    if override is None:
+        raise ValueError(
+            "--lever capture_sizes: every capture size of this recipe is reachable (its largest phase fills "
+            "rollout.max_num_seqs), so the lever changes nothing; give B's sizes with --b-override"
+        )
+    return (override,)
+
+
+LEVERS: dict[str, Lever] = {
+    "early_agent_loop": Lever(
+        "agent-loop workers started beside vLLM (B) against verl's order (A)",
+        ("++trainer.populora_early_agent_loop=false",),
+        (),
+    ),
+    "compile_cache": Lever(
+        "vLLM's compile cache kept across runs in one folder (B) against the cache off (A)",
+        (f"++{ENV}.VLLM_DISABLE_COMPILE_CACHE='1'",),
+        lambda config, out: (
+            f"++{ENV}.VLLM_DISABLE_COMPILE_CACHE='0'",
+            f"++{ENV}.VLLM_CACHE_ROOT={out / 'vllm_cache'}",
+        ),
+    ),
+    "capture_sizes": Lever("capture sizes limited to the reachable batch sizes (B)", (), _capture_b),
+    "use_shm": Lever("the model read from shared memory (B)", (), ("actor_rollout_ref.model.use_shm=true",)),
+    "weight_sync": Lever("the first weight sync: B from --b-override", (), None),
+}
+
+
+def compose(config_name: str, overrides: Sequence[str] = ()):
+    """The recipe composed as ``verl.trainer.main_ppo --config-path <recipes> --config-name`` would."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(RECIPES), version_base=None):
+        return hydra_compose(config_name=config_name, overrides=list(overrides))
+
+
+def arm_overrides(
+    lever: str | None, arm: str, config=None, out: Path = Path("."), b_override: Sequence[str] = ()
+) -> list[str]:
+    """The Hydra overrides of ``arm`` (``A`` or ``B``; ``base`` without a lever) for ``lever``; ``config`` is the
+    composed recipe (for a B that depends on it). ValueError names what is missing."""
+    if lever is None:
+        return []
+    spec = LEVERS[lever]
+    if arm == "A":
+        return list(spec.a)
+    if b_override:
+        return list(b_override)
+    if spec.b is None:
+        raise ValueError(f"--lever {lever}: {spec.what}; give the B arm's overrides with --b-override KEY=VALUE")
+    return list(spec.b(config, out) if callable(spec.b) else spec.b)
+
+
+def run_command(config_name: str, model: str, run_dir: Path, overrides: Sequence[str]) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "verl.trainer.main_ppo",
+        "--config-path",
+        str(RECIPES),
+        "--config-name",
+        config_name,
+        f"actor_rollout_ref.model.path={model}",
+        f"trainer.default_local_dir={run_dir}",
+        *BASE_OVERRIDES,
+        *overrides,
+    ]
+
+
+def run_env(name: str, gpu: str | None) -> dict[str, str]:
+    """Its own Ray instance per run (two runs never share a cluster, a killed one leaves no socket behind)."""
+    env = dict(
+        os.environ,
+        VLLM_WORKER_MULTIPROC_METHOD="spawn",
+        RAY_AUTH_MODE="disabled",
+        TOKENIZERS_PARALLELISM="false",
+        PYTHONUNBUFFERED="1",
+        RAY_ADDRESS="local",
+        RAY_TMPDIR=f"/tmp/ray_startup_{name}",
+    )
+    if gpu is not None:
+        env["CUDA_VISIBLE_DEVICES"] = gpu
+    return env
+
+
+def _end_group(proc: subprocess.Popen) -> None:
+    from populora_verl.bench.learning_run import group_pids
+
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            break
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            continue
+        if not group_pids(proc.pid):
+            break
+    deadline = time.monotonic() + 60  # the GPU is free only once every process of the run is gone
+    while group_pids(proc.pid) and time.monotonic() < deadline:
+        time.sleep(1)
+
+
+def run_once(cmd: Sequence[str], log: Path, env: Mapping[str, str], timeout_s: float) -> dict[str, float] | None:
+    """One run to its start-up line; the phases (None: it ended or timed out without the line)."""
+    run_dir = Path(next(a.split("=", 1)[1] for a in cmd if a.startswith("trainer.default_local_dir=")))
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "STOP").write_text("1\n")  # the trainer's stop file: the run ends at step 1 if the kill fails
+    with open(log, "w") as f:
+        f.write("# " + " ".join(cmd) + "\n")
+        f.flush()
+        proc = subprocess.Popen(list(cmd), stdout=f, stderr=subprocess.STDOUT, env=dict(env), start_new_session=True)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while proc.poll() is None and time.monotonic() < deadline:
+            if LINE_PREFIX in log.read_text(errors="replace"):
+                break
+            time.sleep(POLL_S)
+    finally:
+        _end_group(proc)
+    return parse_line(log.read_text(errors="replace"))
+
+
+def summarize(runs: Sequence[Mapping[str, float]]) -> dict[str, dict[str, float]]:
+    """Per phase (in the order they appear): median, min, max and the number of runs that had it."""
+    names: list[str] = []
+    for r in runs:
+        names += [n for n in r if n not in names]
+    if "total" in names:  # last, whatever order the runs printed their phases in
+        names.remove("total")
+        names.append("total")
+    out = {}
+    for n in names:
+        vals = [float(r[n]) for r in runs if n in r]
+        out[n] = {"median": statistics.median(vals), "min": min(vals), "max": max(vals), "n": len(vals)}
+    return out
+
+
+def table(arms: Mapping[str, Sequence[Mapping[str, float]]]) -> str:
+    """A markdown table: per phase, each arm's median and spread (min-max over its runs); with two arms, B - A."""
+    stats = {arm: summarize(runs) for arm, runs in arms.items()}
+    names: list[str] = []
+    for s in stats.values():
+        names += [n for n in s if n not in names]
+    if "total" in names:
+        names.remove("total")
+        names.append("total")
+    labels = list(stats)
+    head = ["phase"]
+    for arm in labels:
+        n = max((v["n"] for v in stats[arm].values()), default=0)
+        head += [f"{arm} median (s, {n} runs)", f"{arm} min-max"]
+    if len(labels) == 2:
+        head.append(f"{labels[1]} - {labels[0]} (s)")
+    rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for name in names:
+        cells = [name]
+        for arm in labels:
+            v = stats[arm].get(name)
+            cells += [f"{v['median']:.0f}", f"{v['min']:.0f}-{v['max']:.0f}"] if v else ["-", "-"]
+        if len(labels) == 2:
+            a, b = (stats[arm].get(name) for arm in labels)
+            cells.append(f"{b['median'] - a['median']:+.0f}" if a and b else "-")
+        rows.append("| " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
+def read_logs(folder: Path) -> tuple[dict[str, list[dict[str, float]]], list[str]]:
+    """The phases of every ``<arm>-r<round>.log`` in ``folder``, by arm (rounds in order), and the logs without a
+    start-up line."""
+    arms: dict[str, list[tuple[int, dict[str, float]]]] = {}
+    missing = []
+    for log in sorted(folder.iterdir()):
+        m = _LOG.match(log.name)
+        if not m:
+            continue
+        phases = parse_line(log.read_text(errors="replace"))
+        if phases is None:
+            missing.append(log.name)
+            continue
+        arms.setdefault(m["arm"], []).append((int(m["round"]), phases))
+    order = {"base": 0, "A": 1, "B": 2}
+    return {
+        arm: [p for _, p in sorted(runs, key=lambda x: x[0])]
+        for arm, runs in sorted(arms.items(), key=lambda kv: (order.get(kv[0], 9), kv[0]))
+    }, missing
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m populora_verl.bench.startup", description=__doc__.split("\n")[0])
+    p.add_argument("--config-name", help="a recipe of recipes/populora (qwen1.5b_1gpu_2t2s, ...)")
+    p.add_argument("--model", help="actor_rollout_ref.model.path")
+    p.add_argument("--runs", type=int, default=3, help="runs per arm (default 3)")
+    p.add_argument("--lever", choices=sorted(LEVERS), help="A/B of one lever (arm A without, B with)")
+    p.add_argument("--b-override", action="append", default=[], metavar="KEY=VALUE", help="B's overrides instead")
+    p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE", help="for every run")
+    p.add_argument("--out", type=Path, default=Path("/tmp/populora_startup"), help="logs, run folders, results")
+    p.add_argument("--gpu", help="CUDA_VISIBLE_DEVICES of every run (default: inherited)")
+    p.add_argument("--timeout-s", type=float, default=1800.0, help="per run, to the start-up line")
+    p.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
+    p.add_argument("--from-logs", type=Path, metavar="DIR", help="the table from an earlier --out folder's logs")
+    args = p.parse_args(argv)
+    if args.from_logs is not None:
+        if not args.from_logs.is_dir():
+            p.error(f"--from-logs {args.from_logs}: not a folder")
+        return args
+    if args.runs < 1:
+        p.error("--runs must be at least 1")
+    if not args.config_name:
+        p.error("--config-name is required (a recipe of recipes/populora)")
+    if not (RECIPES / f"{args.config_name}.yaml").is_file():
+        known = sorted(x.stem for x in RECIPES.glob("*.yaml"))
+        p.error(f"--config-name {args.config_name}: no such recipe in {RECIPES} (known: {', '.join(known)})")
+    if not args.model and not args.dry_run:
+        p.error("--model is required (actor_rollout_ref.model.path)")
+    if args.b_override and not args.lever:
+        p.error("--b-override needs --lever")
+    for item in [*args.override, *args.b_override]:
+        if "=" not in item:
+            p.error(f"{item!r}: an override is KEY=VALUE")
+    return args
+
+
+def plan_runs(args: argparse.Namespace) -> list[tuple[str, int, list[str]]]:
+    """(arm, round, overrides) in the order they run; ValueError when the lever cannot run for the recipe."""
+    arms = ["A", "B"] if args.lever else ["base"]
+    config = compose(args.config_name, args.override) if args.lever else None
+    per_arm = {arm: arm_overrides(args.lever, arm, config, args.out, args.b_override) for arm in arms}
+    return [(arm, r, [*args.override, *per_arm[arm]]) for r, arm in child.alternating(arms, args.runs)]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.from_logs is not None:
+        arms, missing = read_logs(args.from_logs)
+        print(table(arms) if arms else "no start-up line in any log")
+        if missing:
+            print(f"no start-up line: {', '.join(missing)}")
+        return 0 if arms else 1
+    try:
+        runs = plan_runs(args)
+    except ValueError as e:
+        print(f"startup: {e}", file=sys.stderr)
+        return 2
+    model = args.model or "<model>"
+    args.out.mkdir(parents=True, exist_ok=True)
+    results: dict[str, list[dict[str, float]]] = {}
+    for arm, r, overrides in runs:
+        name = f"{arm}-r{r}"
+        cmd = run_command(args.config_name, model, args.out / "runs" / name, overrides)
+        if args.dry_run:
+            print(" ".join(cmd))
+            continue
+        t0 = time.time()
+        phases = run_once(cmd, args.out / f"{name}.log", run_env(name, args.gpu), args.timeout_s)
+        if phases is None:
+            print(f"startup: {name}: no start-up line after {time.time() - t0:.0f} s (see {name}.log)", flush=True)
+            continue
+        results.setdefault(arm, []).append(phases)
+        print(f"startup: {name}: " + " | ".join(f"{k} {v:.0f} s" for k, v in phases.items()), flush=True)
+    if args.dry_run:
+        return 0
+    text = table(results) if results else "no run printed its start-up line"
+    if args.lever:
+        text = f"lever {args.lever}: {LEVERS[args.lever].what}\n\n{text}"
+    print(text)
+    (args.out / "results.md").write_text(text + "\n")
+    (args.out / "results.json").write_text(json.dumps({"lever": args.lever, "runs": results}, indent=1) + "\n")
+    return 0 if results and all(len(v) == args.runs for v in results.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,188 @@
+"""The start-up benchmark on CPU: the timeline line's parser, the per-phase table from canned logs, the options,
+and each lever's overrides composed with a recipe by hydra. Also the reachable CUDA-graph capture sizes."""
+
+from __future__ import annotations
+
+import pytest
+from omegaconf import OmegaConf
+
+from populora_verl.bench import startup
+from populora_verl.rollout import capture_sizes as cs
+from populora_verl.trainer.timeline import LINE_PREFIX, Timeline, parse_line
+
+from _shared import compose_recipe
+
+RECIPE = "qwen1.5b_1gpu_2t2s"
+PHASES = ["ray + task runner", "task runner setup", "workers + vLLM", "checkpoint + weight sync", "agent loop", "step 1"]
+
+
+def _line(*secs: float) -> str:
+    t, at = Timeline(start=0.0), 0.0
+    for name, sec in zip(PHASES, secs, strict=True):
+        at += sec
+        t.mark(name, at=at)
+    return t.line()
+
+
+def test_parse_line_inverts_the_timeline_and_takes_the_last_line():
+    log = "\n".join(["noise", _line(40, 50, 300, 10, 1, 100), "(TaskRunner pid=1) " + _line(41, 12, 182, 3, 9, 48)])
+    assert parse_line(log) == dict(zip([*PHASES, "total"], [41, 12, 182, 3, 9, 48, 295], strict=True))
+    assert parse_line("no line here") is None
+    assert parse_line(LINE_PREFIX + "workers + vLLM 10 s") == {"workers + vLLM": 10.0}  # a shortened line
+
+
+def test_the_table_from_canned_logs(tmp_path):
+    for name, secs in {
+        "A-r0": (40, 50, 300, 10, 30, 100),
+        "A-r1": (42, 50, 310, 10, 30, 90),
+        "A-r2": (44, 50, 290, 10, 30, 95),
+        "B-r0": (40, 50, 300, 10, 2, 70),
+        "B-r1": (40, 50, 305, 10, 2, 60),
+        "B-r2": (40, 50, 295, 10, 2, 65),
+    }.items():
+        (tmp_path / f"{name}.log").write_text(f"# cmd\nsome output\n{_line(*secs)}\nmore\n")
+    (tmp_path / "B-r3.log").write_text("Traceback: died before step 1\n")
+    (tmp_path / "results.md").write_text("not a log")
+    arms, missing = startup.read_logs(tmp_path)
+    assert list(arms) == ["A", "B"] and [len(v) for v in arms.values()] == [3, 3] and missing == ["B-r3.log"]
+    stats = startup.summarize(arms["A"])
+    assert list(stats)[-1] == "total"
+    assert stats["workers + vLLM"] == {"median": 300, "min": 290, "max": 310, "n": 3}
+    text = startup.table(arms)
+    rows = {r.split(" | ")[0].strip("| "): r for r in text.splitlines()}
+    assert "A median (s, 3 runs)" in text and "B - A (s)" in text
+    assert rows["agent loop"].endswith("| 30 | 30-30 | 2 | 2-2 | -28 |")
+    assert rows["step 1"].endswith("| 95 | 90-100 | 65 | 60-70 | -30 |")
+    assert list(rows)[-1] == "total"
+    assert startup.main(["--from-logs", str(tmp_path)]) == 0
+
+
+def test_a_single_arm_table_has_no_difference_column():
+    text = startup.table({"base": [parse_line(_line(1, 2, 3, 4, 5, 6))]})
+    assert "base median (s, 1 runs)" in text and " - " not in text.splitlines()[0]
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--config-name", RECIPE, "--model", "m", "--runs", "0"], "--runs"),
+        (["--config-name", "no_such_recipe", "--model", "m"], "no such recipe"),
+        (["--config-name", RECIPE], "--model is required"),
+        (["--model", "m"], "--config-name is required"),
+        (["--config-name", RECIPE, "--model", "m", "--b-override", "a=1"], "needs --lever"),
+        (["--config-name", RECIPE, "--model", "m", "--override", "novalue"], "KEY=VALUE"),
+        (["--config-name", RECIPE, "--model", "m", "--lever", "not_a_lever"], "invalid choice"),
+    ],
+)
+def test_options_are_checked(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        startup.parse_args(argv)
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_a_lever_that_cannot_run_for_the_recipe_stops_before_any_run(tmp_path, capsys):
+    base = ["--config-name", RECIPE, "--model", "m", "--out", str(tmp_path), "--dry-run"]
+    assert startup.main([*base, "--lever", "weight_sync"]) == 2
+    assert "--b-override" in capsys.readouterr().err
+    assert startup.main([*base, "--lever", "capture_sizes"]) == 2  # every size of this recipe is reachable
+    assert "changes nothing" in capsys.readouterr().err
+
+
+def test_dry_run_alternates_the_arms(tmp_path, capsys):
+    argv = ["--config-name", RECIPE, "--model", "/m", "--out", str(tmp_path), "--dry-run", "--lever"]
+    assert startup.main([*argv, "early_agent_loop", "--override", "populora.buffer.seed_programs=0"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    arms = ["A" if "populora_early_agent_loop=false" in ln else "B" for ln in lines]
+    assert arms == ["A", "B", "B", "A", "A", "B"]
+    assert all("populora.buffer.seed_programs=0" in ln and "actor_rollout_ref.model.path=/m" in ln for ln in lines)
+    assert [ln.split("trainer.default_local_dir=")[1].split()[0].rsplit("/", 1)[1] for ln in lines[:2]] == [
+        "A-r0",
+        "B-r0",
+    ]
+
+
+@pytest.mark.parametrize("lever", ["early_agent_loop", "compile_cache", "use_shm", "capture_sizes", "weight_sync"])
+def test_each_levers_overrides_compose_with_a_recipe(lever, tmp_path):
+    recipe = "smoke_0.5b" if lever == "capture_sizes" else RECIPE  # a recipe with sizes it cannot reach
+    config = compose_recipe(recipe)
+    b_override = ["actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes=512"]
+    arms = {
+        arm: compose_recipe(
+            recipe,
+            [
+                *startup.BASE_OVERRIDES,
+                *startup.arm_overrides(
+                    lever, arm, config, tmp_path, b_override if lever == "weight_sync" else ()
+                ),
+            ],
+        )
+        for arm in ("A", "B")
+    }
+    a, b = arms["A"], arms["B"]
+    env = "ray_kwargs.ray_init.runtime_env.env_vars"
+    if lever == "early_agent_loop":
+        assert a.trainer.populora_early_agent_loop is False
+        assert OmegaConf.select(b, "trainer.populora_early_agent_loop", default=True) is True
+    elif lever == "compile_cache":
+        assert OmegaConf.select(a, f"{env}.VLLM_DISABLE_COMPILE_CACHE") == "1"
+        assert OmegaConf.select(b, f"{env}.VLLM_DISABLE_COMPILE_CACHE") == "0"
+        assert OmegaConf.select(b, f"{env}.VLLM_CACHE_ROOT") == str(tmp_path / "vllm_cache")
+    elif lever == "use_shm":
+        assert a.actor_rollout_ref.model.use_shm is False and b.actor_rollout_ref.model.use_shm is True
+    elif lever == "capture_sizes":
+        assert list(b.actor_rollout_ref.rollout.cudagraph_capture_sizes) == cs.reachable_capture_sizes(config)
+        assert OmegaConf.select(a, cs.CAPTURE_KEY) == OmegaConf.select(config, cs.CAPTURE_KEY)
+    else:
+        assert b.actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes == 512
+    assert a.trainer.save_freq == -1 and b.trainer.save_freq == -1
+
+
+# --- reachable capture sizes ---------------------------------------------------------------------------------------
+
+
+def test_phase_sizes_of_the_one_gpu_recipes():
+    from populora_verl.config import load_config
+
+    pop = cs.phase_sequences(load_config(compose_recipe("qwen1.5b_1gpu_2t2s").populora))
+    # teachers: 2 x 3 types x 10 proposals; students: 2 x 30 tasks of the teacher met x 5 answers; seeding 64 + 64
+    assert (pop.teacher, pop.student, pop.seed, pop.largest) == (60, 300, 128, 300)
+    four = cs.phase_sequences(load_config(compose_recipe("qwen1.5b_1gpu_4t4s").populora))
+    assert (four.teacher, four.student) == (120, 600)
+
+
+def test_every_size_of_the_one_gpu_recipes_is_reachable():
+    config = compose_recipe("qwen1.5b_1gpu_2t2s")
+    assert cs.max_concurrent_sequences(config) == 256  # verl's max_num_seqs caps the 300 answers
+    assert cs.reachable_capture_sizes(config) == list(config.actor_rollout_ref.rollout.cudagraph_capture_sizes)
+    assert cs.capture_sizes_override(config) is None
+
+
+def test_sizes_above_the_largest_phase_are_dropped_but_one_covers_it():
+    config = compose_recipe(
+        "qwen1.5b_1gpu_2t2s",
+        ["populora.rollout.student_n=1", "populora.rollout.proposals_per_type=4", "populora.buffer.seed_programs=8"],
+    )
+    # students 2 x 12 x 1 = 24, teachers 2 x 12 = 24, seeding 16: a replica holds at most 24 sequences
+    assert cs.max_concurrent_sequences(config) == 24
+    assert cs.reachable_capture_sizes(config) == [1, 2, 4, 8, 16, 24]
+    assert cs.reachable_capture_sizes(config, [1, 8, 32, 64]) == [1, 8, 32]  # the first size at or above 24
+    assert cs.capture_sizes_override(config) == f"{cs.CAPTURE_KEY}=[1,2,4,8,16,24]"
+
+
+def test_replicas_split_a_phase_and_max_num_seqs_caps_it():
+    config = compose_recipe("4t4s")  # 8 GPUs, TP 1: eight replicas
+    from populora_verl.config import load_config
+
+    largest = cs.phase_sequences(load_config(config.populora)).largest
+    assert cs.max_concurrent_sequences(config) == -(-largest // 8)
+    capped = compose_recipe("4t4s", ["actor_rollout_ref.rollout.max_num_seqs=16"])
+    assert cs.max_concurrent_sequences(capped) == 16
+    assert cs.reachable_capture_sizes(capped, None)[-1] == 16  # vLLM's own ladder when the recipe gives none
+
+
+def test_vllms_default_ladder():
+    assert cs.vllm_default_capture_sizes(256)[:5] == [1, 2, 4, 8, 16]
+    assert cs.vllm_default_capture_sizes(256)[-3:] == [480, 496, 512]
+    assert cs.vllm_default_capture_sizes(8) == [1, 2, 4, 8, 16]
+    with pytest.raises(ValueError, match="positive"):
+        cs.reachable_capture_sizes(compose_recipe("4t4s"), [0, 8])
