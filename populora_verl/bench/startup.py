@@ -77,7 +77,7 @@ def _capture_b(config, out: Path) -> tuple[str, ...]:
     if override is None:
         raise ValueError(
             "--lever capture_sizes: every capture size of this recipe is reachable (its largest phase fills "
-            "rollout.max_num_seqs), so the lever changes nothing; give B's sizes with --b-override"
+            "rollout.max_num_seqs) or vLLM runs eager, so the lever changes nothing; give B's sizes with --b-override"
         )
     return (override,)
 

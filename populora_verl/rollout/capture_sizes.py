@@ -114,7 +114,9 @@ def reachable_capture_sizes(config: DictConfig, sizes: Sequence[int] | None = No
 
 def capture_sizes_override(config: DictConfig) -> str | None:
     """The Hydra override that limits the capture sizes to the reachable ones, or None when the config's sizes are
-    all reachable already."""
+    all reachable already or vLLM runs eager (``rollout.enforce_eager``: no graphs)."""
+    if OmegaConf.select(config, "actor_rollout_ref.rollout.enforce_eager", default=False):
+        return None
     current = OmegaConf.select(config, CAPTURE_KEY, default=None)
     reach = reachable_capture_sizes(config)
     if current and sorted(int(s) for s in current) == reach:

@@ -103,7 +103,7 @@ def test_dry_run_alternates_the_arms(tmp_path, capsys):
 
 @pytest.mark.parametrize("lever", ["early_agent_loop", "compile_cache", "use_shm", "capture_sizes", "weight_sync"])
 def test_each_levers_overrides_compose_with_a_recipe(lever, tmp_path):
-    recipe = "smoke_0.5b" if lever == "capture_sizes" else RECIPE  # a recipe with sizes it cannot reach
+    recipe = "4t4s" if lever == "capture_sizes" else RECIPE  # a recipe with sizes it cannot reach
     config = compose_recipe(recipe)
     b_override = ["actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes=512"]
     arms = {
@@ -178,6 +178,11 @@ def test_replicas_split_a_phase_and_max_num_seqs_caps_it():
     capped = compose_recipe("4t4s", ["actor_rollout_ref.rollout.max_num_seqs=16"])
     assert cs.max_concurrent_sequences(capped) == 16
     assert cs.reachable_capture_sizes(capped, None)[-1] == 16  # vLLM's own ladder when the recipe gives none
+
+
+def test_an_eager_engine_captures_nothing_to_limit():
+    assert compose_recipe("smoke_0.5b").actor_rollout_ref.rollout.enforce_eager
+    assert cs.capture_sizes_override(compose_recipe("smoke_0.5b")) is None
 
 
 def test_vllms_default_ladder():
