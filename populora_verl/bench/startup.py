@@ -8,7 +8,7 @@ from that line (:func:`populora_verl.trainer.timeline.parse_line`), so a regress
 ``--lever NAME`` runs an A/B of one start-up lever: arm A without it, arm B with it, alternating A B / B A per round so
 that drift of the machine falls on both alike. Levers (``--b-override`` replaces B's overrides):
 
-* ``early_agent_loop``: the agent-loop workers started while vLLM starts (B, the default) against verl's order (A);
+* ``early_agent_loop``: the agent-loop workers started while vLLM starts (B) against verl's order (A, the default);
 * ``compile_cache``: vLLM's torch.compile cache kept across the runs in one folder (B; its first run fills it) against
   the cache off (A);
 * ``capture_sizes``: CUDA-graph capture sizes limited to the batch sizes the recipe can reach (B,
@@ -84,9 +84,9 @@ def _capture_b(config, out: Path) -> tuple[str, ...]:
 
 LEVERS: dict[str, Lever] = {
     "early_agent_loop": Lever(
-        "agent-loop workers started beside vLLM (B) against verl's order (A)",
+        "agent-loop workers started beside vLLM (B) against verl's order (A, the default)",
         ("++trainer.populora_early_agent_loop=false",),
-        (),
+        ("++trainer.populora_early_agent_loop=true",),
     ),
     "compile_cache": Lever(
         "vLLM's compile cache kept across runs in one folder (B) against the cache off (A)",

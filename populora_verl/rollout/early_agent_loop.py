@@ -7,8 +7,9 @@ beginning of its ``init()``, without server handles, so their imports and set-up
 vLLM's start; the task runner's manager (verl's ``actor_rollout_ref.rollout.agent.agent_loop_manager_class``, which
 the trainer points at :class:`EarlyAgentLoopManager`) then binds the LLM client and the reward workers' handles.
 
-``+trainer.populora_early_agent_loop=false`` keeps verl's order (the A/B lever of ``populora_verl.bench.startup``).
-A manager class set by the user, or distillation (its teacher client is needed at construction), also keeps it.
+Opt-in until a GPU run has measured it: ``+trainer.populora_early_agent_loop=true`` turns it on (the A/B lever of
+``populora_verl.bench.startup``); off, verl's order. A manager class set by the user, or distillation (its teacher
+client is needed at construction), keeps verl's order either way.
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ __all__ = [
     "create_workers",
 ]
 
-#: ``+trainer.populora_early_agent_loop=false``: verl's order (workers created after the servers are up).
+#: ``+trainer.populora_early_agent_loop=true``: workers started with the trainer's set-up; off (the default, until a
+#: GPU run has measured it): verl's order (workers created after the servers are up).
 EARLY_KEY = "trainer.populora_early_agent_loop"
 #: verl's key for a custom agent-loop manager (declared by ``verl.workers.config.AgentLoopConfig``).
 MANAGER_KEY = "actor_rollout_ref.rollout.agent.agent_loop_manager_class"
@@ -61,7 +63,7 @@ def _distillation(config: DictConfig) -> bool:
 def configure(config: DictConfig) -> bool:
     """Point verl's agent-loop manager key at :class:`EarlyAgentLoopManager` when the early start is on; returns
     whether it did. Called by the trainer's constructor, before the task runner reads the key."""
-    if not bool(OmegaConf.select(config, EARLY_KEY, default=True)):
+    if not bool(OmegaConf.select(config, EARLY_KEY, default=False)):
         return False
     current = OmegaConf.select(config, MANAGER_KEY, default=None)
     if current not in (None, MANAGER_FQN):

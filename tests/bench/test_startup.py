@@ -122,7 +122,7 @@ def test_each_levers_overrides_compose_with_a_recipe(lever, tmp_path):
     env = "ray_kwargs.ray_init.runtime_env.env_vars"
     if lever == "early_agent_loop":
         assert a.trainer.populora_early_agent_loop is False
-        assert OmegaConf.select(b, "trainer.populora_early_agent_loop", default=True) is True
+        assert b.trainer.populora_early_agent_loop is True
     elif lever == "compile_cache":
         assert OmegaConf.select(a, f"{env}.VLLM_DISABLE_COMPILE_CACHE") == "1"
         assert OmegaConf.select(b, f"{env}.VLLM_DISABLE_COMPILE_CACHE") == "0"

@@ -14,6 +14,9 @@ NODE = "ab" * 28  # a Ray node id (hex)
 
 
 def _config(**trainer):
+    trainer.setdefault("populora_early_agent_loop", True)  # opt-in; None: the key left out
+    if trainer["populora_early_agent_loop"] is None:
+        del trainer["populora_early_agent_loop"]
     return OmegaConf.create(
         {
             "trainer": dict(trainer),
@@ -182,3 +185,10 @@ def test_a_worker_started_unbound_holds_a_client_that_refuses_use(monkeypatch):
     seen[0].tokenizer = "tok"  # verl's constructor may set this much
     with pytest.raises(AttributeError, match="before its LLM client was bound"):
         seen[0].generate  # noqa: B018
+
+
+def test_the_early_start_is_off_unless_asked_for():
+    """Opt-in until a GPU run has measured it: without the key the manager key stays verl's."""
+    config = _config(populora_early_agent_loop=None)
+    assert not early.configure(config)
+    assert OmegaConf.select(config, early.MANAGER_KEY, default=None) is None
