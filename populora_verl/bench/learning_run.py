@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from populora_verl.bench.progress import alive, read_progress, write_progress
-from populora_verl.bench.step_scaling import file_log_rows
+from populora_verl.bench.step_scaling import file_log_rows, main_ppo_command, trainer_env
 from populora_verl.diagnostics.metrics import read_metrics
 from populora_verl.recipes import recipes_dir
 
@@ -89,17 +89,9 @@ def arm_command(
     """The arm's trainer command: its recipe, the model, its run directory, its seed (and the shared seed set,
     waited for at its first step while the seeding arm is still writing it)."""
     name, seed = parse_arm(arm)
-    cmd = [
-        sys.executable,
-        "-m",
-        "verl.trainer.main_ppo",
-        "--config-path",
-        str(RECIPES),
-        "--config-name",
-        ARMS[name],
-        f"actor_rollout_ref.model.path={model}",
-        f"trainer.default_local_dir={root / arm_dir(arm)}",
-    ]
+    cmd = main_ppo_command(
+        ARMS[name], f"actor_rollout_ref.model.path={model}", f"trainer.default_local_dir={root / arm_dir(arm)}"
+    )
     if seed is not None:  # matchmaking, task draws and buffers (population seed) and vLLM's sampling
         cmd += [f"populora.population.seed={seed}", f"actor_rollout_ref.rollout.seed={seed}"]
     if seed_file:
@@ -112,15 +104,8 @@ def arm_env(arm: str, root: Path, gpu: str | None = None) -> dict[str, str]:
     """Each arm (a spec, or a folder name such as ``eval``) gets its own Ray instance (``RAY_ADDRESS=local``, its
     own temp dir, so trainers on one host never share Ray's sockets) and, with ``gpu``, only that GPU."""
     folder = arm_dir(arm) if arm.partition("@")[0] in ARMS else arm
-    env = dict(
-        os.environ,
-        VLLM_WORKER_MULTIPROC_METHOD="spawn",
-        VLLM_USE_FLASHINFER_SAMPLER="0",
-        RAY_AUTH_MODE="disabled",
-        TOKENIZERS_PARALLELISM="false",
-        PYTHONUNBUFFERED="1",
-        RAY_ADDRESS="local",
-        RAY_TMPDIR=f"/tmp/ray_{folder}",
+    env = trainer_env(
+        f"/tmp/ray_{folder}",
         # the trainer itself writes the population metrics to <run>/metrics.jsonl (what populora-report reads)
         VERL_FILE_LOGGER_PATH=str(root / folder / "verl_metrics.jsonl"),
     )

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from populora_verl.bench import child
+from populora_verl.bench.step_scaling import main_ppo_command, trainer_env
 from populora_verl.recipes import recipes_dir
 from populora_verl.trainer.timeline import LINE_PREFIX, parse_line
 
@@ -129,32 +130,18 @@ def arm_overrides(
 
 
 def run_command(config_name: str, model: str, run_dir: Path, overrides: Sequence[str]) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "verl.trainer.main_ppo",
-        "--config-path",
-        str(RECIPES),
-        "--config-name",
+    return main_ppo_command(
         config_name,
         f"actor_rollout_ref.model.path={model}",
         f"trainer.default_local_dir={run_dir}",
         *BASE_OVERRIDES,
         *overrides,
-    ]
+    )
 
 
 def run_env(name: str, gpu: str | None) -> dict[str, str]:
     """Its own Ray instance per run (two runs never share a cluster, a killed one leaves no socket behind)."""
-    env = dict(
-        os.environ,
-        VLLM_WORKER_MULTIPROC_METHOD="spawn",
-        RAY_AUTH_MODE="disabled",
-        TOKENIZERS_PARALLELISM="false",
-        PYTHONUNBUFFERED="1",
-        RAY_ADDRESS="local",
-        RAY_TMPDIR=f"/tmp/ray_startup_{name}",
-    )
+    env = trainer_env(f"/tmp/ray_startup_{name}")
     if gpu is not None:
         env["CUDA_VISIBLE_DEVICES"] = gpu
     return env

@@ -179,6 +179,33 @@ TRAINER_ENV: dict[str, str] = {
     "TOKENIZERS_PARALLELISM": "false",
     "PYTHONUNBUFFERED": "1",
 }
+
+
+def main_ppo_command(recipe: str, *overrides: str) -> list[str]:
+    """``python -m verl.trainer.main_ppo`` on one of the package's recipes, with hydra overrides (every benchmark
+    that starts a trainer starts it this way)."""
+    return [
+        sys.executable,
+        "-m",
+        "verl.trainer.main_ppo",
+        "--config-path",
+        str(RECIPES),
+        "--config-name",
+        recipe,
+        *overrides,
+    ]
+
+
+def trainer_env(ray_tmpdir: str | None = None, **extra: str) -> dict[str, str]:
+    """A trainer's environment: this one plus :data:`TRAINER_ENV`; with ``ray_tmpdir``, a Ray instance of its own
+    (``RAY_ADDRESS=local`` and its own temp dir), so trainers on one host never share Ray's sockets."""
+    env = dict(os.environ, **TRAINER_ENV)
+    if ray_tmpdir is not None:
+        env.update(RAY_ADDRESS="local", RAY_TMPDIR=ray_tmpdir)
+    env.update(extra)
+    return env
+
+
 # verl's console logger line, possibly behind Ray's "(TaskRunnerV1 pid=...)" prefix.
 _STEP_LINE = re.compile(r"(?:^|\s)step:(\d+) - ")
 _METRIC = re.compile(r"([\w/@.\-]+):([-+0-9.eE]+|nan|inf)")
@@ -471,13 +498,7 @@ def plan_overrides(profile: str | None, answer_tokens: int | None, force_length:
 def command(
     model: str, name: str, steps: int, out_dir: Path, extra: list[str], recipe: str = BENCH_RECIPE
 ) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "verl.trainer.main_ppo",
-        "--config-path",
-        str(RECIPES),
-        "--config-name",
+    return main_ppo_command(
         recipe,
         f"actor_rollout_ref.model.path={model}",
         "trainer.logger=[console,file]",
@@ -490,7 +511,7 @@ def command(
         "++actor_rollout_ref.model.override_config.attn_implementation=sdpa",
         *CONFIGS[name],
         *extra,
-    ]
+    )
 
 
 def run_one(
@@ -498,7 +519,7 @@ def run_one(
 ) -> RunResult:
     metrics = out_dir / f"{name}.metrics.jsonl"
     metrics.unlink(missing_ok=True)  # a rerun must not read the previous run's rows
-    env = dict(os.environ, **TRAINER_ENV, VERL_FILE_LOGGER_PATH=str(metrics))
+    env = trainer_env(VERL_FILE_LOGGER_PATH=str(metrics))
     log = out_dir / f"{name}.log"
     t0 = time.time()
     with GpuMemoryPoller(watch=metrics) as poller, open(log, "w") as f:
@@ -595,7 +616,7 @@ def run_schedule(
     """All configurations in one trainer process; ``(per-configuration results, exit code)``."""
     metrics = out_dir / "schedule.metrics.jsonl"
     metrics.unlink(missing_ok=True)
-    env = dict(os.environ, **TRAINER_ENV, VERL_FILE_LOGGER_PATH=str(metrics))
+    env = trainer_env(VERL_FILE_LOGGER_PATH=str(metrics))
     t0 = time.time()
     with GpuMemoryPoller(watch=metrics) as poller, open(out_dir / "schedule.log", "w") as f:
         proc = subprocess.Popen(
