@@ -225,7 +225,10 @@ def _once(double, deadline, private):
     workdir = tempfile.mkdtemp(prefix="populora_")
     os.chmod(workdir, 0o700)
     env = {"PATH": "/usr/bin:/bin", "PYTHONHASHSEED": "0", "LANG": "C.UTF-8", "HOME": workdir, "TMPDIR": workdir}
-    cmd = [sys.executable, "-s", "-S", "-B", "-c", _CHILD]
+    # the base interpreter by its real path: a run's own /tmp hides one that lives under /tmp (a virtualenv there),
+    # and without site (-s -S) a virtualenv adds nothing to the child anyway
+    python = os.path.realpath(getattr(sys, "_base_executable", None) or sys.executable)
+    cmd = [python, "-s", "-S", "-B", "-c", _CHILD]
     req = json.dumps({"program": _PROGRAM, "inputs": _INPUTS, "cap": _CAP, "double": double, "banned": _BANNED,
                       "memory_mb": _MEMORY_MB, "cpu_s": int(_TIMEOUT) + 1}).encode()
     r, w = os.pipe()

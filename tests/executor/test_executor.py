@@ -7,6 +7,7 @@ import http.server
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -229,6 +230,7 @@ class _FakeSandbox(http.server.BaseHTTPRequestHandler):
 
     requests: list[dict] = []
     fail_first: int = 0
+    interpreter: str = sys.executable  # the service's Python
 
     def do_POST(self):  # noqa: N802 - http.server API
         payload = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
@@ -243,7 +245,7 @@ class _FakeSandbox(http.server.BaseHTTPRequestHandler):
                 script = os.path.join(tmp, "main.py")
                 with open(script, "w") as fh:
                     fh.write(payload["code"])
-                proc = subprocess.run([sys.executable, script], input=payload["stdin"], capture_output=True,
+                proc = subprocess.run([type(self).interpreter, script], input=payload["stdin"], capture_output=True,
                                       text=True, timeout=payload["run_timeout"], cwd=tmp)
             run = {"status": "Finished", "return_code": proc.returncode, "stdout": proc.stdout,
                    "stderr": proc.stderr, "execution_time": 0.01}
@@ -265,6 +267,7 @@ class _FakeSandbox(http.server.BaseHTTPRequestHandler):
 def fake_sandbox():
     _FakeSandbox.requests = []
     _FakeSandbox.fail_first = 0
+    _FakeSandbox.interpreter = sys.executable
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _FakeSandbox)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
@@ -294,6 +297,21 @@ def test_sandbox_fusion_backend(fake_sandbox):
         _FakeSandbox.fail_first = 1
         ex._backend.retry_delay_s = 0.01
         assert ex.run("def f(a):\n    return a", "7").output == "7"  # 504 is retried
+
+
+def test_sandbox_fusion_runs_a_service_python_that_lives_under_tmp(fake_sandbox):
+    """A run's own /tmp hides an interpreter path under /tmp (a virtualenv there): the child must still start."""
+    link_dir = tempfile.mkdtemp(prefix="populora-sf-python-", dir="/tmp")
+    try:
+        link = os.path.join(link_dir, "python")
+        os.symlink(sys.executable, link)
+        _FakeSandbox.interpreter = link
+        cfg = ExecutorConfig(backend="sandbox_fusion", sandbox_fusion_url=fake_sandbox, timeout_s=2, memory_mb=256,
+                             max_workers=1)
+        with Executor.from_config(cfg) as ex:
+            assert ex.run("def f(s, n):\n    return s * n", "'ab', 2").output == "'abab'"
+    finally:
+        shutil.rmtree(link_dir, ignore_errors=True)
 
 
 def test_sandbox_fusion_mapping_unit():
