@@ -30,7 +30,7 @@ if [ "$size" = 1.5b ]; then ls $dest; exit 0; fi
 mkdir -p .gpuwork/whl
 python -m pip wheel -q --no-deps -w .gpuwork/whl trueskill==0.4.5
 python -m pip download -q --no-deps -d .gpuwork/whl radon==6.0.1 mando==0.7.1 ribs==0.12.0 \
-  array-api-compat==1.16.0 numpy-groupies==0.16.0
+  array-api-compat==1.16.0 numpy-groupies==0.16.0 liger-kernel==0.8.5  # liger: the use_liger profiles' kernels
 # py-spy (a static binary in a wheel): the learning-run driver dumps a hung arm's stacks with it.
 python -m pip download -q --no-deps --only-binary=:all: --platform manylinux_2_17_x86_64 --platform manylinux1_x86_64 \
   -d .gpuwork/whl py-spy==0.4.1
