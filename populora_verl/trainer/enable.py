@@ -12,6 +12,10 @@ replaces (verl's own default, and what a verl GRPO config puts there for the com
 other value is a deliberate choice that PopuLoRA would silently discard, so it stops the run with one line naming
 the key. Shapes that PopuLoRA decides from the population (``rollout.n``, the PPO mini-batch, the engine's LoRA
 capacity, the dataset files) are derived in :func:`populora_settings`.
+
+:data:`SETTINGS` is also the start-up check's table: :func:`populora_verl.trainer.verl_config.validate_verl_config`
+refuses a config whose value of one of these keys is not ``value`` (the few keys it leaves alone are listed there,
+each with the reason), so a required value is changed here and only here.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ __all__ = [
     "populora_settings",
     "apply_populora_settings",
     "describe",
+    "show",
 ]
 
 ENABLE_KEY = "populora.enable"
@@ -56,7 +61,8 @@ class Setting:
 
 
 #: The fixed part (the derived shapes are in :func:`populora_settings`). The names are the plugin's registrations
-#: (:data:`populora_verl.plugin.REGISTRATIONS`); a test keeps the two lists in step.
+#: (:data:`populora_verl.plugin.REGISTRATIONS`); a test keeps the two lists in step. The start-up check
+#: (:func:`populora_verl.trainer.verl_config.validate_verl_config`) reads this table too, ``why`` included.
 SETTINGS: tuple[Setting, ...] = (
     Setting("trainer.use_v1", True, (), "the population trainer is a V1 trainer"),
     Setting("trainer.v1.trainer_mode", "populora", ("sync",), "the population trainer"),
@@ -93,7 +99,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting(f"{AR}.model.lora.merge", False, (), "vLLM serves the adapters unmerged, one id each"),
     Setting(f"{AR}.actor.use_kl_loss", False, (_ANY,), "PopuLoRA computes no reference log-probs per adapter"),
     Setting("algorithm.use_kl_in_reward", False, (_ANY,), "rewards come from the population step"),
-    Setting("critic.enable", False, (None,), "TRR++ needs no critic"),
+    Setting("critic.enable", False, (None,), "TRR++ needs no critic; null turns one on for gae"),
     Setting("algorithm.filter_groups.enable", False, (), "evicting groups would drop teacher rewards"),
     Setting(
         "trainer.v1.sampler.sync_refill_failed_groups",
@@ -236,10 +242,11 @@ def apply_populora_settings(config: Any, *, dry_run: bool = False) -> list[tuple
     return changes
 
 
+def show(value: Any) -> str:
+    """``value`` as a Hydra override writes it: ``null``, ``true``, ``false``, or the value itself."""
+    return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+
+
 def describe(changes: Sequence[tuple[str, Any]]) -> str:
     """The one start-up line: ``set for PopuLoRA: key=value ...`` (values as a Hydra override would write them)."""
-
-    def show(v: Any) -> str:
-        return "null" if v is None else str(v).lower() if isinstance(v, bool) else str(v)
-
     return "set for PopuLoRA: " + " ".join(f"{k}={show(v)}" for k, v in changes)

@@ -13,12 +13,17 @@ from dataclasses import dataclass
 from typing import Any
 
 from populora_verl.config import ConfigError, PopuLoRAConfig
+from populora_verl.trainer import enable
+from populora_verl.trainer.enable import Setting
 
 __all__ = [
     "VLLM_MAX_LORA_RANK",
     "POLL_INTERVAL_KEY",
     "poll_interval",
     "validate_verl_config",
+    "required_settings",
+    "NOT_CHECKED",
+    "UNSET_MEANS",
     "ParallelLayout",
     "parallel_layout",
     "warn_if_bank_not_shared",
@@ -61,121 +66,64 @@ def poll_interval(config: Any) -> float:
     return float(value)
 
 
+#: Keys of :data:`~populora_verl.trainer.enable.SETTINGS` the start-up check leaves alone, and why: populora.enable
+#: fills them in, but a run works with whatever value they hold.
+NOT_CHECKED: dict[str, str] = {
+    # verl builds no reference model when use_kl_loss and use_kl_in_reward are false (both checked), and its
+    # default follows actor.strategy; enable sets it only so the config reads consistently.
+    "actor_rollout_ref.ref.strategy": "no reference model is built",
+    # verl's dataset files are never read: the population writes every prompt.
+    "data.train_files": "the population writes every prompt",
+    "data.val_files": "the population writes every prompt",
+}
+
+#: What verl reads for a key of SETTINGS that is null (or left out of a hand-built config): a null switch is off,
+#: and the reward manager's source defaults to 'register'. Only these keys may be unset, and only while verl's
+#: reading is the value SETTINGS asks for; any other key must hold its value.
+UNSET_MEANS: dict[str, Any] = {
+    "reward.reward_manager.source": "register",
+    "actor_rollout_ref.model.lora.merge": False,
+    "actor_rollout_ref.actor.use_kl_loss": False,
+    "algorithm.use_kl_in_reward": False,
+    "algorithm.filter_groups.enable": False,
+    "trainer.v1.sampler.sync_refill_failed_groups": False,
+    "trainer.val_before_train": False,
+    # critic.enable is not here: null turns a critic on for gae.
+}
+
+
+def required_settings() -> list[Setting]:
+    """The settings the start-up check requires: :data:`~populora_verl.trainer.enable.SETTINGS` (read at each call)
+    less :data:`NOT_CHECKED`."""
+    return [s for s in enable.SETTINGS if s.key not in NOT_CHECKED]
+
+
+def _holds(value: Any, wanted: Any) -> bool:
+    # a switch must be the bool itself (not 0 or 1), as verl's own checks read it
+    return value is wanted if isinstance(wanted, bool) else value == wanted
+
+
+def _expected(value: Any) -> str:
+    return enable.show(value) if value is None or isinstance(value, bool) else repr(value)
+
+
 def validate_verl_config(config: Any, pcfg: PopuLoRAConfig) -> None:
     """Check the verl keys a PopuLoRA run depends on; raise :class:`ConfigError` with one line naming the key."""
     ar = "actor_rollout_ref"
-    checks: list[tuple[str, Any, Any, str]] = [
-        # key, value, predicate, message
-        ("trainer.use_v1", select(config, "trainer.use_v1"), lambda v: v is True, "must be true (the V1 trainer)"),
-        # What makes it a PopuLoRA run at all: without these verl runs its own trainer, loop, rewards and
-        # advantages and the populora section is silently ignored (populora.enable sets all four).
-        (
-            "trainer.v1.trainer_mode",
-            select(config, "trainer.v1.trainer_mode"),
-            lambda v: v == "populora",
-            "must be 'populora' (the population trainer)",
-        ),
-        (
-            f"{ar}.rollout.agent.default_agent_loop",
-            select(config, f"{ar}.rollout.agent.default_agent_loop"),
-            lambda v: v == "populora_agent",
-            "must be 'populora_agent' (each prompt goes to its member's adapter)",
-        ),
-        (
-            "reward.reward_manager.name",
-            select(config, "reward.reward_manager.name"),
-            lambda v: v == "populora_code",
-            "must be 'populora_code' (rewards from running the population's programs)",
-        ),
-        (
-            "reward.reward_manager.source",
-            select(config, "reward.reward_manager.source", "register"),
-            lambda v: v == "register",
-            "must be 'register' (populora_code is a registered reward manager)",
-        ),
-        (
-            "algorithm.adv_estimator",
-            select(config, "algorithm.adv_estimator"),
-            lambda v: v == "populora_trrpp",
-            "must be 'populora_trrpp' (TRR++ per adapter, task and role)",
-        ),
-        (
-            f"{ar}.actor.strategy",
-            select(config, f"{ar}.actor.strategy"),
-            lambda v: v == "fsdp2",
-            "must be 'fsdp2' (FSDP1 flat params break per-adapter swaps)",
-        ),
-        (
-            f"{ar}.rollout.name",
-            select(config, f"{ar}.rollout.name"),
-            lambda v: v == "populora_vllm",
-            "must be 'populora_vllm' (per-request adapters; 'vllm' serves one LoRA id)",
-        ),
-        (f"{ar}.rollout.mode", select(config, f"{ar}.rollout.mode"), lambda v: v == "async", "must be 'async'"),
-        (
-            f"{ar}.rollout.checkpoint_engine.backend",
-            select(config, f"{ar}.rollout.checkpoint_engine.backend"),
-            lambda v: v == "naive",
-            "must be 'naive' (LoRA with other engines never reaches vLLM, verl #7495)",
-        ),
-        (
-            f"{ar}.rollout.load_format",
-            select(config, f"{ar}.rollout.load_format"),
-            lambda v: v == "safetensors",
-            "must be 'safetensors' (verl's LoRA weight sync)",
-        ),
-        (
-            f"{ar}.model.lora.merge",
-            select(config, f"{ar}.model.lora.merge", False),
-            lambda v: v is False,
-            "must be false (vLLM serves the adapters unmerged, one id each)",
-        ),
-        (
-            f"{ar}.actor.use_kl_loss",
-            select(config, f"{ar}.actor.use_kl_loss", False),
-            lambda v: v is False,
-            "must be false (PopuLoRA computes no reference log-probs per adapter)",
-        ),
-        (
-            "algorithm.use_kl_in_reward",
-            select(config, "algorithm.use_kl_in_reward", False),
-            lambda v: v is False,
-            "must be false (rewards come from the population step)",
-        ),
-        (
-            "critic.enable",
-            select(config, "critic.enable"),
-            lambda v: v is False,
-            "must be false (TRR++ needs no critic; null turns one on for gae)",
-        ),
-        (
-            "algorithm.filter_groups.enable",
-            select(config, "algorithm.filter_groups.enable", False),
-            lambda v: v is False,
-            "must be false (evicting groups would drop teacher rewards)",
-        ),
-        (
-            "trainer.v1.sampler.sync_refill_failed_groups",
-            select(config, "trainer.v1.sampler.sync_refill_failed_groups", False),
-            lambda v: v is False,
-            "must be false (a failed group is scored as empty answers so its teacher keeps a reward)",
-        ),
-        (
-            "trainer.val_before_train",
-            select(config, "trainer.val_before_train", False),
-            lambda v: v is False,
-            "must be false (PopuLoRA has no validation set; evaluate with populora_verl.eval)",
-        ),
-        (
+    # What makes it a PopuLoRA run at all (trainer mode, agent loop, reward manager, advantage estimator, rollout,
+    # ...): without these verl runs its own trainer, loop, rewards and advantages and the populora section is
+    # silently ignored. The values are populora.enable's (enable.SETTINGS), so the two cannot drift apart.
+    for s in required_settings():
+        value = select(config, s.key, UNSET_MEANS.get(s.key))
+        if not _holds(value, s.value):
+            _bad(s.key, f"must be {_expected(s.value)} ({s.why}), got {value!r}")
+    # Only here, not in SETTINGS: the user chooses the number (enable has no value to fill in).
+    steps = select(config, "trainer.total_training_steps")
+    if not (isinstance(steps, int) and steps >= 1):
+        _bad(
             "trainer.total_training_steps",
-            select(config, "trainer.total_training_steps"),
-            lambda v: isinstance(v, int) and v >= 1,
-            "must be an integer >= 1 (prompts come from the population)",
-        ),
-    ]
-    for key, value, ok, msg in checks:
-        if not ok(value):
-            _bad(key, f"{msg}, got {value!r}")
+            f"must be an integer >= 1 (prompts come from the population), got {steps!r}",
+        )
     if select(config, "distillation.enabled", False):
         _bad("distillation.enabled", "must be false with PopuLoRA")
     rank = select(config, f"{ar}.model.lora_rank", 0) or select(config, f"{ar}.model.lora.rank", 0)
