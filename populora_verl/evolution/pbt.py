@@ -374,9 +374,8 @@ class PBTController:
         """
         import torch
 
+        self._check_victims(plan, population)
         for r in plan.replacements:
-            if not population.member(r.victim_id).alive:
-                raise ValueError(f"stale plan: victim {r.victim_id!r} is already dead")
             for pid in r.parent_ids:
                 if pid not in adapters:
                     raise KeyError(f"no adapter for parent {pid!r}")
@@ -392,10 +391,23 @@ class PBTController:
             ):
                 raise RuntimeError(f"operator {r.operator!r} changed the adapter's keys, shapes or dtypes")
             children[r.child_id] = child
+        self.commit(plan, population)
+        return children
+
+    def commit(self, plan: EvolutionPlan, population: Population) -> None:
+        """The population side of :meth:`apply` alone, for an engine that makes the children where the adapters live
+        (the verl workers): victims die at ``plan.step``, children take their slots with their ratings and lineage.
+        Call it once the children are in their slots, so that a failed write leaves the population as it was."""
+        self._check_victims(plan, population)
         for r in plan.replacements:
             mu, sigma = self._child_rating(population, r)
             population.replace(r.victim_id, r.child_id, r.parent_ids, r.operator, plan.step, mu=mu, sigma=sigma)
-        return children
+
+    @staticmethod
+    def _check_victims(plan: EvolutionPlan, population: Population) -> None:
+        for r in plan.replacements:
+            if not population.member(r.victim_id).alive:
+                raise ValueError(f"stale plan: victim {r.victim_id!r} is already dead")
 
     # --- persistence --------------------------------------------------------------------------------------
 

@@ -28,12 +28,14 @@ if TYPE_CHECKING:
 __all__ = [
     "Phase",
     "PopulationEngine",
+    "PlanEngine",
     "AdapterView",
     "EvolutionResult",
     "SEED_FILE",
     "seed_file",
     "seed_buffers",
     "apply_evolution",
+    "plan_entries",
     "evolve",
 ]
 
@@ -75,6 +77,18 @@ class PopulationEngine(Protocol):
         """Overwrite slot ``slot`` with an evolution child. ``optimizer_from=None``: the slot starts with a fresh
         optimizer; otherwise it takes a copy of slot ``optimizer_from``'s optimizer state (a child keeping its
         parent's moments). Never the victim's own state: those moments belong to weights that are gone."""
+        ...
+
+
+@runtime_checkable
+class PlanEngine(Protocol):
+    """An engine that makes evolution children where the adapters live (the verl workers), so no adapter crosses a
+    process: it gets the plan in slots and returns the seconds of each phase of the event, not the children."""
+
+    def apply_plan(self, entries: Sequence[Mapping[str, Any]]) -> Mapping[str, float]:
+        """Make and write every child of ``entries`` (``child_slot``, ``operator``, ``parent_slots`` fittest first,
+        ``seed``, ``params``, ``reset_optimizer``: a fresh optimizer, or a copy of ``parent_slots[0]``'s), each
+        from the pre-event parents. Returns ``{phase: seconds}`` (gather, operator, scatter, optimizer)."""
         ...
 
 
@@ -126,12 +140,14 @@ def seed_file(run_dir: str | os.PathLike) -> str:
 
 @dataclass
 class EvolutionResult:
-    """What an evolution event did: its plan (``None`` when none was due), the metrics row's evolution keys, and one
-    log line per replacement (the verl trainer prints them; the CPU driver's step line names the replacements)."""
+    """What an evolution event did: its plan (``None`` when none was due), the metrics row's evolution keys, one
+    log line per replacement (the verl trainer prints them; the CPU driver's step line names the replacements), and
+    the seconds of each phase where a :class:`PlanEngine` made the children (empty otherwise)."""
 
     plan: EvolutionPlan | None = None
     metrics: dict[str, float] = field(default_factory=dict)
     lines: list[str] = field(default_factory=list)
+    timing: dict[str, float] = field(default_factory=dict)
 
 
 def apply_evolution(
@@ -151,24 +167,41 @@ def apply_evolution(
     (verl copies it on the workers then), so a plan whose optimizer source is also overwritten by that plan is
     refused before anything is written.
     """
-    writes = []
+    for r in plan.replacements:
+        if r.child_id not in children:
+            raise KeyError(f"evolution at step {plan.step}: no state for child {r.child_id!r}")
+    writes = [
+        (int(r.victim_slot), children[r.child_id], source)
+        for r, source in zip(plan.replacements, _sources(plan, slot_of))
+    ]
+    for slot, state, source in writes:
+        engine.write_child(slot, state, source)
+    return _recorded(plan, run_dir)
+
+
+def _sources(plan: EvolutionPlan, slot_of: Mapping[str, int]) -> list[int | None]:
+    """Each child's optimizer source slot (``None``: a fresh one); refuses a plan that writes a slot twice or hands
+    on an optimizer it also overwrites, before anything is written."""
     victims = {int(r.victim_slot) for r in plan.replacements}
     if len(victims) != len(plan.replacements):
         raise ValueError(
             f"evolution at step {plan.step} writes a slot twice: {[int(r.victim_slot) for r in plan.replacements]}"
         )
+    sources = []
     for r in plan.replacements:
-        if r.child_id not in children:
-            raise KeyError(f"evolution at step {plan.step}: no state for child {r.child_id!r}")
         source = None if r.reset_optimizer else int(slot_of[r.parent_ids[0]])
         if source is not None and source in victims:
             raise ValueError(
                 f"evolution at step {plan.step}: {r.child_id}'s optimizer would come from slot {source}, "
                 "which this event overwrites; parents must be survivors"
             )
-        writes.append((int(r.victim_slot), children[r.child_id], source))
-    for slot, state, source in writes:
-        engine.write_child(slot, state, source)
+        sources.append(source)
+    return sources
+
+
+def _recorded(
+    plan: EvolutionPlan, run_dir: str | os.PathLike, timing: Mapping[str, float] | None = None
+) -> EvolutionResult:
     if plan.replacements:
         append_event(run_dir, plan)
     ties = sum(bool(r.tie_break) for r in plan.replacements)
@@ -176,7 +209,24 @@ def apply_evolution(
         plan,
         {"populora/evolution/events": float(len(plan.replacements)), "populora/evolution/tie_breaks": float(ties)},
         [f"[populora] step {plan.step} evolution: {describe(r)}" for r in plan.replacements],
+        dict(timing or {}),
     )
+
+
+def plan_entries(plan: EvolutionPlan, slot_of: Mapping[str, int]) -> list[dict[str, Any]]:
+    """The plan in slots, as a :class:`PlanEngine` (and the workers' ``apply_evolution_plan``) takes it."""
+    _sources(plan, slot_of)
+    return [
+        {
+            "child_slot": int(r.victim_slot),
+            "operator": r.operator,
+            "parent_slots": [int(slot_of[p]) for p in r.parent_ids],
+            "seed": int(r.seed),
+            "params": dict(r.params),
+            "reset_optimizer": bool(r.reset_optimizer),
+        }
+        for r in plan.replacements
+    ]
 
 
 def evolve(
@@ -184,8 +234,19 @@ def evolve(
 ) -> EvolutionResult:
     """PBT after ``global_step`` when it is due (:meth:`PopulationStep.maybe_evolve`), then
     :func:`apply_evolution`; an empty :class:`EvolutionResult` when it is not due. Only the parents' adapters are
-    read from the engine."""
+    read from the engine.
+
+    A :class:`PlanEngine` makes the children itself from the plan in slots (:func:`plan_entries`); the population
+    takes them once they are written, and the result carries the engine's seconds per phase."""
     slot_of = {m.id: int(m.slot) for m in step.population.members}
+    if isinstance(engine, PlanEngine):
+        plan = step.plan_evolution(global_step)
+        if plan is None:
+            return EvolutionResult()
+        entries = plan_entries(plan, slot_of)
+        timing = engine.apply_plan(entries) if entries else {}
+        step.commit_evolution(plan)
+        return _recorded(plan, run_dir, timing)
     plan, children = step.maybe_evolve(global_step, AdapterView(engine, slot_of))
     if plan is None:
         return EvolutionResult()

@@ -483,15 +483,32 @@ class PopulationStep:
 
         The engine writes each child into ``Replacement.victim_slot`` and resets that slot's optimizer state where
         ``Replacement.reset_optimizer`` is set."""
-        if self.pbt is None or not self.pbt.due(step):
+        plan = self.plan_evolution(step)
+        if plan is None:
             return None, {}
-        recent = self.recent_rewards if self.cfg.pbt.fitness == "recent_reward" else None
-        plan = self.pbt.plan(self.population, step, recent)
         children = self.pbt.apply(plan, self.population, adapters)
+        self._forget_victims(plan)
+        return plan, children
+
+    def plan_evolution(self, step: int) -> Any:
+        """The first half of :meth:`maybe_evolve` for an engine that makes the children itself (the verl workers):
+        the ``EvolutionPlan`` when PBT is due at ``step``, else ``None``; nothing changes until
+        :meth:`commit_evolution`."""
+        if self.pbt is None or not self.pbt.due(step):
+            return None
+        recent = self.recent_rewards if self.cfg.pbt.fitness == "recent_reward" else None
+        return self.pbt.plan(self.population, step, recent)
+
+    def commit_evolution(self, plan: Any) -> None:
+        """The second half: the plan's children are in their slots, so the population takes them (victims die,
+        children are born with their ratings and lineage), as :meth:`maybe_evolve` does after making them."""
+        self.pbt.commit(plan, self.population)
+        self._forget_victims(plan)
+
+    def _forget_victims(self, plan: Any) -> None:
         for r in plan.replacements:
             self.recent_rewards.pop(r.victim_id, None)
             self.recent_rewards[r.child_id] = 0.0
-        return plan, children
 
     # --- state ---------------------------------------------------------------------------------------------
 

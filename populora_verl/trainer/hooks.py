@@ -18,6 +18,7 @@ from populora_verl.step.records import SEED, GenRequest, GenResponse
 from populora_verl.trainer import schedule, stop, verl_config
 from populora_verl.trainer.convert import PARTITION
 from populora_verl.trainer.timeline import timed
+from populora_verl.workers.adapter_bank import EVOLUTION_PHASES
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +49,15 @@ class TrainerEngine:
     def get_adapter(self, slot: int) -> dict[str, torch.Tensor]:
         return self._trainer._get_adapter(int(slot))
 
+    def apply_plan(self, entries: Sequence[Mapping[str, Any]]) -> dict[str, float]:
+        """The event on the workers (``populora_apply_plan``); the seconds per phase of the slowest rank (the one
+        whose phases add up to the most), so that the split adds up to no more than the event."""
+        out = self._trainer.actor_rollout_wg.populora_apply_plan(list(entries))
+        splits = [dict(o["timing"]) for o in (out if isinstance(out, list) else [out]) if o]
+        if not splits:
+            raise RuntimeError("populora_apply_plan returned nothing")
+        return max(splits, key=lambda t: sum(t.values()))
+
     def write_child(self, slot: int, state: Mapping[str, torch.Tensor], optimizer_from: int | None) -> None:
         # The workers copy the source slot's optimizer at this call; the caller guarantees it is still pre-event.
         self._trainer._rpc(
@@ -57,6 +67,24 @@ class TrainerEngine:
             reset_optimizer=optimizer_from is None,
             optimizer_from=None if optimizer_from is None else int(optimizer_from),
         )
+
+
+#: The evolution event's key in verl's ``timing_raw`` (``timing_s/populora_evolve``); its phases are under it.
+EVOLVE = "populora_evolve"
+
+
+def evolution_line(step: int, children: int, timing_raw: Mapping[str, float]) -> str | None:
+    """``[populora] evolution at step N: 2 children in X s (operator a, gather b, scatter c, optimizer d)`` from
+    ``timing_raw`` (the event's total and its phases), or ``None`` when the step made no child."""
+    if children <= 0 or EVOLVE not in timing_raw:
+        return None
+    split = ", ".join(
+        f"{p} {timing_raw[f'{EVOLVE}/{p}']:.2f}" for p in EVOLUTION_PHASES if f"{EVOLVE}/{p}" in timing_raw
+    )
+    return (
+        f"[populora] evolution at step {step}: {children} {'child' if children == 1 else 'children'} in "
+        f"{timing_raw[EVOLVE]:.2f} s" + (f" ({split})" if split else "")
+    )
 
 
 class HooksMixin:
@@ -93,8 +121,11 @@ class HooksMixin:
             print(self._timeline.line(), flush=True)
         self._timeline_done = True
         ending = self._stop_due()
-        with timed("populora_evolve", self.timing_raw, color="green"):
+        with timed(EVOLVE, self.timing_raw, color="green"):
             evo = {} if ending else self._evolve()
+        line = evolution_line(self.global_steps, int(evo.get("populora/evolution/events", 0)), self.timing_raw)
+        if line:
+            print(line, flush=True)
         if ending:
             # fit() leaves its loop once global_steps passes total_training_steps: this step is the last one.
             self._save_pending = True
@@ -130,6 +161,8 @@ class HooksMixin:
         evolution = evolve(self.pop_step, self.global_steps, TrainerEngine(self), self.config.trainer.default_local_dir)
         for line in evolution.lines:
             print(line, flush=True)
+        for phase, seconds in evolution.timing.items():  # verl logs them as timing_s/populora_evolve/<phase>
+            self.timing_raw[f"{EVOLVE}/{phase}"] = float(seconds)
         return evolution.metrics
 
     def _save_checkpoint(self) -> None:

@@ -43,12 +43,16 @@ __all__ = [
     "default_lora_init",
     "shard_like",
     "apply_evolution_plan",
+    "EVOLUTION_PHASES",
     "validate_adapter_state",
     "check_saved_bank",
     "save_atomically",
 ]
 
 BANK_FORMAT_VERSION = 1
+
+#: The phases of an evolution event that :func:`apply_evolution_plan` times, in the order of the trainer's line.
+EVOLUTION_PHASES = ("operator", "gather", "scatter", "optimizer")
 
 
 class AdapterBankError(RuntimeError):
@@ -428,22 +432,38 @@ class AdapterBank:
         if self._active in (src, dst):
             self.swap_out()
         s, d = self._slots[src], self._slots[dst]
-        d.optim = (
-            None
-            if s.optim is None
-            else {
-                n: {k: (v.clone() if torch.is_tensor(v) else copy.deepcopy(v)) for k, v in st.items()}
-                for n, st in s.optim.items()
-            }
-        )
-        d.scheduler, d.lrs = copy.deepcopy(s.scheduler), copy.deepcopy(s.lrs)
+        if src != dst:
+            old = d.optim or {}
+            # into dst's own buffers where they fit: they stay pinned, and nothing is allocated
+            d.optim = (
+                None
+                if s.optim is None
+                else {
+                    n: {k: self._copy_state(old.get(n, {}).get(k), v) for k, v in st.items()}
+                    for n, st in s.optim.items()
+                }
+            )
+            d.scheduler, d.lrs = copy.deepcopy(s.scheduler), copy.deepcopy(s.lrs)
         if self._active == dst:
             self._load_optimizer(d)
 
+    @staticmethod
+    def _copy_state(dst: Any, val: Any) -> Any:
+        if not torch.is_tensor(val):
+            return copy.deepcopy(val)
+        if torch.is_tensor(dst) and dst.shape == val.shape and dst.dtype == val.dtype and dst.device == val.device:
+            return dst.copy_(val)
+        return val.clone()
+
     # --- full adapter state dicts (PEFT keys) ----------------------------------------------------------------
 
-    def get_adapter_state(self, slot: int) -> dict[str, torch.Tensor]:
-        """Slot ``slot`` as a PEFT adapter state dict of full CPU tensors (collective under FSDP2)."""
+    def get_adapter_state(self, slot: int, *, to_cpu: bool = True) -> dict[str, torch.Tensor]:
+        """Slot ``slot`` as a PEFT adapter state dict of full tensors (collective under FSDP2).
+
+        ``to_cpu=False`` leaves each full tensor where the gather made it (the accelerator under FSDP2; without
+        sharding, a copy on the live parameter's device), so that evolution's operators run there: the copies are
+        queued without waiting per tensor, and the call waits once at the end.
+        """
         self._check_slot(slot)
         if self._active == slot:
             self.swap_out()
@@ -454,35 +474,44 @@ class AdapterBank:
             if _is_dtensor(p):
                 from torch.distributed.tensor import DTensor
 
+                # pinned slot buffers: the copies to the accelerator are queued, the gathers wait on them in stream
+                sent = local.to(_comm_device(p), non_blocking=True)
                 full = DTensor.from_local(
-                    local.to(_comm_device(p)),
-                    p.device_mesh,
-                    p.placements,
-                    run_check=False,
-                    shape=p.shape,
-                    stride=p.stride(),
+                    sent, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
                 ).full_tensor()
                 # Always a copy: when no rank needs to send anything (a mesh of one shard group on CPU) the gather
                 # hands back the slot's own buffer, which the next swap_out overwrites in place.
-                out[self._keys[n]] = full.detach().to("cpu", copy=True)
-            else:
+                if not to_cpu:
+                    shared = full.untyped_storage().data_ptr() == local.untyped_storage().data_ptr()
+                    out[self._keys[n]] = full.detach().clone() if shared else full.detach()
+                else:
+                    out[self._keys[n]] = full.detach().to("cpu", copy=True)
+            elif to_cpu:
                 out[self._keys[n]] = local.detach().clone()
+            else:
+                out[self._keys[n]] = local.detach().to(_local(p).device, copy=True, non_blocking=True)
+        if not to_cpu:
+            _wait_for_copies()  # the slot's host buffers may be written again once this returns
         return out
 
     def set_adapter_state(self, slot: int, state: Mapping[str, torch.Tensor], *, reset_optimizer: bool = False) -> None:
         """Overwrite slot ``slot`` with a full PEFT adapter state dict; bumps the slot's version.
 
         Keys must match the bank's exactly and shapes must be the global parameter shapes; values are cast to the
-        parameter dtype. Every rank must pass the same tensors (each keeps its own shard).
+        parameter dtype. Every rank must pass the same tensors (each keeps its own shard). Each rank's share is cut
+        where the state lives and copied into the slot's buffer without waiting per tensor: a child made on the
+        accelerator crosses to the host as this rank's shard only, and the write waits once at the end.
         """
         self._check_slot(slot)
         self._validate_state(state, f"slot {slot}")
         if self._active == slot:
             self.swap_out()
         s = self._slots[slot]
-        for n, p in self._params.items():
-            full = state[self._keys[n]].detach().to("cpu", dtype=p.dtype)
-            s.params[n] = self._into(s.params.get(n), shard_like(full, p).cpu())
+        with torch.no_grad():
+            for n, p in self._params.items():
+                full = state[self._keys[n]].detach().to(dtype=p.dtype)
+                s.params[n] = self._into(s.params.get(n), shard_like(full, p), non_blocking=True)
+            _wait_for_copies()  # the slot's buffers are read next (a swap, a gather, a save)
         s.version += 1
         if reset_optimizer:
             s.optim, s.scheduler, s.lrs = None, None, None
@@ -494,10 +523,14 @@ class AdapterBank:
         validate_adapter_state(state, {k: tuple(self._params[n].shape) for k, n in self._by_key.items()}, what)
 
     def apply_plan(
-        self, entries: Sequence[PlanEntry | Mapping[str, Any]], operators: Mapping[str, Any] | None = None
+        self,
+        entries: Sequence[PlanEntry | Mapping[str, Any]],
+        operators: Mapping[str, Any] | None = None,
+        *,
+        timing: dict[str, float] | None = None,
     ) -> list[int]:
         """Write evolution children into their slots; returns the child slots (:func:`apply_evolution_plan`)."""
-        return apply_evolution_plan(self, entries, operators)
+        return apply_evolution_plan(self, entries, operators, timing=timing)
 
     def shard_checksums(self) -> dict[int, str]:
         """Per slot, a short hash of **this rank's** shards (no collective): which slots changed on which rank."""
@@ -572,8 +605,15 @@ def validate_adapter_state(state: Mapping[str, torch.Tensor], shapes: Mapping[st
             raise AdapterBankError(f"{what}: {k} is {type(v).__name__}, not a tensor")
         if tuple(v.shape) != tuple(shapes[k]):
             raise AdapterBankError(f"{what}: {k} has shape {tuple(v.shape)}, expected {tuple(shapes[k])}")
-        if not torch.isfinite(v).all():
-            raise AdapterBankError(f"{what}: {k} has non-finite values")
+    # one answer per device, not one per tensor: on an accelerator each answer waits for the device
+    by_device: dict[torch.device, list[str]] = {}
+    for k, v in state.items():
+        by_device.setdefault(v.device, []).append(k)
+    for keys in by_device.values():
+        finite = torch.stack([torch.isfinite(state[k]).all() for k in keys]).tolist()
+        bad = [k for k, ok in zip(keys, finite) if not ok]
+        if bad:
+            raise AdapterBankError(f"{what}: {bad[0]} has non-finite values")
 
 
 def check_saved_bank(state: Mapping[str, Any], local_shapes: Mapping[str, tuple[int, ...]]) -> None:
@@ -621,13 +661,27 @@ def shard_like(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 
 def apply_evolution_plan(
-    store: Any, entries: Sequence[PlanEntry | Mapping[str, Any]], operators: Mapping[str, Any] | None = None
+    store: Any,
+    entries: Sequence[PlanEntry | Mapping[str, Any]],
+    operators: Mapping[str, Any] | None = None,
+    *,
+    timing: dict[str, float] | None = None,
 ) -> list[int]:
     """Write evolution children into the slots of ``store`` (a bank or resident adapters); returns the child slots.
 
     Every child is computed from the parents' weights **before** any child is written, so a slot that is both a
     parent and (later in the plan) a victim gives its pre-plan weights. ``operators`` defaults to
     ``populora_verl.evolution.operators.OPERATORS``.
+
+    The parents are read where the slots live (``get_adapter_state(slot, to_cpu=False)``: on the accelerator under
+    FSDP2, a gather of their LoRA tensors only) and the operators run there; a child is written as soon as no later
+    entry reads its slot, and each parent is dropped once no later entry needs it. Noise is drawn from a CPU
+    generator seeded by the entry, as the CPU driver draws it, so both engines make the same child up to rounding.
+
+    ``timing``, when given, receives the seconds of each phase (:data:`EVOLUTION_PHASES`): ``gather`` (reading the
+    parents), ``operator``, ``scatter`` (each child into its slot: this rank's share) and ``optimizer`` (a fresh
+    optimizer, or a copy of the first parent's). Each phase waits for the accelerator before it ends, so its seconds
+    include the work it queued.
     """
     if operators is None:
         from populora_verl.evolution.operators import OPERATORS as operators  # noqa: N811
@@ -635,31 +689,65 @@ def apply_evolution_plan(
     children = [e.child_slot for e in plan]
     if len(set(children)) != len(children):
         raise AdapterBankError(f"plan writes a slot twice: {children}")
-    cache: dict[int, dict[str, torch.Tensor]] = {}
-    results: list[tuple[PlanEntry, dict[str, torch.Tensor]]] = []
-    for e in plan:
+    for e in plan:  # the whole plan is checked before any slot is read or written
         store._check_slot(e.child_slot)
         if e.operator not in operators:
             raise AdapterBankError(f"unknown operator {e.operator!r} (known: {sorted(operators)})")
-        op = operators[e.operator]
-        want = getattr(op, "num_parents", len(e.parent_slots))
+        want = getattr(operators[e.operator], "num_parents", len(e.parent_slots))
         if len(e.parent_slots) != want:
             raise AdapterBankError(f"operator {e.operator} needs {want} parents, got {list(e.parent_slots)}")
-        parents = []
         for ps in e.parent_slots:
             store._check_slot(ps)
-            if ps not in cache:
-                cache[ps] = store.get_adapter_state(ps)
-            parents.append(cache[ps])
-        gen = torch.Generator().manual_seed(e.seed)
-        results.append((e, op(parents, generator=gen, **dict(e.params))))
+    split = dict.fromkeys(EVOLUTION_PHASES, 0.0)
+    cache: dict[int, dict[str, torch.Tensor]] = {}
+    deferred: list[tuple[PlanEntry, dict[str, torch.Tensor]]] = []
+    with torch.no_grad():
+        for i, e in enumerate(plan):
+            later = {ps for f in plan[i + 1 :] for ps in f.parent_slots}
+            with _phase(split, "gather"):
+                for ps in e.parent_slots:
+                    if ps not in cache:
+                        cache[ps] = store.get_adapter_state(ps, to_cpu=False)
+            with _phase(split, "operator"):
+                gen = torch.Generator().manual_seed(e.seed)
+                child = operators[e.operator]([cache[ps] for ps in e.parent_slots], generator=gen, **dict(e.params))
+            for ps in [ps for ps in cache if ps not in later]:
+                del cache[ps]
+            if e.child_slot in later:
+                deferred.append((e, child))  # a later entry still reads this slot's pre-plan weights
+            else:
+                _write_child(store, e, child, split)
+            del child
+        for e, child in deferred:
+            _write_child(store, e, child, split)
+    if timing is not None:
+        timing.update(split)
+    return children
+
+
+@contextlib.contextmanager
+def _phase(split: dict[str, float], name: str) -> Iterator[None]:
+    """Add the seconds of the block to ``split[name]``, the accelerator's queued work included."""
+    import time
+
+    t0 = time.perf_counter()
+    try:
+        yield
+    finally:
+        _wait_for_copies()
+        split[name] += time.perf_counter() - t0
+
+
+def _write_child(store: Any, e: PlanEntry, child: Mapping[str, torch.Tensor], split: dict[str, float]) -> None:
     # A child that keeps an optimizer state keeps its fitter parent's (as the CPU driver), not its victim's.
     # Parents are survivors, never children of this plan, so their state is still the pre-plan one.
-    for e, child in results:
-        store.set_adapter_state(e.child_slot, child, reset_optimizer=e.reset_optimizer)
-        if not e.reset_optimizer:
+    with _phase(split, "scatter"):
+        store.set_adapter_state(e.child_slot, child)
+    with _phase(split, "optimizer"):
+        if e.reset_optimizer:
+            store.reset_optimizer(e.child_slot)
+        else:
             store.copy_optimizer(int(e.parent_slots[0]), e.child_slot)
-    return children
 
 
 def bank_filename(world_size: int, rank: int) -> str:

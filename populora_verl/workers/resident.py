@@ -603,9 +603,12 @@ class ResidentAdapters:
                         full = default_lora_init(n, tuple(p.shape), gen).to(p.dtype)
                     self._slot_param(k, n).copy_(full)
 
-    def get_adapter_state(self, slot: int) -> dict[str, torch.Tensor]:
-        """Slot ``slot`` as a PEFT adapter state dict of full CPU tensors (no collective: slots are replicated)."""
+    def get_adapter_state(self, slot: int, *, to_cpu: bool = True) -> dict[str, torch.Tensor]:
+        """Slot ``slot`` as a PEFT adapter state dict of full tensors (no collective: slots are replicated), on the
+        CPU, or with ``to_cpu=False`` copies where the slot lives (evolution's operators run there)."""
         self._check_slot(slot)
+        if not to_cpu:
+            return {self._keys[n]: self._slot_param(slot, n).detach().clone() for n in self._params}
         return {self._keys[n]: self._slot_param(slot, n).detach().to("cpu", copy=True) for n in self._params}
 
     def set_adapter_state(self, slot: int, state: Mapping[str, torch.Tensor], *, reset_optimizer: bool = False) -> None:
@@ -614,8 +617,7 @@ class ResidentAdapters:
         self._validate_state(state, f"slot {slot}")
         with torch.no_grad():
             for n in self._params:
-                p = self._slot_param(slot, n)
-                p.copy_(state[self._keys[n]].detach().to(device=p.device, dtype=p.dtype))
+                self._slot_param(slot, n).copy_(state[self._keys[n]].detach())  # casts and moves as it copies
         self._meta[slot].version += 1
         if reset_optimizer:
             self.reset_optimizer(slot)
@@ -649,9 +651,16 @@ class ResidentAdapters:
                     self.optimizer.state.pop(pd, None)
         self._meta[dst].schedule_step = self._meta[src].schedule_step
 
-    def apply_plan(self, entries: Sequence[Any], operators: Mapping[str, Any] | None = None) -> list[int]:
-        """Write evolution children into their slots (every child from pre-plan parents); returns the child slots."""
-        return apply_evolution_plan(self, entries, operators)
+    def apply_plan(
+        self,
+        entries: Sequence[Any],
+        operators: Mapping[str, Any] | None = None,
+        *,
+        timing: dict[str, float] | None = None,
+    ) -> list[int]:
+        """Write evolution children into their slots (every child from pre-plan parents); returns the child slots.
+        ``timing`` receives the seconds per phase (:func:`~populora_verl.workers.adapter_bank.apply_evolution_plan`)."""
+        return apply_evolution_plan(self, entries, operators, timing=timing)
 
     def shard_checksums(self) -> dict[int, str]:
         """Per slot, a short hash of this rank's copy of its weights (no collective)."""

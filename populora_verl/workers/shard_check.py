@@ -8,7 +8,8 @@ once W > 3) and runs the paths the multi-GPU trainer relies on:
 * a forward under every slot (the copy into the local shard is what FSDP all-gathers),
 * the weight sync's gather of the live adapter (verl's ``collect_lora_params``, plain and layered),
 * save / load of per-rank bank files, and the refusal of a bank saved at another world size,
-* evolution inside the bank (``apply_plan``) and the trainer's way (full children sent to every rank).
+* evolution inside the bank (``apply_plan``, the trainer's way) and a full state sent to every rank
+  (``populora_set_adapter``).
 
 Rank 0 also runs the unsharded reference (one process, every rank's data concatenated), so sharded numbers are
 checked against single-GPU numbers, not only against each other. Each rank writes what it found to
@@ -263,7 +264,7 @@ def _scenarios(rank: int, world: int, device: torch.device, outdir: str, fsdp_si
     out["evolved"] = [bank.get_adapter_state(k) for k in range(NUM_SLOTS)]
     out["evolved_versions"] = [bank.version(k) for k in range(NUM_SLOTS)]
     out["evolved_optimizer_steps"] = [bank.slot_info(k)["optimizer_step"] for k in range(NUM_SLOTS)]
-    # The trainer's way: a child computed once on the driver and sent, full, to every rank.
+    # populora_set_adapter: a state made once on the driver and sent, full, to every rank.
     child = {k: v * 0.5 + 0.25 for k, v in out["evolved"][1].items()}
     bank.set_adapter_state(1, child, reset_optimizer=True)
     out["set_child"], out["set_child_expected"] = bank.get_adapter_state(1), child

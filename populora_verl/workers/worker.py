@@ -7,9 +7,10 @@
   FSDP forwards, which a free per-rank split would not guarantee.
 * ``update_weights`` (``naive`` backend) pushes every slot to vLLM under its own LoRA id
   (:func:`populora_verl.rollout.lora_int_id`), retiring the id of a slot whose version changed.
-* ONE_TO_ALL RPCs for the trainer: ``populora_init_bank``, ``populora_set_adapter`` (evolution children, with the
-  parent's optimizer state), ``populora_get_adapter``, ``populora_shard_checksums``, ``populora_save_bank``,
-  ``populora_load_bank``, ``populora_bank_info``.
+* ONE_TO_ALL RPCs for the trainer: ``populora_init_bank``, ``populora_apply_plan`` (an evolution event: every rank
+  makes the children from the parents' slots and keeps its share, with the seconds of each phase),
+  ``populora_set_adapter`` (a full state into a slot), ``populora_get_adapter``, ``populora_shard_checksums``,
+  ``populora_save_bank``, ``populora_load_bank``, ``populora_bank_info``.
 
 Every override repeats verl's ``@register`` with the parent's dispatch mode: driver-callable methods are bound only
 through that decorator. The FSDP engine is CUDA/NPU-only, so on CPU this class is only constructed via ``__new__``.
@@ -225,6 +226,15 @@ class PopuLoRAActorRolloutRefWorker(ActorRolloutRefWorker):
         if optimizer_from is not None:
             bank.copy_optimizer(int(optimizer_from), int(slot))
         return bank.version(int(slot))
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def populora_apply_plan(self, entries: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+        """An evolution event where the slots live (:func:`~populora_verl.workers.adapter_bank.apply_evolution_plan`):
+        every rank gathers the parents' LoRA tensors, runs the operators on its accelerator and keeps its share of each
+        child, so no adapter crosses a process. Returns this rank's child slots and seconds per phase."""
+        timing: dict[str, float] = {}
+        slots = self._require_bank().apply_plan(list(entries), timing=timing)
+        return {"rank": int(self.rank), "slots": slots, "timing": timing}
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def populora_get_adapter(self, slot: int) -> dict[str, torch.Tensor] | None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+from types import SimpleNamespace
 
 import pytest
 from omegaconf import OmegaConf
@@ -378,17 +379,22 @@ def test_verl_evolve_sends_parent_slot_for_its_optimizer(tmp_path, bare_trainer)
     t = bare_trainer(OmegaConf.create({"trainer": {"default_local_dir": str(tmp_path)}}), global_steps=1,
                      pop_step=PopulationStep(cfg, seed=0, tasks_env=_StubTasks(), total_steps=10))
     slot_of = {m.id: m.slot for m in t.pop_step.population.members}
-    adapters = _fake_adapters(list(slot_of))
     calls = []
-    t._get_adapter = lambda slot: adapters[next(i for i, s in slot_of.items() if s == slot)]
-    t._rpc = lambda name, *a, **kw: calls.append((name, a, kw))
+    t._get_adapter = t._rpc = None  # the workers make the children from their own slots
+    t.timing_raw = {}
+
+    def apply_plan(entries):
+        calls.extend(entries)
+        return [{"rank": 0, "slots": [e["child_slot"] for e in entries], "timing": {}}]
+
+    t.actor_rollout_wg = SimpleNamespace(populora_apply_plan=apply_plan)
     out = t._evolve()
     assert out["populora/evolution/events"] == 2.0 and len(calls) == 2
     # the verl path logs the event like the CPU driver: one line of evolution.jsonl with both replacements
     event = json.loads((tmp_path / "evolution.jsonl").read_text())
     assert event["step"] == 1 and len(event["replacements"]) == 2
     lineage = {m.id: m for m in t.pop_step.population.lineage}
-    for name, (slot, _), kw in calls:
-        child = next(m for m in t.pop_step.population.members if m.slot == slot)
-        assert name == "populora_set_adapter" and kw["reset_optimizer"] is False
-        assert kw["optimizer_from"] == slot_of[lineage[child.id].parents[0]] != slot
+    for e in calls:
+        child = next(m for m in t.pop_step.population.members if m.slot == e["child_slot"])
+        assert e["reset_optimizer"] is False  # the workers copy parent_slots[0]'s optimizer: the fitter parent's
+        assert e["parent_slots"][0] == slot_of[lineage[child.id].parents[0]] != e["child_slot"]

@@ -344,6 +344,78 @@ def test_trainer_engine_seeds_through_tq_and_clears_the_rows_and_writes_children
                     ("populora_set_adapter", (4, state), {"reset_optimizer": True, "optimizer_from": None})]
 
 
+class StoreEngine:
+    """The evolution half of an engine over a CPU store (the bench's stand-in for a 7B's LoRA factors, here small):
+    the driver's way (get_adapter / write_child) and, with ``plans=True``, a PlanEngine's (apply_plan)."""
+
+    def __init__(self, store, plans: bool) -> None:
+        self.store, self.calls = store, []
+        if plans:
+            self.apply_plan = self._apply_plan
+
+    def generate(self, requests, phase):
+        raise AssertionError("evolution generates nothing")
+
+    def get_adapter(self, slot):
+        self.calls.append(("get_adapter", slot))
+        return self.store.get_adapter_state(slot)
+
+    def write_child(self, slot, state, optimizer_from):
+        self.calls.append(("write_child", slot))
+        self.store.set_adapter_state(slot, state, reset_optimizer=optimizer_from is None)
+        if optimizer_from is not None:
+            self.store.copy_optimizer(optimizer_from, slot)
+
+    def _apply_plan(self, entries):
+        self.calls.append(("apply_plan", [e["child_slot"] for e in entries]))
+        timing = {}
+        self.store.apply_plan(entries, timing=timing)
+        return timing
+
+
+def _small_store(layout="bank"):
+    from populora_verl.bench.evolution_event import make_store
+    from populora_verl.bench.operators import ModelShape
+
+    return make_store(layout, ModelShape(layers=2, hidden=16, intermediate=24, kv_out=8), rank=4, num_slots=6)
+
+
+@pytest.mark.parametrize("reset", [False, True])
+def test_a_plan_engine_makes_the_children_the_driver_would_and_reports_each_phase(tmp_path, reset):
+    from populora_verl.step.engine import PlanEngine
+    from populora_verl.workers.adapter_bank import EVOLUTION_PHASES
+
+    driver, workers = StoreEngine(_small_store(), plans=False), StoreEngine(_small_store(), plans=True)
+    assert isinstance(workers, PlanEngine) and not isinstance(driver, PlanEngine)
+    steps = [_evolving_step(reset) for _ in range(2)]
+    a = evolve(steps[0], 2, driver, tmp_path / "driver")
+    b = evolve(steps[1], 2, workers, tmp_path / "workers")
+    assert a.plan.to_dict() == b.plan.to_dict() and a.metrics == b.metrics and a.lines == b.lines
+    assert [c[0] for c in workers.calls] == ["apply_plan"]  # no adapter read or sent by the driver
+    assert a.timing == {} and list(b.timing) == list(EVOLUTION_PHASES) and min(b.timing.values()) >= 0
+    for k in range(6):  # same weights and optimizer states in every slot, and the same population after
+        sa, sb = driver.store.get_adapter_state(k), workers.store.get_adapter_state(k)
+        assert all(torch.equal(sa[n], sb[n]) for n in sa), k
+        assert driver.store.slot_info(k) == workers.store.slot_info(k)
+    assert [(m.id, m.slot, m.parents) for m in steps[0].population.members] == [
+        (m.id, m.slot, m.parents) for m in steps[1].population.members]
+    assert steps[0].recent_rewards == steps[1].recent_rewards
+    assert evolve(steps[1], 3, workers, tmp_path / "workers").plan is None and len(workers.calls) == 1  # not due
+
+
+def test_a_failed_event_on_the_workers_leaves_the_population_as_it_was(tmp_path):
+    class Broken(StoreEngine):
+        def _apply_plan(self, entries):
+            raise RuntimeError("a rank died")
+
+    ps = _evolving_step(reset=True)
+    before = [(m.id, m.slot) for m in ps.population.members]
+    with pytest.raises(RuntimeError, match="a rank died"):
+        evolve(ps, 2, Broken(_small_store(), plans=True), tmp_path)
+    assert [(m.id, m.slot) for m in ps.population.members] == before
+    assert not (tmp_path / "evolution.jsonl").exists()
+
+
 def test_verl_seeding_and_evolution_go_through_the_shared_functions(bare_trainer, tmp_path, monkeypatch, capsys):
     pytest.importorskip("verl")
     from omegaconf import OmegaConf
@@ -362,16 +434,33 @@ def test_verl_seeding_and_evolution_go_through_the_shared_functions(bare_trainer
     t._seed_buffers()  # nothing to seed: no round, no file, no line
     assert not (tmp_path / SEED_FILE).exists()
     slots = {m.slot: m.id for m in ps.population.members}
-    rpcs = []
-    t._get_adapter = lambda slot: _child(float(slot))
-    t._rpc = lambda name, *a, **kw: rpcs.append((name, a[0], kw))
+    slot_of = {m.id: m.slot for m in ps.population.members}
+    plans = []
+    t._get_adapter = t._rpc = None  # the workers make the children: no adapter is read or sent by the driver
+
+    def apply_plan(entries):  # two ranks, each with its own seconds per phase
+        plans.append(entries)
+        return [{"rank": 0, "slots": [e["child_slot"] for e in entries],
+                 "timing": {"operator": 0.25, "gather": 0.5, "scatter": 0.125, "optimizer": 0.0}},
+                {"rank": 1, "slots": [e["child_slot"] for e in entries],
+                 "timing": {"operator": 0.5, "gather": 0.5, "scatter": 0.25, "optimizer": 0.0}}]
+
+    t.actor_rollout_wg = SimpleNamespace(populora_apply_plan=apply_plan)
+    t.timing_raw = {}
     metrics = t._evolve()
     assert calls == ["seed_buffers", "evolve"]
     assert metrics == {"populora/evolution/events": 2.0, "populora/evolution/tie_breaks": 2.0}
     event = json.loads((tmp_path / "evolution.jsonl").read_text())
-    assert [(slot, kw) for _, slot, kw in rpcs] == [(r["victim_slot"], {"reset_optimizer": True,
-                                                                        "optimizer_from": None})
-                                                    for r in event["replacements"]]
+    assert plans == [[{"child_slot": r["victim_slot"], "operator": r["operator"],
+                       "parent_slots": [slot_of[p] for p in r["parent_ids"]], "seed": r["seed"],
+                       "params": r["params"], "reset_optimizer": True} for r in event["replacements"]]]
+    # the slowest rank's split (its phases add up to the most), under verl's timing key for the event
+    assert t.timing_raw == {"populora_evolve/operator": 0.5, "populora_evolve/gather": 0.5,
+                            "populora_evolve/scatter": 0.25, "populora_evolve/optimizer": 0.0}
+    for r in event["replacements"]:  # the population took the children once the workers had written them
+        assert ps.population.member(r["child_id"]).slot == r["victim_slot"]
+        assert r["victim_id"] not in ps.population.ids()
     out = capsys.readouterr().out.splitlines()
-    assert [line.split(": ", 1)[1].split(" ")[0] for line in out] == [slots[slot] for _, slot, _ in rpcs]
+    assert [line.split(": ", 1)[1].split(" ")[0] for line in out] == [slots[r["victim_slot"]]
+                                                                      for r in event["replacements"]]
     assert all(line.startswith("[populora] step 2 evolution: ") for line in out)

@@ -462,3 +462,55 @@ def test_the_trainer_marks_start_up_phases_once_and_in_order():
     t._timeline_done = True
     t._mark("workers + vLLM")  # a later _load_checkpoint (a population schedule) adds nothing
     assert len(t._timeline.marks) == 4
+
+
+def test_an_evolution_event_puts_its_phases_into_the_step_timing(bare_trainer, tmp_path, monkeypatch, capsys):
+    """The event through the workers' RPC (two CPU ranks, each with its own bank of small stand-in adapters): the
+    step's timing_raw, which verl logs as timing_s/<key>, holds the event's total under populora_evolve and each
+    phase under populora_evolve/<phase>; one line says how long it took and where the time went."""
+    import re
+    from types import SimpleNamespace
+
+    from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
+
+    from populora_verl.bench.evolution_event import make_store
+    from populora_verl.bench.operators import ModelShape
+    from populora_verl.step import PopulationStep
+    from populora_verl.workers.adapter_bank import EVOLUTION_PHASES
+    from populora_verl.workers.worker import PopuLoRAActorRolloutRefWorker
+
+    cfg = compose_recipe("smoke_0.5b", ["actor_rollout_ref.model.path=/m", f"trainer.default_local_dir={tmp_path}"])
+    t = bare_trainer(cfg)
+    t.pop_step = PopulationStep(cfg.populora, total_steps=100)
+    n = len(t.pop_step.population.members)
+    workers = []
+    for rank in range(2):
+        w = PopuLoRAActorRolloutRefWorker.__new__(PopuLoRAActorRolloutRefWorker)
+        w.bank = make_store("bank", ModelShape(layers=2, hidden=16, intermediate=24, kv_out=8), rank=4, num_slots=n)
+        w._rank = rank
+        workers.append(w)
+    t.actor_rollout_wg = SimpleNamespace(populora_apply_plan=lambda entries: [w.populora_apply_plan(entries)
+                                                                              for w in workers])
+    monkeypatch.setattr(PPOTrainerSync, "on_step_end", lambda self: None)  # the weight sync needs vLLM
+    t.timing_raw, t.total_training_steps, t.global_steps, t._save_pending = {}, 100, 2, False
+    t.on_step_end()
+
+    children = len(json.loads((tmp_path / "evolution.jsonl").read_text())["replacements"])
+    assert children >= 1 and t._pending_sync_metrics["populora/evolution/events"] == children
+    phases = {p: t.timing_raw[f"populora_evolve/{p}"] for p in EVOLUTION_PHASES}
+    assert set(t.timing_raw) == {"populora_evolve", *(f"populora_evolve/{p}" for p in EVOLUTION_PHASES)}
+    assert all(v >= 0 for v in phases.values()) and sum(phases.values()) <= t.timing_raw["populora_evolve"]
+    line = next(x for x in capsys.readouterr().out.splitlines() if " evolution at step" in x)
+    num = r"(\d+\.\d\d)"
+    m = re.fullmatch(rf"\[populora\] evolution at step 2: {children} child(?:ren)? in {num} s "
+                     rf"\(operator {num}, gather {num}, scatter {num}, optimizer {num}\)", line)
+    assert m is not None, line
+    for k in range(n):  # every rank made the same children
+        a, b = (w.bank.get_adapter_state(k) for w in workers)
+        assert all(torch.equal(a[key], b[key]) for key in a)
+
+    t.global_steps = 3  # not due: no phases, no line
+    t.timing_raw = {}
+    t.on_step_end()
+    assert set(t.timing_raw) == {"populora_evolve"}
+    assert " evolution at step" not in capsys.readouterr().out
