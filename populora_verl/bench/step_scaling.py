@@ -915,15 +915,28 @@ def status(root: Path) -> str:
             )
         log = mdir / f"{cur['config']}.log"
         if log.exists():
-            errs = [
-                ln.strip()[:300]
-                for ln in log.read_text(errors="replace").splitlines()
-                if re.search(r"Traceback|Error|error:|OutOfMemory|CUDA out of memory", ln)
-            ]
-            lines += [f"  log: {e}" for e in errs[-3:]]
+            errs = [ln for ln in log.read_text(errors="replace").splitlines() if _ERROR_LINE.search(ln)]
+            lines += [f"  log: {e.strip()[:300]}" for e in errs[-3:]]
     for d in sorted(x for x in root.iterdir() if (x / "results.md").exists()):
         lines += ["", f"## {d.name}", (d / "results.md").read_text().rstrip()]
     return "\n".join(lines)
+
+
+_ERROR_LINE = re.compile(r"Traceback|Error|error:|OutOfMemory|CUDA out of memory")
+
+
+def failure_excerpt(log: Path, max_lines: int = 40) -> str:
+    """Why a trainer exited: its last traceback (at most ``max_lines`` lines, each cut to 300 characters), or its
+    last error lines when it printed none. A run's own log stays where it is; this goes into the driver's output,
+    which is often the only part of a remote run that comes back."""
+    if not log.exists():
+        return f"  (no log at {log})"
+    text = log.read_text(errors="replace").splitlines()
+    starts = [i for i, ln in enumerate(text) if "Traceback (most recent call last)" in ln]
+    picked = text[starts[-1] : starts[-1] + max_lines] if starts else [ln for ln in text if _ERROR_LINE.search(ln)][-5:]
+    if not picked:
+        picked = text[-5:]
+    return "\n".join(f"  | {ln.rstrip()[:300]}" for ln in picked)
 
 
 def _mark_done(root: Path, names: Iterable[str]) -> None:
@@ -958,6 +971,8 @@ def _run_configs(
         print(f"step_scaling: {tag} {names} in one trainer process ({args.steps} steps each) ...", flush=True)
         got, rc = run_schedule(path, names, args.steps, out, extra, args.timeout_s, args.warmup)
         print(f"  exit={rc}; complete: {[r.name for r in got if r.rc == 0]}", flush=True)
+        if rc != 0:
+            print(failure_excerpt(out / "schedule.log"), flush=True)
         for r in got:
             results = [x for x in results if x.name != r.name] + [r]
         save_results(out, results)
@@ -975,6 +990,8 @@ def _run_configs(
             f"peak={r.smi_peak_mib} MiB",
             flush=True,
         )
+        if r.rc != 0:
+            print(failure_excerpt(out / f"{name}.log"), flush=True)
         ok = ok and r.rc == 0
         results = [x for x in results if x.name != name] + [r]
         save_results(out, results)

@@ -493,3 +493,35 @@ def test_a_profiles_environment_reaches_the_trainer_processes(monkeypatch, tmp_p
     assert seen and seen[0][0] == expect
     if profile == "verl_logprobs":
         assert seen[0][1][:len(ss._VARLEN)] == ss._VARLEN
+
+
+def test_failure_excerpt_shows_the_last_traceback_then_error_lines_then_the_tail(tmp_path):
+    log = tmp_path / "4t4s.log"
+    log.write_text(
+        "start\nTraceback (most recent call last):\n  old\nValueError: first\nmore\n"
+        "Traceback (most recent call last):\n  File \"w.py\", line 3\nRuntimeError: " + "x" * 400 + "\n"
+    )
+    got = ss.failure_excerpt(log).splitlines()
+    assert got[0] == "  | Traceback (most recent call last):" and "first" not in "".join(got)
+    assert got[-1].startswith("  | RuntimeError: x") and len(got[-1]) == len("  | ") + 300
+    log.write_text("a\nray.exceptions.ActorDiedError: gone\nb\nc\n")
+    assert ss.failure_excerpt(log) == "  | ray.exceptions.ActorDiedError: gone"
+    log.write_text("".join(f"line {i}\n" for i in range(9)))
+    assert ss.failure_excerpt(log).splitlines() == [f"  | line {i}" for i in range(4, 9)]
+    assert "no log" in ss.failure_excerpt(tmp_path / "missing.log")
+
+
+def test_a_failed_configuration_prints_why_in_the_drivers_output(tmp_path, monkeypatch, capsys):
+    import argparse
+
+    def failing_run_one(path, name, steps, out, extra, timeout_s, warmup):
+        (out / f"{name}.log").write_text("Traceback (most recent call last):\nRuntimeError: slot kernel failed\n")
+        return ss.RunResult(name=name, adapters=8, rc=1, wall_s=3.0)
+
+    monkeypatch.setattr(ss, "run_one", failing_run_one)
+    monkeypatch.setattr(ss, "write_progress", lambda *a, **k: None)
+    monkeypatch.setattr(ss, "_mark_done", lambda *a, **k: None)
+    args = argparse.Namespace(one_process=True, steps=2, timeout_s=10, warmup=1)
+    results, ok = ss._run_configs(args, tmp_path, "1.5b", "/m", ["4t4s"], tmp_path, [], [])
+    assert not ok and results[0].rc == 1
+    assert "  | RuntimeError: slot kernel failed" in capsys.readouterr().out
