@@ -233,6 +233,27 @@ def grouped_mm_available(x: torch.Tensor) -> bool:
     return torch.cuda.get_device_capability(x.device) >= (9, 0)
 
 
+def _grouped_fits(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether torch's grouped matmul takes this linear: every operand it sees, forward and backward, is a 2-D
+    ``(tokens, in)``, ``(tokens, r)`` or ``(tokens, out)`` matrix whose row stride must be a multiple of 16 bytes, so
+    the input, rank and output widths must be (a rank-4 bf16 adapter is not); ``a`` is ``(slots, r, in)`` and ``b``
+    ``(slots, out, r)``."""
+    align = 16 // x.element_size()
+    return all(d % align == 0 for d in (a.shape[-1], a.shape[-2], b.shape[-2]))
+
+
+def _kernel_operand(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (2-D) in a layout torch's grouped matmul takes: unit stride along a row, a row stride that covers the
+    row and is a multiple of 16 bytes, and data at a 16-byte aligned address (CUDA refuses misaligned data; the CPU
+    does not check). A tensor already so is returned as is; anything else (a strided or offset view of a wider
+    activation, an expanded or transposed gradient) is copied once into a fresh contiguous one."""
+    align = 16 // t.element_size()
+    rows_ok = t.stride(1) == 1 and t.stride(0) >= t.shape[1] and t.stride(0) % align == 0
+    if rows_ok and t.data_ptr() % 16 == 0:
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
+
+
 class _SlotWeights(torch.autograd.Function):
     """The present slots' ``A`` and ``B`` weights, each set stacked and cast to the compute dtype: two kernels per
     set whatever the number of slots, where a cast per slot would launch one each (and another in backward).
@@ -331,11 +352,17 @@ def lora_add(
     else:
         xs = x if perm is None else x.index_select(0, perm)
         if grouped is None:
-            grouped = grouped_mm_available(xs)
+            grouped = grouped_mm_available(xs) and _grouped_fits(xs, a, b)
         if grouped:
             offs = r.offsets.to(xs.device)
-            h = torch._grouped_mm(xs, a.transpose(1, 2), offs=offs) * scaling
+            # the layer's input is taken as it comes (no gather when rows are grouped by slot): a view the kernel
+            # refuses is copied first
+            h = torch._grouped_mm(_kernel_operand(xs), a.transpose(1, 2), offs=offs) * scaling
             y = torch._grouped_mm(h, b.transpose(1, 2), offs=offs)
+            if y.requires_grad:
+                # y's gradient is the layer output's, as the layer above made it (added to output, nothing
+                # reshapes it), and it enters the kernel's backward as an operand
+                y.register_hook(_kernel_operand)
             out = output + y if perm is None else output.index_add(0, perm, y)
         else:
             sizes = [r.counts[k] for k in present]

@@ -15,6 +15,7 @@ transformers = pytest.importorskip("transformers")
 
 from peft import LoraConfig, get_peft_model  # noqa: E402
 
+import populora_verl.workers.resident as resident  # noqa: E402
 from populora_verl.workers.adapter_bank import AdapterBank, AdapterBankError, PlanEntry  # noqa: E402
 from populora_verl.workers.resident import (  # noqa: E402
     ResidentAdapters,
@@ -152,6 +153,18 @@ def check_equal(bank_side, res_side, batches: list[dict[int, int]], *, micro: in
             assert bank.slot_info(k)["updates"] == res.slot_info(k)["updates"]
 
 
+@pytest.fixture(params=["loop", "grouped"])
+def kernel(request, monkeypatch):
+    """Each resident kernel in turn: the per-slot loop (the CPU's default) and torch's grouped matmul (a Hopper
+    GPU's), which the CPU runs in fp32 with CUDA's layout rules (:func:`cuda_rules` adds the one it skips)."""
+    calls: list = []
+    if request.param == "grouped":
+        cuda_rules(calls, monkeypatch)
+    monkeypatch.setattr(resident, "grouped_mm_available", lambda x: request.param == "grouped")
+    yield request.param
+    assert bool(calls) == (request.param == "grouped")
+
+
 def test_founders_are_the_banks_draws():
     (_, bank, _, _), (_, res) = pair(4)
     for k in range(4):
@@ -168,7 +181,7 @@ def test_one_teacher_one_student_equals_the_bank():
     check_equal(bank_side, res_side, [{0: 1, 1: 4}, {0: 2, 1: 3}, {0: 1, 1: 2}])
 
 
-def test_four_teachers_four_students_uneven_rows_and_an_idle_slot():
+def test_four_teachers_four_students_uneven_rows_and_an_idle_slot(kernel):
     bank_side, res_side = pair(8)
     # slot 5 has no rows at step 2 and slot 0 none at step 3: they must take no step at all (AdamW would still decay
     # them and count a step if they stepped with zero gradients)
@@ -179,7 +192,7 @@ def test_four_teachers_four_students_uneven_rows_and_an_idle_slot():
     ])
 
 
-def test_micro_batches_and_unsorted_rows_give_the_same_update():
+def test_micro_batches_and_unsorted_rows_give_the_same_update(kernel):
     bank_side, res_side = pair(4)
     check_equal(bank_side, res_side, [{0: 2, 1: 3, 2: 1, 3: 2}, {0: 3, 1: 1, 2: 2, 3: 2}], micro=3, shuffle=True)
 
@@ -362,7 +375,7 @@ def test_rows_grouped_by_slot_in_any_order_need_no_permutation():
 
 
 @pytest.mark.parametrize("reentrant", [False, True])
-def test_gradient_checkpointing_gives_each_slot_the_same_gradient(reentrant):
+def test_gradient_checkpointing_gives_each_slot_the_same_gradient(reentrant, kernel):
     """The recomputed forward must not add a slot's gradient a second time (its weights' backward writes ``.grad``
     itself)."""
     grads = []
@@ -416,3 +429,101 @@ def test_each_slot_has_its_own_norm_and_a_non_finite_one_skips_only_that_slot():
     after = [res.get_adapter_state(k) for k in range(3)]
     assert all(torch.equal(before[1][n], after[1][n]) for n in before[1])
     assert all(any(not torch.equal(before[k][n], after[k][n]) for n in before[k]) for k in (0, 2))
+
+
+# --- what torch's grouped matmul takes -----------------------------------------------------------------------------
+
+
+def cuda_rules(calls: list, monkeypatch) -> None:
+    """``torch._grouped_mm`` checking what CUDA checks and the CPU does not all check: the 2-D operand with unit
+    stride along rows, its row stride a multiple of 16 bytes, its data 16-byte aligned (the CPU skips this one), and
+    the offsets int32 on the operand's device. The kernel's backward calls are torch's own and go unchecked here;
+    the CPU refuses the layouts it cannot take there."""
+    real = torch._grouped_mm
+
+    def checked(mat_a, mat_b, offs=None, **kw):
+        if mat_a.dim() == 2:
+            align = 16 // mat_a.element_size()
+            assert mat_a.stride(1) == 1 and mat_a.stride(0) >= mat_a.shape[1], (mat_a.shape, mat_a.stride())
+            assert mat_a.stride(0) % align == 0, f"row stride {mat_a.stride(0)} is not a multiple of 16 bytes"
+            assert mat_a.data_ptr() % 16 == 0, "operand data not 16-byte aligned"
+        assert mat_b.data_ptr() % 16 == 0, "weights not 16-byte aligned"
+        assert offs is not None and offs.dtype == torch.int32 and offs.device == mat_a.device
+        calls.append(tuple(mat_a.shape))
+        return real(mat_a, mat_b, offs=offs, **kw)
+
+    monkeypatch.setattr(torch, "_grouped_mm", checked)
+
+
+def layer_input(n: int, width: int, layout: str, g: torch.Generator) -> torch.Tensor:
+    """A LoRA linear's input as a model may hand it over: contiguous, every other column of a wider activation, or
+    a contiguous view starting one element into its storage (misaligned for the kernel)."""
+    if layout == "strided":
+        return torch.randn(n, 2 * width, generator=g)[:, ::2]
+    if layout == "offset":
+        return torch.randn(n * width + 1, generator=g)[1:].view(n, width)
+    return torch.randn(n, width, generator=g)
+
+
+def upstream_gradient(n: int, width: int, layout: str, g: torch.Generator) -> torch.Tensor:
+    """The gradient the layer above sends back: contiguous, one row expanded to all (a sum's gradient), or
+    column-major (a transpose's)."""
+    if layout == "expanded":
+        return torch.randn(1, width, generator=g).expand(n, width)
+    if layout == "transposed":
+        return torch.randn(width, n, generator=g).t()
+    return torch.randn(n, width, generator=g)
+
+
+@pytest.mark.parametrize("name", ["grouped ascending", "grouped any order", "interleaved"])
+@pytest.mark.parametrize("x_layout", ["contiguous", "strided", "offset"])
+@pytest.mark.parametrize("grad_layout", ["contiguous", "expanded", "transposed"])
+@pytest.mark.parametrize("pad", [0, 3], ids=["no pad", "pad"])
+def test_grouped_kernel_takes_any_input_and_gradient_layout(name, x_layout, grad_layout, pad, monkeypatch):
+    """Rows grouped by slot reach the grouped matmul without a gather, so the layer's input and the gradient of its
+    output are the kernel's operands as they come: a layout the kernel refuses must be copied, not passed on."""
+    calls: list = []
+    cuda_rules(calls, monkeypatch)
+    row_slots, lengths = ROUTINGS[name]
+    g = torch.Generator().manual_seed(2)
+    a, b = leaves(4, (4, 8), g), leaves(4, (12, 4), g)
+    r = SlotRouting.from_rows(row_slots, lengths, 4)
+    token_slots = [k for k, n in zip(row_slots, lengths) for _ in range(n)] + [-1] * pad
+    n = len(token_slots)
+    x = layer_input(n, 8, x_layout, g).requires_grad_()
+    base = torch.randn(n, 12, generator=g, requires_grad=True)
+    upstream = upstream_gradient(n, 12, grad_layout, g)
+    out = lora_add(base, x, r, a, b, 0.5, grouped=True)
+    out.backward(upstream)
+    assert calls, "the grouped kernel did not run"
+    ref_a = [p.detach().clone().requires_grad_() for p in a]
+    ref_b = [p.detach().clone().requires_grad_() for p in b]
+    xr = x.detach().clone().requires_grad_()
+    want = base.detach() + reference_lora(xr, token_slots, ref_a, ref_b, 0.5)
+    want.backward(upstream)
+    torch.testing.assert_close(out, want)
+    torch.testing.assert_close(x.grad, xr.grad)
+    for k in set(row_slots):
+        torch.testing.assert_close(a[k].grad, ref_a[k].grad)
+        torch.testing.assert_close(b[k].grad, ref_b[k].grad)
+
+
+def test_widths_the_grouped_kernel_cannot_take_run_the_loop(monkeypatch):
+    """On a GPU with the grouped kernel, a linear whose widths are not multiples of 16 bytes (here a rank-4 bf16
+    adapter: 8-byte rows of ``x A^T``) takes the per-slot loop instead of failing in the kernel."""
+    calls: list = []
+    cuda_rules(calls, monkeypatch)
+    monkeypatch.setattr(resident, "grouped_mm_available", lambda x: True)  # as on an H100/H200
+    row_slots, lengths = ROUTINGS["grouped any order"]
+    g = torch.Generator().manual_seed(3)
+    a = [t.detach().bfloat16().requires_grad_() for t in leaves(4, (4, 16), g)]
+    b = [t.detach().bfloat16().requires_grad_() for t in leaves(4, (16, 4), g)]
+    r = SlotRouting.from_rows(row_slots, lengths, 4)
+    token_slots = [k for k, n in zip(row_slots, lengths) for _ in range(n)]
+    x = torch.randn(len(token_slots), 16, generator=g).bfloat16()
+    out = lora_add(torch.zeros(len(token_slots), 16, dtype=torch.bfloat16), x, r, a, b, 0.5)
+    out.float().sum().backward()
+    assert calls == []
+    want = reference_lora(x.float(), token_slots, [t.float() for t in a], [t.float() for t in b], 0.5)
+    torch.testing.assert_close(out.float(), want, atol=2e-2, rtol=2e-2)
+    assert all(a[k].grad is not None and b[k].grad is not None for k in set(row_slots))

@@ -152,7 +152,14 @@ def pair(num_slots: int):
 STEPS = [{0: 2, 1: 4, 3: 1}, {1: 2, 2: 3, 3: 2, 0: 1}, {2: 5, 0: 1}]
 
 
-def test_fused_update_trains_every_slot_as_the_bank_does():
+@pytest.mark.parametrize("kernel", ["loop", "grouped"])
+def test_fused_update_trains_every_slot_as_the_bank_does(kernel, monkeypatch):
+    import populora_verl.workers.resident as resident
+
+    calls = []
+    grouped_mm = torch._grouped_mm
+    monkeypatch.setattr(torch, "_grouped_mm", lambda *a, **k: calls.append(1) or grouped_mm(*a, **k))
+    monkeypatch.setattr(resident, "grouped_mm_available", lambda x: kernel == "grouped")  # as on a Hopper GPU
     bank, res = pair(4)
     for i, counts in enumerate(STEPS):
         out_b = bank.update_actor(fused_batch(counts, seed=i))
@@ -172,6 +179,7 @@ def test_fused_update_trains_every_slot_as_the_bank_does():
     bank.bank.swap_out()
     assert [res.bank.learning_rate(k) for k in range(4)] == pytest.approx([b.lrs[0] for b in bank.bank._slots])
     assert [res.bank.learning_rate(k) for k in range(4)] == pytest.approx([0.8e-2, 0.6e-2, 0.6e-2, 0.6e-2])
+    assert bool(calls) == (kernel == "grouped")
 
 
 def test_a_slot_call_of_its_own_and_the_reference_pass_on_resident_adapters():

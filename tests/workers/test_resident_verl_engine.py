@@ -1,0 +1,193 @@
+"""Resident adapters inside verl 0.9.1's own FSDP language-model engine code, on the CPU, against verl's plain
+engine with the adapter bank's live adapter.
+
+test_resident_worker.py drives the resident mixin through a stand-in engine. Here the engine is verl's
+``FSDPEngineWithLMHead`` itself (built without its GPU set-up): its ``forward_backward_batch`` (token counts, the
+dynamic micro-batching that balances rows across micro-batches), ``forward_step``, ``prepare_model_inputs`` /
+``prepare_model_outputs`` on one packed row (``attn_implementation=populora_varlen``), verl's ``ppo_loss`` on the
+batch as verl's trainer hands it over (``left_right_2_no_padding``: nested ids and positions, dense prompts,
+responses, masks, old log-probs and advantages, non-tensor rows), and its optimizer step for the reference. Both
+resident kernels run: the per-slot loop and torch's grouped matmul (which the CPU runs in fp32 with the same layout
+rules as CUDA). Each slot's gradient, clipped norm and log-probs must be those of the bank training that slot alone
+on its own rows."""
+
+from __future__ import annotations
+
+import functools
+import sys
+import types
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+dist = pytest.importorskip("torch.distributed")
+if not (dist.is_available() and dist.is_gloo_available()):
+    pytest.skip("torch.distributed with gloo is not available", allow_module_level=True)
+
+from peft import LoraConfig, get_peft_model  # noqa: E402
+from tensordict import TensorDict  # noqa: E402
+from verl.utils import tensordict_utils as tu  # noqa: E402
+from verl.utils import torch_functional as verl_F  # noqa: E402
+from verl.workers.config.actor import FSDPActorConfig  # noqa: E402
+from verl.workers.engine.fsdp import transformer_impl  # noqa: E402
+from verl.workers.utils.losses import ppo_loss  # noqa: E402
+from verl.workers.utils.padding import left_right_2_no_padding  # noqa: E402
+
+import populora_verl.workers.resident as resident  # noqa: E402
+from populora_verl.workers import resident_engine, varlen_attention  # noqa: E402
+from populora_verl.workers.adapter_bank import AdapterBank  # noqa: E402
+
+VOCAB, PROMPT, RESPONSE, SLOTS, CLIP, LR = 64, 6, 8, 4, 0.05, 1e-2
+MAX_TOKENS = 40  # tokens per micro-batch: about three rows, so micro-batches mix slots
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_cpu_rank(tmp_path_factory):
+    """A one-rank gloo group (verl's engine all-reduces its token counts) and verl's device queries on the CPU."""
+    import verl.utils.seqlen_balancing  # noqa: F401  (imported before the device queries are pointed at the CPU)
+
+    varlen_attention.register()
+    mp = pytest.MonkeyPatch()
+    for mod in list(sys.modules.values()):
+        if getattr(mod, "__name__", "").startswith("verl") and hasattr(mod, "get_device_name"):
+            mp.setattr(mod, "get_device_name", lambda: "cpu")
+            if hasattr(mod, "get_device_id"):
+                mp.setattr(mod, "get_device_id", lambda: "cpu")
+    ours = not dist.is_initialized()
+    if ours:
+        store = dist.FileStore(str(tmp_path_factory.mktemp("gloo") / "store"), 1)
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    yield
+    if ours:
+        dist.destroy_process_group()
+    mp.undo()
+
+
+def verl_engine(resident_slots: bool):
+    """verl's engine around a tiny PEFT Qwen2 with slots 0..3 (the same weights either way): resident adapters
+    installed on it, or the bank with verl's own optimizer step."""
+    torch.manual_seed(0)
+    cfg = transformers.Qwen2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    cfg._attn_implementation = varlen_attention.NAME
+    model = get_peft_model(transformers.Qwen2ForCausalLM(cfg), LoraConfig(r=8, lora_alpha=16, target_modules=[
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
+    eng = transformer_impl.FSDPEngineWithLMHead.__new__(transformer_impl.FSDPEngineWithLMHead)
+    eng.module = model
+    eng.optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, weight_decay=0.01)
+    eng.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(eng.optimizer, lambda s: 1.0)
+    eng.optimizer_config = types.SimpleNamespace(clip_grad=CLIP)
+    eng.engine_config = types.SimpleNamespace(entropy_checkpointing=False, entropy_from_logits_with_chunking=False,
+                                              use_no_sync_for_gradient_accumulation=True)
+    eng.ulysses_sequence_parallel_size, eng.use_ulysses_sp, eng.ulysses_device_mesh = 1, False, None
+    eng.pad_to_length, eng._autocast_dtype, eng.scaler, eng._qat_enabled = False, torch.float32, None, False
+    eng.compute_entropy_from_logits = verl_F.entropy_from_logits
+    store = (resident.ResidentAdapters if resident_slots else AdapterBank)(model, eng.optimizer, eng.lr_scheduler)
+    store.init_slots(SLOTS, seed=3)
+    g = torch.Generator().manual_seed(1)
+    for k in range(SLOTS):  # lora_B is zero at init: every weight gets a gradient and the slots differ
+        store.set_adapter_state(k, {n: v + 0.05 * torch.randn(v.shape, generator=g)
+                                    for n, v in store.get_adapter_state(k).items()})
+    if resident_slots:
+        resident_engine.install(eng, store)
+    return eng, store
+
+
+def padded_rows(n: int, seed: int) -> TensorDict:
+    """``n`` rows as verl's trainer holds them: left-padded prompts, right-padded responses, uneven lengths."""
+    g = torch.Generator().manual_seed(seed)
+    plen = torch.randint(2, PROMPT + 1, (n,), generator=g).tolist()
+    rlen = torch.randint(2, RESPONSE + 1, (n,), generator=g).tolist()
+    prompts = torch.zeros(n, PROMPT, dtype=torch.long)
+    responses = torch.zeros(n, RESPONSE, dtype=torch.long)
+    attn = torch.zeros(n, PROMPT + RESPONSE, dtype=torch.long)
+    for i in range(n):
+        prompts[i, PROMPT - plen[i]:] = torch.randint(1, VOCAB, (plen[i],), generator=g)
+        responses[i, : rlen[i]] = torch.randint(1, VOCAB, (rlen[i],), generator=g)
+        attn[i, PROMPT - plen[i]: PROMPT + rlen[i]] = 1
+    mask = attn[:, PROMPT:].clone()
+    return TensorDict({
+        "prompts": prompts, "responses": responses, "input_ids": torch.cat([prompts, responses], 1),
+        "attention_mask": attn, "response_mask": mask, "position_ids": (attn.cumsum(-1) - 1).clamp_min(0),
+        "old_log_probs": -torch.rand(n, RESPONSE, generator=g) * mask,
+        "advantages": torch.randn(n, 1, generator=g).expand(n, RESPONSE) * mask,
+    }, batch_size=[n])
+
+
+def actor_batch(rows: TensorDict, slots: list[int] | None) -> TensorDict:
+    """verl's no-padding layout of ``rows`` with the keys its actor reads (and per-row strings, as a trainer's)."""
+    td = rows.clone()
+    n = int(td.batch_size[0])
+    if slots is not None:
+        td[resident_engine.SLOT_FIELD] = torch.tensor(slots, dtype=torch.long)
+    td = left_right_2_no_padding(td)
+    tu.assign_non_tensor(td, uid=[f"u{i}" for i in range(n)], extra_info=[{"row": i} for i in range(n)])
+    tu.assign_non_tensor(td, temperature=1.0, use_remove_padding=True, use_dynamic_bsz=True,
+                         max_token_len_per_gpu=MAX_TOKENS, use_fused_kernels=False, calculate_entropy=False,
+                         global_batch_size=n, mini_batch_size=n)
+    return td
+
+
+def loss_fn():
+    cfg = FSDPActorConfig(strategy="fsdp2", ppo_mini_batch_size=4, ppo_micro_batch_size_per_gpu=2,
+                          use_dynamic_bsz=True, ppo_max_token_len_per_gpu=MAX_TOKENS, rollout_n=1)
+    return functools.partial(ppo_loss, cfg)
+
+
+def grads_at_step(eng, params_of):
+    """Wrap ``eng.optimizer_step``: the gradients it sees, per slot, before it clips them."""
+    seen = {}
+    step = eng.optimizer_step
+
+    def wrapped():
+        for k, params in params_of().items():
+            seen[k] = {n: p.grad.detach().clone() for n, p in params.items() if p.grad is not None}
+        return step()
+
+    eng.optimizer_step = wrapped
+    return seen
+
+
+ROWS = {
+    # the fused call's layout: each slot's rows together, slots in any order (micro-batches keep the order)
+    "grouped": [2, 2, 0, 0, 0, 3, 1, 1, 1, 2],
+    "interleaved": [1, 0, 1, 0, 2, 3, 2, 3, 0, 1],
+}
+
+
+@pytest.mark.parametrize("layout", list(ROWS))
+@pytest.mark.parametrize("kernel", ["loop", "grouped"])
+def test_update_and_log_probs_through_verls_engine_equal_each_slot_trained_alone(layout, kernel, monkeypatch):
+    calls = []
+    grouped_mm = torch._grouped_mm
+    monkeypatch.setattr(torch, "_grouped_mm", lambda *a, **k: calls.append(1) or grouped_mm(*a, **k))
+    monkeypatch.setattr(resident, "grouped_mm_available", lambda x: kernel == "grouped")
+    slots = ROWS[layout]
+    rows = padded_rows(len(slots), seed=5)
+
+    eng, store = verl_engine(resident_slots=True)
+    got_logp = eng.infer_batch(actor_batch(rows, slots))["model_output"]["log_probs"]
+    got = grads_at_step(eng, lambda: {k: {n: store._slot_param(k, n) for n in store._params} for k in set(slots)})
+    eng.train_batch(actor_batch(rows, slots), loss_function=loss_fn())
+    per_slot = eng.populora_slot_metrics()
+    assert (len(calls) > 0) == (kernel == "grouped")
+
+    ref, bank = verl_engine(resident_slots=False)
+    for k in sorted(set(slots)):
+        mine = [i for i, s in enumerate(slots) if s == k]
+        own = tu.index_select_tensor_dict(rows, mine)
+        with bank.active(k, train=False):
+            want_logp = ref.infer_batch(actor_batch(own, None))["model_output"]["log_probs"]
+        for j, i in enumerate(mine):  # a row's last log-prob scores the next packed row's first token: left out
+            torch.testing.assert_close(got_logp[i][:-1], want_logp[j][:-1], atol=1e-5, rtol=1e-5)
+        want = grads_at_step(ref, lambda: {"live": dict(bank._params)})
+        with bank.active(k, train=True):
+            out = ref.train_batch(actor_batch(own, None), loss_function=loss_fn())
+        assert per_slot[k]["grad_norm"] == pytest.approx(out["metrics"]["grad_norm"], rel=1e-4)
+        assert got[k].keys() == want["live"].keys()
+        for n in want["live"]:
+            torch.testing.assert_close(got[k][n], want["live"][n], atol=1e-6, rtol=1e-4, msg=lambda m, n=n: f"{n}: {m}")
+        after = store.get_adapter_state(k)
+        for key, t in bank.get_adapter_state(k).items():
+            torch.testing.assert_close(after[key], t, atol=1e-6, rtol=1e-4)
