@@ -28,6 +28,7 @@ __all__ = [
     "worker_class_from_config",
     "has_chunked_logprobs",
     "has_weight_sync_job_id",
+    "poll_interval_from_config",
 ]
 
 #: ``1``: a fallback onto a private name that a public API replaces raises (the series-applied test sets it).
@@ -87,20 +88,32 @@ def trainer_declares_async() -> bool:
     return _has("verl.trainer.ppo.v1.trainer_base", "PPOTrainer", "is_async")
 
 
-@functools.cache
-def worker_class_from_config() -> bool:
-    """0004: ``actor_rollout_ref.worker_class`` is declared in verl's trainer config (and read by the trainer)."""
+def _trainer_yaml() -> dict:
+    """verl's ``ppo_trainer.yaml`` as plain data (empty where verl or the file is missing)."""
     import yaml
 
     spec = importlib.util.find_spec("verl")
     if spec is None or not spec.submodule_search_locations:
-        return False
+        return {}
     path = Path(spec.submodule_search_locations[0]) / "trainer" / "config" / "ppo_trainer.yaml"
     try:
-        cfg = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        return yaml.safe_load(path.read_text(encoding="utf-8")) or {}
     except OSError:
-        return False
-    return "worker_class" in (cfg.get("actor_rollout_ref") or {})
+        return {}
+
+
+@functools.cache
+def worker_class_from_config() -> bool:
+    """0004: ``actor_rollout_ref.worker_class`` is declared in verl's trainer config (and read by the trainer)."""
+    return "worker_class" in (_trainer_yaml().get("actor_rollout_ref") or {})
+
+
+@functools.cache
+def poll_interval_from_config() -> bool:
+    """0011: ``trainer.v1.sampler.poll_interval`` is declared in verl's trainer config (and read where the replay
+    buffer is built)."""
+    sampler = (((_trainer_yaml().get("trainer") or {}).get("v1") or {}).get("sampler")) or {}
+    return "poll_interval" in sampler
 
 
 @functools.cache

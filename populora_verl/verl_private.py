@@ -67,11 +67,13 @@ PRIVATE: tuple[PrivateName, ...] = (
         "_build_replay_buffer",
         TRAINER,
         (("override", "populora_verl.trainer.trainer"), ("use", "populora_verl.trainer.trainer")),
-        "rebuilt after trainer_mode is reset to sync (verl built the async buffer for the unknown mode name; "
-        "with PPOTrainer.is_async, 0007, this use is skipped), and its poll interval set from "
-        "trainer.populora_poll_interval_s (verl hard-codes 2 s; no patch yet, so the override stays)",
-        "",
+        "overridden to set the buffer's poll interval from trainer.populora_poll_interval_s (verl builds it with "
+        "a fixed 2 s); defined only where verl lacks the config key. Used to rebuild the buffer after trainer_mode "
+        "is reset to sync (verl built the async buffer for the unknown mode name; with PPOTrainer.is_async, 0007, "
+        "this use is skipped)",
+        "0011-trainer-replay-buffer-poll-interval.patch",
         "self",
+        "trainer.v1.sampler.poll_interval, set by the trainer's __init__",
     ),
     PrivateName(
         "_init_resource_pool_mgr",

@@ -55,6 +55,8 @@ __all__ = [
     "DEBUG_PROBES_KEY",
     "WORKER_CLASS_FQN",
     "use_populora_worker",
+    "VERL_POLL_INTERVAL_KEY",
+    "use_verl_poll_interval",
 ]
 
 #: ``+trainer.populora_debug_probes=true``: per-step bank checksums and a greedy probe under every LoRA id.
@@ -79,6 +81,20 @@ def use_populora_worker(config: DictConfig) -> bool:
         )
     with open_dict(config):
         config.actor_rollout_ref.worker_class = WORKER_CLASS_FQN
+    return True
+
+
+#: verl's key for its replay buffer's poll interval, where verl declares it (patches/0011).
+VERL_POLL_INTERVAL_KEY = "trainer.v1.sampler.poll_interval"
+
+
+def use_verl_poll_interval(config: DictConfig) -> bool:
+    """Write ``trainer.populora_poll_interval_s`` (checked; default 0.1 s) into verl's
+    ``trainer.v1.sampler.poll_interval`` where verl declares that key, so verl builds its replay buffer with it;
+    returns whether it did (not without a config). The plugin's key decides, as it does on a verl without the key."""
+    if config is None or not verl_compat.poll_interval_from_config():
+        return False
+    OmegaConf.update(config, VERL_POLL_INTERVAL_KEY, verl_config.poll_interval(config), force_add=True)
     return True
 
 
@@ -118,6 +134,7 @@ class PopuLoRATrainer(GenerationMixin, TrainingMixin, HooksMixin, ProbesMixin, P
             self._timeline.mark("task runner setup")
         else:
             self._timeline.mark("ray + task runner")
+        use_verl_poll_interval(config)  # before verl's __init__, which builds the replay buffer
         super().__init__(config)
         if not verl_compat.trainer_declares_async():
             # verl 0.9.1 treats every trainer_mode but "sync" as async (ReplayBufferAsync, TQ checkpoints, gen batch
@@ -149,11 +166,16 @@ class PopuLoRATrainer(GenerationMixin, TrainingMixin, HooksMixin, ProbesMixin, P
         self.pop_step.updates_per_step = int(OmegaConf.select(config, "actor_rollout_ref.actor.ppo_epochs", default=1))
         self._init_populora_state()
 
-    def _build_replay_buffer(self):
-        buffer = super()._build_replay_buffer()
-        if hasattr(buffer, "poll_interval"):  # a user's custom sampler may poll its own way
-            buffer.poll_interval = verl_config.poll_interval(self.config)
-        return buffer
+    # A verl that reads trainer.v1.sampler.poll_interval builds the buffer with the interval (use_verl_poll_interval);
+    # verl 0.9.1 builds it with its 2 s default, so only there is this method replaced.
+    if not verl_compat.poll_interval_from_config():
+
+        def _build_replay_buffer(self):
+            verl_compat.private_path("_build_replay_buffer")
+            buffer = super()._build_replay_buffer()
+            if hasattr(buffer, "poll_interval"):  # a user's custom sampler may poll its own way
+                buffer.poll_interval = verl_config.poll_interval(self.config)
+            return buffer
 
     def init(self) -> None:
         # The agent-loop workers' processes start now and import while the worker groups and vLLM start; the task
