@@ -151,15 +151,6 @@ def event_plan(num_slots: int) -> list[dict]:
 
 
 @contextlib.contextmanager
-def _timed(out: dict[str, float], phase: str) -> Iterator[None]:
-    t0 = time.perf_counter()
-    try:
-        yield
-    finally:
-        out[phase] = out.get(phase, 0.0) + time.perf_counter() - t0
-
-
-@contextlib.contextmanager
 def _threads(n: int) -> Iterator[None]:
     before = torch.get_num_threads()
     torch.set_num_threads(n)
@@ -176,26 +167,27 @@ def _ray_hop(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def run_driver(store: object, plan: list[dict], ranks: int) -> dict[str, float]:
     """The trainer's former path: parents to the driver, operators there, each child to every rank."""
     from populora_verl.evolution.operators import OPERATORS
+    from populora_verl.workers.adapter_bank import timed_phase
 
     split: dict[str, float] = {}
     parents: dict[int, dict[str, torch.Tensor]] = {}
     children = []
     for e in plan:
-        with _timed(split, "gather"):
+        with timed_phase(split, "gather"):
             for ps in e["parent_slots"]:
                 if ps not in parents:
                     parents[ps] = _ray_hop(store.get_adapter_state(ps))
-        with _timed(split, "operator"), _threads(1):
+        with timed_phase(split, "operator"), _threads(1):
             copies = [{k: v.detach().clone() for k, v in parents[ps].items()} for ps in e["parent_slots"]]
             gen = torch.Generator(device="cpu").manual_seed(e["seed"])
             children.append(OPERATORS[e["operator"]](copies, generator=gen))
     for e, child in zip(plan, children):
         reset = bool(e.get("reset_optimizer", True))
-        with _timed(split, "scatter"):
+        with timed_phase(split, "scatter"):
             with _threads(1):
                 blobs = [pickle.dumps(child, protocol=5) for _ in range(ranks)]
             store.set_adapter_state(e["child_slot"], pickle.loads(blobs[0]), reset_optimizer=reset)
-        with _timed(split, "optimizer"):
+        with timed_phase(split, "optimizer"):
             if not reset:
                 store.copy_optimizer(e["parent_slots"][0], e["child_slot"])
     return split

@@ -27,6 +27,7 @@ import contextlib
 import copy
 import dataclasses
 import math
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -704,11 +705,11 @@ def apply_evolution_plan(
     with torch.no_grad():
         for i, e in enumerate(plan):
             later = {ps for f in plan[i + 1 :] for ps in f.parent_slots}
-            with _phase(split, "gather"):
+            with timed_phase(split, "gather"):
                 for ps in e.parent_slots:
                     if ps not in cache:
                         cache[ps] = store.get_adapter_state(ps, to_cpu=False)
-            with _phase(split, "operator"):
+            with timed_phase(split, "operator"):
                 gen = torch.Generator().manual_seed(e.seed)
                 child = operators[e.operator]([cache[ps] for ps in e.parent_slots], generator=gen, **dict(e.params))
             for ps in [ps for ps in cache if ps not in later]:
@@ -726,24 +727,22 @@ def apply_evolution_plan(
 
 
 @contextlib.contextmanager
-def _phase(split: dict[str, float], name: str) -> Iterator[None]:
+def timed_phase(split: dict[str, float], name: str) -> Iterator[None]:
     """Add the seconds of the block to ``split[name]``, the accelerator's queued work included."""
-    import time
-
     t0 = time.perf_counter()
     try:
         yield
     finally:
         _wait_for_copies()
-        split[name] += time.perf_counter() - t0
+        split[name] = split.get(name, 0.0) + time.perf_counter() - t0
 
 
 def _write_child(store: Any, e: PlanEntry, child: Mapping[str, torch.Tensor], split: dict[str, float]) -> None:
     # A child that keeps an optimizer state keeps its fitter parent's (as the CPU driver), not its victim's.
     # Parents are survivors, never children of this plan, so their state is still the pre-plan one.
-    with _phase(split, "scatter"):
+    with timed_phase(split, "scatter"):
         store.set_adapter_state(e.child_slot, child)
-    with _phase(split, "optimizer"):
+    with timed_phase(split, "optimizer"):
         if e.reset_optimizer:
             store.reset_optimizer(e.child_slot)
         else:
