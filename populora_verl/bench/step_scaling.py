@@ -209,6 +209,8 @@ def trainer_env(ray_tmpdir: str | None = None, **extra: str) -> dict[str, str]:
 # verl's console logger line, possibly behind Ray's "(TaskRunnerV1 pid=...)" prefix.
 _STEP_LINE = re.compile(r"(?:^|\s)step:(\d+) - ")
 _METRIC = re.compile(r"([\w/@.\-]+):([-+0-9.eE]+|nan|inf)")
+# a trainer log line that says why it stopped
+_ERROR_LINE = re.compile(r"Traceback|Error|error:|OutOfMemory|CUDA out of memory")
 # Step phases worth a column: verl's and ours (trainer.step's marked_timer names).
 PHASES = ("gen", "populora_validate", "populora_score", "old_log_prob", "update_actor", "update_weights")
 ROLLOUT_PHASES = ("teacher", "student")
@@ -920,9 +922,6 @@ def status(root: Path) -> str:
     for d in sorted(x for x in root.iterdir() if (x / "results.md").exists()):
         lines += ["", f"## {d.name}", (d / "results.md").read_text().rstrip()]
     return "\n".join(lines)
-
-
-_ERROR_LINE = re.compile(r"Traceback|Error|error:|OutOfMemory|CUDA out of memory")
 
 
 def failure_excerpt(log: Path, max_lines: int = 40) -> str:
