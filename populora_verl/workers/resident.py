@@ -634,9 +634,8 @@ class ResidentAdapters:
         """Slot ``slot`` as a PEFT adapter state dict of full tensors (no collective: slots are replicated), on the
         CPU, or with ``to_cpu=False`` copies where the slot lives (evolution's operators run there)."""
         self._check_slot(slot)
-        if not to_cpu:
-            return {self._keys[n]: self._slot_param(slot, n).detach().clone() for n in self._params}
-        return {self._keys[n]: self._slot_param(slot, n).detach().to("cpu", copy=True) for n in self._params}
+        device = "cpu" if to_cpu else None
+        return {self._keys[n]: self._slot_param(slot, n).detach().to(device=device, copy=True) for n in self._params}
 
     def set_adapter_state(self, slot: int, state: Mapping[str, torch.Tensor], *, reset_optimizer: bool = False) -> None:
         """Overwrite slot ``slot`` with a full PEFT adapter state dict; bumps the slot's version."""
