@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import math
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -60,28 +61,35 @@ def _run(rows: list[int]) -> tuple[int, int] | None:
     return None
 
 
-def _jagged_rows(vals: torch.Tensor, offs: torch.Tensor, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The values and offsets of ``rows`` of a jagged tensor: a view and a shifted slice of the offsets when the rows
-    are consecutive, else one concatenation. The offsets are read once (a device round trip), not twice per row."""
+def _jagged_rows(
+    vals: torch.Tensor, offs: torch.Tensor, rows: list[int]
+) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """The values, offsets and lengths of ``rows`` of a jagged tensor: a view and a shifted slice of the offsets when
+    the rows are consecutive, else one concatenation. The offsets are read once (one device round trip)."""
+    bounds = offs.tolist()
+    lengths = [bounds[i + 1] - bounds[i] for i in rows]
     run = _run(rows)
     if run is not None:
-        ends = offs[run[0] : run[1] + 1]
-        start, end = ends[[0, -1]].tolist()
-        return vals[start:end], ends - ends[0]
-    bounds = offs.tolist()
+        start = bounds[run[0]]
+        return vals[start : bounds[run[1]]], offs[run[0] : run[1] + 1] - start, lengths
     parts = [vals[bounds[i] : bounds[i + 1]] for i in rows]
-    lengths = torch.tensor([bounds[i + 1] - bounds[i] for i in rows], device=offs.device, dtype=offs.dtype)
-    return torch.cat(parts), torch.cat([offs.new_zeros(1), lengths.cumsum(0)])
+    new_offs = torch.tensor([0, *itertools.accumulate(lengths)], device=offs.device, dtype=offs.dtype)
+    return torch.cat(parts), new_offs, lengths
+
+
+def _nested(vals: torch.Tensor, offs: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+    """A jagged tensor that knows its longest and shortest row. Without them torch pads it to its total length in
+    ``to_padded_tensor`` (which verl's loss calls on old log-probs and advantages), not to its longest row."""
+    return torch.nested.nested_tensor_from_jagged(vals, offs, min_seqlen=min(lengths), max_seqlen=max(lengths))
 
 
 def select_rows(t: torch.Tensor, rows: list[int], offsets: torch.Tensor | None = None) -> torch.Tensor:
     """Rows of a per-row output, keeping autograd: a jagged nested tensor (by its offsets), a packed
     ``(1, tokens)``/``(tokens,)`` tensor (by ``offsets``, the micro-batch's sequence offsets) or a padded one."""
     if t.is_nested:
-        vals, offs = _jagged_rows(t.values(), t.offsets(), rows)
-        return torch.nested.nested_tensor_from_jagged(vals, offs)
+        return _nested(*_jagged_rows(t.values(), t.offsets(), rows))
     if offsets is not None and t.dim() <= 2 and (t.dim() == 1 or t.shape[0] == 1):
-        out, _ = _jagged_rows(t.reshape(-1), offsets, rows)
+        out, _, _ = _jagged_rows(t.reshape(-1), offsets, rows)
         return out.reshape(1, -1) if t.dim() == 2 else out
     run = _run(rows)
     return t[run[0] : run[1]] if run is not None else t[torch.as_tensor(rows, device=t.device)]
@@ -101,8 +109,7 @@ def select_tensordict_rows(data: Any, rows: list[int]) -> Any:
         if isinstance(t, torch.Tensor) and t.is_nested:
             if getattr(t, "_ragged_idx", 1) != 1 or getattr(t, "_lengths", None) is not None:
                 return tu.index_select_tensor_dict(data, rows)  # a layout the slice does not cover
-            vals, offs = _jagged_rows(t.values(), t.offsets(), rows)
-            out[key] = torch.nested.nested_tensor_from_jagged(vals, offs)
+            out[key] = _nested(*_jagged_rows(t.values(), t.offsets(), rows))
         elif isinstance(t, torch.Tensor) or t.shape:
             out[key] = t[run[0] : run[1]]
         else:

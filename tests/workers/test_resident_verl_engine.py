@@ -6,7 +6,8 @@ test_resident_worker.py drives the resident mixin through a stand-in engine. Her
 dynamic micro-batching that balances rows across micro-batches), ``forward_step``, ``prepare_model_inputs`` /
 ``prepare_model_outputs`` on one packed row (``attn_implementation=populora_varlen``), verl's ``ppo_loss`` on the
 batch as verl's trainer hands it over (``left_right_2_no_padding``: nested ids and positions, dense prompts,
-responses, masks, old log-probs and advantages, non-tensor rows), and its optimizer step for the reference. Both
+responses, masks, old log-probs and advantages, non-tensor rows; or old log-probs and advantages jagged, as they
+come out of TransferQueue), and its optimizer step for the reference. Both
 resident kernels run: the per-slot loop and torch's grouped matmul (which the CPU runs in fp32 with the same layout
 rules as CUDA). Each slot's gradient, clipped norm and log-probs must be those of the bank training that slot alone
 on its own rows."""
@@ -115,13 +116,16 @@ def padded_rows(n: int, seed: int) -> TensorDict:
     }, batch_size=[n])
 
 
-def actor_batch(rows: TensorDict, slots: list[int] | None) -> TensorDict:
-    """verl's no-padding layout of ``rows`` with the keys its actor reads (and per-row strings, as a trainer's)."""
+def actor_batch(rows: TensorDict, slots: list[int] | None, jagged: bool = False) -> TensorDict:
+    """verl's no-padding layout of ``rows`` with the keys its actor reads (and per-row strings, as a trainer's);
+    ``jagged``: old log-probs and advantages as jagged rows, as they come out of TransferQueue."""
     td = rows.clone()
     n = int(td.batch_size[0])
     if slots is not None:
         td[resident_engine.SLOT_FIELD] = torch.tensor(slots, dtype=torch.long)
     td = left_right_2_no_padding(td)
+    for key in ("old_log_probs", "advantages") if jagged else ():
+        td[key] = torch.nested.as_nested_tensor(list(td[key].unbind(0)), layout=torch.jagged)
     tu.assign_non_tensor(td, uid=[f"u{i}" for i in range(n)], extra_info=[{"row": i} for i in range(n)])
     tu.assign_non_tensor(td, temperature=1.0, use_remove_padding=True, use_dynamic_bsz=True,
                          max_token_len_per_gpu=MAX_TOKENS, use_fused_kernels=False, calculate_entropy=False,
@@ -158,7 +162,8 @@ ROWS = {
 
 @pytest.mark.parametrize("layout", list(ROWS))
 @pytest.mark.parametrize("kernel", ["loop", "grouped"])
-def test_update_and_log_probs_through_verls_engine_equal_each_slot_trained_alone(layout, kernel, monkeypatch):
+@pytest.mark.parametrize("jagged", [False, True], ids=["dense", "jagged"])
+def test_update_and_log_probs_through_verls_engine_equal_each_slot_trained_alone(layout, kernel, jagged, monkeypatch):
     calls = []
     grouped_mm = torch._grouped_mm
     monkeypatch.setattr(torch, "_grouped_mm", lambda *a, **k: calls.append(1) or grouped_mm(*a, **k))
@@ -167,9 +172,9 @@ def test_update_and_log_probs_through_verls_engine_equal_each_slot_trained_alone
     rows = padded_rows(len(slots), seed=5)
 
     eng, store = verl_engine(resident_slots=True)
-    got_logp = eng.infer_batch(actor_batch(rows, slots))["model_output"]["log_probs"]
+    got_logp = eng.infer_batch(actor_batch(rows, slots, jagged))["model_output"]["log_probs"]
     got = grads_at_step(eng, lambda: {k: {n: store._slot_param(k, n) for n in store._params} for k in set(slots)})
-    eng.train_batch(actor_batch(rows, slots), loss_function=loss_fn())
+    eng.train_batch(actor_batch(rows, slots, jagged), loss_function=loss_fn())
     per_slot = eng.populora_slot_metrics()
     assert (len(calls) > 0) == (kernel == "grouped")
 
@@ -178,12 +183,12 @@ def test_update_and_log_probs_through_verls_engine_equal_each_slot_trained_alone
         mine = [i for i, s in enumerate(slots) if s == k]
         own = tu.index_select_tensor_dict(rows, mine)
         with bank.active(k, train=False):
-            want_logp = ref.infer_batch(actor_batch(own, None))["model_output"]["log_probs"]
+            want_logp = ref.infer_batch(actor_batch(own, None, jagged))["model_output"]["log_probs"]
         for j, i in enumerate(mine):  # a row's last log-prob scores the next packed row's first token: left out
             torch.testing.assert_close(got_logp[i][:-1], want_logp[j][:-1], atol=1e-5, rtol=1e-5)
         want = grads_at_step(ref, lambda: {"live": dict(bank._params)})
         with bank.active(k, train=True):
-            out = ref.train_batch(actor_batch(own, None), loss_function=loss_fn())
+            out = ref.train_batch(actor_batch(own, None, jagged), loss_function=loss_fn())
         assert per_slot[k]["grad_norm"] == pytest.approx(out["metrics"]["grad_norm"], rel=1e-4)
         assert got[k].keys() == want["live"].keys()
         for n in want["live"]:

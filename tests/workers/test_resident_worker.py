@@ -274,9 +274,15 @@ def test_selected_rows_equal_verls_row_selection(rows):
         assert torch.equal(got[key].offsets(), want[key].offsets()) and torch.equal(got[key].values(), want[key].values())
     assert torch.equal(got["advantages"], want["advantages"])
     assert tu.get_non_tensor_data(got, "global_batch_size", None) == 4
+    # verl's loss pads jagged fields: to the selected rows' longest, as verl's own selection does
+    padded, want_padded = got.to_padded_tensor(), want.to_padded_tensor()
+    for key in ("input_ids", "loss_mask"):
+        assert padded[key].shape == want_padded[key].shape and torch.equal(padded[key], want_padded[key])
+        assert padded[key].shape[1] == max(int(n) for n in td[key].offsets().diff()[rows])
     lp = select_rows(out["log_probs"], rows)
     ref = torch.cat([out["log_probs"].unbind()[i] for i in rows])
     assert torch.equal(lp.values(), ref)
+    assert lp.to_padded_tensor(0.0).shape == (len(rows), padded["input_ids"].shape[1])
     packed = select_rows(out["log_probs"].values().reshape(1, -1), rows, td["input_ids"].offsets())
     assert torch.equal(packed.reshape(-1), ref)
 
