@@ -23,7 +23,8 @@ import contextlib
 import functools
 import itertools
 import math
-from collections.abc import Callable, Mapping
+import os
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -39,6 +40,8 @@ __all__ = [
     "select_rows",
     "select_tensordict_rows",
     "per_slot_loss",
+    "slot_partitions",
+    "MICRO_BATCH_ENV",
 ]
 
 #: per-row tensor field naming each row's slot (added by the worker from the fused call's layout)
@@ -115,6 +118,100 @@ def select_tensordict_rows(data: Any, rows: list[int]) -> Any:
         else:
             out[key] = t  # scalar metadata
     return TensorDict(source=out, batch_size=len(rows))
+
+
+#: ``verl``: verl's own balanced micro-batches (rows of many slots in each), for an A/B of the micro-batching; the
+#: default (unset or ``slot``) packs each slot's rows together.
+MICRO_BATCH_ENV = "POPULORA_RESIDENT_MICRO_BATCHES"
+
+
+def slot_partitions(slots: Sequence[int], lengths: Sequence[int], max_tokens: int, count: int = 0) -> list[list[int]]:
+    """Rows packed into micro-batches of at most ``max_tokens`` tokens, in slot order: each slot's rows stay together,
+    so a micro-batch holds one or two slots where verl's balanced partition mixes many. ``count``: split the
+    micro-batches holding the most tokens (at the row nearest their middle) until there are that many; an empty list
+    when that cannot be done (fewer rows than ``count``) or a row is longer than ``max_tokens``."""
+    if any(n > max_tokens for n in lengths):
+        return []
+    parts: list[list[int]] = []
+    used = max_tokens + 1  # forces the first part
+    first: dict[int, int] = {}
+    for i, k in enumerate(slots):
+        first.setdefault(k, i)
+    # slots in the order they first appear: rows already grouped by slot (the fused call's layout) keep their order,
+    # so each micro-batch is a run of consecutive rows
+    for i in sorted(range(len(slots)), key=lambda i: (first[slots[i]], i)):
+        if used + lengths[i] > max_tokens:
+            parts.append([])
+            used = 0
+        parts[-1].append(i)
+        used += lengths[i]
+    while len(parts) < count:
+        j = max(
+            (j for j, part in enumerate(parts) if len(part) > 1),
+            key=lambda j: sum(lengths[i] for i in parts[j]),
+            default=None,
+        )
+        if j is None:
+            return []
+        part = parts[j]
+        half, acc, cut = sum(lengths[i] for i in part) / 2, 0, 1
+        for cut in range(1, len(part)):
+            acc += lengths[part[cut - 1]]
+            if acc >= half:
+                break
+        parts[j : j + 1] = [part[:cut], part[cut:]]
+    return parts
+
+
+def _slot_micro_batches(data: Any, dp_group: Any = None, same_micro_num_in_dp: bool = True, **kwargs: Any):
+    """verl's ``prepare_micro_batches`` with each slot's rows packed together (:func:`slot_partitions`), under the
+    same token budget and, across data-parallel ranks, the same micro-batch count; verl's own where its micro-batching
+    is not dynamic or a sequence is split across ranks."""
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.engine import utils as engine_utils
+
+    dynamic = tu.get_non_tensor_data(data=data, key="use_dynamic_bsz", default=True)
+    sp_size = tu.get_non_tensor_data(data=data, key="sp_size", default=1)
+    groups = tu.get_non_tensor_data(data=data, key="force_group_size", default=1)
+    ids = data["input_ids"]
+    verl_only = any(kwargs.get(k) is not None for k in ("num_batches_divided_by", "min_num_micro_batch"))
+    if verl_only or not dynamic or sp_size != 1 or groups != 1 or SLOT_FIELD not in data.keys() or not ids.is_nested:
+        return engine_utils.prepare_micro_batches(
+            data, dp_group=dp_group, same_micro_num_in_dp=same_micro_num_in_dp, **kwargs
+        )
+    max_tokens = int(data["max_token_len_per_gpu"])
+    slots = data[SLOT_FIELD].reshape(-1).tolist()
+    lengths = ids.offsets().diff().tolist()
+    parts = slot_partitions(slots, lengths, max_tokens)
+    # every rank runs the same number of micro-batches (verl's collectives in forward and backward pair up): the
+    # largest count, which a rank reaches by splitting while it has at least that many rows; one all-reduce tells
+    # every rank the count, whether every rank packed (no row over the budget) and the fewest rows on a rank
+    agreed = torch.tensor([len(parts), -int(bool(parts)), -len(slots)], dtype=torch.long, device=_comm_device())
+    if same_micro_num_in_dp and dp_group is not None and torch.distributed.is_initialized():
+        torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MAX, group=dp_group)
+    count, packed, fewest_rows = (int(v) for v in agreed.tolist())
+    if packed != -1 or -fewest_rows < count:
+        return engine_utils.prepare_micro_batches(
+            data, dp_group=dp_group, same_micro_num_in_dp=same_micro_num_in_dp, **kwargs
+        )
+    parts = slot_partitions(slots, lengths, max_tokens, count)
+    return [select_tensordict_rows(data, part) for part in parts], parts
+
+
+@contextlib.contextmanager
+def _slot_micro_batching(enabled: bool):
+    """verl's FSDP engine forms its micro-batches with :func:`_slot_micro_batches` inside the block."""
+    if not enabled:
+        yield
+        return
+    from verl.workers.engine.fsdp import transformer_impl
+
+    original = transformer_impl.prepare_micro_batches
+    transformer_impl.prepare_micro_batches = _slot_micro_batches
+    try:
+        yield
+    finally:
+        transformer_impl.prepare_micro_batches = original
 
 
 def _metric_parts(metrics: Mapping[str, Any]) -> dict[str, tuple[str, float]]:
@@ -211,7 +308,8 @@ class ResidentEngineMixin:
             self._populora_metrics = {k: {} for k in rows}
             loss_function = functools.partial(per_slot_loss, loss_function, tokens, rows, self._record_slot_metrics)
         try:
-            return super().forward_backward_batch(data, loss_function, forward_only=forward_only)
+            with _slot_micro_batching(os.environ.get(MICRO_BATCH_ENV, "slot") != "verl"):
+                return super().forward_backward_batch(data, loss_function, forward_only=forward_only)
         finally:
             set_routing(None)
 

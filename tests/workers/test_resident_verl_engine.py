@@ -31,6 +31,7 @@ from tensordict import TensorDict  # noqa: E402
 from verl.utils import tensordict_utils as tu  # noqa: E402
 from verl.utils import torch_functional as verl_F  # noqa: E402
 from verl.workers.config.actor import FSDPActorConfig  # noqa: E402
+from verl.workers.engine import utils as engine_utils  # noqa: E402
 from verl.workers.engine.fsdp import transformer_impl  # noqa: E402
 from verl.workers.utils.losses import ppo_loss  # noqa: E402
 from verl.workers.utils.padding import left_right_2_no_padding  # noqa: E402
@@ -160,23 +161,50 @@ ROWS = {
 }
 
 
+def slots_per_micro_batch(eng) -> list[set[int]]:
+    """Record the slots of every micro-batch ``eng`` runs."""
+    seen = []
+    step = eng.forward_step
+
+    def wrapped(micro_batch, *args, **kwargs):
+        seen.append(set(micro_batch[resident_engine.SLOT_FIELD].reshape(-1).tolist()))
+        return step(micro_batch, *args, **kwargs)
+
+    eng.forward_step = wrapped
+    return seen
+
+
 @pytest.mark.parametrize("layout", list(ROWS))
 @pytest.mark.parametrize("kernel", ["loop", "grouped"])
 @pytest.mark.parametrize("jagged", [False, True], ids=["dense", "jagged"])
-def test_update_and_log_probs_through_verls_engine_equal_each_slot_trained_alone(layout, kernel, jagged, monkeypatch):
+@pytest.mark.parametrize("micro", ["slot", "verl"])
+def test_update_and_log_probs_through_verls_engine_equal_each_slot_trained_alone(
+        layout, kernel, jagged, micro, monkeypatch):
     calls = []
     grouped_mm = torch._grouped_mm
     monkeypatch.setattr(torch, "_grouped_mm", lambda *a, **k: calls.append(1) or grouped_mm(*a, **k))
     monkeypatch.setattr(resident, "grouped_mm_available", lambda x: kernel == "grouped")
+    monkeypatch.setenv(resident_engine.MICRO_BATCH_ENV, micro)
     slots = ROWS[layout]
     rows = padded_rows(len(slots), seed=5)
 
     eng, store = verl_engine(resident_slots=True)
+    micro_slots = slots_per_micro_batch(eng)
     got_logp = eng.infer_batch(actor_batch(rows, slots, jagged))["model_output"]["log_probs"]
     got = grads_at_step(eng, lambda: {k: {n: store._slot_param(k, n) for n in store._params} for k in set(slots)})
+    micro_slots.clear()  # the update's micro-batches
     eng.train_batch(actor_batch(rows, slots, jagged), loss_function=loss_fn())
+    assert transformer_impl.prepare_micro_batches is engine_utils.prepare_micro_batches  # verl's own again after
     per_slot = eng.populora_slot_metrics()
     assert (len(calls) > 0) == (kernel == "grouped")
+    # slot micro-batching keeps each slot's rows together: a slot's rows span micro-batches only at their edges,
+    # where verl's balanced partition scatters them
+    pairs = sum(len(m) for m in micro_slots)
+    spread = pairs - (len(micro_slots) + len(set(slots)) - 1)
+    if micro == "slot":
+        assert spread <= 0, micro_slots
+    elif layout == "grouped":  # this batch tells the two apart
+        assert spread > 0, micro_slots
 
     ref, bank = verl_engine(resident_slots=False)
     for k in sorted(set(slots)):

@@ -308,3 +308,38 @@ def test_per_slot_loss_is_the_same_for_grouped_and_interleaved_rows():
         torch.testing.assert_close(loss, want)
         assert set(seen) == {0, 1, 2}
         assert tu.get_non_tensor_data(td, "batch_num_tokens", None) == 1.0  # the caller's counts are kept
+
+
+# --- slot micro-batching -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_slot_partitions_keep_each_slot_together_within_the_budget(seed):
+    from populora_verl.workers.resident_engine import slot_partitions
+
+    g = torch.Generator().manual_seed(seed)
+    n = int(torch.randint(1, 40, (1,), generator=g))
+    slots = torch.randint(0, 6, (n,), generator=g).tolist()
+    lengths = torch.randint(1, 20, (n,), generator=g).tolist()
+    budget = 32
+    parts = slot_partitions(slots, lengths, budget)
+    assert sorted(i for p in parts for i in p) == list(range(n))
+    assert all(p and sum(lengths[i] for i in p) <= budget for p in parts)
+    order = [slots[i] for p in parts for i in p]
+    assert len(order) - sum(1 for a, b in zip(order, order[1:]) if a == b) == len(set(slots))  # one run per slot
+    assert len(parts) <= 2 * sum(lengths) // budget + 1  # greedy packing: no part but the last is under half full
+    # more parts on request (another rank needs more): split, never over the budget, until rows run out
+    for count in (len(parts) + 1, n):
+        more = slot_partitions(slots, lengths, budget, count)
+        assert len(more) == count and sorted(i for p in more for i in p) == list(range(n))
+        assert all(p and sum(lengths[i] for i in p) <= budget for p in more)
+    assert slot_partitions(slots, lengths, budget, n + 1) == []
+
+
+def test_slot_partitions_refuse_a_row_over_the_budget_and_keep_a_grouped_layout_in_order():
+    from populora_verl.workers.resident_engine import slot_partitions
+
+    assert slot_partitions([0, 1], [5, 9], 8) == []
+    # rows grouped by slot (the fused call's layout) stay runs of consecutive rows, slots in their layout order
+    assert slot_partitions([2, 2, 0, 0, 1], [3, 3, 3, 3, 3], 6) == [[0, 1], [2, 3], [4]]
+    assert slot_partitions([2, 0, 2], [1, 1, 1], 8) == [[0, 2, 1]]
