@@ -148,6 +148,7 @@ PROFILES: dict[str, list[str]] = {
     "varlen_nocompile": _VARLEN_NOCOMPILE,
     "varlen_wide_keep_liger_nocompile": _VARLEN_WIDE_KEEP_LIGER_NOCOMPILE,
     "varlen_wide_keep_liger_resident": _VARLEN_WIDE_KEEP_LIGER_RESIDENT,
+    "varlen_wide_keep_liger_resident_verlmb": _VARLEN_WIDE_KEEP_LIGER_RESIDENT,
     "verl_logprobs": _VARLEN,
     "fused": _FUSED,
     "baseline": [
@@ -168,6 +169,12 @@ PROFILE_ENV: dict[str, dict[str, str]] = {
     "varlen_wide_keep_uni": {"POPULORA_LORA_FORWARD": "lean"},
     "varlen_wide_keep_liger_nocompile": {"POPULORA_LORA_FORWARD": "lean"},
     "varlen_wide_keep_liger_resident": {"POPULORA_LORA_FORWARD": "lean"},
+    # resident adapters with verl's balanced micro-batches (rows of many slots in each) instead of each slot's rows
+    # packed together (populora_verl.workers.resident_engine): the A/B of the micro-batching
+    "varlen_wide_keep_liger_resident_verlmb": {
+        "POPULORA_LORA_FORWARD": "lean",
+        "POPULORA_RESIDENT_MICRO_BATCHES": "verl",
+    },
     "baseline": {"POPULORA_LOGPROBS": "verl", "POPULORA_LORA_FORWARD": "peft"},
 }
 # What a trainer process needs on the GPU image (scripts/gpu/env.sh sets the same): vLLM's workers spawned, not

@@ -119,7 +119,8 @@ def test_recipe_composes_with_every_config_and_profile():
                                                                    ("4t4s", "varlen_wide_liger_fused"),
                                                                    ("4t4s", "varlen_nocompile"),
                                                                    ("8t8s", "varlen_wide_keep_liger_nocompile"),
-                                                                   ("4t4s", "varlen_wide_keep_liger_resident")]:
+                                                                   ("4t4s", "varlen_wide_keep_liger_resident"),
+                                                                   ("8t8s", "varlen_wide_keep_liger_resident_verlmb")]:
             cmd = ss.command("/m", name, 6, Path("/tmp/o"), ss.plan_overrides(profile, 1024, True))
             overrides = cmd[cmd.index("smoke_0.5b") + 1:]
             cfg = compose(config_name="smoke_0.5b", overrides=overrides)
@@ -128,7 +129,7 @@ def test_recipe_composes_with_every_config_and_profile():
             assert pcfg.population.num_adapters == ss.ADAPTERS[name]
             assert cfg.data.max_response_length == 1024 and cfg.actor_rollout_ref.rollout.ignore_eos
             assert pcfg.buffer.seed_programs == 0
-            assert pcfg.population.adapter_layout == ("resident" if profile.endswith("_resident") else "bank")
+            assert pcfg.population.adapter_layout == ("resident" if "_resident" in profile else "bank")
             if profile == "fast":
                 assert cfg.actor_rollout_ref.rollout.enforce_eager is False
                 assert list(cfg.actor_rollout_ref.rollout.cudagraph_capture_sizes) == ss.CUDAGRAPH_SIZES
@@ -148,7 +149,8 @@ def test_recipe_composes_with_every_config_and_profile():
             env = cfg.ray_kwargs.ray_init.runtime_env.env_vars
             assert {k: env[k] for k in ss.PROFILE_ENV.get(profile, {})} == ss.PROFILE_ENV.get(profile, {})
             lean = profile in ("varlen_wide_keep_liger", "varlen_wide_keep_uni", "varlen_wide_keep_liger_nocompile",
-                               "varlen_wide_keep_liger_resident")
+                               "varlen_wide_keep_liger_resident", "varlen_wide_keep_liger_resident_verlmb")
+            assert env.get("POPULORA_RESIDENT_MICRO_BATCHES") == ("verl" if profile.endswith("_verlmb") else None)
             assert env.get("POPULORA_LORA_FORWARD") == (
                 "lean" if lean else "peft" if profile in ("varlen_wide_peft", "baseline") else None)
             vllm = cfg.actor_rollout_ref.rollout.engine_kwargs.vllm
