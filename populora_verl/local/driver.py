@@ -74,7 +74,9 @@ def load_model(
 
 class LocalEngine:
     """The CPU driver as a :class:`~populora_verl.step.engine.PopulationEngine`: member slots to PEFT adapter names,
-    phases to the generation seed of :func:`seed_for`, evolution children through the per-slot AdamW states."""
+    phases to the generation seed of :func:`seed_for`. Also a :class:`~populora_verl.step.engine.ChildWriter`: every
+    adapter already lives in this process, so PBT makes the children here and they go in through the per-slot AdamW
+    states."""
 
     def __init__(self, hf: HFEngine, slot_of: Callable[[str], str], seed: int) -> None:
         self.hf, self._slot_of, self._seed = hf, slot_of, int(seed)

@@ -3,8 +3,13 @@
 :class:`~populora_verl.step.orchestration.PopulationStep` never generates or touches weights itself; the CPU driver
 (HF + PEFT) and the verl trainer (vLLM + the workers' adapter bank) do. Around the step's phases both drivers ran
 the same loops: the seeding rounds, and writing each evolution child into its victim's slot with the fitter
-parent's optimizer state or a fresh one. Those loops live here, over :class:`PopulationEngine`, so a change to them
-(what evolution.jsonl holds, which optimizer a child keeps) reaches both engines at once.
+parent's optimizer state or a fresh one. Those loops live here, so a change to them (what evolution.jsonl holds,
+which optimizer a child keeps) reaches both engines at once.
+
+The contract is split by where an evolution child is made, so that no engine carries a method nothing calls:
+every engine is a :class:`PopulationEngine` (generation, parent reads); the CPU driver makes children itself and is
+also a :class:`ChildWriter`; the verl trainer leaves them to the workers that hold the adapters and is a
+:class:`PlanEngine` instead. :func:`evolve` takes either.
 
 An engine speaks in member *slots* (``Member.slot``, an ``int``): slots are what survives an evolution event, and
 both engines address their adapters by slot (PEFT adapter ``slot<k>``, bank slot ``k``).
@@ -28,6 +33,7 @@ if TYPE_CHECKING:
 __all__ = [
     "Phase",
     "PopulationEngine",
+    "ChildWriter",
     "PlanEngine",
     "AdapterView",
     "EvolutionResult",
@@ -59,10 +65,12 @@ class Phase:
 
 @runtime_checkable
 class PopulationEngine(Protocol):
-    """The engine side of a population step: generation for a phase, and per-slot adapter reads and writes.
+    """What every engine gives the population step: generation for a phase, and a slot's adapter to read.
 
     Training is not part of it: the CPU driver updates one adapter at a time, verl updates every adapter from its
-    TransferQueue rows, and the step only hands over the samples (``StepResult.updates``).
+    TransferQueue rows, and the step only hands over the samples (``StepResult.updates``). Neither is writing an
+    evolution child, because the engines make children in different places (:class:`ChildWriter`,
+    :class:`PlanEngine`).
     """
 
     def generate(self, requests: Sequence[GenRequest], phase: Phase) -> list[GenResponse]:
@@ -72,6 +80,12 @@ class PopulationEngine(Protocol):
     def get_adapter(self, slot: int) -> Mapping[str, torch.Tensor]:
         """Slot ``slot``'s LoRA state dict (full tensors on the CPU): what PBT's operators read from a parent."""
         ...
+
+
+@runtime_checkable
+class ChildWriter(Protocol):
+    """An engine whose evolution children are made on the driver (PBT's operators over :meth:`get_adapter` reads)
+    and then written into their slots: the CPU driver, where every adapter is already in the driver's process."""
 
     def write_child(self, slot: int, state: Mapping[str, torch.Tensor], optimizer_from: int | None) -> None:
         """Overwrite slot ``slot`` with an evolution child. ``optimizer_from=None``: the slot starts with a fresh
@@ -83,7 +97,8 @@ class PopulationEngine(Protocol):
 @runtime_checkable
 class PlanEngine(Protocol):
     """An engine that makes evolution children where the adapters live (the verl workers), so no adapter crosses a
-    process: it gets the plan in slots and returns the seconds of each phase of the event, not the children."""
+    process: it gets the plan in slots and returns the seconds of each phase of the event, not the children. Such an
+    engine needs no :class:`ChildWriter` side: :func:`evolve` never hands it a child."""
 
     def apply_plan(self, entries: Sequence[Mapping[str, Any]]) -> Mapping[str, float]:
         """Make and write every child of ``entries`` (``child_slot``, ``operator``, ``parent_slots`` fittest first,
@@ -153,7 +168,7 @@ class EvolutionResult:
 def apply_evolution(
     plan: EvolutionPlan,
     children: Mapping[str, Mapping[str, Any]],
-    engine: PopulationEngine,
+    engine: ChildWriter,
     slot_of: Mapping[str, int],
     run_dir: str | os.PathLike,
 ) -> EvolutionResult:
@@ -236,8 +251,12 @@ def evolve(
     :func:`apply_evolution`; an empty :class:`EvolutionResult` when it is not due. Only the parents' adapters are
     read from the engine.
 
-    A :class:`PlanEngine` makes the children itself from the plan in slots (:func:`plan_entries`); the population
-    takes them once they are written, and the result carries the engine's seconds per phase."""
+    ``engine`` must also be a :class:`PlanEngine` or a :class:`ChildWriter`. A :class:`PlanEngine` makes the
+    children itself from the plan in slots (:func:`plan_entries`); the population takes them once they are written,
+    and the result carries the engine's seconds per phase. It is checked first, so an engine that is both keeps the
+    adapters where they live. One that is neither is refused before PBT runs, so a wrong engine fails at its first
+    step rather than at the first event that is due."""
+    _check_evolves(engine)
     slot_of = {m.id: int(m.slot) for m in step.population.members}
     if isinstance(engine, PlanEngine):
         plan = step.plan_evolution(global_step)
@@ -251,3 +270,16 @@ def evolve(
     if plan is None:
         return EvolutionResult()
     return apply_evolution(plan, children, engine, slot_of, run_dir)
+
+
+def _check_evolves(engine: object) -> None:
+    if isinstance(engine, PlanEngine):
+        return
+    # The driver's way reads the parents (get_adapter) as well as writing the children.
+    missing = [name for name in ("get_adapter", "write_child") if not callable(getattr(engine, name, None))]
+    if missing:
+        raise TypeError(
+            f"evolve: {type(engine).__name__} cannot make evolution children: it has no apply_plan (a PlanEngine, "
+            f"children made where the adapters live) and no {' or '.join(missing)} (children made on the driver "
+            "need get_adapter to read the parents and write_child, a ChildWriter, to write them)"
+        )

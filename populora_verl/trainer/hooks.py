@@ -25,7 +25,9 @@ logger = logging.getLogger(__name__)
 
 class TrainerEngine:
     """The verl trainer as a :class:`~populora_verl.step.engine.PopulationEngine`, over its worker RPCs and its
-    TransferQueue generation.
+    TransferQueue generation, and a :class:`~populora_verl.step.engine.PlanEngine`: the workers make evolution
+    children where the adapters live, so the trainer has no ``write_child`` (a child state would cross processes
+    for nothing); the workers' ``populora_set_adapter`` stays a worker API, not an engine one.
 
     Only the seeding phase generates through here: its rows are never trained on, so they leave TransferQueue at
     once. The step's teacher and student phases stay with :meth:`PopuLoRATrainer.step`, which trains on their rows
@@ -57,16 +59,6 @@ class TrainerEngine:
         if not splits:
             raise RuntimeError("populora_apply_plan returned nothing")
         return max(splits, key=lambda t: sum(t.values()))
-
-    def write_child(self, slot: int, state: Mapping[str, torch.Tensor], optimizer_from: int | None) -> None:
-        # The workers copy the source slot's optimizer at this call; the caller guarantees it is still pre-event.
-        self._trainer._rpc(
-            "populora_set_adapter",
-            int(slot),
-            state,
-            reset_optimizer=optimizer_from is None,
-            optimizer_from=None if optimizer_from is None else int(optimizer_from),
-        )
 
 
 #: The evolution event's key in verl's ``timing_raw`` (``timing_s/populora_evolve``); its phases are under it.

@@ -1,5 +1,6 @@
-"""The engine contract (populora_verl.step.engine): the seeding rounds and the evolution writes exist once, over a
-PopulationEngine, and both drivers (the CPU driver's LocalEngine, the verl trainer's TrainerEngine) implement it."""
+"""The engine contract (populora_verl.step.engine): the seeding rounds and the evolution writes exist once, and
+both drivers implement the parts they use: every engine is a PopulationEngine; the CPU driver's LocalEngine makes
+children on the driver (a ChildWriter), the verl trainer's TrainerEngine on the workers (a PlanEngine)."""
 
 from __future__ import annotations
 
@@ -13,13 +14,13 @@ import torch
 from populora_verl.config import load_config
 from populora_verl.evolution.pbt import EvolutionPlan, Replacement
 from populora_verl.step import PopulationStep
-from populora_verl.step.engine import (SEED_FILE, AdapterView, Phase, PopulationEngine, apply_evolution, evolve,
-                                       seed_buffers)
+from populora_verl.step.engine import (SEED_FILE, AdapterView, ChildWriter, Phase, PlanEngine, PopulationEngine,
+                                       apply_evolution, evolve, seed_buffers)
 from populora_verl.step.records import BASE_POLICY, SEED, STUDENT, TEACHER, GenResponse
 
 
 class FakeEngine:
-    """A PopulationEngine that records every call and keeps a per-slot "optimizer state" (a label), so a test can
+    """A PopulationEngine and ChildWriter that records every call and keeps a per-slot "optimizer state" (a label), so a test can
     see which optimizer a child ended up with."""
 
     def __init__(self, num_slots: int = 6, script=None) -> None:
@@ -56,46 +57,64 @@ def _child(value):
     return {"m.lora_A.weight": torch.full((2, 4), value), "m.lora_B.weight": torch.full((4, 2), value)}
 
 
-# --- the protocol, and both drivers implementing it -------------------------------------------------------------
+# --- the protocols, and both drivers implementing what they use -------------------------------------------------
 
 
 def _params(fn):
     return [p for p in inspect.signature(fn).parameters if p != "self"]
 
 
-def _check_implements(cls):
-    for name in ("generate", "get_adapter", "write_child"):
-        assert callable(getattr(cls, name, None)), f"{cls.__name__}.{name} is missing"
-        assert _params(getattr(cls, name)) == _params(getattr(PopulationEngine, name)), (cls.__name__, name)
+def _methods(proto):
+    return {name for name, value in vars(proto).items() if callable(value) and not name.startswith("_")}
 
 
-def test_fake_engine_is_a_population_engine_and_an_object_without_write_child_is_not():
-    assert isinstance(FakeEngine(), PopulationEngine)
-    _check_implements(FakeEngine)
-    # the CPU driver's HF engine alone generates and reads adapters, but is not the contract: it speaks slot names
-    # and seeds, not member slots and phases
+def _check_implements(cls, *protocols):
+    for proto in protocols:
+        for name in _methods(proto):
+            assert callable(getattr(cls, name, None)), f"{cls.__name__}.{name} is missing"
+            assert _params(getattr(cls, name)) == _params(getattr(proto, name)), (cls.__name__, name)
+
+
+def test_each_protocol_holds_only_what_its_engines_call():
+    # writing a child is not part of every engine: the trainer's children are made on the workers
+    assert _methods(PopulationEngine) == {"generate", "get_adapter"}
+    assert _methods(ChildWriter) == {"write_child"}
+    assert _methods(PlanEngine) == {"apply_plan"}
+
+
+def test_fake_engine_is_a_population_engine_and_a_child_writer():
+    assert isinstance(FakeEngine(), PopulationEngine) and isinstance(FakeEngine(), ChildWriter)
+    assert not isinstance(FakeEngine(), PlanEngine)
+    _check_implements(FakeEngine, PopulationEngine, ChildWriter)
+    reader = SimpleNamespace(generate=print, get_adapter=print)
+    assert isinstance(reader, PopulationEngine) and not isinstance(reader, ChildWriter)
+    # the CPU driver's HF engine has methods of the same names, but is not the contract: it speaks slot names and
+    # seeds, not member slots and phases (a runtime protocol check sees names only, so the signatures tell)
     from populora_verl.local.hf_engine import HFEngine
 
-    assert not issubclass(HFEngine, PopulationEngine)
-    assert not isinstance(SimpleNamespace(generate=print, get_adapter=print), PopulationEngine)
+    assert _params(HFEngine.generate) != _params(PopulationEngine.generate)
+    assert not issubclass(HFEngine, ChildWriter) and not issubclass(HFEngine, PlanEngine)
 
 
-def test_the_cpu_driver_implements_the_protocol():
+def test_the_cpu_driver_makes_children_on_the_driver():
     from populora_verl.local.driver import LocalEngine
 
-    _check_implements(LocalEngine)
-    assert isinstance(LocalEngine(SimpleNamespace(), str, 0), PopulationEngine)
+    _check_implements(LocalEngine, PopulationEngine, ChildWriter)
+    eng = LocalEngine(SimpleNamespace(), str, 0)
+    assert isinstance(eng, PopulationEngine) and isinstance(eng, ChildWriter) and not isinstance(eng, PlanEngine)
 
 
-def test_the_verl_trainer_implements_the_protocol(bare_trainer):
+def test_the_verl_trainer_makes_children_on_the_workers_and_cannot_write_one(bare_trainer):
     pytest.importorskip("verl")
     from omegaconf import OmegaConf
 
     from populora_verl.trainer.hooks import TrainerEngine
 
-    _check_implements(TrainerEngine)
+    _check_implements(TrainerEngine, PopulationEngine, PlanEngine)
+    assert not hasattr(TrainerEngine, "write_child")
     t = bare_trainer(OmegaConf.create({"trainer": {"default_local_dir": "/nowhere"}}))
-    assert isinstance(TrainerEngine(t), PopulationEngine)
+    eng = TrainerEngine(t)
+    assert isinstance(eng, PopulationEngine) and isinstance(eng, PlanEngine) and not isinstance(eng, ChildWriter)
 
 
 # --- apply_evolution ----------------------------------------------------------------------------------------------
@@ -139,6 +158,15 @@ def test_an_event_without_replacements_writes_nothing_and_logs_no_event(tmp_path
     assert eng.calls == [] and out.lines == []
     assert out.metrics == {"populora/evolution/events": 0.0, "populora/evolution/tie_breaks": 0.0}
     assert not (tmp_path / "evolution.jsonl").exists()
+
+
+def test_apply_evolution_needs_only_a_child_writer(tmp_path):
+    written = []
+    writer = SimpleNamespace(write_child=lambda slot, state, optimizer_from: written.append((slot, optimizer_from)))
+    assert isinstance(writer, ChildWriter) and not isinstance(writer, PopulationEngine)
+    plan = EvolutionPlan(step=2, replacements=[_replacement("t2", 2, "t3", ["t0"], reset=False)])
+    apply_evolution(plan, {"t3": _child(1.0)}, writer, {"t0": 0, "t2": 2}, tmp_path)
+    assert written == [(2, 0)]
 
 
 @pytest.mark.parametrize("replacements, children, error", [
@@ -196,6 +224,21 @@ def test_evolve_reads_only_parents_and_writes_each_child_into_its_victims_slot(t
     assert out.metrics == {"populora/evolution/events": 2.0, "populora/evolution/tie_breaks": 2.0}
     assert all(line.startswith("[populora] step 2 evolution: ") and "tie-break" in line for line in out.lines)
     assert len((tmp_path / "evolution.jsonl").read_text().splitlines()) == 1
+
+
+@pytest.mark.parametrize("engine, missing", [
+    (SimpleNamespace(generate=print, get_adapter=print), "no write_child"),  # a PopulationEngine alone
+    (SimpleNamespace(generate=print, write_child=print), "no get_adapter"),  # writes children it cannot make
+    (SimpleNamespace(generate=print), "no get_adapter or write_child"),
+])
+def test_evolve_refuses_an_engine_that_can_make_no_child_before_pbt_runs(tmp_path, engine, missing):
+    ps = _evolving_step(reset=True)
+    before = [(m.id, m.slot) for m in ps.population.members]
+    for due in (1, 2):  # refused whether or not an event is due: a wrong engine fails at its first step
+        with pytest.raises(TypeError, match=rf"SimpleNamespace .* no apply_plan .* {missing} "):
+            evolve(ps, due, engine, tmp_path)
+    assert [(m.id, m.slot) for m in ps.population.members] == before
+    assert not (tmp_path / "evolution.jsonl").exists()
 
 
 def test_adapter_view_reads_a_slot_once_and_only_when_asked():
@@ -313,20 +356,19 @@ def test_local_engine_child_takes_a_copy_of_the_parents_adam_moments_or_a_fresh_
 # --- the verl trainer's engine -------------------------------------------------------------------------------------
 
 
-def test_trainer_engine_seeds_through_tq_and_clears_the_rows_and_writes_children_through_the_rpc(monkeypatch):
+def test_trainer_engine_seeds_through_tq_and_clears_the_rows(monkeypatch):
     pytest.importorskip("verl")
     from populora_verl.trainer import hooks
     from populora_verl.trainer.convert import PARTITION
 
-    cleared, rpcs = [], []
+    cleared = []
     monkeypatch.setattr(hooks.tq, "kv_clear", lambda keys, partition_id: cleared.append((keys, partition_id)))
 
     def _generate(requests, name, metrics):
         metrics[f"populora/rollout/{name}/prompts"] = len(requests)
         return [GenResponse(r, ["x"] * r.n) for r in requests], SimpleNamespace(keys=["k0", "k1"]), {}
 
-    trainer = SimpleNamespace(_generate=_generate, _get_adapter=lambda slot: {"slot": slot},
-                              _rpc=lambda name, *a, **kw: rpcs.append((name, a, kw)))
+    trainer = SimpleNamespace(_generate=_generate, _get_adapter=lambda slot: {"slot": slot})
     eng = hooks.TrainerEngine(trainer)
     from populora_verl.step.records import GenRequest
 
@@ -337,16 +379,12 @@ def test_trainer_engine_seeds_through_tq_and_clears_the_rows_and_writes_children
     with pytest.raises(ValueError, match="seeding phase only"):
         eng.generate([req], Phase(TEACHER, 1))
     assert eng.get_adapter(3) == {"slot": 3}
-    state = _child(1.0)
-    eng.write_child(2, state, 0)
-    eng.write_child(4, state, None)
-    assert rpcs == [("populora_set_adapter", (2, state), {"reset_optimizer": False, "optimizer_from": 0}),
-                    ("populora_set_adapter", (4, state), {"reset_optimizer": True, "optimizer_from": None})]
 
 
 class StoreEngine:
     """The evolution half of an engine over a CPU store (the bench's stand-in for a 7B's LoRA factors, here small):
-    the driver's way (get_adapter / write_child) and, with ``plans=True``, a PlanEngine's (apply_plan)."""
+    the driver's way (get_adapter / write_child, a ChildWriter) and, with ``plans=True``, also a PlanEngine's
+    (apply_plan), which evolve prefers."""
 
     def __init__(self, store, plans: bool) -> None:
         self.store, self.calls = store, []
@@ -382,7 +420,6 @@ def _small_store(layout="bank"):
 
 @pytest.mark.parametrize("reset", [False, True])
 def test_a_plan_engine_makes_the_children_the_driver_would_and_reports_each_phase(tmp_path, reset):
-    from populora_verl.step.engine import PlanEngine
     from populora_verl.workers.adapter_bank import EVOLUTION_PHASES
 
     driver, workers = StoreEngine(_small_store(), plans=False), StoreEngine(_small_store(), plans=True)
