@@ -29,6 +29,8 @@ __all__ = [
     "has_chunked_logprobs",
     "has_weight_sync_job_id",
     "poll_interval_from_config",
+    "trainer_without_dataset",
+    "has_public_prompt_cap",
 ]
 
 #: ``1``: a fallback onto a private name that a public API replaces raises (the series-applied test sets it).
@@ -103,6 +105,13 @@ def _trainer_yaml() -> dict:
 
 
 @functools.cache
+def trainer_without_dataset() -> bool:
+    """0012: ``PPOTrainer.uses_dataset``: a trainer that makes its own prompts declares it, and verl builds no dataset,
+    keeps no dataloader state and skips validation."""
+    return _has("verl.trainer.ppo.v1.trainer_base", "PPOTrainer", "uses_dataset")
+
+
+@functools.cache
 def worker_class_from_config() -> bool:
     """0004: ``actor_rollout_ref.worker_class`` is declared in verl's trainer config (and read by the trainer)."""
     return "worker_class" in (_trainer_yaml().get("actor_rollout_ref") or {})
@@ -126,3 +135,10 @@ def has_chunked_logprobs() -> bool:
 def has_weight_sync_job_id() -> bool:
     """0005: both ends of verl's weight-sync socket are named with a host-unique job id."""
     return _has("verl.workers.rollout.utils", "get_weight_sync_job_id")
+
+
+@functools.cache
+def has_public_prompt_cap() -> bool:
+    """0013: ``AgentLoopBase.cap_text_prompt_length``, the agent loop's public prompt-length cap (imports verl's
+    agent-loop module: only where it is loaded anyway)."""
+    return _has("verl.experimental.agent_loop.agent_loop", "AgentLoopBase", "cap_text_prompt_length")

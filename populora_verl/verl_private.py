@@ -89,17 +89,21 @@ PRIVATE: tuple[PrivateName, ...] = (
         "_init_dataloader",
         TRAINER,
         (("override", "populora_verl.trainer.trainer"),),
-        "no dataset: the population step makes every prompt; sets the step counts verl derives from it",
-        "",
+        "no dataset: the population step makes every prompt; sets the step counts verl derives from it; defined "
+        "only where verl lacks PPOTrainer.uses_dataset",
+        "0012-trainer-without-dataset.patch",
         "self",
+        "PopuLoRATrainer.uses_dataset = False (PPOTrainer.uses_dataset)",
     ),
     PrivateName(
         "_validate",
         TRAINER,
         (("override", "populora_verl.trainer.trainer"),),
-        "no validation set (members are evaluated with populora-eval)",
-        "",
+        "no validation set (members are evaluated with populora-eval); defined only where verl lacks "
+        "PPOTrainer.uses_dataset",
+        "0012-trainer-without-dataset.patch",
         "self",
+        "PopuLoRATrainer.uses_dataset = False (verl skips validation without a validation set)",
     ),
     PrivateName(
         "_get_required_batch_multiple",
@@ -269,8 +273,9 @@ PRIVATE: tuple[PrivateName, ...] = (
         "experimental/agent_loop/agent_loop.py:AgentLoopBase",
         (("use", "populora_verl.rollout.agent_loop"),),
         "a plain-text prompt (prompt_format=text) is capped to the prompt length as verl caps a chat prompt",
-        "",
+        "0013-agent-loop-public-prompt-cap.patch",
         "self, prompt_ids: list[int]",
+        "AgentLoopBase.cap_text_prompt_length",
     ),
     # --- reward manager -------------------------------------------------------------------------------------------
     PrivateName(

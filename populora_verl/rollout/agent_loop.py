@@ -15,6 +15,7 @@ from typing import Any
 from verl.experimental.agent_loop.agent_loop import AgentLoopOutput
 from verl.experimental.agent_loop.single_turn_agent_loop import SingleTurnAgentLoop
 
+from populora_verl import verl_compat
 from populora_verl.rollout.lora_registry import POPULORA_FIELD, lora_spec_from_prompt
 
 __all__ = ["PopuLoRAAgentLoop", "AGENT_NAME", "LoraInjectingClient"]
@@ -123,4 +124,8 @@ class PopuLoRAAgentLoop(SingleTurnAgentLoop):
         from populora_verl.tasks.prompts import encode_prompt
 
         ids = await self.loop.run_in_executor(None, encode_prompt, self.tokenizer, text)
+        # capped to rollout.prompt_length as verl caps a chat prompt: by its public name where verl has one
+        if verl_compat.has_public_prompt_cap():
+            return self.cap_text_prompt_length(ids)
+        verl_compat.private_path("_cap_text_prompt_length")
         return self._cap_text_prompt_length(ids)

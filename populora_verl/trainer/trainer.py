@@ -99,8 +99,9 @@ def use_verl_poll_interval(config: DictConfig) -> bool:
 
 
 class NullPromptLoader:
-    """Stands in for verl's train/val ``StatefulDataLoader``: PopuLoRA makes its prompts from the population, so
-    there is no dataset. Keeps verl's ``data.pt`` checkpoint round trip working (empty state)."""
+    """Stands in for verl's train/val ``StatefulDataLoader`` where verl lacks ``PPOTrainer.uses_dataset``: PopuLoRA
+    makes its prompts from the population, so there is no dataset. Keeps verl's ``data.pt`` checkpoint round trip
+    working (empty state)."""
 
     def __iter__(self) -> Iterator[Any]:
         return iter(())
@@ -125,6 +126,9 @@ class PopuLoRATrainer(GenerationMixin, TrainingMixin, HooksMixin, ProbesMixin, P
     _schedule: tuple = ()
     _schedule_cfgs: tuple = ()
     fused_rpc = True
+    #: The population step makes every prompt: a verl with ``PPOTrainer.uses_dataset`` (patches/0012) builds no
+    #: dataset, keeps no dataloader state and skips validation (verl 0.9.1 ignores it: see _init_dataloader).
+    uses_dataset = False
 
     def __init__(self, config: DictConfig) -> None:
         self._timeline = Timeline()
@@ -231,22 +235,29 @@ class PopuLoRATrainer(GenerationMixin, TrainingMixin, HooksMixin, ProbesMixin, P
                     f"no actor role to host the adapter bank in {sorted(map(str, self.role_worker_mapping))}"
                 )
 
-    def _init_dataloader(self) -> None:
-        self.train_dataset = self.val_dataset = None
-        self.train_dataloader = NullPromptLoader()
-        self.val_dataloader = NullPromptLoader()
-        self.train_dataloader_it = None
-        total = int(self.config.trainer.total_training_steps)
-        self.total_training_steps = total
-        # fit() stops at total_epochs * steps_per_epoch too: one "epoch" longer than the run never ends it early.
-        self.steps_per_epoch = total + 1
-        # Each slot's LR scheduler is swapped in and out with its adapter, so it steps once per global step.
-        with open_dict(self.config):
-            if OmegaConf.select(self.config, "actor_rollout_ref.actor.optim") is not None:
-                self.config.actor_rollout_ref.actor.optim.total_training_steps = total
+    # A verl with PPOTrainer.uses_dataset reads the class attribute above (no dataset, the run's length from
+    # trainer.total_training_steps, no validation); verl 0.9.1 builds both datasets from data.*_files, so only there
+    # are these methods replaced.
+    if not verl_compat.trainer_without_dataset():
 
-    def _validate(self) -> dict[str, float]:
-        return {}  # no validation set: evaluate members with populora_verl.eval
+        def _init_dataloader(self) -> None:
+            verl_compat.private_path("_init_dataloader")
+            self.train_dataset = self.val_dataset = None
+            self.train_dataloader = NullPromptLoader()
+            self.val_dataloader = NullPromptLoader()
+            self.train_dataloader_it = None
+            total = int(self.config.trainer.total_training_steps)
+            self.total_training_steps = total
+            # fit() stops at total_epochs * steps_per_epoch too: one "epoch" longer than the run never ends it early.
+            self.steps_per_epoch = total + 1
+            # Each slot's LR scheduler is swapped in and out with its adapter, so it steps once per global step.
+            with open_dict(self.config):
+                if OmegaConf.select(self.config, "actor_rollout_ref.actor.optim") is not None:
+                    self.config.actor_rollout_ref.actor.optim.total_training_steps = total
+
+        def _validate(self) -> dict[str, float]:
+            verl_compat.private_path("_validate")
+            return {}  # no validation set: evaluate members with populora_verl.eval
 
     def _get_required_batch_multiple(self, dp_size: int) -> int:
         # One PPO mini-batch is a slot's whole sub-batch (AZR-style), so only the DP split needs divisibility.

@@ -381,3 +381,21 @@ async def test_agent_loop_passes_prompt_adapter(monkeypatch):
         await loop.run({}, raw_prompt=[])
     with pytest.raises(RuntimeError, match="outside"):
         await loop.server_manager.generate(request_id="x")
+
+
+async def test_a_plain_text_prompt_is_capped_to_the_prompt_length(monkeypatch):
+    """A prompt_format=text prompt is tokenized by the plugin and left-truncated to rollout.prompt_length as verl
+    caps a chat prompt (through verl's public cap_text_prompt_length where verl has it, patches/0013)."""
+    from populora_verl.rollout import agent_loop as al
+
+    monkeypatch.setattr("populora_verl.tasks.prompts.encode_prompt", lambda tok, text: list(range(len(text))))
+    loop = al.PopuLoRAAgentLoop.__new__(al.PopuLoRAAgentLoop)
+    loop.loop = asyncio.get_running_loop()
+    loop.tokenizer = object()
+    loop.rollout_config = types.SimpleNamespace(prompt_length=4)
+    for text, expected in (("abcdefgh", [4, 5, 6, 7]), ("abc", [0, 1, 2])):
+        token = al._PROMPT_TEXT.set(text)
+        try:
+            assert await loop.ct_build_initial_tokens([{"role": "user", "content": text}]) == expected
+        finally:
+            al._PROMPT_TEXT.reset(token)
