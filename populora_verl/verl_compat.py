@@ -31,6 +31,7 @@ __all__ = [
     "poll_interval_from_config",
     "trainer_without_dataset",
     "has_public_prompt_cap",
+    "has_engine_micro_batch_hook",
 ]
 
 #: ``1``: a fallback onto a private name that a public API replaces raises (the series-applied test sets it).
@@ -142,3 +143,10 @@ def has_public_prompt_cap() -> bool:
     """0013: ``AgentLoopBase.cap_text_prompt_length``, the agent loop's public prompt-length cap (imports verl's
     agent-loop module: only where it is loaded anyway)."""
     return _has("verl.experimental.agent_loop.agent_loop", "AgentLoopBase", "cap_text_prompt_length")
+
+
+@functools.cache
+def has_engine_micro_batch_hook() -> bool:
+    """0014: ``FSDPEngine.prepare_micro_batches``, the FSDP engine's micro-batch split as a method that an engine
+    subclass overrides (imports verl's FSDP engine module: only where it is loaded anyway)."""
+    return _has("verl.workers.engine.fsdp.transformer_impl", "FSDPEngine", "prepare_micro_batches")

@@ -1,6 +1,6 @@
 """Every private verl name the plugin relies on, and every runtime patch it applies: the one list.
 
-Three checks read it (pure data: importing this module imports nothing):
+Three checks read it (pure data: importing this module imports only the standard library):
 
 * ``tests/project/test_verl_signatures.py`` pins each :data:`PRIVATE` entry against the installed verl (the name is
   still defined where recorded; a method keeps its recorded arguments) and scans the package source to prove the list
@@ -8,7 +8,8 @@ Three checks read it (pure data: importing this module imports nothing):
   written or called on a verl class or object, and every private name imported from verl must be listed here, and
   nothing listed may be gone from the code. A verl upgrade therefore fails in one place that names them all.
 * ``tests/project/test_verl_integration_doc.py`` checks that docs/verl-integration.md lists exactly the names and
-  runtime patches here, each with the patch of ``patches/`` that removes it.
+  runtime patches here, each with the patch of ``patches/`` that removes it: its two tables are :func:`render_doc`'s,
+  rewritten in place by ``python -m populora_verl.verl_private``.
 * ``removed_by`` must name a file of ``patches/`` (or be empty: no upstream change proposed yet).
 * ``series_api``: the public verl API the plugin takes instead when the installed verl has it (detected by
   ``populora_verl/verl_compat.py``); empty where the private path stays with the series applied. Each such private
@@ -23,9 +24,24 @@ our code, but our code depends on it: kept in the list so that the drift test pi
 
 from __future__ import annotations
 
+import re
+from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
-__all__ = ["PrivateName", "RuntimePatch", "PRIVATE", "RUNTIME_PATCHES", "VERL_VERSION"]
+__all__ = [
+    "PrivateName",
+    "RuntimePatch",
+    "PRIVATE",
+    "RUNTIME_PATCHES",
+    "VERL_VERSION",
+    "DOC",
+    "REGENERATE",
+    "runtime_patch_table",
+    "private_name_table",
+    "render_doc",
+    "main",
+]
 
 #: The verl release the names and signatures below were recorded against.
 VERL_VERSION = "0.9.1"
@@ -341,6 +357,17 @@ RUNTIME_PATCHES: tuple[RuntimePatch, ...] = (
         default=False,
     ),
     RuntimePatch(
+        "populora_verl.workers.resident_engine",
+        "prepare_micro_batches in verl.workers.engine.fsdp.transformer_impl (rebound during the resident engine's "
+        "forward_backward_batch)",
+        "verl's balanced micro-batches scatter each slot's rows, so every micro-batch runs the loss and the LoRA "
+        "linears for many slots; the resident engine keeps each slot's rows together, with the same micro-batch "
+        "count on every data-parallel rank (POPULORA_RESIDENT_MICRO_BATCHES=verl keeps verl's)",
+        "0014-engine-micro-batch-hook.patch",
+        default=False,
+        series_api="FSDPEngine.prepare_micro_batches, overridden by the resident engine",
+    ),
+    RuntimePatch(
         "populora_verl.workers.lora_forward",
         "peft.tuners.lora.Linear.forward",
         "a leaner LoRA forward for benchmarks (POPULORA_LORA_FORWARD); PEFT, not verl",
@@ -348,3 +375,109 @@ RUNTIME_PATCHES: tuple[RuntimePatch, ...] = (
         default=False,
     ),
 )
+
+
+# --- docs/verl-integration.md ---------------------------------------------------------------------------------------
+
+#: The document with the two generated tables (in a source checkout; pass another path to :func:`main`).
+DOC = Path(__file__).resolve().parent.parent / "docs" / "verl-integration.md"
+#: The command that rewrites the tables in place.
+REGENERATE = "python -m populora_verl.verl_private"
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def _row(cells: Sequence[str]) -> str:
+    return "| " + " | ".join(_cell(c) for c in cells) + " |"
+
+
+def _short(module: str) -> str:
+    return module.removeprefix("populora_verl.")
+
+
+def _removed_by(patch: str) -> str:
+    return f"`{patch}`" if patch else "none yet"
+
+
+def _with_series(api: str) -> str:
+    return f"public: {api}" if api else "still used"
+
+
+def runtime_patch_table() -> list[str]:
+    """The runtime-patch table of docs/verl-integration.md, one line per row (header and rule first)."""
+    lines = [
+        _row(
+            ("plugin module", "what it changes at run time", "why", "default", "removed by", "with the series applied")
+        ),
+        "|---|---|---|---|---|---|",
+    ]
+    for rp in RUNTIME_PATCHES:
+        default = "on" if rp.default else "opt-in"
+        cells = (f"`{_short(rp.module)}`", rp.target, rp.why, default, _removed_by(rp.removed_by))
+        lines.append(_row((*cells, _with_series(rp.series_api))))
+    return lines
+
+
+def private_name_table() -> list[str]:
+    """The private-name table of docs/verl-integration.md, one line per row (header and rule first)."""
+    lines = [
+        _row(("private name", "defined in verl", "our use (module)", "why", "removed by", "with the series applied")),
+        "|---|---|---|---|---|---|",
+    ]
+    for e in PRIVATE:
+        uses = "; ".join(f"{kind} ({_short(module)})" for kind, module in e.uses)
+        lines.append(
+            _row((f"`{e.name}`", f"`{e.owner}`", uses, e.why, _removed_by(e.removed_by), _with_series(e.series_api)))
+        )
+    return lines
+
+
+def _table_block(tag: str) -> re.Pattern[str]:
+    """A generated table between its markers: the opening marker, the table, the closing marker."""
+    return re.compile(
+        rf"(<!-- {tag}: generated from populora_verl/verl_private\.py -->\n)(.*?)(\n<!-- /{tag} -->)", re.S
+    )
+
+
+def render_doc(text: str) -> str:
+    """``text`` (docs/verl-integration.md) with its generated tables replaced by :func:`runtime_patch_table` and
+    :func:`private_name_table`; everything outside the markers is kept as it is. Raises :class:`ValueError` where a
+    table's markers are missing or repeated."""
+    for tag, lines in (("runtime-patches", runtime_patch_table()), ("private-names", private_name_table())):
+        table = "\n".join(lines)
+        text, found = _table_block(tag).subn(lambda m, table=table: m.group(1) + table + m.group(3), text)
+        if found != 1:
+            raise ValueError(
+                f"expected one <!-- {tag}: generated from populora_verl/verl_private.py --> table, found {found}"
+            )
+    return text
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m populora_verl.verl_private [--check] [PATH]``: rewrite the generated tables of PATH
+    (docs/verl-integration.md) in place; ``--check`` only reports whether they are current (exit status 1 if not)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog=REGENERATE, description="Regenerate docs/verl-integration.md's tables from populora_verl/verl_private.py."
+    )
+    parser.add_argument("path", nargs="?", type=Path, default=DOC, help="the document (default: %(default)s)")
+    parser.add_argument("--check", action="store_true", help="change nothing; exit 1 if the tables are stale")
+    args = parser.parse_args(argv)
+    text = args.path.read_text(encoding="utf-8")
+    rendered = render_doc(text)
+    if rendered == text:
+        print(f"{args.path}: up to date")
+        return 0
+    if args.check:
+        print(f"{args.path}: stale; run {REGENERATE}")
+        return 1
+    args.path.write_text(rendered, encoding="utf-8")
+    print(f"{args.path}: tables rewritten")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

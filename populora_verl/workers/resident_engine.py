@@ -4,6 +4,9 @@
 mixes in :class:`ResidentEngineMixin`, once :class:`~populora_verl.workers.resident.ResidentAdapters` holds the
 slots. Each batch carries a per-row tensor ``populora_slot``; the mixin
 
+* forms the micro-batches with each slot's rows kept together (:func:`slot_partitions`): through verl's
+  ``FSDPEngine.prepare_micro_batches`` where verl has that method (patch 0014), else by rebinding the module-level
+  ``prepare_micro_batches`` of verl's FSDP engine module for the duration of ``forward_backward_batch``;
 * tags each micro-batch's tokens with their slot before verl's forward (``forward_step``), and keeps the tag until
   the next micro-batch, so gradient checkpointing recomputes the same routing in backward;
 * counts every slot's loss tokens and rows over the whole mini-batch on every data-parallel rank (one all-reduce),
@@ -29,6 +32,7 @@ from typing import Any
 
 import torch
 
+from populora_verl import verl_compat
 from populora_verl.workers.adapter_bank import AdapterBankError
 from populora_verl.workers.resident import ResidentAdapters, SlotRouting, base_only, set_routing
 
@@ -163,12 +167,31 @@ def slot_partitions(slots: Sequence[int], lengths: Sequence[int], max_tokens: in
     return parts
 
 
-def _slot_micro_batches(data: Any, dp_group: Any = None, same_micro_num_in_dp: bool = True, **kwargs: Any):
+def _slot_micro_batching_on() -> bool:
+    return os.environ.get(MICRO_BATCH_ENV, "slot") != "verl"
+
+
+def _slot_micro_batches(
+    data: Any,
+    dp_group: Any = None,
+    same_micro_num_in_dp: bool = True,
+    *,
+    verl_partition: Callable[[Any], Any] | None = None,
+    **kwargs: Any,
+):
     """verl's ``prepare_micro_batches`` with each slot's rows packed together (:func:`slot_partitions`), under the
     same token budget and, across data-parallel ranks, the same micro-batch count; verl's own where its micro-batching
-    is not dynamic or a sequence is split across ranks."""
+    is not dynamic or a sequence is split across ranks (``verl_partition(data)`` where given, the engine's own split,
+    else verl's module function with these arguments)."""
     from verl.utils import tensordict_utils as tu
     from verl.workers.engine import utils as engine_utils
+
+    def verls():
+        if verl_partition is not None:
+            return verl_partition(data)
+        return engine_utils.prepare_micro_batches(
+            data, dp_group=dp_group, same_micro_num_in_dp=same_micro_num_in_dp, **kwargs
+        )
 
     dynamic = tu.get_non_tensor_data(data=data, key="use_dynamic_bsz", default=True)
     sp_size = tu.get_non_tensor_data(data=data, key="sp_size", default=1)
@@ -176,9 +199,7 @@ def _slot_micro_batches(data: Any, dp_group: Any = None, same_micro_num_in_dp: b
     ids = data["input_ids"]
     verl_only = any(kwargs.get(k) is not None for k in ("num_batches_divided_by", "min_num_micro_batch"))
     if verl_only or not dynamic or sp_size != 1 or groups != 1 or SLOT_FIELD not in data.keys() or not ids.is_nested:
-        return engine_utils.prepare_micro_batches(
-            data, dp_group=dp_group, same_micro_num_in_dp=same_micro_num_in_dp, **kwargs
-        )
+        return verls()
     max_tokens = int(data["max_token_len_per_gpu"])
     slots = data[SLOT_FIELD].reshape(-1).tolist()
     lengths = ids.offsets().diff().tolist()
@@ -191,19 +212,19 @@ def _slot_micro_batches(data: Any, dp_group: Any = None, same_micro_num_in_dp: b
         torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MAX, group=dp_group)
     count, packed, fewest_rows = (int(v) for v in agreed.tolist())
     if packed != -1 or -fewest_rows < count:
-        return engine_utils.prepare_micro_batches(
-            data, dp_group=dp_group, same_micro_num_in_dp=same_micro_num_in_dp, **kwargs
-        )
+        return verls()
     parts = slot_partitions(slots, lengths, max_tokens, count)
     return [select_tensordict_rows(data, part) for part in parts], parts
 
 
 @contextlib.contextmanager
 def _slot_micro_batching(enabled: bool):
-    """verl's FSDP engine forms its micro-batches with :func:`_slot_micro_batches` inside the block."""
+    """verl's FSDP engine forms its micro-batches with :func:`_slot_micro_batches` inside the block: the runtime patch
+    for a verl without ``FSDPEngine.prepare_micro_batches`` (0.9.1), which calls the module-level function."""
     if not enabled:
         yield
         return
+    verl_compat.private_path("populora_verl.workers.resident_engine")
     from verl.workers.engine.fsdp import transformer_impl
 
     original = transformer_impl.prepare_micro_batches
@@ -308,10 +329,23 @@ class ResidentEngineMixin:
             self._populora_metrics = {k: {} for k in rows}
             loss_function = functools.partial(per_slot_loss, loss_function, tokens, rows, self._record_slot_metrics)
         try:
-            with _slot_micro_batching(os.environ.get(MICRO_BATCH_ENV, "slot") != "verl"):
+            if verl_compat.has_engine_micro_batch_hook():  # verl splits through prepare_micro_batches below
+                return super().forward_backward_batch(data, loss_function, forward_only=forward_only)
+            with _slot_micro_batching(_slot_micro_batching_on()):
                 return super().forward_backward_batch(data, loss_function, forward_only=forward_only)
         finally:
             set_routing(None)
+
+    def prepare_micro_batches(self, data):
+        """verl's micro-batch split (``FSDPEngine.prepare_micro_batches``, which verl calls where it has it) with each
+        slot's rows kept together: :func:`_slot_micro_batches`, falling back to verl's split; verl's own for the
+        reference policy and under ``POPULORA_RESIDENT_MICRO_BATCHES=verl``."""
+        verls = super().prepare_micro_batches
+        if self._populora_base_only or not _slot_micro_batching_on():
+            return verls(data)
+        return _slot_micro_batches(
+            data, dp_group=self.get_data_parallel_group(), same_micro_num_in_dp=True, verl_partition=verls
+        )
 
     def forward_step(self, micro_batch, loss_function, forward_only):
         if self._populora_base_only:

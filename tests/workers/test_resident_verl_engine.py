@@ -37,6 +37,7 @@ from verl.workers.utils.losses import ppo_loss  # noqa: E402
 from verl.workers.utils.padding import left_right_2_no_padding  # noqa: E402
 
 import populora_verl.workers.resident as resident  # noqa: E402
+from populora_verl import verl_compat  # noqa: E402
 from populora_verl.workers import resident_engine, varlen_attention  # noqa: E402
 from populora_verl.workers.adapter_bank import AdapterBank  # noqa: E402
 
@@ -161,17 +162,19 @@ ROWS = {
 }
 
 
-def slots_per_micro_batch(eng) -> list[set[int]]:
-    """Record the slots of every micro-batch ``eng`` runs."""
-    seen = []
+def slots_per_micro_batch(eng) -> tuple[list[set[int]], list[bool]]:
+    """Record the slots of every micro-batch ``eng`` runs, and whether verl's module-level ``prepare_micro_batches``
+    was rebound while it ran."""
+    seen, rebound = [], []
     step = eng.forward_step
 
     def wrapped(micro_batch, *args, **kwargs):
         seen.append(set(micro_batch[resident_engine.SLOT_FIELD].reshape(-1).tolist()))
+        rebound.append(transformer_impl.prepare_micro_batches is not engine_utils.prepare_micro_batches)
         return step(micro_batch, *args, **kwargs)
 
     eng.forward_step = wrapped
-    return seen
+    return seen, rebound
 
 
 @pytest.mark.parametrize("layout", list(ROWS))
@@ -189,12 +192,15 @@ def test_update_and_log_probs_through_verls_engine_equal_each_slot_trained_alone
     rows = padded_rows(len(slots), seed=5)
 
     eng, store = verl_engine(resident_slots=True)
-    micro_slots = slots_per_micro_batch(eng)
+    micro_slots, rebound = slots_per_micro_batch(eng)
     got_logp = eng.infer_batch(actor_batch(rows, slots, jagged))["model_output"]["log_probs"]
     got = grads_at_step(eng, lambda: {k: {n: store._slot_param(k, n) for n in store._params} for k in set(slots)})
     micro_slots.clear()  # the update's micro-batches
     eng.train_batch(actor_batch(rows, slots, jagged), loss_function=loss_fn())
     assert transformer_impl.prepare_micro_batches is engine_utils.prepare_micro_batches  # verl's own again after
+    # a verl with FSDPEngine.prepare_micro_batches (patch 0014) splits through the engine's method; verl 0.9.1 calls
+    # the module-level function, which slot micro-batching rebinds during the call
+    assert any(rebound) == (micro == "slot" and not verl_compat.has_engine_micro_batch_hook()), rebound
     per_slot = eng.populora_slot_metrics()
     assert (len(calls) > 0) == (kernel == "grouped")
     # slot micro-batching keeps each slot's rows together: a slot's rows span micro-batches only at their edges,
