@@ -113,6 +113,13 @@ def trainer_without_dataset() -> bool:
 
 
 @functools.cache
+def has_save_hook() -> bool:
+    """0008: ``PPOTrainer.on_save_checkpoint``, a trainer's own state written inside verl's save, before the step is
+    marked saved."""
+    return _has("verl.trainer.ppo.v1.trainer_base", "PPOTrainer", "on_save_checkpoint")
+
+
+@functools.cache
 def worker_class_from_config() -> bool:
     """0004: ``actor_rollout_ref.worker_class`` is declared in verl's trainer config (and read by the trainer)."""
     return "worker_class" in (_trainer_yaml().get("actor_rollout_ref") or {})

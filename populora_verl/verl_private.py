@@ -172,11 +172,11 @@ PRIVATE: tuple[PrivateName, ...] = (
     PrivateName(
         "_save_checkpoint",
         TRAINER,
-        (("override", "populora_verl.trainer.hooks"),),
-        "fit() saves before on_step_end; the save is deferred until after evolution, then the bank and "
-        "population are written before verl's own save. Kept with 0008: its hook runs inside fit's save, "
-        "before evolution (on_step_end) and without the stop file's extra save, so evolution must first move "
-        "to the end of step",
+        (("override", "populora_verl.trainer.trainer"), ("use", "populora_verl.trainer.hooks")),
+        "overridden only where verl lacks PPOTrainer.on_save_checkpoint (0008): the population, step state and "
+        "bank are written before verl's own save (evolution runs at the end of step, so fit's save after it holds "
+        "the evolved population). Still called with the series: on_step_end saves the step at which a stop file "
+        "ends the run, which verl decided not to save before the step ran (verl has no public save)",
         "0008-trainer-pre-save-hook.patch",
         "self",
     ),
@@ -188,12 +188,6 @@ PRIVATE: tuple[PrivateName, ...] = (
         "bank and population after verl's load",
         "",
         "self",
-    ),
-    PrivateName(
-        "_pending_sync_metrics",
-        TRAINER,
-        (("use", "populora_verl.trainer.hooks"), ("use", "populora_verl.trainer.trainer")),
-        "evolution's metrics ride on the row verl logs after the weight sync",
     ),
     PrivateName(
         "_dispatch_info",

@@ -107,11 +107,11 @@ class HooksMixin:
                 flush=True,
             )
 
-    def on_step_end(self) -> None:
-        if not self._timeline_done and self._timeline.marks and self._timeline.marks[-1][0] == "agent loop":
-            self._timeline.mark(f"step {self.global_steps}")
-            print(self._timeline.line(), flush=True)
-        self._timeline_done = True
+    def _end_step(self, metrics: dict) -> None:
+        """The end of :meth:`step`, after the update: the stop file, evolution (PBT) and the step's population
+        metrics. In ``step`` rather than ``on_step_end``: verl's loop saves its checkpoint between the two, and the
+        checkpoint must hold the evolved population (children and their optimizer state) that the next step serves.
+        Evolution's metrics join the step's own row."""
         ending = self._stop_due()
         with timed(EVOLVE, self.timing_raw, color="green"):
             evo = {} if ending else self._evolve()
@@ -119,8 +119,9 @@ class HooksMixin:
         if line:
             print(line, flush=True)
         if ending:
-            # fit() leaves its loop once global_steps passes total_training_steps: this step is the last one.
-            self._save_pending = True
+            # fit() leaves its loop once global_steps passes total_training_steps: this step is the last one. verl
+            # decided whether to save this step before it ran, so on_step_end saves it when verl does not.
+            self._stop_save = True
             self.total_training_steps = self.global_steps
             print(
                 f"[populora] step {self.global_steps}: stop file {self._stop_path} found; no evolution, "
@@ -131,14 +132,21 @@ class HooksMixin:
         if step_metrics is not None:
             self._log_population_metrics({**step_metrics, **evo}, self.global_steps)
             self._step_population_metrics = None
-        if self._save_pending:
+        metrics.update(evo)
+
+    def on_step_end(self) -> None:
+        if not self._timeline_done and self._timeline.marks and self._timeline.marks[-1][0] == "agent loop":
+            self._timeline.mark(f"step {self.global_steps}")
+            print(self._timeline.line(), flush=True)
+        self._timeline_done = True
+        if self._stop_save and self._saved_step != self.global_steps:
             with timed("save_checkpoint", self.timing_raw, color="green"):
-                self._save_all()
-            self._save_pending = False
+                self._save_checkpoint()
+        self._stop_save = False
+        if self._saved_step == self.global_steps:
+            self._after_save()
         # Weight sync last: it pushes every slot (children included) to vLLM under its current LoRA id.
         super().on_step_end()
-        # verl's loop logs _pending_sync_metrics with its next metrics row, then clears it
-        self._pending_sync_metrics = {**self._pending_sync_metrics, **evo}
 
     def _stop_due(self) -> bool:
         request = stop.read_request(self._stop_path)
@@ -157,9 +165,10 @@ class HooksMixin:
             self.timing_raw[f"{EVOLVE}/{phase}"] = float(seconds)
         return evolution.metrics
 
-    def _save_checkpoint(self) -> None:
-        # fit() saves before on_step_end; the real save runs there after evolution so the bank is post-evolution.
-        self._save_pending = True
+    def on_save_checkpoint(self, checkpoint_dir: str) -> None:
+        # verl's save calls it (0008) before marking the step saved; on verl 0.9.1 PopuLoRATrainer._save_checkpoint
+        self._save_population(checkpoint_dir)
+        self._saved_step = self.global_steps
 
     def _step_folder(self, for_load: bool = False) -> str:
         if for_load and self.config.trainer.resume_mode == "resume_path":
@@ -168,10 +177,12 @@ class HooksMixin:
             folder = os.path.join(self.config.trainer.default_local_dir, f"global_step_{self.global_steps}")
         return folder if os.path.isabs(folder) else os.path.join(os.getcwd(), folder)
 
-    def _save_all(self) -> None:
+    def _save_population(self, step_dir: str) -> None:
+        """The population, the step's state and every slot's adapter and optimizer (the bank) under
+        ``<step_dir>/populora``, before the step counts as saved."""
         from populora_verl.checkpoint import save_checkpoint
 
-        pdir = os.path.join(self._step_folder(), "populora")
+        pdir = os.path.join(step_dir, "populora")
         written = self.actor_rollout_wg.populora_save_bank(os.path.join(pdir, "bank"))
         verl_config.warn_if_bank_not_shared(written)  # M nodes: every rank's file must be where the driver resumes
         pop = self.pop_step.population
@@ -190,11 +201,16 @@ class HooksMixin:
                 "bank_info": self._bank_info(),
             },
         )
-        # verl's save writes latest_checkpointed_iteration.txt last, so a crash above never points at a half save.
-        super()._save_checkpoint()
-        print(f"[populora] step {self.global_steps}: checkpoint {pdir}", flush=True)
+
+    def _after_save(self) -> None:
+        """Once the step is marked saved: say so, and prune old step folders (only now, so the folder the tracker
+        pointed at until this save is never removed before the new one is complete)."""
         from populora_verl.trainer.resume import prune_step_folders
 
+        print(
+            f"[populora] step {self.global_steps}: checkpoint {os.path.join(self._step_folder(), 'populora')}",
+            flush=True,
+        )
         for folder in prune_step_folders(
             os.path.dirname(self._step_folder()), self.config.trainer.get("max_actor_ckpt_to_keep", None)
         ):

@@ -7,7 +7,8 @@ Registered as ``trainer.v1.trainer_mode=populora`` by :func:`populora_verl.train
        ──> write rm_scores / advantages / returns into TQ
        ──> per adapter slot (sorted): balance; then ONE old-log-prob call and ONE update_actor call for all slots
            (each slot one PPO mini-batch = its own batch; ``+trainer.populora_fused_rpc=false``: one call per slot)
-    on_step_end: evolution (PBT) -> checkpoint (population, step state, bank, then verl's) -> weight sync (all slots)
+    then stop file and evolution (PBT); verl's checkpoint (with the population, step state and bank); on_step_end:
+    the stop file's checkpoint when verl took none -> weight sync (all slots)
 
 The population logic (matching, validation, rewards, advantages, evolution decisions) lives in
 :class:`PopulationStep`, shared with the CPU driver; this class only moves data between it, TransferQueue and the
@@ -197,7 +198,8 @@ class PopuLoRATrainer(GenerationMixin, TrainingMixin, HooksMixin, ProbesMixin, P
             tl.mark(name)
 
     def _init_populora_state(self) -> None:
-        self._save_pending = False
+        self._stop_save = False  # a stop file ended the run at this step: on_step_end saves it
+        self._saved_step = -1  # the last step whose checkpoint is complete
         self._timeline_done = self._timeline is None
         self._stop_path = stop.stop_file(self.config)
         if stop.read_request(self._stop_path) is not None:
@@ -211,7 +213,6 @@ class PopuLoRATrainer(GenerationMixin, TrainingMixin, HooksMixin, ProbesMixin, P
         self._metrics_log = None
         self._step_population_metrics: dict[str, float] | None = None  # this step's, logged after evolution
         self._rank_sums = None  # the debug probe's per-rank shard hashes before this step's update
-        self._pending_sync_metrics: dict[str, float] = {}  # verl logs (and clears) it with its next metrics row
 
     # --- set-up overrides ------------------------------------------------------------------------------------
 
@@ -258,6 +259,17 @@ class PopuLoRATrainer(GenerationMixin, TrainingMixin, HooksMixin, ProbesMixin, P
         def _validate(self) -> dict[str, float]:
             verl_compat.private_path("_validate")
             return {}  # no validation set: evaluate members with populora_verl.eval
+
+    # A verl with the trainer's checkpoint hooks calls on_save_checkpoint (HooksMixin) inside its own save, before the
+    # step is marked saved; verl 0.9.1 has no such hook, so there the save itself writes the population first.
+    if not verl_compat.has_save_hook():
+
+        def _save_checkpoint(self) -> None:
+            verl_compat.private_path("_save_checkpoint")
+            self._save_population(self._step_folder())
+            # verl's save writes latest_checkpointed_iteration.txt last, so a crash above never points at a half save.
+            super()._save_checkpoint()
+            self._saved_step = self.global_steps
 
     def _get_required_batch_multiple(self, dp_size: int) -> int:
         # One PPO mini-batch is a slot's whole sub-batch (AZR-style), so only the DP split needs divisibility.
@@ -352,6 +364,7 @@ class PopuLoRATrainer(GenerationMixin, TrainingMixin, HooksMixin, ProbesMixin, P
             metrics.update(convert.prefix_metrics(m, f"populora/{member}"))
         metrics.update({k: v for k, v in convert.mean_over_prefixes(per_adapter).items() if k not in metrics})
         self._log_adapter_report(gs, per_adapter, parts, member_of, before)
+        self._end_step(metrics)
         return out
 
     # --- hooks: probes, evolution, checkpoint, weight sync ---------------------------------------------------

@@ -340,19 +340,56 @@ def test_per_adapter_partition_of_a_combined_batch():
 
 
 def test_metrics_row_is_written_after_evolution(bare_trainer, tmp_path, monkeypatch):
-    """metrics.jsonl gets the step's population metrics with evolution's event count (known only in on_step_end)."""
+    """metrics.jsonl gets the step's population metrics with evolution's event count (known only at the end of the
+    step, once evolution ran)."""
     from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 
     cfg = compose_recipe("smoke_0.5b", ["actor_rollout_ref.model.path=/m", f"trainer.default_local_dir={tmp_path}"])
     t = bare_trainer(cfg)
-    t.global_steps, t.timing_raw, t._save_pending = 2, {}, False
+    t.global_steps, t.timing_raw = 2, {}
     t._step_population_metrics = {"populora/validity/mean": 0.25, "populora/evolution/events": 0.0}
     monkeypatch.setattr(t, "_evolve", lambda: {"populora/evolution/events": 2.0})
     monkeypatch.setattr(PPOTrainerSync, "on_step_end", lambda self: None)  # the weight sync needs vLLM
-    t.on_step_end()
+    metrics = {}
+    t._end_step(metrics)
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert rows == [{"step": 2, "populora/validity/mean": 0.25, "populora/evolution/events": 2.0}]
-    assert t._pending_sync_metrics["populora/evolution/events"] == 2.0  # verl's own logger gets it too
+    assert metrics["populora/evolution/events"] == 2.0  # verl's own logger gets it in the step's row
+
+
+def test_the_checkpoint_after_a_step_holds_its_evolved_population(bare_trainer, tmp_path, monkeypatch, capsys):
+    """fit() runs step, then its save when due, then on_step_end: evolution ends the step, so the population written
+    with verl's checkpoint is the evolved one, and the weight sync after it serves the children; no second save."""
+    from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
+
+    from populora_verl import verl_compat
+    from populora_verl.step import PopulationStep
+    from populora_verl.trainer import resume
+
+    cfg = compose_recipe("smoke_0.5b", ["actor_rollout_ref.model.path=/m", f"trainer.default_local_dir={tmp_path}"])
+    t = bare_trainer(cfg)
+    t.pop_step = PopulationStep(cfg.populora, total_steps=100)
+    order = []
+    monkeypatch.setattr(t, "_evolve", lambda: order.append("evolve") or {"populora/evolution/events": 1.0})
+    monkeypatch.setattr(t, "_save_population", lambda d: order.append(("population", d)))
+    hook = verl_compat.has_save_hook()  # with the series, verl's save calls the trainer's hook inside itself
+
+    def verl_save(self):
+        order.append("verl save")
+        if hook:
+            self.on_save_checkpoint(self._step_folder())
+
+    monkeypatch.setattr(PPOTrainerSync, "_save_checkpoint", verl_save)
+    monkeypatch.setattr(PPOTrainerSync, "on_step_end", lambda self: order.append("weight sync"))
+    monkeypatch.setattr(resume, "prune_step_folders", lambda root, keep: [])
+    t.timing_raw, t.total_training_steps, t.global_steps = {}, 100, 2
+    t._end_step({})
+    t._save_checkpoint()  # save_freq due at this step
+    t.on_step_end()
+    folder = t._step_folder()
+    saves = ["verl save", ("population", folder)] if hook else [("population", folder), "verl save"]
+    assert order == ["evolve", *saves, "weight sync"]
+    assert t._saved_step == 2 and f"[populora] step 2: checkpoint {folder}" in capsys.readouterr().out
 
 
 def test_stop_file_ends_the_run_at_the_first_step_past_the_quiet_window(bare_trainer, tmp_path, monkeypatch):
@@ -368,25 +405,29 @@ def test_stop_file_ends_the_run_at_the_first_step_past_the_quiet_window(bare_tra
     t.pop_step = PopulationStep(cfg.populora, total_steps=100)
     evolved, saved = [], []
     monkeypatch.setattr(t, "_evolve", lambda: evolved.append(t.global_steps) or {"populora/evolution/events": 1.0})
-    monkeypatch.setattr(t, "_save_all", lambda: saved.append(t.global_steps))
+    monkeypatch.setattr(t, "_save_checkpoint", lambda: saved.append(t.global_steps))
     monkeypatch.setattr(PPOTrainerSync, "on_step_end", lambda self: None)  # the weight sync needs vLLM
     t.timing_raw, t.total_training_steps = {}, 100
     window = t.pop_step.population.age_window
     assert window == 2  # smoke recipe: pbt.interval_steps 2, quiet window one interval
 
+    def step_ends():  # what fit() runs after the update when verl itself saves nothing this step
+        t._end_step({})
+        t.on_step_end()
+
     t.global_steps = 1
-    t.on_step_end()  # no stop file: evolution runs
+    step_ends()  # no stop file: evolution runs
     assert evolved == [1] and saved == [] and t.total_training_steps == 100
 
     (tmp_path / "STOP").write_text("")
     t.pop_step.population.members[0].age = window - 1  # a child one step too young
     t.global_steps = 2
-    t.on_step_end()
+    step_ends()
     assert evolved == [1, 2] and saved == [] and t.total_training_steps == 100
     for m in t.pop_step.population.members:
         m.age = window
     t.global_steps = 3
-    t.on_step_end()
+    step_ends()
     assert evolved == [1, 2] and saved == [3] and t.total_training_steps == 3  # fit() leaves its loop after step 3
 
     # "echo N > STOP": not before step N; garbage in the file means "stop"
@@ -499,11 +540,12 @@ def test_an_evolution_event_puts_its_phases_into_the_step_timing(bare_trainer, t
     t.actor_rollout_wg = SimpleNamespace(populora_apply_plan=lambda entries: [w.populora_apply_plan(entries)
                                                                               for w in workers])
     monkeypatch.setattr(PPOTrainerSync, "on_step_end", lambda self: None)  # the weight sync needs vLLM
-    t.timing_raw, t.total_training_steps, t.global_steps, t._save_pending = {}, 100, 2, False
-    t.on_step_end()
+    t.timing_raw, t.total_training_steps, t.global_steps = {}, 100, 2
+    metrics = {}
+    t._end_step(metrics)
 
     children = len(json.loads((tmp_path / "evolution.jsonl").read_text())["replacements"])
-    assert children >= 1 and t._pending_sync_metrics["populora/evolution/events"] == children
+    assert children >= 1 and metrics["populora/evolution/events"] == children
     phases = {p: t.timing_raw[f"populora_evolve/{p}"] for p in EVOLUTION_PHASES}
     assert set(t.timing_raw) == {"populora_evolve", *(f"populora_evolve/{p}" for p in EVOLUTION_PHASES)}
     assert all(v >= 0 for v in phases.values()) and sum(phases.values()) <= t.timing_raw["populora_evolve"]
@@ -518,6 +560,6 @@ def test_an_evolution_event_puts_its_phases_into_the_step_timing(bare_trainer, t
 
     t.global_steps = 3  # not due: no phases, no line
     t.timing_raw = {}
-    t.on_step_end()
+    t._end_step({})
     assert set(t.timing_raw) == {"populora_evolve"}
     assert " evolution at step" not in capsys.readouterr().out

@@ -288,6 +288,7 @@ def _trainer(bare_trainer, tmp_path):
     t.actor_rollout_wg = _Workers()
     t.checkpoint_manager = SimpleNamespace(sleep_replicas=lambda: None)
     t.pop_step = _PopStep()
+    t._end_step = lambda metrics: None  # stop file and evolution need a real population: tests/trainer/test_trainer.py
     return t
 
 
@@ -334,10 +335,13 @@ def test_step_writes_signals_per_adapter_batch_and_clears(tq_cluster, tmp_path, 
 
     t = _trainer(bare_trainer, tmp_path)
     t.fused_rpc = fused_rpc
+    ended = []  # the end of the step (stop file, evolution): after the update, so verl's save that follows has it
+    t._end_step = lambda m: ended.append(dict(t.actor_rollout_wg.calls))
     metrics: dict = {}
     out = t.step(metrics, {})
     calls = 1 if fused_rpc else len(SLOTS)
     assert t.actor_rollout_wg.calls == {"compute_log_prob": calls, "update_actor": calls}
+    assert ended == [t.actor_rollout_wg.calls]
     wg, pop, written = t.actor_rollout_wg, t.pop_step, t.agent_loop_manager.written
     samples = pop.on_answers(pop.student_resp).samples  # same deterministic samples the step trained on
     by_key = {s.extra: s for s in samples if s.extra is not None}
