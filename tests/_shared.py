@@ -94,3 +94,18 @@ def bare_worker(training_worker, *, base_sync_done: bool = False):
     w.peft_merge = False
     w._rank, w._world_size = 0, 1
     return w
+
+
+#: The start of a script that drives verl's own trainer on the CPU in a fresh interpreter: verl's trainer classes, a
+#: private temporary folder (removed at exit) and an ``events`` list for the script's recorders.
+TRAINER_SCRIPT_PRELUDE = """
+import atexit, os, shutil, tempfile
+from hydra import compose, initialize_config_dir
+from verl.trainer.ppo.v1.trainer_base import register_trainer
+from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
+
+root = tempfile.mkdtemp()
+tempfile.tempdir = root  # verl's checkpoint lock files too: the test leaves nothing in /tmp, failed or not
+atexit.register(shutil.rmtree, root, True)
+events = []
+"""

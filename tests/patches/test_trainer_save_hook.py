@@ -3,19 +3,12 @@ and ``_load_checkpoint`` to write and read its adapter bank and population aroun
 
 from __future__ import annotations
 
+from _shared import TRAINER_SCRIPT_PRELUDE
+
 PATCH = "0008-trainer-pre-save-hook.patch"
 
 # verl's own save and resume on CPU, with the workers and the dataloader replaced by recorders.
-CHECK = """
-import atexit, os, shutil, tempfile
-from hydra import compose, initialize_config_dir
-from verl.trainer.ppo.v1.trainer_base import register_trainer
-from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
-
-root = tempfile.mkdtemp()
-tempfile.tempdir = root  # verl's checkpoint lock files too: the test leaves nothing in /tmp, failed or not
-atexit.register(shutil.rmtree, root, True)
-events = []
+CHECK = TRAINER_SCRIPT_PRELUDE + """
 
 class Workers:
     def save_checkpoint(self, local_path, *args, **kwargs):

@@ -3,20 +3,13 @@ with an empty stand-in loader and ``_validate`` with an empty result, because ve
 
 from __future__ import annotations
 
+from _shared import TRAINER_SCRIPT_PRELUDE
+
 PATCH = "0012-trainer-without-dataset.patch"
 
 # verl's own set-up, save, resume and fit loop on CPU, with verl's default config but no data files: the workers and
 # the step are recorders.
-CHECK = """
-import atexit, os, shutil, tempfile
-from hydra import compose, initialize_config_dir
-from verl.trainer.ppo.v1.trainer_base import register_trainer
-from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
-
-root = tempfile.mkdtemp()
-tempfile.tempdir = root  # verl's checkpoint lock files too: the test leaves nothing in /tmp, failed or not
-atexit.register(shutil.rmtree, root, True)
-events = []
+CHECK = TRAINER_SCRIPT_PRELUDE + """
 
 class Stop(Exception):
     pass
