@@ -6,7 +6,10 @@ values a module builds at import time.
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
+
+import pytest
 
 # Paths from here, never from a test module's own __file__: the modules sit one folder down (tests/<area>/), and
 # a later move of a module must not change what these name.
@@ -109,3 +112,9 @@ tempfile.tempdir = root  # verl's checkpoint lock files too: the test leaves not
 atexit.register(shutil.rmtree, root, True)
 events = []
 """
+
+
+def needs_vllm(what: str) -> pytest.MarkDecorator:
+    """Skip a test that calls into vLLM itself (``what``: the part it uses) where vLLM is not installed."""
+    return pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                              reason=f"needs vLLM ({what}); runs where vLLM is installed")

@@ -9,10 +9,9 @@ them with vLLM's own ``serve`` parser and builds vLLM's ``AsyncEngineArgs`` from
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
-import pytest
+from _shared import needs_vllm
 
 PATCH = "0001-vllm-configurable-max-loras.patch"
 
@@ -92,7 +91,6 @@ def test_launch_server_passes_max_loras(fails_without_passes_with):
     assert "ok" in fails_without_passes_with(PATCH, CPU_CHECK, expect_without="passed max_loras=1 to vLLM")
 
 
-@pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
-                    reason="needs vLLM (its serve parser and AsyncEngineArgs); runs where vLLM is installed")
+@needs_vllm("its serve parser and AsyncEngineArgs")
 def test_vllm_engine_args_get_max_loras(fails_without_passes_with):
     assert "ok" in fails_without_passes_with(PATCH, VLLM_CHECK, expect_without="have max_loras=1")

@@ -13,10 +13,9 @@ request recorded; where vLLM is installed (the GPU machine), the second test let
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
-import pytest
+from _shared import needs_vllm
 
 PATCH = "0003-vllm-multi-adapter-weight-sync.patch"
 
@@ -251,7 +250,6 @@ def test_sglang_refuses_an_adapter_id(fails_without_passes_with):
     assert "ok" in fails_without_passes_with(PATCH, SGLANG_CHECK, expect_without="went on with a lora_int_id")
 
 
-@pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
-                    reason="needs vLLM (its LoRARequest); runs where vLLM is installed")
+@needs_vllm("its LoRARequest")
 def test_vllm_lora_request_carries_the_adapter_id(fails_without_passes_with):
     assert "ok" in fails_without_passes_with(PATCH, VLLM_CHECK, expect_without="lora_int_id")
