@@ -32,6 +32,7 @@ __all__ = [
     "trainer_without_dataset",
     "has_public_prompt_cap",
     "has_engine_micro_batch_hook",
+    "has_save_hook",
 ]
 
 #: ``1``: a fallback onto a private name that a public API replaces raises (the series-applied test sets it).

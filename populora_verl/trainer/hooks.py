@@ -167,6 +167,7 @@ class HooksMixin:
 
     def on_save_checkpoint(self, checkpoint_dir: str) -> None:
         # verl's save calls it (0008) before marking the step saved; on verl 0.9.1 PopuLoRATrainer._save_checkpoint
+        # calls it before verl's save
         self._save_population(checkpoint_dir)
         self._saved_step = self.global_steps
 

@@ -199,7 +199,7 @@ class PopuLoRATrainer(GenerationMixin, TrainingMixin, HooksMixin, ProbesMixin, P
 
     def _init_populora_state(self) -> None:
         self._stop_save = False  # a stop file ended the run at this step: on_step_end saves it
-        self._saved_step = -1  # the last step whose checkpoint is complete
+        self._saved_step = -1  # the last step whose population went into a checkpoint (read once the save returned)
         self._timeline_done = self._timeline is None
         self._stop_path = stop.stop_file(self.config)
         if stop.read_request(self._stop_path) is not None:
@@ -261,15 +261,14 @@ class PopuLoRATrainer(GenerationMixin, TrainingMixin, HooksMixin, ProbesMixin, P
             return {}  # no validation set: evaluate members with populora_verl.eval
 
     # A verl with the trainer's checkpoint hooks calls on_save_checkpoint (HooksMixin) inside its own save, before the
-    # step is marked saved; verl 0.9.1 has no such hook, so there the save itself writes the population first.
+    # step is marked saved; verl 0.9.1 has no such hook, so there the save calls it first.
     if not verl_compat.has_save_hook():
 
         def _save_checkpoint(self) -> None:
             verl_compat.private_path("_save_checkpoint")
-            self._save_population(self._step_folder())
+            self.on_save_checkpoint(self._step_folder())
             # verl's save writes latest_checkpointed_iteration.txt last, so a crash above never points at a half save.
             super()._save_checkpoint()
-            self._saved_step = self.global_steps
 
     def _get_required_batch_multiple(self, dp_size: int) -> int:
         # One PPO mini-batch is a slot's whole sub-batch (AZR-style), so only the DP split needs divisibility.

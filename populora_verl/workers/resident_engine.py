@@ -329,9 +329,9 @@ class ResidentEngineMixin:
             self._populora_metrics = {k: {} for k in rows}
             loss_function = functools.partial(per_slot_loss, loss_function, tokens, rows, self._record_slot_metrics)
         try:
-            if verl_compat.has_engine_micro_batch_hook():  # verl splits through prepare_micro_batches below
-                return super().forward_backward_batch(data, loss_function, forward_only=forward_only)
-            with _slot_micro_batching(_slot_micro_batching_on()):
+            # where verl has the hook, it splits through prepare_micro_batches below: nothing to rebind
+            rebind = _slot_micro_batching_on() and not verl_compat.has_engine_micro_batch_hook()
+            with _slot_micro_batching(rebind):
                 return super().forward_backward_batch(data, loss_function, forward_only=forward_only)
         finally:
             set_routing(None)
