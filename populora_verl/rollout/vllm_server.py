@@ -27,6 +27,7 @@ from verl.workers.rollout.vllm_rollout.vllm_async_server import vLLMHttpServer, 
 from vllm.lora.request import LoRARequest
 
 from populora_verl import verl_compat
+from populora_verl.rollout.engine_ports import export_engine_port
 from populora_verl.rollout.routing import PopuLoRAServerMixin
 from populora_verl.rollout.weight_sync import export_unique_job_id
 
@@ -49,6 +50,9 @@ class PopuLoRAvLLMHttpServer(PopuLoRAServerMixin, vLLMHttpServer):
         if not verl_compat.has_weight_sync_job_id():
             verl_compat.private_path("populora_verl.rollout.weight_sync")
             export_unique_job_id()
+        # Replicas start their engines at the same moment; without a port range each, two can be handed the same
+        # rendezvous port and one dies with EADDRINUSE (rollout.engine_ports).
+        export_engine_port(self.replica_rank, ray.get_runtime_context().get_node_id())
         if self._disaggregation_role != "null":
             raise ValueError("populora_vllm does not support prefill/decode disaggregation")
         if not self.lora_as_adapter:
