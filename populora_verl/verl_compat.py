@@ -33,6 +33,7 @@ __all__ = [
     "has_public_prompt_cap",
     "has_engine_micro_batch_hook",
     "has_save_hook",
+    "has_public_save",
 ]
 
 #: ``1``: a fallback onto a private name that a public API replaces raises (the series-applied test sets it).
@@ -118,6 +119,12 @@ def has_save_hook() -> bool:
     """0008: ``PPOTrainer.on_save_checkpoint``, a trainer's own state written inside verl's save, before the step is
     marked saved."""
     return _has("verl.trainer.ppo.v1.trainer_base", "PPOTrainer", "on_save_checkpoint")
+
+
+@functools.cache
+def has_public_save() -> bool:
+    """0015: ``PPOTrainer.save_checkpoint``, a save of the current step outside verl's periodic schedule."""
+    return _has("verl.trainer.ppo.v1.trainer_base", "PPOTrainer", "save_checkpoint")
 
 
 @functools.cache

@@ -173,12 +173,14 @@ PRIVATE: tuple[PrivateName, ...] = (
         "_save_checkpoint",
         TRAINER,
         (("override", "populora_verl.trainer.trainer"), ("use", "populora_verl.trainer.hooks")),
-        "overridden only where verl lacks PPOTrainer.on_save_checkpoint (0008): the population, step state and "
-        "bank are written before verl's own save (evolution runs at the end of step, so fit's save after it holds "
-        "the evolved population). Still called with the series: on_step_end saves the step at which a stop file "
-        "ends the run, which verl decided not to save before the step ran (verl has no public save)",
-        "0008-trainer-pre-save-hook.patch",
+        "overridden only where verl lacks PPOTrainer.on_save_checkpoint (0008 removes the override): the "
+        "population, step state and bank are written before verl's own save (evolution runs at the end of step, so "
+        "fit's save after it holds the evolved population). Called by on_step_end where verl lacks "
+        "PPOTrainer.save_checkpoint (0015 removes the call), to save the step at which a stop file ends the run, "
+        "which verl decided not to save before the step ran",
+        "0015-trainer-public-save.patch",
         "self",
+        "PPOTrainer.on_save_checkpoint (the override) and PPOTrainer.save_checkpoint (the stop file's save)",
     ),
     PrivateName(
         "_load_checkpoint",

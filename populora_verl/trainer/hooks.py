@@ -12,6 +12,7 @@ import torch
 import transfer_queue as tq
 from omegaconf import open_dict
 
+from populora_verl import verl_compat
 from populora_verl.evolution.pbt import trim_events
 from populora_verl.step.engine import Phase, evolve, seed_buffers, seed_file
 from populora_verl.step.records import SEED, GenRequest, GenResponse
@@ -141,7 +142,11 @@ class HooksMixin:
         self._timeline_done = True
         if self._stop_save and self._saved_step != self.global_steps:
             with timed("save_checkpoint", self.timing_raw, color="green"):
-                self._save_checkpoint()
+                if verl_compat.has_public_save():
+                    self.save_checkpoint()
+                else:
+                    verl_compat.private_path("_save_checkpoint")
+                    self._save_checkpoint()
         self._stop_save = False
         if self._saved_step == self.global_steps:
             self._after_save()
