@@ -34,6 +34,7 @@ __all__ = [
     "has_engine_micro_batch_hook",
     "has_save_hook",
     "has_public_save",
+    "has_reward_class_setup",
 ]
 
 #: ``1``: a fallback onto a private name that a public API replaces raises (the series-applied test sets it).
@@ -165,3 +166,10 @@ def has_engine_micro_batch_hook() -> bool:
     """0014: ``FSDPEngine.prepare_micro_batches``, the FSDP engine's micro-batch split as a method that an engine
     subclass overrides (imports verl's FSDP engine module: only where it is loaded anyway)."""
     return _has("verl.workers.engine.fsdp.transformer_impl", "FSDPEngine", "prepare_micro_batches")
+
+
+@functools.cache
+def has_reward_class_setup() -> bool:
+    """0016: ``RewardManagerBase.setup_class`` / ``reset_class``, a reward manager's one-time class setup without the
+    private ``_class_initialized`` flag."""
+    return _has("verl.experimental.reward_loop.reward_manager.base", "RewardManagerBase", "setup_class")

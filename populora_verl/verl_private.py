@@ -294,7 +294,10 @@ PRIVATE: tuple[PrivateName, ...] = (
         "_class_initialized",
         "experimental/reward_loop/reward_manager/base.py:RewardManagerBase",
         (("use", "populora_verl.reward.manager"),),
-        "verl's own pattern for init_class (its managers do the same); reset_class clears it for tests",
+        "verl's own pattern for init_class (its managers do the same); reset_class clears it for tests; used only "
+        "where verl lacks RewardManagerBase.setup_class",
+        "0016-reward-manager-class-setup.patch",
+        series_api="RewardManagerBase.setup_class, reset_class",
     ),
 )
 

@@ -36,6 +36,7 @@ from typing import Any, Mapping
 from verl import DataProto
 from verl.experimental.reward_loop.reward_manager.base import RewardManagerBase
 
+from populora_verl import verl_compat
 from populora_verl.config import TASK_TYPES, PopuLoRAConfig, load_config
 from populora_verl.reward.levels import teacher_reward
 from populora_verl.tasks.task import Task
@@ -117,12 +118,27 @@ class PopuLoRACodeRewardManager(RewardManagerBase):
         super().__init__(config, tokenizer, compute_score)
 
     @classmethod
-    def init_class(cls, config, tokenizer) -> None:
-        if cls._class_initialized:
-            return
+    def _setup(cls, config) -> None:
         cls.cfg = load_config(_populora_section(config))
         cls.executor = None  # started on first use (_get_executor): deferred-only workers never need one
-        cls._class_initialized = True
+
+    # A verl with RewardManagerBase.setup_class runs it once per class; verl 0.9.1 leaves the once-only guard on its
+    # private flag to each manager's init_class.
+    if verl_compat.has_reward_class_setup():
+
+        @classmethod
+        def setup_class(cls, config, tokenizer) -> None:
+            cls._setup(config)
+
+    else:
+
+        @classmethod
+        def init_class(cls, config, tokenizer) -> None:
+            verl_compat.private_path("_class_initialized")
+            if cls._class_initialized:
+                return
+            cls._setup(config)
+            cls._class_initialized = True
 
     @classmethod
     def _get_executor(cls) -> Any:
@@ -148,7 +164,12 @@ class PopuLoRACodeRewardManager(RewardManagerBase):
         close = getattr(cls.executor, "close", None)
         if callable(close):
             close()
-        cls.cfg, cls.executor, cls._class_initialized = None, None, False
+        cls.cfg, cls.executor = None, None
+        if verl_compat.has_reward_class_setup():
+            super().reset_class()
+        else:
+            verl_compat.private_path("_class_initialized")
+            cls._class_initialized = False
 
     # --- scoring -------------------------------------------------------------------------------------
     def _decode(self, item) -> str:
