@@ -35,6 +35,7 @@ __all__ = [
     "has_save_hook",
     "has_public_save",
     "has_reward_class_setup",
+    "has_engine_port_blocks",
 ]
 
 #: ``1``: a fallback onto a private name that a public API replaces raises (the series-applied test sets it).
@@ -152,6 +153,13 @@ def has_chunked_logprobs() -> bool:
 def has_weight_sync_job_id() -> bool:
     """0005: both ends of verl's weight-sync socket are named with a host-unique job id."""
     return _has("verl.workers.rollout.utils", "get_weight_sync_job_id")
+
+
+@functools.cache
+def has_engine_port_blocks() -> bool:
+    """0017: verl's vLLM server gives each replica's engine a ``VLLM_PORT`` block of its own (``get_port_block_start``),
+    so engines starting together on one node do not race for a port."""
+    return _has("verl.utils.net_utils", "get_port_block_start")
 
 
 @functools.cache

@@ -340,6 +340,15 @@ RUNTIME_PATCHES: tuple[RuntimePatch, ...] = (
         series_api="get_weight_sync_job_id (verl's own ServerAdapter is registered)",
     ),
     RuntimePatch(
+        "populora_verl.rollout.engine_ports",
+        "the VLLM_PORT environment variable of the vLLM server (without vLLM's own data parallelism)",
+        "vLLM picks its engine's rendezvous port by binding and closing a throwaway socket, so the engines of "
+        "replicas starting together on one node could be handed the same port and fail with EADDRINUSE; each "
+        "replica's engine searches from a block of its own (the user's VLLM_PORT stays the base)",
+        "0017-vllm-engine-port-per-replica.patch",
+        series_api="get_port_block_start (verl's server sets each replica's VLLM_PORT)",
+    ),
+    RuntimePatch(
         "populora_verl.trainer.trainer",
         "PPOTrainer.trainer_mode (reset to 'sync' after __init__)",
         "verl treats every trainer_mode other than 'sync' as async (async replay buffer, TransferQueue "

@@ -53,7 +53,9 @@ class PopuLoRAvLLMHttpServer(PopuLoRAServerMixin, vLLMHttpServer):
         # Replicas start their engines at the same moment; without a port range each, two can be handed the same
         # rendezvous port and one dies with EADDRINUSE (rollout.engine_ports). Not with vLLM's own data parallelism:
         # there verl reserves the ports, and vLLM releases that draw a list of ports loop forever under VLLM_PORT.
-        if self.config.data_parallel_size == 1:
+        # A verl with get_port_block_start set this replica's VLLM_PORT in its own __init__ already.
+        if self.config.data_parallel_size == 1 and not verl_compat.has_engine_port_blocks():
+            verl_compat.private_path("populora_verl.rollout.engine_ports")
             export_engine_port(self.replica_rank, ray.get_runtime_context().get_node_id())
         if self._disaggregation_role != "null":
             raise ValueError("populora_vllm does not support prefill/decode disaggregation")

@@ -82,6 +82,7 @@ def test_every_runtime_patch_module_applies_one():
         "populora_verl.rollout.agent_loop": ("self.server_manager = LoraInjectingClient(",),
         "populora_verl.rollout.weight_sync": ("os.environ[JOB_ID_ENV] = ",),
         "populora_verl.rollout.server_adapter": ("self.zmq_handle = rewrite_zmq_handle(",),
+        "populora_verl.rollout.engine_ports": ("env[VLLM_PORT_ENV] = str(base)",),
         "populora_verl.trainer.trainer": ('self.trainer_mode = "sync"',),
         "populora_verl.workers.resident_engine": (
             "engine.__class__ = ",
