@@ -31,6 +31,7 @@ __all__ = [
     "poll_interval_from_config",
     "trainer_without_dataset",
     "has_public_prompt_cap",
+    "has_before_load_hook",
     "has_engine_micro_batch_hook",
     "has_save_hook",
     "has_public_save",
@@ -121,6 +122,12 @@ def has_save_hook() -> bool:
     """0008: ``PPOTrainer.on_save_checkpoint``, a trainer's own state written inside verl's save, before the step is
     marked saved."""
     return _has("verl.trainer.ppo.v1.trainer_base", "PPOTrainer", "on_save_checkpoint")
+
+
+@functools.cache
+def has_before_load_hook() -> bool:
+    """0021: ``PPOTrainer.before_load_checkpoint``, called before verl decides whether and from where to resume."""
+    return _has("verl.trainer.ppo.v1.trainer_base", "PPOTrainer", "before_load_checkpoint")
 
 
 @functools.cache

@@ -185,11 +185,13 @@ PRIVATE: tuple[PrivateName, ...] = (
     PrivateName(
         "_load_checkpoint",
         TRAINER,
-        (("override", "populora_verl.trainer.hooks"),),
-        "initialises the adapter bank, picks the newest checkpoint that passes its checks, then restores the "
-        "bank and population after verl's load",
-        "",
+        (("override", "populora_verl.trainer.trainer"),),
+        "overridden only where verl lacks PPOTrainer.before_load_checkpoint or on_load_checkpoint: builds the "
+        "adapter bank and picks the newest checkpoint that passes its checks before verl's load, then restores the "
+        "bank and population after it (0008 removes the second half, 0021 the first)",
+        "0021-trainer-before-load-hook.patch",
         "self",
+        "PPOTrainer.before_load_checkpoint and PPOTrainer.on_load_checkpoint",
     ),
     PrivateName(
         "_dispatch_info",

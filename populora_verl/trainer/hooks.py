@@ -222,7 +222,9 @@ class HooksMixin:
         ):
             print(f"[populora] removed old checkpoint {folder} (trainer.max_actor_ckpt_to_keep)", flush=True)
 
-    def _load_checkpoint(self) -> None:
+    def before_load_checkpoint(self) -> None:
+        """Before verl's resume (its hook, or the start of our ``_load_checkpoint`` on a verl without it): the adapter
+        bank is built, and the resume is pointed at the newest checkpoint that passes our checks."""
         self._mark("workers + vLLM")
         info = self._rpc(
             "populora_init_bank",
@@ -232,32 +234,41 @@ class HooksMixin:
             layout=self.pcfg.population.adapter_layout,
         )
         logger.info("populora: adapter bank initialised: %s", info)
-        ck = None
-        if self.config.trainer.resume_mode == "auto":
+        self._resume_ck = None
+        root = self.config.trainer.default_local_dir
+        root = root if os.path.isabs(root) else os.path.join(os.getcwd(), root)
+        mode = self.config.trainer.resume_mode
+        if mode == "auto":
             # Check the newest checkpoint before verl loads it; fall back to an older one if it is damaged.
             from populora_verl.trainer.resume import choose_resume_folder, tracked_folder
 
-            root = self.config.trainer.default_local_dir
-            root = root if os.path.isabs(root) else os.path.join(os.getcwd(), root)
-            folder, ck = choose_resume_folder(root)
+            folder, self._resume_ck = choose_resume_folder(root)
             if folder is not None and folder != tracked_folder(root):
                 with open_dict(self.config):
                     self.config.trainer.resume_mode = "resume_path"
                     self.config.trainer.resume_from_path = str(folder)
-        super()._load_checkpoint()
+        from verl.utils.checkpoint.checkpoint_manager import find_latest_ckpt_path
+
+        if mode == "disable" or (self.config.trainer.resume_mode == "auto" and find_latest_ckpt_path(root) is None):
+            # verl will start from step 0 (its own test, above) and call no load hook: evolution.jsonl starts empty
+            trim_events(self.config.trainer.default_local_dir, 0)
+
+    def on_load_checkpoint(self, checkpoint_dir: str) -> None:
+        """After verl's resume from ``checkpoint_dir`` (its hook, or our ``_load_checkpoint``): the population, step
+        state, RNG and adapter bank of that step."""
         # evolution.jsonl keeps what happened up to the step this run starts from (as metrics.jsonl does)
         trim_events(self.config.trainer.default_local_dir, self.global_steps)
-        if self.global_steps == 0:
-            return
         from populora_verl.checkpoint import load_checkpoint, restore_rng_state
 
-        pdir = os.path.join(self._step_folder(for_load=True), "populora")
+        pdir = os.path.join(checkpoint_dir, "populora")
         if not os.path.isdir(pdir):
             raise RuntimeError(
                 f"resuming step {self.global_steps} but {pdir} is missing: without the population and "
                 "adapter bank the run would silently restart from fresh adapters"
             )
+        ck = getattr(self, "_resume_ck", None)
         ck = ck if ck is not None else load_checkpoint(pdir)
+        self._resume_ck = None
         self.pop_step.load_state_dict(ck.step_state, population=ck.population)
         if ck.rng:
             restore_rng_state(ck.rng)

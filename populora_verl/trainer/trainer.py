@@ -270,6 +270,17 @@ class PopuLoRATrainer(GenerationMixin, TrainingMixin, HooksMixin, ProbesMixin, P
             # verl's save writes latest_checkpointed_iteration.txt last, so a crash above never points at a half save.
             super()._save_checkpoint()
 
+    # A verl with the hooks around its resume calls them itself; verl 0.9.1 has neither, so there the resume is
+    # wrapped: the bank and folder choice before verl's load, the population after it.
+    if not (verl_compat.has_before_load_hook() and verl_compat.has_save_hook()):
+
+        def _load_checkpoint(self) -> None:
+            verl_compat.private_path("_load_checkpoint")
+            self.before_load_checkpoint()
+            super()._load_checkpoint()  # with 0008's hook alone, verl calls on_load_checkpoint itself
+            if self.global_steps and not verl_compat.has_save_hook():
+                self.on_load_checkpoint(self._step_folder(for_load=True))
+
     def _get_required_batch_multiple(self, dp_size: int) -> int:
         # One PPO mini-batch is a slot's whole sub-batch (AZR-style), so only the DP split needs divisibility.
         return dp_size

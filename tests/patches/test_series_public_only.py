@@ -29,7 +29,7 @@ VERL_FACING = ("tests/trainer/test_trainer.py", "tests/rollout", "tests/project/
 FLAGS = ("has_register_rollout", "has_agent_loop_query", "trainer_declares_async", "worker_class_from_config",
          "has_chunked_logprobs", "has_weight_sync_job_id", "poll_interval_from_config", "trainer_without_dataset",
          "has_public_prompt_cap", "has_save_hook", "has_engine_micro_batch_hook", "has_public_save",
-         "has_reward_class_setup", "has_engine_port_blocks")
+         "has_reward_class_setup", "has_engine_port_blocks", "has_before_load_hook")
 
 
 def _public_only_env(root) -> dict[str, str]:
