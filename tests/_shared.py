@@ -113,6 +113,35 @@ atexit.register(shutil.rmtree, root, True)
 events = []
 """
 
+#: verl's trainer workers and dataloader replaced by recorders of what verl's save and resume do with them (the step
+#: folder each call names), for the checks that run verl's real ``_save_checkpoint`` / ``_load_checkpoint`` on CPU.
+TRAINER_RECORDERS = """
+
+class Workers:
+    def save_checkpoint(self, local_path, *args, **kwargs):
+        os.makedirs(local_path, exist_ok=True)
+        events.append(("actor saved", os.path.basename(os.path.dirname(local_path))))
+    def load_checkpoint(self, local_path, **kwargs):
+        events.append(("actor loaded", os.path.basename(os.path.dirname(local_path))))
+
+class Loader:
+    def state_dict(self):
+        return {}
+    def load_state_dict(self, state):
+        pass
+
+def recording_trainer(cls, mode):
+    # a cls (registered as mode) on verl's default config, saving under root, with the recorders
+    with initialize_config_dir(config_dir=os.path.join(os.path.dirname(verl.__file__), "trainer", "config"),
+                               version_base=None):
+        cfg = compose(config_name="ppo_trainer", overrides=[f"trainer.v1.trainer_mode={mode}",
+                                                           f"trainer.default_local_dir={root}"])
+    t = cls(cfg)
+    t.trainer_mode, t.is_async = "sync", False  # a sync trainer under its own name (patch 0007 or not)
+    t.actor_rollout_wg, t.train_dataloader, t.use_critic = Workers(), Loader(), False
+    return t
+"""
+
 
 def needs_vllm(what: str) -> pytest.MarkDecorator:
     """Skip a test that calls into vLLM itself (``what``: the part it uses) where vLLM is not installed."""

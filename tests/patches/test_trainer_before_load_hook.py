@@ -3,7 +3,7 @@ before verl's load and to point the resume at an older step when the newest fail
 
 from __future__ import annotations
 
-from _shared import TRAINER_SCRIPT_PRELUDE
+from _shared import TRAINER_RECORDERS, TRAINER_SCRIPT_PRELUDE
 
 PATCH = "0021-trainer-before-load-hook.patch"
 
@@ -12,18 +12,7 @@ PATCH = "0021-trainer-before-load-hook.patch"
 CHECK = TRAINER_SCRIPT_PRELUDE + """
 from omegaconf import open_dict
 
-class Workers:
-    def save_checkpoint(self, local_path, *args, **kwargs):
-        os.makedirs(local_path, exist_ok=True)
-    def load_checkpoint(self, local_path, **kwargs):
-        events.append(("actor loaded", os.path.basename(os.path.dirname(local_path))))
-
-class Loader:
-    def state_dict(self):
-        return {}
-    def load_state_dict(self, state):
-        pass
-
+""" + TRAINER_RECORDERS + """
 @register_trainer("picks_folder")
 class PicksFolder(PPOTrainerSync):
     older = None
@@ -34,13 +23,7 @@ class PicksFolder(PPOTrainerSync):
                 self.config.trainer.resume_mode = "resume_path"
                 self.config.trainer.resume_from_path = self.older
 
-with initialize_config_dir(config_dir=os.path.join(os.path.dirname(verl.__file__), "trainer", "config"),
-                           version_base=None):
-    cfg = compose(config_name="ppo_trainer", overrides=["trainer.v1.trainer_mode=picks_folder",
-                                                       f"trainer.default_local_dir={root}"])
-t = PicksFolder(cfg)
-t.trainer_mode, t.is_async = "sync", False  # a sync trainer under its own name (patch 0007 or not)
-t.actor_rollout_wg, t.train_dataloader, t.use_critic = Workers(), Loader(), False
+t = recording_trainer(PicksFolder, "picks_folder")
 t.global_steps = -1
 t._load_checkpoint()  # nothing saved yet: a fresh start, the hook still runs
 assert t.global_steps == 0, t.global_steps
@@ -51,7 +34,8 @@ t.older = os.path.join(root, "global_step_2")
 t.global_steps = -1
 t._load_checkpoint()
 print(events)
-assert events == [("before load", -1), ("before load", -1), ("actor loaded", "global_step_2")], events
+assert events == [("before load", -1), ("actor saved", "global_step_2"), ("actor saved", "global_step_4"),
+                  ("before load", -1), ("actor loaded", "global_step_2")], events
 assert t.global_steps == 2, t.global_steps
 """
 

@@ -3,26 +3,14 @@ and ``_load_checkpoint`` to write and read its adapter bank and population aroun
 
 from __future__ import annotations
 
-from _shared import TRAINER_SCRIPT_PRELUDE
+from _shared import TRAINER_RECORDERS, TRAINER_SCRIPT_PRELUDE
 
 PATCH = "0008-trainer-pre-save-hook.patch"
 
 # verl's own save and resume on CPU, with the workers and the dataloader replaced by recorders.
 CHECK = TRAINER_SCRIPT_PRELUDE + """
 
-class Workers:
-    def save_checkpoint(self, local_path, *args, **kwargs):
-        os.makedirs(local_path, exist_ok=True)
-        events.append(("actor saved", os.path.basename(os.path.dirname(local_path))))
-    def load_checkpoint(self, local_path, **kwargs):
-        events.append(("actor loaded", os.path.basename(os.path.dirname(local_path))))
-
-class Loader:
-    def state_dict(self):
-        return {}
-    def load_state_dict(self, state):
-        pass
-
+""" + TRAINER_RECORDERS + """
 @register_trainer("with_state")
 class WithState(PPOTrainerSync):
     def on_save_checkpoint(self, checkpoint_dir):
@@ -31,13 +19,8 @@ class WithState(PPOTrainerSync):
     def on_load_checkpoint(self, checkpoint_dir):
         events.append(("own state loaded", os.path.basename(checkpoint_dir)))
 
-with initialize_config_dir(config_dir=os.path.join(os.path.dirname(verl.__file__), "trainer", "config"),
-                           version_base=None):
-    cfg = compose(config_name="ppo_trainer", overrides=["trainer.v1.trainer_mode=with_state",
-                                                       f"trainer.default_local_dir={root}"])
-t = WithState(cfg)
-t.trainer_mode, t.is_async = "sync", False  # a sync trainer under its own name (patch 0007 or not)
-t.actor_rollout_wg, t.train_dataloader, t.use_critic, t.global_steps = Workers(), Loader(), False, 3
+t = recording_trainer(WithState, "with_state")
+t.global_steps = 3
 t._save_checkpoint()
 t.global_steps = 0
 t._load_checkpoint()
