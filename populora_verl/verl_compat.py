@@ -33,6 +33,7 @@ __all__ = [
     "has_public_prompt_cap",
     "has_engine_micro_batch_hook",
     "has_save_hook",
+    "has_public_step_stages",
 ]
 
 #: ``1``: a fallback onto a private name that a public API replaces raises (the series-applied test sets it).
@@ -158,3 +159,10 @@ def has_engine_micro_batch_hook() -> bool:
     """0014: ``FSDPEngine.prepare_micro_batches``, the FSDP engine's micro-batch split as a method that an engine
     subclass overrides (imports verl's FSDP engine module: only where it is loaded anyway)."""
     return _has("verl.workers.engine.fsdp.transformer_impl", "FSDPEngine", "prepare_micro_batches")
+
+
+@functools.cache
+def has_public_step_stages() -> bool:
+    """0018: ``PPOTrainer.balance_batch`` / ``compute_old_log_prob`` / ``update_actor`` and their hooks
+    ``get_required_batch_multiple`` and ``get_actor_update_extra_info``, the step's stages as public methods."""
+    return _has("verl.trainer.ppo.v1.trainer_base", "PPOTrainer", "get_actor_update_extra_info")
