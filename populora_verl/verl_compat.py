@@ -37,6 +37,7 @@ __all__ = [
     "has_public_save",
     "has_reward_class_setup",
     "has_engine_port_blocks",
+    "has_public_step_stages",
 ]
 
 #: ``1``: a fallback onto a private name that a public API replaces raises (the series-applied test sets it).
@@ -188,3 +189,10 @@ def has_reward_class_setup() -> bool:
     """0016: ``RewardManagerBase.setup_class`` / ``reset_class``, a reward manager's one-time class setup without the
     private ``_class_initialized`` flag."""
     return _has("verl.experimental.reward_loop.reward_manager.base", "RewardManagerBase", "setup_class")
+
+
+@functools.cache
+def has_public_step_stages() -> bool:
+    """0018: ``PPOTrainer.balance_batch`` / ``compute_old_log_prob`` / ``update_actor`` and their hooks
+    ``get_required_batch_multiple`` and ``get_actor_update_extra_info``, the step's stages as public methods."""
+    return _has("verl.trainer.ppo.v1.trainer_base", "PPOTrainer", "get_actor_update_extra_info")

@@ -125,9 +125,11 @@ PRIVATE: tuple[PrivateName, ...] = (
         "_get_required_batch_multiple",
         TRAINER,
         (("override", "populora_verl.trainer.trainer"),),
-        "one PPO mini-batch is a slot's whole batch, so only the data-parallel split needs divisibility",
-        "",
+        "one PPO mini-batch is a slot's whole batch, so only the data-parallel split needs divisibility; defined "
+        "only where verl lacks the public stages",
+        "0018-trainer-public-step-stages.patch",
         "self, dp_size: int",
+        "PPOTrainer.get_required_batch_multiple, overridden by the trainer",
     ),
     PrivateName(
         "_add_prompts_to_generate",
@@ -150,24 +152,29 @@ PRIVATE: tuple[PrivateName, ...] = (
         TRAINER,
         (("use", "populora_verl.trainer.training"),),
         "balances each slot's batch over the data-parallel ranks as verl would",
-        "",
+        "0018-trainer-public-step-stages.patch",
         "self, batch: KVBatchMeta, metrics, logging_prefix='global_seqlen', keep_minibatch=False",
+        "PPOTrainer.balance_batch",
     ),
     PrivateName(
         "_compute_old_log_prob",
         TRAINER,
         (("use", "populora_verl.trainer.training"),),
         "verl's old-log-prob pass (with its bypass mode), run on the slots' batch",
-        "",
+        "0018-trainer-public-step-stages.patch",
         "self, batch: KVBatchMeta, metrics: dict",
+        "PPOTrainer.compute_old_log_prob",
     ),
     PrivateName(
         "_update_actor",
         TRAINER,
-        (("override", "populora_verl.trainer.training"), ("use", "populora_verl.trainer.training")),
-        "one PPO mini-batch per slot: repeats verl's extra_info block with the slot's size as the mini-batch",
-        "",
+        (("override", "populora_verl.trainer.trainer"), ("use", "populora_verl.trainer.training")),
+        "one PPO mini-batch per slot: repeats verl's extra_info block with the slot's size as the mini-batch (the "
+        "fused update sends the same block); defined only where verl lacks the public stages",
+        "0018-trainer-public-step-stages.patch",
         "self, batch: KVBatchMeta, metrics: dict",
+        "PPOTrainer.update_actor, with get_actor_update_extra_info overridden (the slot's size as the mini-batch, "
+        "verl's other keys kept; the fused update sends the same)",
     ),
     PrivateName(
         "_save_checkpoint",

@@ -37,7 +37,7 @@ from verl.utils.debug import marked_timer
 
 from populora_verl import verl_compat
 from populora_verl.config import ConfigError, PopuLoRAConfig, load_config
-from populora_verl.trainer import TRAINER_NAME, convert, schedule, stop, timeline, verl_config
+from populora_verl.trainer import TRAINER_NAME, convert, schedule, stop, timeline, training, verl_config
 from populora_verl.trainer.generation import GenerationMixin, _Phase
 from populora_verl.trainer.hooks import HooksMixin
 from populora_verl.trainer.probes import ProbesMixin
@@ -281,9 +281,49 @@ class PopuLoRATrainer(GenerationMixin, TrainingMixin, HooksMixin, ProbesMixin, P
             if self.global_steps and not verl_compat.has_save_hook():
                 self.on_load_checkpoint(self._step_folder(for_load=True))
 
-    def _get_required_batch_multiple(self, dp_size: int) -> int:
-        # One PPO mini-batch is a slot's whole sub-batch (AZR-style), so only the DP split needs divisibility.
-        return dp_size
+    # A verl with the step's stages public (patches/0018) takes the update's mini-batch from a hook; verl 0.9.1 builds
+    # it inside _update_actor, so only there is the update replaced.
+    if verl_compat.has_public_step_stages():
+
+        def get_actor_update_extra_info(self, batch: KVBatchMeta) -> dict[str, Any]:
+            # One PPO mini-batch is a slot's whole batch (the fused worker replaces the sizes per slot).
+            info = super().get_actor_update_extra_info(batch)
+            info.update(global_batch_size=len(batch), mini_batch_size=len(batch))
+            return info
+
+        def get_required_batch_multiple(self, dp_size: int) -> int:
+            # One PPO mini-batch is a slot's whole sub-batch (AZR-style), so only the DP split needs divisibility.
+            return dp_size
+
+    else:
+        # verl 0.9.1 sizes the update's mini-batch from the config inside _update_actor, with no hook: its extra_info
+        # block is repeated here (under the hook's name, which the fused update calls) with the slot's size.
+
+        def get_actor_update_extra_info(self, batch: KVBatchMeta) -> dict[str, Any]:
+            actor = self.config.actor_rollout_ref.actor
+            return {
+                "calculate_entropy": bool(actor.calculate_entropy or actor.entropy_coeff != 0.0),
+                "distillation_use_topk": False,
+                "distillation_only": False,
+                "global_batch_size": len(batch),
+                "mini_batch_size": len(batch),
+                "epochs": actor.ppo_epochs,
+                "seed": actor.data_loader_seed,
+                "dataloader_kwargs": {"shuffle": actor.shuffle},
+                "temperature": self.config.actor_rollout_ref.rollout.temperature,
+            }
+
+        def _update_actor(self, batch: KVBatchMeta, metrics: dict) -> KVBatchMeta:
+            """verl's actor update with the slot's whole batch as one mini-batch (verl sizes it from the config)."""
+            verl_compat.private_path("_update_actor")
+            batch.extra_info.update(self.get_actor_update_extra_info(batch))
+            output = self.actor_rollout_wg.update_actor(batch)
+            metrics.update(training._actor_metrics(output["metrics"]))
+            return batch
+
+        def _get_required_batch_multiple(self, dp_size: int) -> int:
+            verl_compat.private_path("_get_required_batch_multiple")
+            return dp_size
 
     # --- worker RPCs -----------------------------------------------------------------------------------------
 

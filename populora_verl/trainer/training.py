@@ -12,6 +12,7 @@ import transfer_queue as tq
 from tensordict import TensorDict
 from transfer_queue import KVBatchMeta
 
+from populora_verl import verl_compat
 from populora_verl.trainer import convert
 from populora_verl.trainer.convert import PARTITION, SIGNAL_FIELDS, field_rows
 from populora_verl.trainer.timeline import timed
@@ -97,7 +98,17 @@ class TrainingMixin:
         sub = all_meta.select_keys(keys)
         sub.extra_info[ADAPTER_KEY] = slot
         with timed("populora_balance", timing_raw):
+            if verl_compat.has_public_step_stages():
+                return self.balance_batch(sub, metrics=m)
+            verl_compat.private_path("_balance_batch")
             return self._balance_batch(sub, metrics=m)
+
+    def _old_log_prob(self, batch: KVBatchMeta, metrics: dict) -> KVBatchMeta:
+        """verl's old-log-prob stage (with its bypass mode) on a slot's or the fused batch."""
+        if verl_compat.has_public_step_stages():
+            return self.compute_old_log_prob(batch, metrics=metrics)
+        verl_compat.private_path("_compute_old_log_prob")
+        return self._compute_old_log_prob(batch, metrics=metrics)
 
     def _train_per_adapter(self, parts, all_meta, signals, member_of, metrics, timing_raw):
         """One old-log-prob and one update call per adapter slot (``+trainer.populora_fused_rpc=false``)."""
@@ -108,9 +119,13 @@ class TrainingMixin:
             sub = self._balanced_sub(all_meta, slot, keys, m, timing_raw)
             self._write_signals(sub, signals)
             with timed("old_log_prob", timing_raw, color="blue"):
-                self._compute_old_log_prob(sub, metrics=m)
+                self._old_log_prob(sub, metrics=m)
             with timed("update_actor", timing_raw, color="red"):
-                self._update_actor(sub, metrics=m)
+                if verl_compat.has_public_step_stages():
+                    self.update_actor(sub, metrics=m)  # one mini-batch: the trainer's get_actor_update_extra_info
+                else:
+                    verl_compat.private_path("_update_actor")
+                    self._update_actor(sub, metrics=m)
             m["populora/samples"] = len(keys)
             per_adapter[member] = m
             metrics.update(convert.prefix_metrics(m, f"populora/{member}"))
@@ -140,7 +155,7 @@ class TrainingMixin:
         self._write_signals(batch, signals)
         with timed("old_log_prob", timing_raw, color="blue"):
             shared: dict[str, Any] = {}
-            self._compute_old_log_prob(batch, metrics=shared)
+            self._old_log_prob(batch, metrics=shared)
             # verl's entropy / rollout-vs-trainer metrics over the whole call; per adapter below when available.
             metrics.update(convert.prefix_metrics(shared, "populora/all"))
             self._per_slot_logprob_metrics(subs, member_of, per_adapter)
@@ -173,23 +188,9 @@ class TrainingMixin:
         except Exception as e:  # never fail a step over a diagnostic
             logger.warning("populora: per-adapter rollout/trainer log-prob metrics not computed: %s", e)
 
-    def _update_extra_info(self, n: int) -> dict[str, Any]:
-        actor = self.config.actor_rollout_ref.actor
-        return {
-            "calculate_entropy": bool(actor.calculate_entropy or actor.entropy_coeff != 0.0),
-            "distillation_use_topk": False,
-            "distillation_only": False,
-            "global_batch_size": n,
-            "mini_batch_size": n,
-            "epochs": actor.ppo_epochs,
-            "seed": actor.data_loader_seed,
-            "dataloader_kwargs": {"shuffle": actor.shuffle},
-            "temperature": self.config.actor_rollout_ref.rollout.temperature,
-        }
-
     def _update_actor_fused(self, batch: KVBatchMeta) -> dict[int, dict[str, Any]]:
         """One update call for every slot of ``batch`` (each slot one PPO mini-batch); reduced metrics per slot."""
-        batch.extra_info.update(self._update_extra_info(len(batch)))  # sizes are replaced per segment by the worker
+        batch.extra_info.update(self.get_actor_update_extra_info(batch))  # sizes are replaced per slot by the worker
         output = self.actor_rollout_wg.update_actor(batch)
         per_slot = (output["metrics"] or {}).get("populora_fused") if output is not None else None
         if not per_slot:
@@ -213,10 +214,3 @@ class TrainingMixin:
             {f: torch.nested.as_nested_tensor(v, layout=torch.jagged) for f, v in cols.items()}, batch_size=len(batch)
         )
         tq.kv_batch_put(keys=list(batch.keys), partition_id=PARTITION, fields=fields)
-
-    def _update_actor(self, batch: KVBatchMeta, metrics: dict) -> KVBatchMeta:
-        """verl's actor update with the slot's whole batch as one mini-batch (verl sizes it from the config)."""
-        batch.extra_info.update(self._update_extra_info(len(batch)))
-        output = self.actor_rollout_wg.update_actor(batch)
-        metrics.update(_actor_metrics(output["metrics"]))
-        return batch

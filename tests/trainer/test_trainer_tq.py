@@ -233,7 +233,7 @@ class _Workers:
             per_slot[str(slot)] = {"pg_loss": [0.5 + slot]}
         if "populora_segments" in batch.extra_info:
             return {"metrics": {"populora_fused": per_slot}}
-        return {"metrics": {"pg_loss": [0.5]}}
+        return {"metrics": {"pg_loss": [0.5], "mfu": [0.1]}}
 
 
 def _rows(t):
