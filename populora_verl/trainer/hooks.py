@@ -266,8 +266,7 @@ class HooksMixin:
                 f"resuming step {self.global_steps} but {pdir} is missing: without the population and "
                 "adapter bank the run would silently restart from fresh adapters"
             )
-        ck = getattr(self, "_resume_ck", None)
-        ck = ck if ck is not None else load_checkpoint(pdir)
+        ck = self._resume_ck if self._resume_ck is not None else load_checkpoint(pdir)
         self._resume_ck = None
         self.pop_step.load_state_dict(ck.step_state, population=ck.population)
         if ck.rng:

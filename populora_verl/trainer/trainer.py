@@ -200,6 +200,7 @@ class PopuLoRATrainer(GenerationMixin, TrainingMixin, HooksMixin, ProbesMixin, P
     def _init_populora_state(self) -> None:
         self._stop_save = False  # a stop file ended the run at this step: on_step_end saves it
         self._saved_step = -1  # the last step whose population went into a checkpoint (read once the save returned)
+        self._resume_ck = None  # the checkpoint before_load_checkpoint read while choosing the resume folder
         self._timeline_done = self._timeline is None
         self._stop_path = stop.stop_file(self.config)
         if stop.read_request(self._stop_path) is not None:
@@ -276,7 +277,8 @@ class PopuLoRATrainer(GenerationMixin, TrainingMixin, HooksMixin, ProbesMixin, P
 
         def _load_checkpoint(self) -> None:
             verl_compat.private_path("_load_checkpoint")
-            self.before_load_checkpoint()
+            if not verl_compat.has_before_load_hook():  # with 0021 alone, verl calls it itself
+                self.before_load_checkpoint()
             super()._load_checkpoint()  # with 0008's hook alone, verl calls on_load_checkpoint itself
             if self.global_steps and not verl_compat.has_save_hook():
                 self.on_load_checkpoint(self._step_folder(for_load=True))
