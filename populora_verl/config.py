@@ -88,10 +88,12 @@ class PopulationConfig:
     # shared_a: every founder starts from one lora_A draw (B = 0), so factor-space crossovers mix adapters that
     # share a gauge from the first event on, as PBT children do; independent: one lora_A draw per founder.
     founder_init: str = "shared_a"
-    # bank: one live adapter in the trainer, each slot swapped in for its own forward, backward, optimizer step and
-    # weight sync; resident: every slot lives in the model, one forward and backward per micro-batch train them all
-    # (docs/resident-adapters.md). Either reads the other's checkpoints.
-    adapter_layout: str = "bank"
+    # resident: every slot lives in the model, one forward and backward per micro-batch train them all, one weight
+    # transfer serves them (docs/resident-adapters.md); it needs packed rows. bank: one live adapter in the trainer,
+    # each slot swapped in for its own forward, backward, optimizer step and weight sync (padded rows too). Either
+    # reads the other's checkpoints. Resident is the default: on one GPU it was 0.85x the bank's 4T4S step and 0.81x
+    # its 8T8S step, the same for the single agent (BENCHMARKS.md section 5).
+    adapter_layout: str = "resident"
     _prefix: str = field(default=f"{ROOT}.population", repr=False, compare=False)
 
     def __post_init__(self) -> None:

@@ -187,7 +187,8 @@ def _validate_resident(config: Any) -> None:
     ]
     for key, value, ok, msg in checks:
         if not ok(value):
-            _bad(key, f"{msg}, got {value!r}")
+            # resident is the default layout, so the way out may be the other layout rather than this key
+            _bad(key, f"{msg}, got {value!r} (or set populora.population.adapter_layout=bank)")
 
 
 def _validate_overridden_keys(config: Any, pcfg: PopuLoRAConfig) -> None:

@@ -36,9 +36,11 @@ def test_what_resident_adapters_rely_on_fails_in_one_line(override, key):
         verl_config.validate_verl_config(cfg, load_config(cfg.populora))
     msg = str(e.value)
     assert msg.startswith(key + ":") and "\n" not in msg
+    assert msg.endswith("(or set populora.population.adapter_layout=bank)")
     # the bank layout does not depend on it (the optimizer offload and scheduler keys stay verl's business there)
     if key.endswith(("optimizer_offload", "lr_scheduler_type")):
-        bank = compose_recipe("qwen1.5b_1gpu_2t2s", ["actor_rollout_ref.model.path=/m", override])
+        bank = compose_recipe("qwen1.5b_1gpu_2t2s", ["actor_rollout_ref.model.path=/m", override,
+                                                     "populora.population.adapter_layout=bank"])
         verl_config.validate_verl_config(bank, load_config(bank.populora))
 
 
@@ -53,3 +55,13 @@ def test_the_layout_line_says_where_the_adapters_live():
         cfg = compose_recipe("qwen1.5b_1gpu_2t2s", ["actor_rollout_ref.model.path=/m",
                                                     f"populora.population.adapter_layout={layout}"])
         assert words in verl_config.parallel_layout(cfg, load_config(cfg.populora)).describe()
+
+
+def test_resident_is_the_default_and_the_padded_recipes_keep_the_bank():
+    assert load_config({}).population.adapter_layout == "resident"
+    for name, layout in (("4t4s", "resident"), ("qwen1.5b_1gpu_2t2s", "resident"), ("azr_single_agent", "resident"),
+                         ("smoke_0.5b", "bank"), ("qwen1.5b_4gpu_4t4s", "bank")):
+        cfg = compose_recipe(name, ["actor_rollout_ref.model.path=/m"])
+        pcfg = load_config(cfg.populora)
+        assert pcfg.population.adapter_layout == layout, name
+        verl_config.validate_verl_config(cfg, pcfg)  # each recipe as shipped passes its own layout's checks
