@@ -22,7 +22,10 @@ the background):
    ``<ROOT>/compare``. With ``--stop-at-step`` and a GPU per arm, each arm is instead evaluated on its own GPU as
    soon as it reaches that step (:class:`EarlyEval`, into ``<ROOT>/eval/<arm>``, summary ``eval/arms.md``).
 
-``--status`` prints where the run is (``<ROOT>/progress.json``, the last metrics of each arm).
+``--status`` prints where the run is (``<ROOT>/progress.json``, the last metrics of each arm). ``--check`` (with the
+arguments of a start) starts nothing: it composes every arm's trainer config, runs the start-up checks that need no
+GPU and prints each adapter's planned trained trajectories and response tokens per step, exiting 1 unless the arms
+are compute matched (docs/tasks-and-rewards.md); it runs on a CPU machine.
 """
 
 from __future__ import annotations
@@ -276,6 +279,125 @@ def arm_lora_slots(arm: str, overrides: Sequence[str]) -> tuple[int, int]:
     with initialize_config_dir(config_dir=str(RECIPES), version_base=None):
         cfg = compose(config_name=ARMS[parse_arm(arm)[0]], overrides=list(overrides))
     return load_config(cfg.populora).population.num_adapters, int(cfg.actor_rollout_ref.model.lora_rank)
+
+
+def arm_config(arm: str, model: str, root: Path, seed_file: str | None, extra: Sequence[str]) -> Any:
+    """The trainer config of an arm's command (:func:`arm_command`), composed by hydra as ``verl.trainer.main_ppo``
+    composes it: the arm's recipe, then the command's overrides; the hydra node (the start-up callback) kept."""
+    from hydra import compose, initialize_config_dir
+
+    cmd = arm_command(arm, model, root, seed_file, extra)
+    with initialize_config_dir(config_dir=str(RECIPES), version_base=None):
+        return compose(
+            config_name=ARMS[parse_arm(arm)[0]],
+            overrides=cmd[cmd.index("--config-name") + 2 :],
+            return_hydra_config=True,
+        )
+
+
+#: Trainer keys two compute-matched arms must share besides the trained trajectories (docs/tasks-and-rewards.md,
+#: "Compute matching": one update per adapter, one generation limit for every role and arm, the same LoRA and step).
+MATCHED_KEYS = (
+    "data.max_response_length",
+    "actor_rollout_ref.rollout.temperature",
+    "actor_rollout_ref.model.lora_rank",
+    "actor_rollout_ref.model.lora_alpha",
+    "actor_rollout_ref.actor.optim.lr",
+    "actor_rollout_ref.actor.ppo_epochs",
+    "populora.tasks.types",
+    "populora.rollout.student_n",
+)
+
+
+def check_arm(cfg: Any) -> tuple[Any, list[tuple[str, str]]]:
+    """The start-up checks an arm's trainer runs before Ray, on its composed config, without a GPU: the settings
+    the start-up callback applies, :func:`populora_verl.startup.preflight` (the ``populora`` section, the verl keys
+    the plugin relies on, the compute plan, the seed set, the model folder) and verl's own ``validate_config``.
+    Returns the compute plan the trainer logs against (``populora/compute/<id>/planned``: ``plan.of_role(role)``)
+    and (member id, role) of every founding member. Raises ConfigError naming the key."""
+    from omegaconf import OmegaConf
+    from verl.trainer.ppo.utils import need_critic, need_reference_policy
+    from verl.utils.config import validate_config
+
+    from populora_verl.config import load_config
+    from populora_verl.population.members import Population
+    from populora_verl.startup import preflight
+    from populora_verl.step.compute import check_compute_plan
+    from populora_verl.trainer.enable import apply_populora_settings
+
+    apply_populora_settings(cfg)  # what the start-up callback sets before verl reads the config (the recipes: none)
+    preflight(cfg, check_gpus=False)
+    task_cfg = OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"])
+    validate_config(task_cfg, use_reference_policy=need_reference_policy(task_cfg), use_critic=need_critic(task_cfg))
+    pcfg = load_config(cfg.populora)
+    return check_compute_plan(pcfg), [(m.id, m.role) for m in Population.create(pcfg).members]
+
+
+def check_arms(args: argparse.Namespace) -> int:
+    """``--check``: every arm's trainer config as its command composes it, through the start-up checks
+    (:func:`check_arm`); then each adapter's planned trained trajectories and response tokens per step, and whether
+    the arms are compute matched (the same member mean and :data:`MATCHED_KEYS`). Starts nothing; 0 when every arm
+    passes and all are matched, 1 otherwise."""
+    from omegaconf import OmegaConf
+
+    from populora_verl.config import ConfigError
+
+    root = Path(args.out).resolve()
+    own = arm_overrides(args.arm_override or [])
+    means: dict[str, float] = {}
+    shared: dict[str, dict[str, Any]] = {}
+    failed = []
+    for arm in parse_arms(args.arms):
+        folder, name = arm_dir(arm), parse_arm(arm)[0]
+        try:
+            cfg = arm_config(arm, args.model, root, args.seed_file, [*args.overrides, *own.get(name, [])])
+            plan, members = check_arm(cfg)
+        except ConfigError as e:  # the one line the trainer would stop with
+            print(f"{folder}: FAILED: {e}", flush=True)
+            failed.append(folder)
+            continue
+        except Exception as e:  # noqa: BLE001 - hydra's composition errors, verl's own checks: named, per arm
+            print(f"{folder}: FAILED: {type(e).__name__}: {e}", flush=True)
+            failed.append(folder)
+            continue
+        answer = int(cfg.data.max_response_length)
+        means[folder] = sum(plan.of_role(role) for _, role in members) / len(members)
+        shared[folder] = {
+            k: OmegaConf.to_container(v) if OmegaConf.is_config(v) else v
+            for k in MATCHED_KEYS
+            for v in [OmegaConf.select(cfg, k)]
+        }
+        print(
+            f"{folder} ({ARMS[name]}, {cfg.populora.population.adapter_layout} adapters): start-up checks passed; "
+            "planned per step:",
+            flush=True,
+        )
+        for member, role in members:
+            n = plan.of_role(role)
+            both = f" ({plan.teacher:g} proposals + {plan.student:g} solver answers)" if role == "both" else ""
+            print(
+                f"  {member:<4} {role:<8} {n:>5g} trained trajectories, at most {n * answer:>7,.0f} response "
+                f"tokens{both}"
+            )
+        mean = means[folder]
+        print(f"  {'mean':<13} {mean:>5g} trained trajectories, at most {mean * answer:>7,.0f} response tokens")
+    if failed:
+        print(f"start-up checks failed: {', '.join(failed)}")
+        return 1
+    off = sorted({k for k in MATCHED_KEYS if len({repr(s[k]) for s in shared.values()}) > 1})
+    if len(set(means.values())) > 1 or off:
+        got = "; ".join(f"{f} {m:g}" for f, m in means.items())
+        differ = "; ".join(f"{k}: " + ", ".join(f"{f} {s[k]}" for f, s in shared.items()) for k in off)
+        print(f"NOT compute matched: member mean trained trajectories per step {got}" + (f"; {differ}" if off else ""))
+        return 1
+    first = next(iter(shared.values()))
+    mean = next(iter(means.values()))
+    print(
+        f"compute matched: every arm's member mean is {mean:g} trained trajectories (at most "
+        f"{mean * first['data.max_response_length']:,.0f} response tokens) per adapter and step; "
+        + ", ".join(f"{k.rsplit('.', 1)[-1]} {first[k]}" for k in MATCHED_KEYS)
+    )
+    return 0
 
 
 def median_step_s(run: Path) -> float | None:
@@ -876,6 +998,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         "before the arm is expected at its stop step (from its median step time), beside its "
         "trainer; 0: start it after the arm ends",
     )
+    ap.add_argument(
+        "--check",
+        action="store_true",
+        help="start nothing: compose every arm's trainer config as its command would, run the start-up checks "
+        "that need no GPU, print each adapter's planned trained trajectories and response tokens per step, "
+        "and exit 1 unless the arms are compute matched",
+    )
     ap.add_argument("overrides", nargs="*", help="hydra overrides for every arm")
     args = ap.parse_args(argv)
     if args.status:
@@ -883,6 +1012,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if not args.model:
         ap.error("--model is required to start a run")
+    if args.check:
+        try:
+            return check_arms(args)
+        except ValueError as e:  # a malformed --arms or --arm-override
+            raise SystemExit(f"learning_run: {e}") from None
     if args.stop_after_min <= 0:
         ap.error("--stop-after-min must be > 0")
     if args.hang_after_s < 0:

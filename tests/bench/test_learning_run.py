@@ -435,3 +435,92 @@ def test_overdue_waits_for_the_first_step_and_scales_with_the_step_time(tmp_path
     finally:
         child.kill()
         child.wait()
+
+
+V4_BUDGET = ["--arm-override", "2t2s:populora.rollout.proposals_per_type=4",
+             "--arm-override", "4t4s:populora.rollout.proposals_per_type=4",
+             "--arm-override", "single:populora.rollout.proposals_per_type=5", "populora.rollout.student_n=4"]
+RUN_A_SEEDS = lr.RECIPES.parents[1] / "docs" / "results" / "2026-11-26-qwen1.5b" / "run-a-1024" / "seed_tasks.jsonl"
+
+
+def _model_dir(tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text('{"model_type": "qwen2"}')  # all the start-up check reads of a model folder
+    return model
+
+
+def test_check_composes_each_arm_runs_its_start_up_checks_and_prints_every_adapter_s_plan(tmp_path, capsys):
+    """--check starts nothing: each arm's config as its command composes it passes the trainer's start-up checks
+    (no GPU), and every founding member's planned trajectories and tokens per step are printed; at v4's per-adapter
+    budget 2T2S, 4T4S and the single agent are compute matched (member mean 30)."""
+    pytest.importorskip("hydra")
+    pytest.importorskip("verl")
+    base = ["--out", str(tmp_path / "learn"), "--model", str(_model_dir(tmp_path)), "--seed-file", str(RUN_A_SEEDS),
+            "--check"]
+    assert lr.main([*base, "--arms", "single@1,2t2s@1,4t4s@1", *V4_BUDGET]) == 0
+    out = capsys.readouterr().out
+    assert not list((tmp_path / "learn").glob("*/train.log"))  # nothing was started
+    assert "a0   both        30 trained trajectories, at most  30,720 response tokens (15 proposals + 15 solver" in out
+    four = out.split("4t4s-seed1 (qwen1.5b_1gpu_4t4s")[1]
+    for i in range(4):
+        assert f"t{i}   teacher     12 trained trajectories, at most  12,288 response tokens" in four
+        assert f"s{i}   student     48 trained trajectories, at most  49,152 response tokens" in four
+    assert "s4 " not in four and out.count("mean             30 trained trajectories") == 3
+    assert "compute matched: every arm's member mean is 30 trained trajectories (at most 30,720" in out
+    assert "max_response_length 1024" in out and "student_n 4" in out
+
+    # the single agent at 4 proposals per type trains 24 a step: not matched, and said so
+    assert lr.main([*base, "--arms", "single@1,2t2s@1", *V4_BUDGET[:2], V4_BUDGET[-1],
+                    "--arm-override", "single:populora.rollout.proposals_per_type=4"]) == 1
+    assert "NOT compute matched: member mean trained trajectories per step single-seed1 24; 2t2s-seed1 30" in (
+        capsys.readouterr().out)
+    # a config the trainer would refuse at start-up fails here, naming the key, and the others are still checked
+    assert lr.main([*base, "--arms", "2t2s@1,single@1", "--arm-override", "2t2s:populora.population.num_students=3",
+                    *V4_BUDGET]) == 1
+    out = capsys.readouterr().out
+    assert "2t2s-seed1: FAILED: populora.population.num_students: 2 teacher(s) x 1 student(s)" in out
+    assert "single-seed1 (qwen1.5b_1gpu_single" in out and "start-up checks failed: 2t2s-seed1" in out
+
+
+def test_v5_launcher_runs_two_seeds_of_each_arm_per_node_at_the_v4_budget(tmp_path):
+    """scripts/gpu/learning_run_v5.sh: 1 -> seeds 1 and 2, 2 -> seeds 3 and 4, the single agents on GPUs 0-1 and
+    the population on 2-3, stopping at step 40; its check mode composes and checks all four arms on a CPU."""
+    pytest.importorskip("hydra")
+    pytest.importorskip("verl")
+    repo = lr.RECIPES.parents[1]
+    env = dict(os.environ, PYTHON=sys.executable, MODEL=str(_model_dir(tmp_path)), LEARN_OUT=str(tmp_path / "learn"),
+               PYTHONPATH=os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")]))
+    script = repo / "scripts" / "gpu" / "learning_run_v5.sh"
+    done = subprocess.run(["bash", str(script), "2", "check"], cwd=repo, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    heads = re.findall(r"^(\S+) \(qwen1\.5b_1gpu_\w+, resident adapters\): start-up checks passed", done.stdout, re.M)
+    assert heads == ["single-seed3", "single-seed4", "2t2s-seed3", "2t2s-seed4"]
+    assert "compute matched: every arm's member mean is 30 trained trajectories" in done.stdout
+    assert (tmp_path / "learn" / "seed_tasks.jsonl").read_bytes() == RUN_A_SEEDS.read_bytes()  # v3's and v4's seeds
+    for bad in (["3"], ["1", "go"]):
+        assert subprocess.run(["bash", str(script), *bad], cwd=repo, env=env, capture_output=True).returncode == 2
+    bad_pop = subprocess.run(["bash", str(script), "1", "check"], cwd=repo, env={**env, "POP": "8t8s"},
+                             capture_output=True, text=True)
+    assert bad_pop.returncode == 2 and "POP must be 2t2s or 4t4s" in bad_pop.stderr
+    # start mode: what learning_run.sh start is handed (a stand-in that prints its arguments, in a copy of the tree)
+    tree = tmp_path / "tree"
+    (tree / "scripts" / "gpu").mkdir(parents=True)
+    for name in ("learning_run_v5.sh", "learning_run_4gpu.sh"):
+        (tree / "scripts" / "gpu" / name).write_text((repo / "scripts" / "gpu" / name).read_text())
+    (tree / "scripts" / "gpu" / "learning_run.sh").write_text('echo "$@"\n')
+    started = subprocess.run(["bash", "scripts/gpu/learning_run_v5.sh", "1"], cwd=tree, capture_output=True,
+                             text=True, env={**env, "SEEDS": str(RUN_A_SEEDS)})
+    assert started.returncode == 0, started.stderr
+    args = started.stdout.split()
+    assert args[0] == "start" and args[args.index("--arms") + 1] == "single@1,single@2,2t2s@1,2t2s@2"
+    assert args[args.index("--gpus") + 1] == "0,1,2,3" and args[args.index("--stop-at-step") + 1] == "40"
+    assert args[args.index("--stop-after-min") + 1] == "23" and args[args.index("--seed-file") + 1].endswith(
+        "learn/seed_tasks.jsonl")
+    assert {"2t2s:populora.rollout.proposals_per_type=4", "single:populora.rollout.proposals_per_type=5",
+            "populora.rollout.student_n=4", "trainer.save_freq=20"} <= set(args)
+    four = subprocess.run(["bash", "scripts/gpu/learning_run_v5.sh", "2"], cwd=tree, capture_output=True, text=True,
+                          env={**env, "SEEDS": str(RUN_A_SEEDS), "POP": "4t4s", "MINUTES": "33"}).stdout.split()
+    assert four[four.index("--arms") + 1] == "single@3,single@4,4t4s@3,4t4s@4"
+    assert four[four.index("--stop-after-min") + 1] == "33" and "4t4s:populora.rollout.proposals_per_type=4" in four
