@@ -38,6 +38,7 @@ __all__ = [
     "has_reward_class_setup",
     "has_engine_port_blocks",
     "has_public_step_stages",
+    "has_public_dispatch_info",
 ]
 
 #: ``1``: a fallback onto a private name that a public API replaces raises (the series-applied test sets it).
@@ -196,3 +197,10 @@ def has_public_step_stages() -> bool:
     """0018: ``PPOTrainer.balance_batch`` / ``compute_old_log_prob`` / ``update_actor`` and their hooks
     ``get_required_batch_multiple`` and ``get_actor_update_extra_info``, the step's stages as public methods."""
     return _has("verl.trainer.ppo.v1.trainer_base", "PPOTrainer", "get_actor_update_extra_info")
+
+
+@functools.cache
+def has_public_dispatch_info() -> bool:
+    """0019: ``WorkerGroup.dispatch_info(mesh_name)``, a mesh's data-parallel ranks queried once and kept (the same
+    answer verl's dispatch splits a batch by)."""
+    return _has("verl.single_controller.base.worker_group", "WorkerGroup", "dispatch_info")

@@ -205,14 +205,17 @@ PRIVATE: tuple[PrivateName, ...] = (
         "single_controller/base/worker_group.py:WorkerGroup",
         (("use", "populora_verl.trainer.training"),),
         "the actor mesh's data-parallel size, to lay out the fused update's rows as verl's dispatch splits them",
+        "0019-worker-group-public-dispatch-info.patch",
+        series_api="WorkerGroup.dispatch_info",
     ),
     PrivateName(
         "_query_dispatch_info",
         "single_controller/base/worker.py:Worker",
         (("use", "populora_verl.trainer.training"),),
         "fills _dispatch_info when no dispatch has run yet (called on the worker group)",
-        "",
+        "0019-worker-group-public-dispatch-info.patch",
         "self, mesh_name: str",
+        "WorkerGroup.dispatch_info (which queries the workers once)",
     ),
     # --- rollout: registries ------------------------------------------------------------------------------------
     PrivateName(

@@ -22,7 +22,7 @@ from _shared import REPO
 #: replay buffer and its poll interval, worker class, no dataset), the rollout and agent-loop registrations, the
 #: agent loop's prompt cap, the plugin's start-up checks, the weight-sync socket, the log-prob fallback, the
 #: resident engine's micro-batches, the reward manager's class setup, and the step's stages (balancing, old
-#: log-probs, the per-slot update) run against TransferQueue.
+#: log-probs, the per-slot and the fused update with the actor mesh's data-parallel size) run against TransferQueue.
 VERL_FACING = ("tests/trainer/test_trainer.py", "tests/rollout", "tests/project/test_plugin.py",
                "tests/workers/test_logprobs.py", "tests/workers/test_resident_verl_engine.py",
                "tests/reward/test_reward_manager.py", "tests/trainer/test_trainer_tq.py")
@@ -30,7 +30,8 @@ VERL_FACING = ("tests/trainer/test_trainer.py", "tests/rollout", "tests/project/
 FLAGS = ("has_register_rollout", "has_agent_loop_query", "trainer_declares_async", "worker_class_from_config",
          "has_chunked_logprobs", "has_weight_sync_job_id", "poll_interval_from_config", "trainer_without_dataset",
          "has_public_prompt_cap", "has_save_hook", "has_engine_micro_batch_hook", "has_public_save",
-         "has_reward_class_setup", "has_engine_port_blocks", "has_before_load_hook", "has_public_step_stages")
+         "has_reward_class_setup", "has_engine_port_blocks", "has_before_load_hook", "has_public_step_stages",
+         "has_public_dispatch_info")
 
 
 def _public_only_env(root) -> dict[str, str]:

@@ -186,6 +186,9 @@ class _Workers:
         self.updates: list[dict] = []
         self.calls = {"compute_log_prob": 0, "update_actor": 0}
 
+    def dispatch_info(self, mesh_name):  # a verl with WorkerGroup.dispatch_info (patches/0019) asks this
+        return self._dispatch_info[mesh_name]
+
     def populora_bank_info(self):
         return [{"num_slots": 4, "slots": [{"slot": s, "lora_int_id": 1000 + s, "lora_name": f"{s}@v0"}
                                            for s in range(4)]}] + [None] * (DP - 1)
