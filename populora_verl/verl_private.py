@@ -134,18 +134,22 @@ PRIVATE: tuple[PrivateName, ...] = (
     PrivateName(
         "_add_prompts_to_generate",
         TRAINER,
-        (("override", "populora_verl.trainer.generation"),),
-        "verl's refill hook resubmits the phase's evicted groups instead of reading a dataloader",
-        "",
+        (("override", "populora_verl.trainer.trainer"),),
+        "verl's refill hook (the replay buffer's refill_fn) resubmits the phase's evicted groups instead of reading "
+        "a dataloader; defined only where verl lacks the public hook, and forwards to the trainer's "
+        "add_prompts_to_generate",
+        "0020-trainer-public-prompt-submission.patch",
         "self, num_prompts: int",
+        "PPOTrainer.add_prompts_to_generate, overridden by the trainer",
     ),
     PrivateName(
         "_submit_batch_to_rollout",
         TRAINER,
         (("use", "populora_verl.trainer.generation"),),
         "puts each phase's prompt rows into TransferQueue the way verl's loop does",
-        "",
+        "0020-trainer-public-prompt-submission.patch",
         "self, batch: TensorDict",
+        "PPOTrainer.submit_batch_to_rollout",
     ),
     PrivateName(
         "_balance_batch",

@@ -1,11 +1,12 @@
 """The verl trainer's TransferQueue plumbing on a real local Ray cluster (no GPU, no vLLM).
 
 ``PopuLoRATrainer.step`` runs for real against a real TransferQueue (SimpleStorage, one storage unit): prompts go in
-through verl's ``_submit_batch_to_rollout``, a stand-in agent loop writes trajectories exactly as verl's
-``AgentLoopWorkerTQ._agent_loop_postprocess`` does (keys ``{uid}_{session}_0``), verl's sync ``ReplayBuffer`` samples
-them, the trainer decodes them, balances each adapter's sub-batch (verl pads it to the DP size in TQ), writes
-rm_scores / advantages / returns into TQ and hands each slot's batch to the (fake) actor workers. Only the pieces that
-need GPUs are stand-ins: the population logic (``pop_step``), the agent loop's generation and the actor workers.
+through verl's ``submit_batch_to_rollout`` (``_submit_batch_to_rollout`` on verl 0.9.1), a stand-in agent loop writes
+trajectories exactly as verl's ``AgentLoopWorkerTQ._agent_loop_postprocess`` does (keys ``{uid}_{session}_0``),
+verl's sync ``ReplayBuffer`` samples them, the trainer decodes them, balances each adapter's sub-batch (verl pads it
+to the DP size in TQ), writes rm_scores / advantages / returns into TQ and hands each slot's batch to the (fake) actor
+workers. Only the pieces that need GPUs are stand-ins: the population logic (``pop_step``), the agent loop's
+generation and the actor workers.
 """
 
 from __future__ import annotations
