@@ -38,6 +38,8 @@ __all__ = [
     "has_reward_class_setup",
     "has_engine_port_blocks",
     "has_public_step_stages",
+    "has_public_dispatch_info",
+    "has_public_prompt_submission",
 ]
 
 #: ``1``: a fallback onto a private name that a public API replaces raises (the series-applied test sets it).
@@ -196,3 +198,19 @@ def has_public_step_stages() -> bool:
     """0018: ``PPOTrainer.balance_batch`` / ``compute_old_log_prob`` / ``update_actor`` and their hooks
     ``get_required_batch_multiple`` and ``get_actor_update_extra_info``, the step's stages as public methods."""
     return _has("verl.trainer.ppo.v1.trainer_base", "PPOTrainer", "get_actor_update_extra_info")
+
+
+@functools.cache
+def has_public_dispatch_info() -> bool:
+    """0019: ``WorkerGroup.dispatch_info(mesh_name)``, a mesh's data-parallel ranks queried once and kept (the same
+    answer verl's dispatch splits a batch by)."""
+    return _has("verl.single_controller.base.worker_group", "WorkerGroup", "dispatch_info")
+
+
+@functools.cache
+def has_public_prompt_submission() -> bool:
+    """0020: ``PPOTrainer.add_prompts_to_generate`` (the replay buffer's refill, which a trainer with prompts of its
+    own overrides) and ``submit_batch_to_rollout`` (the hand-off of a prompt batch to the agent loop)."""
+    return _has("verl.trainer.ppo.v1.trainer_base", "PPOTrainer", "add_prompts_to_generate") and _has(
+        "verl.trainer.ppo.v1.trainer_base", "PPOTrainer", "submit_batch_to_rollout"
+    )

@@ -134,18 +134,22 @@ PRIVATE: tuple[PrivateName, ...] = (
     PrivateName(
         "_add_prompts_to_generate",
         TRAINER,
-        (("override", "populora_verl.trainer.generation"),),
-        "verl's refill hook resubmits the phase's evicted groups instead of reading a dataloader",
-        "",
+        (("override", "populora_verl.trainer.trainer"),),
+        "verl's refill hook (the replay buffer's refill_fn) resubmits the phase's evicted groups instead of reading "
+        "a dataloader; defined only where verl lacks the public hook, and forwards to the trainer's "
+        "add_prompts_to_generate",
+        "0020-trainer-public-prompt-submission.patch",
         "self, num_prompts: int",
+        "PPOTrainer.add_prompts_to_generate, overridden by the trainer",
     ),
     PrivateName(
         "_submit_batch_to_rollout",
         TRAINER,
         (("use", "populora_verl.trainer.generation"),),
         "puts each phase's prompt rows into TransferQueue the way verl's loop does",
-        "",
+        "0020-trainer-public-prompt-submission.patch",
         "self, batch: TensorDict",
+        "PPOTrainer.submit_batch_to_rollout",
     ),
     PrivateName(
         "_balance_batch",
@@ -205,14 +209,17 @@ PRIVATE: tuple[PrivateName, ...] = (
         "single_controller/base/worker_group.py:WorkerGroup",
         (("use", "populora_verl.trainer.training"),),
         "the actor mesh's data-parallel size, to lay out the fused update's rows as verl's dispatch splits them",
+        "0019-worker-group-public-dispatch-info.patch",
+        series_api="WorkerGroup.dispatch_info",
     ),
     PrivateName(
         "_query_dispatch_info",
         "single_controller/base/worker.py:Worker",
         (("use", "populora_verl.trainer.training"),),
         "fills _dispatch_info when no dispatch has run yet (called on the worker group)",
-        "",
+        "0019-worker-group-public-dispatch-info.patch",
         "self, mesh_name: str",
+        "WorkerGroup.dispatch_info (which queries the workers once)",
     ),
     # --- rollout: registries ------------------------------------------------------------------------------------
     PrivateName(

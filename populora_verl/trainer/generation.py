@@ -13,6 +13,7 @@ import torch
 import transfer_queue as tq
 from transfer_queue import KVBatchMeta
 
+from populora_verl import verl_compat
 from populora_verl.trainer import convert
 from populora_verl.trainer.convert import PARTITION, field_rows
 
@@ -51,11 +52,17 @@ class GenerationMixin:
     Mixed into :class:`~populora_verl.trainer.trainer.PopuLoRATrainer`."""
 
     def _submit_rows(self, rows: list[dict[str, Any]]) -> None:
-        self._submit_batch_to_rollout(convert.rows_to_tensordict(rows, self.global_steps))
+        batch = convert.rows_to_tensordict(rows, self.global_steps)
+        if verl_compat.has_public_prompt_submission():
+            self.submit_batch_to_rollout(batch)
+            return
+        verl_compat.private_path("_submit_batch_to_rollout")
+        self._submit_batch_to_rollout(batch)
 
-    def _add_prompts_to_generate(self, num_prompts: int) -> int:
+    def add_prompts_to_generate(self, num_prompts: int) -> int:
         """verl's refill hook (failed or filtered groups): resubmit the current phase's evicted groups under fresh
-        uids instead of reading a dataloader, so every request still gets its answers."""
+        uids instead of reading a dataloader, so every request still gets its answers. verl 0.9.1 calls it by its
+        private name, which the trainer forwards here."""
         phase = self._phase
         if phase is None:
             raise RuntimeError("PopuLoRA has no dataset: prompts are only generated inside a population step")

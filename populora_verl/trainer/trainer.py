@@ -327,6 +327,14 @@ class PopuLoRATrainer(GenerationMixin, TrainingMixin, HooksMixin, ProbesMixin, P
             verl_compat.private_path("_get_required_batch_multiple")
             return dp_size
 
+    # A verl with the prompt hand-off public (patches/0020) refills through add_prompts_to_generate (GenerationMixin);
+    # verl 0.9.1 binds the replay buffer's refill to the private name, so only there is it forwarded.
+    if not verl_compat.has_public_prompt_submission():
+
+        def _add_prompts_to_generate(self, num_prompts: int) -> int:
+            verl_compat.private_path("_add_prompts_to_generate")
+            return self.add_prompts_to_generate(num_prompts)
+
     # --- worker RPCs -----------------------------------------------------------------------------------------
 
     def _rpc(self, name: str, *args: Any, **kwargs: Any) -> Any:

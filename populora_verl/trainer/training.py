@@ -134,9 +134,14 @@ class TrainingMixin:
         return per_adapter, KVBatchMeta(partition_id=PARTITION, keys=out_keys, tags=out_tags)
 
     def _dp_size(self) -> int:
-        info = self.actor_rollout_wg._dispatch_info
+        wg = self.actor_rollout_wg
+        if verl_compat.has_public_dispatch_info():
+            return max(wg.dispatch_info("actor")) + 1
+        verl_compat.private_path("_dispatch_info")
+        info = wg._dispatch_info
         if "actor" not in info:
-            info["actor"] = self.actor_rollout_wg._query_dispatch_info("actor")
+            verl_compat.private_path("_query_dispatch_info")
+            info["actor"] = wg._query_dispatch_info("actor")
         return max(info["actor"]) + 1
 
     def _train_fused(self, parts, all_meta, signals, member_of, metrics, timing_raw):

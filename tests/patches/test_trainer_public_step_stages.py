@@ -19,6 +19,8 @@ class Workers:
     def __init__(self, dp):
         self._dispatch_info = {"actor": list(range(dp))}
         self.extra_info = None
+    def dispatch_info(self, mesh_name):  # asked by verl with WorkerGroup.dispatch_info (the series)
+        return self._dispatch_info[mesh_name]
     def update_actor(self, batch):
         self.extra_info = dict(batch.extra_info)
         return {"metrics": {"pg_loss": [1.0, 2.0], "mfu": [0.5]}}

@@ -203,7 +203,12 @@ def test_sync_fix_gives_the_sync_replay_buffer(trainer_cls, monkeypatch):
     assert t.trainer_mode == ("populora" if verl_compat.trainer_declares_async() else "sync")
     assert t.parameter_sync_step == 1 and getattr(t, "is_async", False) is False
     assert type(t.replay_buffer) is ReplayBuffer and not isinstance(t.replay_buffer, ReplayBufferAsync)
-    assert t.replay_buffer.refill_fn.__func__ is trainer_cls._add_prompts_to_generate
+    # a verl with the prompt hand-off public (patches/0020) refills through the public hook; verl 0.9.1 through the
+    # private name, which the trainer forwards to it
+    refill = "add_prompts_to_generate" if verl_compat.has_public_prompt_submission() else "_add_prompts_to_generate"
+    assert t.replay_buffer.refill_fn.__func__ is getattr(trainer_cls, refill)
+    with pytest.raises(RuntimeError, match="no dataset"):  # the plugin's refill: nothing to resubmit outside a step
+        t.replay_buffer.refill_fn(1)
     # verl's buffer would poll every 2 s, keeping each rollout phase up to 2 s past its last trajectory
     assert t.replay_buffer.poll_interval == verl_config.DEFAULT_POLL_INTERVAL_S < 2.0
     slow = compose_recipe("smoke_0.5b", ["actor_rollout_ref.model.path=/m", "++trainer.populora_poll_interval_s=0.5"])

@@ -1,11 +1,12 @@
 """The verl trainer's TransferQueue plumbing on a real local Ray cluster (no GPU, no vLLM).
 
 ``PopuLoRATrainer.step`` runs for real against a real TransferQueue (SimpleStorage, one storage unit): prompts go in
-through verl's ``_submit_batch_to_rollout``, a stand-in agent loop writes trajectories exactly as verl's
-``AgentLoopWorkerTQ._agent_loop_postprocess`` does (keys ``{uid}_{session}_0``), verl's sync ``ReplayBuffer`` samples
-them, the trainer decodes them, balances each adapter's sub-batch (verl pads it to the DP size in TQ), writes
-rm_scores / advantages / returns into TQ and hands each slot's batch to the (fake) actor workers. Only the pieces that
-need GPUs are stand-ins: the population logic (``pop_step``), the agent loop's generation and the actor workers.
+through verl's ``submit_batch_to_rollout`` (``_submit_batch_to_rollout`` on verl 0.9.1), a stand-in agent loop writes
+trajectories exactly as verl's ``AgentLoopWorkerTQ._agent_loop_postprocess`` does (keys ``{uid}_{session}_0``),
+verl's sync ``ReplayBuffer`` samples them, the trainer decodes them, balances each adapter's sub-batch (verl pads it
+to the DP size in TQ), writes rm_scores / advantages / returns into TQ and hands each slot's batch to the (fake) actor
+workers. Only the pieces that need GPUs are stand-ins: the population logic (``pop_step``), the agent loop's
+generation and the actor workers.
 """
 
 from __future__ import annotations
@@ -185,6 +186,9 @@ class _Workers:
         self._dispatch_info = {"actor": list(range(DP))}
         self.updates: list[dict] = []
         self.calls = {"compute_log_prob": 0, "update_actor": 0}
+
+    def dispatch_info(self, mesh_name):  # a verl with WorkerGroup.dispatch_info (patches/0019) asks this
+        return self._dispatch_info[mesh_name]
 
     def populora_bank_info(self):
         return [{"num_slots": 4, "slots": [{"slot": s, "lora_int_id": 1000 + s, "lora_name": f"{s}@v0"}
