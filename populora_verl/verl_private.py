@@ -378,7 +378,6 @@ RUNTIME_PATCHES: tuple[RuntimePatch, ...] = (
         "resident adapters (adapter_layout=resident) route each micro-batch's rows to their slot's LoRA "
         "inside verl's forward, backward and optimizer step",
         "",
-        default=False,
     ),
     RuntimePatch(
         "populora_verl.workers.resident_engine",
@@ -388,7 +387,6 @@ RUNTIME_PATCHES: tuple[RuntimePatch, ...] = (
         "linears for many slots; the resident engine keeps each slot's rows together, with the same micro-batch "
         "count on every data-parallel rank (POPULORA_RESIDENT_MICRO_BATCHES=verl keeps verl's)",
         "0014-engine-micro-batch-hook.patch",
-        default=False,
         series_api="FSDPEngine.prepare_micro_batches, overridden by the resident engine",
     ),
     RuntimePatch(
