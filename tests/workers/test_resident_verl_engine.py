@@ -67,14 +67,16 @@ def one_cpu_rank(tmp_path_factory):
     mp.undo()
 
 
-def verl_engine(resident_slots: bool):
+def verl_engine(resident_slots: bool, *, vocab: int = VOCAB, hidden: int = 32, intermediate: int = 48,
+                layers: int = 2, rank: int = 8):
     """verl's engine around a tiny PEFT Qwen2 with slots 0..3 (the same weights either way): resident adapters
-    installed on it, or the bank with verl's own optimizer step."""
+    installed on it, or the bank with verl's own optimizer step. The sizes are for the memory benchmark."""
     torch.manual_seed(0)
-    cfg = transformers.Qwen2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    cfg = transformers.Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
+                                   num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                                   tie_word_embeddings=False)
     cfg._attn_implementation = varlen_attention.NAME
-    model = get_peft_model(transformers.Qwen2ForCausalLM(cfg), LoraConfig(r=8, lora_alpha=16, target_modules=[
+    model = get_peft_model(transformers.Qwen2ForCausalLM(cfg), LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=[
         "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
     eng = transformer_impl.FSDPEngineWithLMHead.__new__(transformer_impl.FSDPEngineWithLMHead)
     eng.module = model
