@@ -12,13 +12,15 @@ Arms, on the same rows, after one warm-up call each (AdamW's moments exist):
 * ``bank``: one live PEFT adapter with the lean LoRA forward, each slot's rows in a call of its own, verl's balanced
   micro-batches;
 * ``resident``: every slot resident, each slot's rows kept together in the micro-batches (the default);
-* ``resident_verlmb``: every slot resident, verl's balanced micro-batches (``POPULORA_RESIDENT_MICRO_BATCHES=verl``).
+* ``resident_verlmb``: every slot resident, verl's balanced micro-batches (``POPULORA_RESIDENT_MICRO_BATCHES=verl``);
+* ``resident_full``: every slot resident, each slot's rows together, micro-batches packed full in order (the
+  partition before the tokens were spread evenly over the same number of micro-batches).
 
 Scenarios are the GPU A/B's row shapes scaled down by 100 (``--scale``): the single agent (one slot: 6 teacher rows of
 16 tokens and 24 student rows of 12) and 4T4S (4 slots of 6 teacher rows, 4 of 24 student rows), with training
 micro-batches of 164 tokens and log-prob micro-batches of 328 (16,384 and 32,768 on the GPU). ``--sweep`` varies the
-model (hidden size, layers, vocabulary) and the tokens with the micro-batches fixed to verl's in every arm, which
-separates what the resident code adds per micro-batch from what the partition adds::
+model (hidden size, layers, vocabulary, LoRA rank) and the tokens with the whole batch in one micro-batch in both
+arms, which separates what the resident code adds per micro-batch from what the partition adds::
 
     python tests/workers/bench_resident_memory.py
     python tests/workers/bench_resident_memory.py --sweep
@@ -40,11 +42,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import test_resident_verl_engine as harness  # noqa: E402
 
 from populora_verl.bench.live_bytes import LiveBytes, SavedBytes  # noqa: E402
-from populora_verl.workers import lora_forward  # noqa: E402
+from populora_verl.workers import lora_forward, resident_engine  # noqa: E402
 from populora_verl.workers.resident_engine import MICRO_BATCH_ENV  # noqa: E402
 
 MiB = 2**20
-ARMS = ("bank", "resident", "resident_verlmb")
+ARMS = ("bank", "resident", "resident_verlmb", "resident_full")
 
 
 def rows(shapes: list[tuple[int, int]], vocab: int, seed: int = 5) -> TensorDict:
@@ -132,6 +134,17 @@ class Probe:
         self.eng.forward_step, self.eng.optimizer_step = self._fs, self._os
 
 
+EVEN = resident_engine.slot_partitions
+
+
+def packed_full(slots, lengths, max_tokens, count=0):
+    """Rows in slot order, each micro-batch filled up to ``max_tokens`` before the next starts."""
+    even = EVEN(slots, lengths, max_tokens, count)
+    order = [i for part in even for i in part]
+    parts = resident_engine._pack([lengths[i] for i in order], max_tokens)
+    return even if len(parts) != len(even) else [[order[i] for i in part] for part in parts]
+
+
 def run_arm(arm: str, plan, dims: dict[str, int], train_tokens: int, logp_tokens: int) -> dict:
     """The arm's update and log-prob pass over every slot's rows; peaks in bytes, micro-batches of each."""
     harness.SLOTS = max(k for k, _ in plan) + 1
@@ -139,6 +152,7 @@ def run_arm(arm: str, plan, dims: dict[str, int], train_tokens: int, logp_tokens
     os.environ[MICRO_BATCH_ENV] = "verl" if arm == "resident_verlmb" else "slot"
     lora_forward.install("lean" if arm == "bank" else "peft")
     eng, store = harness.verl_engine(resident, **dims)
+    resident_engine.slot_partitions = packed_full if arm == "resident_full" else EVEN
     harness.MAX_TOKENS = train_tokens
 
     def batch(k_rows, slots, budget):
@@ -153,20 +167,28 @@ def run_arm(arm: str, plan, dims: dict[str, int], train_tokens: int, logp_tokens
     else:
         calls = [(k, rows(ss, dims["vocab"], seed=5 + k), None) for k, ss in plan]
     out = {"update": 0, "logp": 0, "update_micro": [], "logp_micro": []}
+    # one adapter's LoRA weights (the bank's live adapter or slot 0): the per-parameter scale of the differences
+    out["adapter_bytes"] = sum(p.numel() * p.element_size() for p in (store._params.values() if not resident
+                                                                       else store.slot_parameters(0)))
     probe = Probe(eng)
     for phase in ("update", "logp"):
         for measured in (False, True):  # a warm-up call first: AdamW's moments exist before the measured one
             for k, data, slots in calls:
                 ctx = store.active(k, train=phase == "update") if k is not None else contextlib.nullcontext()
-                with ctx, probe.call():
-                    if phase == "update":
-                        eng.train_batch(batch(data, slots, train_tokens), loss_function=harness.loss_fn())
-                    else:
-                        eng.infer_batch(batch(data, slots, logp_tokens))
+                with ctx:
+                    # gradients a step left behind (verl's optimizer keeps them until the next zero_grad, the
+                    # resident one drops them) go before the count starts, so both arms start from the same state
+                    eng.optimizer_zero_grad()
+                    with probe.call():
+                        if phase == "update":
+                            eng.train_batch(batch(data, slots, train_tokens), loss_function=harness.loss_fn())
+                        else:
+                            eng.infer_batch(batch(data, slots, logp_tokens))
                 if measured:
                     out[phase] = max(out[phase], probe.peak)
                     out[f"{phase}_micro"] += probe.micro
     probe.undo()
+    resident_engine.slot_partitions = EVEN
     lora_forward.uninstall()
     return out
 
@@ -192,7 +214,7 @@ def show(name: str, plan, dims, train_tokens: int, logp_tokens: int) -> dict[str
 
 
 def sweep(scale: float) -> None:
-    """Bank and resident (verl's micro-batches: the same partition) over model sizes and token counts: what the
+    """Bank and resident with the same micro-batch (the whole batch) over model sizes and token counts: what the
     resident code adds per micro-batch, against what grows with tokens, vocabulary, width and depth."""
     base = {"vocab": 1024, "hidden": 64, "intermediate": 96, "layers": 2, "rank": 8}
     cases = [
@@ -203,9 +225,9 @@ def sweep(scale: float) -> None:
         ("2x layers", {**base, "layers": 4}, 1),
         ("2x rank", {**base, "rank": 16}, 1),
     ]
-    print("\nsame micro-batches in both arms (verl's partition); resident minus bank, and the bank's bytes per token")
+    print("\none micro-batch in both arms; resident minus bank, and the bank's bytes per token")
     print(f"{'case':10s} {'tokens':>6s} {'bank upd MiB':>12s} {'res - bank upd KiB':>19s} {'bank logp MiB':>13s} "
-          f"{'res - bank logp KiB':>20s} {'saved act B/token bank':>22s} {'res - bank':>10s}")
+          f"{'res - bank logp KiB':>20s} {'saved act B/token bank':>22s} {'res - bank':>10s} {'adapter KiB':>11s}")
     for name, dims, mult in cases:
         plan = [(k, ss * mult) for k, ss in scenario("single", scale)]
         res = {arm: run_arm(arm, plan, dims, 10**6, 10**6) for arm in ("bank", "resident_verlmb")}
@@ -214,7 +236,8 @@ def sweep(scale: float) -> None:
         sb = sum(m["saved_act"] for m in b["update_micro"]) / tokens
         sr = sum(m["saved_act"] for m in r["update_micro"]) / tokens
         print(f"{name:10s} {tokens:6d} {b['update'] / MiB:12.3f} {(r['update'] - b['update']) / 1024:19.1f} "
-              f"{b['logp'] / MiB:13.3f} {(r['logp'] - b['logp']) / 1024:20.1f} {sb:22.0f} {sr - sb:10.0f}")
+              f"{b['logp'] / MiB:13.3f} {(r['logp'] - b['logp']) / 1024:20.1f} {sb:22.0f} {sr - sb:10.0f} "
+              f"{r['adapter_bytes'] / 1024:11.1f}")
 
 
 def main() -> None:

@@ -14,6 +14,7 @@ on its own rows."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import sys
 import types
@@ -232,3 +233,68 @@ def test_update_and_log_probs_through_verls_engine_equal_each_slot_trained_alone
         after = store.get_adapter_state(k)
         for key, t in bank.get_adapter_state(k).items():
             torch.testing.assert_close(after[key], t, atol=1e-6, rtol=1e-4)
+
+
+def even_rows(n: int, prompt: int, response: int, vocab: int) -> TensorDict:
+    """``n`` rows of ``prompt`` + ``response`` tokens each, in verl's trainer layout."""
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randint(1, vocab, (n, prompt + response), generator=g)
+    attn = torch.ones(n, prompt + response, dtype=torch.long)
+    mask = torch.ones(n, response, dtype=torch.long)
+    return TensorDict({
+        "prompts": ids[:, :prompt], "responses": ids[:, prompt:], "input_ids": ids, "attention_mask": attn,
+        "response_mask": mask, "position_ids": attn.cumsum(-1) - 1,
+        "old_log_probs": -torch.rand(n, response, generator=g), "advantages": torch.randn(n, response, generator=g),
+    }, batch_size=[n])
+
+
+def test_one_slot_update_and_log_probs_peak_at_the_banks_memory_plus_one_copy_of_the_slot(monkeypatch):
+    """The peak of an update grows with the tokens of its largest micro-batch (its activations and logits), so the
+    resident micro-batches must be no larger than verl's balanced ones where the rows allow it: 24 rows of 12 tokens
+    under a 164-token budget are two micro-batches of 144 in both layouts (packing them full made 156 + 132). What
+    the resident code itself may add at the same micro-batches is one copy of the present slot's weights in the
+    compute dtype, which the LoRA matmuls save for backward. Bytes are counted from the tensors (deterministic)."""
+    from populora_verl.bench.live_bytes import LiveBytes
+    from populora_verl.workers import lora_forward
+
+    monkeypatch.setenv(resident_engine.MICRO_BATCH_ENV, "slot")
+    monkeypatch.setattr(resident, "grouped_mm_available", lambda x: False)
+    vocab, budget = 4096, 164
+    dims = {"vocab": vocab, "hidden": 64, "intermediate": 96}
+    rows = even_rows(24, 2, 10, vocab)
+
+    def batch(slots):
+        td = actor_batch(rows, slots, jagged=True)
+        tu.assign_non_tensor(td, max_token_len_per_gpu=budget)
+        return td
+
+    def measure(eng, active, slots):
+        micro, step = [], eng.forward_step
+        eng.forward_step = lambda mb, *a, **k: micro.append(int(mb["input_ids"].offsets()[-1])) or step(mb, *a, **k)
+        peaks = {}
+        for phase in ("update", "log_probs", "update", "log_probs"):  # the second round is measured: moments exist
+            with active(phase == "update"):
+                eng.optimizer_zero_grad()
+                micro.clear()
+                with LiveBytes() as live:
+                    if phase == "update":
+                        eng.train_batch(batch(slots), loss_function=loss_fn())
+                    else:
+                        eng.infer_batch(batch(slots))
+                peaks[phase] = (live.peak, list(micro))
+        return peaks
+
+    eng, store = verl_engine(resident_slots=True, **dims)
+    got = measure(eng, lambda train: contextlib.nullcontext(), [0] * 24)
+    slot_bytes = sum(p.numel() * p.element_size() for p in store.slot_parameters(0))
+
+    lora_forward.install("lean")  # the bank's forward in the GPU runs
+    try:
+        ref, bank = verl_engine(resident_slots=False, **dims)
+        want = measure(ref, lambda train: bank.active(0, train=train), None)
+    finally:
+        lora_forward.uninstall()
+    for phase in ("update", "log_probs"):
+        (peak, micro), (bank_peak, bank_micro) = got[phase], want[phase]
+        assert peak <= bank_peak + slot_bytes, (phase, micro, bank_micro, peak, bank_peak, slot_bytes)
+        assert micro == [144, 144] and sorted(bank_micro) == [144, 144], (phase, micro, bank_micro)

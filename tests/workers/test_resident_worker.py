@@ -327,13 +327,42 @@ def test_slot_partitions_keep_each_slot_together_within_the_budget(seed):
     assert all(p and sum(lengths[i] for i in p) <= budget for p in parts)
     order = [slots[i] for p in parts for i in p]
     assert len(order) - sum(1 for a, b in zip(order, order[1:]) if a == b) == len(set(slots))  # one run per slot
-    assert len(parts) <= 2 * sum(lengths) // budget + 1  # greedy packing: no part but the last is under half full
+    assert len(parts) <= 2 * sum(lengths) // budget + 1  # as many parts as packing full needs: at most this many
+    # and the tokens spread as evenly as the slot order allows: no cut of that order into as many parts has a smaller
+    # largest part (the update's peak memory follows its largest micro-batch)
+    ordered = [lengths[i] for p in parts for i in p]
+    assert max(sum(lengths[i] for i in p) for p in parts) == least_largest_part(ordered, len(parts))
     # more parts on request (another rank needs more): split, never over the budget, until rows run out
     for count in (len(parts) + 1, n):
         more = slot_partitions(slots, lengths, budget, count)
         assert len(more) == count and sorted(i for p in more for i in p) == list(range(n))
         assert all(p and sum(lengths[i] for i in p) <= budget for p in more)
     assert slot_partitions(slots, lengths, budget, n + 1) == []
+
+
+def least_largest_part(seq: list[int], count: int) -> int:
+    """The smallest largest part of any cut of ``seq`` (in order) into ``count`` non-empty runs, by exhaustion."""
+    import functools
+
+    @functools.cache
+    def best(start: int, parts: int) -> float:
+        if parts == 1:
+            return sum(seq[start:])
+        return min((max(sum(seq[start:cut]), best(cut, parts - 1)) for cut in range(start + 1, len(seq) - parts + 2)),
+                   default=float("inf"))
+
+    return best(0, count)
+
+
+def test_slot_partitions_spread_the_tokens_of_full_packing_evenly():
+    from populora_verl.workers.resident_engine import slot_partitions
+
+    # the single agent's rows at 1.5B (6 teacher rows of 1,595 tokens, 24 student rows of 1,242), 16,384-token
+    # micro-batches: three, as packing full needs, but 13,296 / 13,662 / 12,420 tokens, not 15,780 / 16,146 / 7,460
+    lengths = [1595] * 6 + [1242] * 24
+    parts = slot_partitions([0] * 30, lengths, 16384)
+    assert [sum(lengths[i] for i in p) for p in parts] == [13296, 13662, 12420]
+    assert [i for p in parts for i in p] == list(range(30))
 
 
 def test_slot_partitions_refuse_a_row_over_the_budget_and_keep_a_grouped_layout_in_order():
