@@ -358,7 +358,7 @@ def test_slot_partitions_spread_the_tokens_of_full_packing_evenly():
     from populora_verl.workers.resident_engine import slot_partitions
 
     # the single agent's rows at 1.5B (6 teacher rows of 1,595 tokens, 24 student rows of 1,242), 16,384-token
-    # micro-batches: three, as packing full needs, but 13,296 / 13,662 / 12,420 tokens, not 15,780 / 16,146 / 7,460
+    # micro-batches: three, as packing full needs, but 13,296 / 13,662 / 12,420 tokens, not 15,780 / 16,146 / 7,452
     lengths = [1595] * 6 + [1242] * 24
     parts = slot_partitions([0] * 30, lengths, 16384)
     assert [sum(lengths[i] for i in p) for p in parts] == [13296, 13662, 12420]
