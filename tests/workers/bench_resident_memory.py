@@ -35,7 +35,6 @@ import sys
 import tempfile
 
 import torch
-import torch.distributed as dist
 from tensordict import TensorDict
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -196,14 +195,15 @@ def run_arm(arm: str, plan, dims: dict[str, int], train_tokens: int, logp_tokens
 def show(name: str, plan, dims, train_tokens: int, logp_tokens: int) -> dict[str, dict]:
     res = {arm: run_arm(arm, plan, dims, train_tokens, logp_tokens) for arm in ARMS}
     total = sum(p + r for _, ss in plan for p, r in ss)
-    print(f"\n{name}: {len(plan)} slot(s), {total} tokens, micro-batches of {train_tokens} / {logp_tokens} tokens, {dims}")
+    print(f"\n{name}: {len(plan)} slot(s), {total} tokens, "
+          f"micro-batches of {train_tokens} / {logp_tokens} tokens, {dims}")
     print(f"{'arm':16s} {'update peak MiB':>16s} {'log-prob peak MiB':>18s}  train micro-batch tokens / log-prob")
     for arm, r in res.items():
         tm = [m["tokens"] for m in r["update_micro"]]
         lm = [m["tokens"] for m in r["logp_micro"]]
         print(f"{arm:16s} {r['update'] / MiB:16.3f} {r['logp'] / MiB:18.3f}  {tm} / {lm}")
-    print("per training micro-batch: tokens, saved activations KiB, saved activations bytes per token, peak KiB (from its forward\n"
-          "to the next micro-batch's, over what was live before the call)")
+    print("per training micro-batch: tokens, saved activations KiB, saved activations bytes per token, peak KiB "
+          "(from its forward\nto the next micro-batch's, over what was live before the call)")
     for arm, r in res.items():
         parts = [
             f"{m['tokens']}: {m['saved_act'] / 1024:.0f}, {m['saved_act'] / m['tokens']:.0f}, {m['peak'] / 1024:.0f}"
@@ -249,23 +249,16 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=2)
     args = ap.parse_args()
 
-    harness.varlen_attention.register()
-    for mod in list(sys.modules.values()):
-        if getattr(mod, "__name__", "").startswith("verl") and hasattr(mod, "get_device_name"):
-            mod.get_device_name = lambda: "cpu"
-            if hasattr(mod, "get_device_id"):
-                mod.get_device_id = lambda: "cpu"
-    dist.init_process_group("gloo", store=dist.FileStore(tempfile.mktemp(), 1), rank=0, world_size=1)
-    print(f"torch {torch.__version__}; bytes counted from tensors (deterministic), fp32 model on the CPU")
-    train_tokens, logp_tokens = round(16384 / args.scale), round(32768 / args.scale)
-    dims = {"vocab": args.vocab, "hidden": args.hidden, "intermediate": args.hidden * 3 // 2, "layers": args.layers,
-            "rank": 8}
-    if args.sweep:
-        sweep(args.scale)
-    else:
-        for name in ("single", "4t4s"):
-            show(name, scenario(name, args.scale), dims, train_tokens, logp_tokens)
-    dist.destroy_process_group()
+    with harness.cpu_rank(tempfile.mktemp()):
+        print(f"torch {torch.__version__}; bytes counted from tensors (deterministic), fp32 model on the CPU")
+        train_tokens, logp_tokens = round(16384 / args.scale), round(32768 / args.scale)
+        dims = {"vocab": args.vocab, "hidden": args.hidden, "intermediate": args.hidden * 3 // 2, "layers": args.layers,
+                "rank": 8}
+        if args.sweep:
+            sweep(args.scale)
+        else:
+            for name in ("single", "4t4s"):
+                show(name, scenario(name, args.scale), dims, train_tokens, logp_tokens)
 
 
 if __name__ == "__main__":

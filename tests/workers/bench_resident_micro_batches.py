@@ -20,7 +20,6 @@ import tempfile
 import time
 
 import torch
-import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -36,42 +35,35 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=7)
     args = ap.parse_args()
 
-    harness.varlen_attention.register()
-    for mod in list(sys.modules.values()):
-        if getattr(mod, "__name__", "").startswith("verl") and hasattr(mod, "get_device_name"):
-            mod.get_device_name = lambda: "cpu"
-            if hasattr(mod, "get_device_id"):
-                mod.get_device_id = lambda: "cpu"
-    dist.init_process_group("gloo", store=dist.FileStore(tempfile.mktemp(), 1), rank=0, world_size=1)
-    harness.SLOTS = args.slots
-    slots = sorted(i % args.slots for i in range(args.rows))  # the fused call's layout: grouped by slot
-    rows = harness.padded_rows(args.rows, seed=5)
-    eng, _ = harness.verl_engine(resident_slots=True)
+    with harness.cpu_rank(tempfile.mktemp()):
+        harness.SLOTS = args.slots
+        slots = sorted(i % args.slots for i in range(args.rows))  # the fused call's layout: grouped by slot
+        rows = harness.padded_rows(args.rows, seed=5)
+        eng, _ = harness.verl_engine(resident_slots=True)
 
-    def update(arm: str) -> None:
-        os.environ[MICRO_BATCH_ENV] = arm
-        eng.train_batch(harness.actor_batch(rows, slots, True), loss_function=harness.loss_fn())
+        def update(arm: str) -> None:
+            os.environ[MICRO_BATCH_ENV] = arm
+            eng.train_batch(harness.actor_batch(rows, slots, True), loss_function=harness.loss_fn())
 
-    arms = ("slot", "verl")
-    print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.2f}; {args.slots} slots, "
-          f"{args.rows} rows, {harness.MAX_TOKENS}-token micro-batches")
-    for arm in arms:
-        update(arm)
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
+        arms = ("slot", "verl")
+        print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.2f}; {args.slots} slots, "
+              f"{args.rows} rows, {harness.MAX_TOKENS}-token micro-batches")
+        for arm in arms:
             update(arm)
-        c = collections.Counter(e.name for e in prof.events())
-        ops = sum(v for k, v in c.items() if k.startswith("aten::"))
-        print(f"{arm:5s} aten ops per update {ops:7d}   device syncs {c['aten::_local_scalar_dense']:5d}")
-    times: dict[str, list[float]] = {a: [] for a in arms}
-    for r in range(args.rounds):
-        for arm in arms if r % 2 == 0 else arms[::-1]:
-            t0 = time.perf_counter()
-            update(arm)
-            times[arm].append(time.perf_counter() - t0)
-    for arm, v in times.items():
-        print(f"{arm:5s} update s: median {statistics.median(v):.3f} (min-max {min(v):.3f}-{max(v):.3f})")
-    print(f"slot / verl: {statistics.median(times['slot']) / statistics.median(times['verl']):.2f}")
-    dist.destroy_process_group()
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                update(arm)
+            c = collections.Counter(e.name for e in prof.events())
+            ops = sum(v for k, v in c.items() if k.startswith("aten::"))
+            print(f"{arm:5s} aten ops per update {ops:7d}   device syncs {c['aten::_local_scalar_dense']:5d}")
+        times: dict[str, list[float]] = {a: [] for a in arms}
+        for r in range(args.rounds):
+            for arm in arms if r % 2 == 0 else arms[::-1]:
+                t0 = time.perf_counter()
+                update(arm)
+                times[arm].append(time.perf_counter() - t0)
+        for arm, v in times.items():
+            print(f"{arm:5s} update s: median {statistics.median(v):.3f} (min-max {min(v):.3f}-{max(v):.3f})")
+        print(f"slot / verl: {statistics.median(times['slot']) / statistics.median(times['verl']):.2f}")
 
 
 if __name__ == "__main__":

@@ -46,9 +46,10 @@ VOCAB, PROMPT, RESPONSE, SLOTS, CLIP, LR = 64, 6, 8, 4, 0.05, 1e-2
 MAX_TOKENS = 40  # tokens per micro-batch: about three rows, so micro-batches mix slots
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_cpu_rank(tmp_path_factory):
-    """A one-rank gloo group (verl's engine all-reduces its token counts) and verl's device queries on the CPU."""
+@contextlib.contextmanager
+def cpu_rank(store_file: str):
+    """A one-rank gloo group (verl's engine all-reduces its token counts) and verl's device queries on the CPU; the
+    benchmarks beside this file run the engine under it too."""
     import verl.utils.seqlen_balancing  # noqa: F401  (imported before the device queries are pointed at the CPU)
 
     varlen_attention.register()
@@ -60,12 +61,19 @@ def one_cpu_rank(tmp_path_factory):
                 mp.setattr(mod, "get_device_id", lambda: "cpu")
     ours = not dist.is_initialized()
     if ours:
-        store = dist.FileStore(str(tmp_path_factory.mktemp("gloo") / "store"), 1)
-        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    yield
-    if ours:
-        dist.destroy_process_group()
-    mp.undo()
+        dist.init_process_group("gloo", store=dist.FileStore(store_file, 1), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        if ours:
+            dist.destroy_process_group()
+        mp.undo()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_cpu_rank(tmp_path_factory):
+    with cpu_rank(str(tmp_path_factory.mktemp("gloo") / "store")):
+        yield
 
 
 def verl_engine(resident_slots: bool, *, vocab: int = VOCAB, hidden: int = 32, intermediate: int = 48,
