@@ -269,30 +269,29 @@ def waiting_eval_command(
     ]
 
 
+def compose_arm(arm: str, overrides: Sequence[str], *, hydra_node: bool = False) -> Any:
+    """An arm's recipe under ``overrides``, composed by hydra; ``hydra_node`` keeps the hydra node (the start-up
+    callback), as ``verl.trainer.main_ppo`` has it."""
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(RECIPES), version_base=None):
+        return compose(config_name=ARMS[parse_arm(arm)[0]], overrides=list(overrides), return_hydra_config=hydra_node)
+
+
 def arm_lora_slots(arm: str, overrides: Sequence[str]) -> tuple[int, int]:
     """(adapters, LoRA rank) of an arm's recipe under its overrides: what an evaluation engine started before the
     arm's last checkpoint must hold (evolution replaces members, so the count never grows)."""
-    from hydra import compose, initialize_config_dir
-
     from populora_verl.config import load_config
 
-    with initialize_config_dir(config_dir=str(RECIPES), version_base=None):
-        cfg = compose(config_name=ARMS[parse_arm(arm)[0]], overrides=list(overrides))
+    cfg = compose_arm(arm, overrides)
     return load_config(cfg.populora).population.num_adapters, int(cfg.actor_rollout_ref.model.lora_rank)
 
 
 def arm_config(arm: str, model: str, root: Path, seed_file: str | None, extra: Sequence[str]) -> Any:
     """The trainer config of an arm's command (:func:`arm_command`), composed by hydra as ``verl.trainer.main_ppo``
     composes it: the arm's recipe, then the command's overrides; the hydra node (the start-up callback) kept."""
-    from hydra import compose, initialize_config_dir
-
     cmd = arm_command(arm, model, root, seed_file, extra)
-    with initialize_config_dir(config_dir=str(RECIPES), version_base=None):
-        return compose(
-            config_name=ARMS[parse_arm(arm)[0]],
-            overrides=cmd[cmd.index("--config-name") + 2 :],
-            return_hydra_config=True,
-        )
+    return compose_arm(arm, cmd[cmd.index("--config-name") + 2 :], hydra_node=True)
 
 
 #: Trainer keys two compute-matched arms must share besides the trained trajectories (docs/tasks-and-rewards.md,
@@ -352,12 +351,10 @@ def check_arms(args: argparse.Namespace) -> int:
         try:
             cfg = arm_config(arm, args.model, root, args.seed_file, [*args.overrides, *own.get(name, [])])
             plan, members = check_arm(cfg)
-        except ConfigError as e:  # the one line the trainer would stop with
-            print(f"{folder}: FAILED: {e}", flush=True)
-            failed.append(folder)
-            continue
         except Exception as e:  # noqa: BLE001 - hydra's composition errors, verl's own checks: named, per arm
-            print(f"{folder}: FAILED: {type(e).__name__}: {e}", flush=True)
+            # a ConfigError is already the one line the trainer would stop with
+            why = str(e) if isinstance(e, ConfigError) else f"{type(e).__name__}: {e}"
+            print(f"{folder}: FAILED: {why}", flush=True)
             failed.append(folder)
             continue
         answer = int(cfg.data.max_response_length)
