@@ -33,6 +33,7 @@ __all__ = [
     "has_public_prompt_cap",
     "has_before_load_hook",
     "has_engine_micro_batch_hook",
+    "engine_class_from_config",
     "has_save_hook",
     "has_public_save",
     "has_reward_class_setup",
@@ -99,14 +100,15 @@ def trainer_declares_async() -> bool:
     return _has("verl.trainer.ppo.v1.trainer_base", "PPOTrainer", "is_async")
 
 
-def _trainer_yaml() -> dict:
-    """verl's ``ppo_trainer.yaml`` as plain data (empty where verl or the file is missing)."""
+def _trainer_yaml(name: str = "ppo_trainer.yaml") -> dict:
+    """A config of verl's ``trainer/config`` (default ``ppo_trainer.yaml``) as plain data (empty where verl or the
+    file is missing)."""
     import yaml
 
     spec = importlib.util.find_spec("verl")
     if spec is None or not spec.submodule_search_locations:
         return {}
-    path = Path(spec.submodule_search_locations[0]) / "trainer" / "config" / "ppo_trainer.yaml"
+    path = Path(spec.submodule_search_locations[0]) / "trainer" / "config" / name
     try:
         return yaml.safe_load(path.read_text(encoding="utf-8")) or {}
     except OSError:
@@ -184,6 +186,13 @@ def has_engine_micro_batch_hook() -> bool:
     """0014: ``FSDPEngine.prepare_micro_batches``, the FSDP engine's micro-batch split as a method that an engine
     subclass overrides (imports verl's FSDP engine module: only where it is loaded anyway)."""
     return _has("verl.workers.engine.fsdp.transformer_impl", "FSDPEngine", "prepare_micro_batches")
+
+
+@functools.cache
+def engine_class_from_config() -> bool:
+    """0022: ``engine_class`` is declared in verl's FSDP engine config (and the worker builds that subclass of the
+    registered engine instead). Read from the YAML: importing verl's engine configs imports every engine module."""
+    return "engine_class" in _trainer_yaml("engine/fsdp.yaml")
 
 
 @functools.cache

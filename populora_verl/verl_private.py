@@ -376,8 +376,11 @@ RUNTIME_PATCHES: tuple[RuntimePatch, ...] = (
         "populora_verl.workers.resident_engine",
         "the class of verl's FSDP engine instance (engine.__class__ becomes a subclass)",
         "resident adapters (adapter_layout=resident) route each micro-batch's rows to their slot's LoRA "
-        "inside verl's forward, backward and optimizer step",
-        "",
+        "inside verl's forward, backward and optimizer step; only where verl lacks EngineConfig.engine_class or the "
+        "run did not name the resident engine there",
+        "0022-engine-class-from-config.patch",
+        series_api="EngineConfig.engine_class: actor_rollout_ref.actor.fsdp_config.engine_class, set by the "
+        "trainer's __init__ to ResidentFSDPEngineWithLMHead, which verl builds",
     ),
     RuntimePatch(
         "populora_verl.workers.resident_engine",

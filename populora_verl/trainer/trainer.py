@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import ray
@@ -58,6 +58,8 @@ __all__ = [
     "use_populora_worker",
     "VERL_POLL_INTERVAL_KEY",
     "use_verl_poll_interval",
+    "ENGINE_CLASS_KEY",
+    "use_resident_engine",
 ]
 
 #: ``+trainer.populora_debug_probes=true``: per-step bank checksums and a greedy probe under every LoRA id.
@@ -82,6 +84,37 @@ def use_populora_worker(config: DictConfig) -> bool:
         )
     with open_dict(config):
         config.actor_rollout_ref.worker_class = WORKER_CLASS_FQN
+    return True
+
+
+#: The actor's training-engine class, where verl declares the key (patches/0022).
+ENGINE_CLASS_KEY = "actor_rollout_ref.actor.fsdp_config.engine_class"
+
+
+def use_resident_engine(config: DictConfig, layouts: Iterable[str]) -> bool:
+    """Point ``actor_rollout_ref.actor.fsdp_config.engine_class`` at the resident FSDP engine where verl declares the
+    key and every population of the run (``layouts``: each one's ``adapter_layout``) keeps its adapters resident, so
+    verl builds that engine and the worker only attaches the adapters; returns whether the key names a resident
+    engine. A user's own engine class is kept when it extends the resident engine (theirs then runs, with the
+    routing the layout needs); any other class stops the run."""
+    if set(layouts) != {"resident"} or not verl_compat.engine_class_from_config():
+        return False
+    from populora_verl.workers.resident_engine import RESIDENT_ENGINE_FQN
+
+    current = OmegaConf.select(config, ENGINE_CLASS_KEY, default=None)
+    if current in (None, RESIDENT_ENGINE_FQN):
+        OmegaConf.update(config, ENGINE_CLASS_KEY, RESIDENT_ENGINE_FQN, force_add=True)
+        return True
+    from verl.utils.import_utils import load_class_from_fqn
+
+    from populora_verl.workers.resident_engine import ResidentFSDPEngineWithLMHead
+
+    cls = load_class_from_fqn(current, "engine")
+    if not (isinstance(cls, type) and issubclass(cls, ResidentFSDPEngineWithLMHead)):
+        raise ConfigError(
+            f"{ENGINE_CLASS_KEY}: resident adapters need a subclass of {RESIDENT_ENGINE_FQN}, got {current!r} "
+            "(or set populora.population.adapter_layout=bank)"
+        )
     return True
 
 
@@ -161,6 +194,8 @@ class PopuLoRATrainer(GenerationMixin, TrainingMixin, HooksMixin, ProbesMixin, P
         self._schedule, self._schedule_cfgs = schedule.scheduled_configs(config)
         if self._schedule_cfgs:
             self.pcfg = self._schedule_cfgs[0]
+        # the engine is built once for the run: resident only if every population of the schedule is
+        use_resident_engine(config, [c.population.adapter_layout for c in self._schedule_cfgs or (self.pcfg,)])
         self.debug_probes = bool(OmegaConf.select(config, DEBUG_PROBES_KEY, default=False))
         self.fused_rpc = bool(OmegaConf.select(config, fused.FUSED_KEY, default=True))
         from populora_verl.step import PopulationStep

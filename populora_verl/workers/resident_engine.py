@@ -1,8 +1,10 @@
 """verl's FSDP engine with resident adapters: one forward and backward per micro-batch for every slot in it.
 
-:func:`install` turns a worker's engine (``FSDPEngineWithLMHead`` or any subclass) into a subclass of itself that
-mixes in :class:`ResidentEngineMixin`, once :class:`~populora_verl.workers.resident.ResidentAdapters` holds the
-slots. Each batch carries a per-row tensor ``populora_slot``; the mixin
+The resident engine is ``FSDPEngineWithLMHead`` (or any subclass) with :class:`ResidentEngineMixin` mixed in front.
+Where verl reads ``EngineConfig.engine_class`` (patch 0022) the trainer names :data:`ResidentFSDPEngineWithLMHead`
+there and verl builds it; otherwise :func:`install` turns the worker's engine into a subclass of itself that mixes
+it in. Either way :func:`install` attaches :class:`~populora_verl.workers.resident.ResidentAdapters` once it holds
+the slots. Each batch carries a per-row tensor ``populora_slot``; the mixin
 
 * forms the micro-batches with each slot's rows kept together (:func:`slot_partitions`): through verl's
   ``FSDPEngine.prepare_micro_batches`` where verl has that method (patch 0014), else by rebinding the module-level
@@ -40,6 +42,7 @@ __all__ = [
     "SLOT_FIELD",
     "install",
     "ResidentEngineMixin",
+    "RESIDENT_ENGINE_FQN",
     "row_token_counts",
     "select_rows",
     "select_tensordict_rows",
@@ -469,9 +472,28 @@ def _resident_class(cls: type) -> type:
     return type(f"Resident{cls.__name__}", (ResidentEngineMixin, cls), {"__module__": __name__})
 
 
+#: The resident FSDP language-model engine as verl builds it where verl reads ``EngineConfig.engine_class``
+#: (patches/0022): the trainer names it in ``actor_rollout_ref.actor.fsdp_config.engine_class``.
+RESIDENT_ENGINE_FQN = f"{__name__}.ResidentFSDPEngineWithLMHead"
+
+
+def __getattr__(name: str) -> type:
+    # Built on first use, not at import: importing verl's FSDP engine module is slow, and the helpers here (and the
+    # driver, which only needs the name) do without it. _resident_class is cached, so this is the class install()
+    # recognises and the one a swapped engine gets.
+    if name == "ResidentFSDPEngineWithLMHead":
+        from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
+
+        return _resident_class(FSDPEngineWithLMHead)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def install(engine: Any, store: ResidentAdapters) -> Any:
-    """Give ``engine`` the resident behaviour (its class becomes a resident subclass of its own class)."""
+    """Give ``engine`` the resident behaviour: attach ``store``. An engine verl built as a resident class
+    (``engine_class``) only gets the store; any other engine's class becomes a resident subclass of its own class,
+    the runtime patch for a verl without ``EngineConfig.engine_class`` or a run that did not set it."""
     if not isinstance(engine, ResidentEngineMixin):
+        verl_compat.private_path("populora_verl.workers.resident_engine")
         engine.__class__ = _resident_class(type(engine))
     engine.populora_resident = store
     return engine

@@ -21,9 +21,9 @@ from _shared import REPO
 #: The tests that exercise the attachment points the series replaces, all on CPU: the trainer's set-up (mode,
 #: replay buffer with its poll interval and refill, worker class, no dataset), the rollout and agent-loop
 #: registrations, the agent loop's prompt cap, the plugin's start-up checks, the weight-sync socket, the log-prob
-#: fallback, the resident engine's micro-batches, the reward manager's class setup, and, against TransferQueue, the
-#: prompts' hand-off to the agent loop and the step's stages (balancing, old log-probs, the per-slot and the fused
-#: update with the actor mesh's data-parallel size).
+#: fallback, the resident engine's class and micro-batches, the reward manager's class setup, and, against
+#: TransferQueue, the prompts' hand-off to the agent loop and the step's stages (balancing, old log-probs, the per-slot
+#: and the fused update with the actor mesh's data-parallel size).
 VERL_FACING = ("tests/trainer/test_trainer.py", "tests/rollout", "tests/project/test_plugin.py",
                "tests/workers/test_logprobs.py", "tests/workers/test_resident_verl_engine.py",
                "tests/reward/test_reward_manager.py", "tests/trainer/test_trainer_tq.py")
@@ -32,7 +32,7 @@ FLAGS = ("has_register_rollout", "has_agent_loop_query", "trainer_declares_async
          "has_chunked_logprobs", "has_weight_sync_job_id", "poll_interval_from_config", "trainer_without_dataset",
          "has_public_prompt_cap", "has_save_hook", "has_engine_micro_batch_hook", "has_public_save",
          "has_reward_class_setup", "has_engine_port_blocks", "has_before_load_hook", "has_public_step_stages",
-         "has_public_dispatch_info", "has_public_prompt_submission")
+         "has_public_dispatch_info", "has_public_prompt_submission", "engine_class_from_config")
 
 
 def _public_only_env(root) -> dict[str, str]:

@@ -65,3 +65,43 @@ def test_resident_is_the_default_and_the_padded_recipes_keep_the_bank():
         pcfg = load_config(cfg.populora)
         assert pcfg.population.adapter_layout == layout, name
         verl_config.validate_verl_config(cfg, pcfg)  # each recipe as shipped passes its own layout's checks
+
+
+def test_resident_runs_name_the_resident_engine_where_verl_reads_engine_class(monkeypatch, tmp_path):
+    from omegaconf import OmegaConf
+
+    from populora_verl import verl_compat
+    from populora_verl.trainer.trainer import ENGINE_CLASS_KEY, use_resident_engine
+    from populora_verl.workers.resident_engine import RESIDENT_ENGINE_FQN
+
+    def cfg(*overrides):
+        return compose_recipe("qwen1.5b_1gpu_2t2s", ["actor_rollout_ref.model.path=/m", RESIDENT, *overrides])
+
+    def engine_class(c):
+        return OmegaConf.select(c, ENGINE_CLASS_KEY, default=None)
+
+    if not verl_compat.engine_class_from_config():  # verl 0.9.1: nothing is set, the worker swaps the class
+        c = cfg()
+        assert use_resident_engine(c, ["resident"]) is False and engine_class(c) is None
+        monkeypatch.setattr(verl_compat, "engine_class_from_config", lambda: True)
+    c = cfg()
+    assert use_resident_engine(c, ["resident"]) is True and engine_class(c) == RESIDENT_ENGINE_FQN
+    for layouts in (["bank"], ["resident", "bank"]):  # a bank population anywhere in the run keeps verl's engine
+        c = cfg()
+        assert use_resident_engine(c, layouts) is False and engine_class(c) is None
+
+    # a user's own engine is kept when it extends the resident one, refused in one line otherwise
+    (tmp_path / "my_resident.py").write_text(
+        "from populora_verl.workers.resident_engine import ResidentFSDPEngineWithLMHead\n"
+        "class Mine(ResidentFSDPEngineWithLMHead):\n    pass\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    c = cfg()
+    OmegaConf.update(c, ENGINE_CLASS_KEY, "my_resident.Mine", force_add=True)
+    assert use_resident_engine(c, ["resident"]) is True and engine_class(c) == "my_resident.Mine"
+    plain = "verl.workers.engine.fsdp.transformer_impl.FSDPEngineWithLMHead"
+    OmegaConf.update(c, ENGINE_CLASS_KEY, plain, force_add=True)
+    with pytest.raises(ConfigError) as e:
+        use_resident_engine(c, ["resident"])
+    msg = str(e.value)
+    assert msg.startswith(ENGINE_CLASS_KEY + ":") and plain in msg and "\n" not in msg

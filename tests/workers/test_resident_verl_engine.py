@@ -87,7 +87,10 @@ def verl_engine(resident_slots: bool, *, vocab: int = VOCAB, hidden: int = 32, i
     cfg._attn_implementation = varlen_attention.NAME
     model = get_peft_model(transformers.Qwen2ForCausalLM(cfg), LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=[
         "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
-    eng = transformer_impl.FSDPEngineWithLMHead.__new__(transformer_impl.FSDPEngineWithLMHead)
+    cls = transformer_impl.FSDPEngineWithLMHead
+    if resident_slots and verl_compat.engine_class_from_config():
+        cls = resident_engine.ResidentFSDPEngineWithLMHead  # what verl builds from the engine_class the trainer sets
+    eng = cls.__new__(cls)
     eng.module = model
     eng.optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, weight_decay=0.01)
     eng.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(eng.optimizer, lambda s: 1.0)
@@ -306,3 +309,22 @@ def test_one_slot_update_and_log_probs_peak_at_the_banks_memory_plus_one_copy_of
         (peak, micro), (bank_peak, bank_micro) = got[phase], want[phase]
         assert peak <= bank_peak + slot_bytes, (phase, micro, bank_micro, peak, bank_peak, slot_bytes)
         assert micro == [144, 144] and sorted(bank_micro) == [144, 144], (phase, micro, bank_micro)
+
+
+def test_install_attaches_the_store_to_the_engine_verl_built_and_swaps_only_another():
+    from verl.utils.import_utils import load_class_from_fqn
+
+    resident_cls = resident_engine.ResidentFSDPEngineWithLMHead
+    assert load_class_from_fqn(resident_engine.RESIDENT_ENGINE_FQN) is resident_cls
+    assert issubclass(resident_cls, transformer_impl.FSDPEngineWithLMHead)
+    store = object()
+    built = resident_cls.__new__(resident_cls)  # verl's worker built the class named in engine_class
+    assert resident_engine.install(built, store) is built
+    assert type(built) is resident_cls and built.populora_resident is store
+    plain = transformer_impl.FSDPEngineWithLMHead.__new__(transformer_impl.FSDPEngineWithLMHead)
+    if verl_compat.public_only():  # the series applied: the class swap is a private path
+        with pytest.raises(verl_compat.PrivateVerlUse):
+            resident_engine.install(plain, store)
+    else:  # verl 0.9.1: the engine's class becomes the same resident class
+        resident_engine.install(plain, store)
+        assert type(plain) is resident_cls and plain.populora_resident is store
