@@ -12,6 +12,7 @@ no such name against a patched verl. Nothing here imports vLLM; the checks impor
 
 from __future__ import annotations
 
+import ast
 import functools
 import importlib
 import importlib.util
@@ -41,6 +42,10 @@ __all__ = [
     "has_public_step_stages",
     "has_public_dispatch_info",
     "has_public_prompt_submission",
+    "max_loras_from_engine_kwargs",
+    "has_per_request_lora",
+    "has_agent_loop_lora_field",
+    "has_per_id_weight_sync",
 ]
 
 #: ``1``: a fallback onto a private name that a public API replaces raises (the series-applied test sets it).
@@ -222,4 +227,84 @@ def has_public_prompt_submission() -> bool:
     own overrides) and ``submit_batch_to_rollout`` (the hand-off of a prompt batch to the agent loop)."""
     return _has("verl.trainer.ppo.v1.trainer_base", "PPOTrainer", "add_prompts_to_generate") and _has(
         "verl.trainer.ppo.v1.trainer_base", "PPOTrainer", "submit_batch_to_rollout"
+    )
+
+
+# --- the vLLM side (0001-0003) ---------------------------------------------------------------------------------------
+# verl's vLLM modules import vLLM at import time, and the driver (and the CPU tests) may have no vLLM: these checks
+# read the installed verl's source instead of importing it.
+
+
+def _verl_function(relpath: str, cls: str, func: str) -> ast.FunctionDef | ast.AsyncFunctionDef | None:
+    """The definition of ``cls.func`` in the installed verl's ``relpath`` (relative to the ``verl`` package), parsed
+    from source; None where the file, class or method is missing."""
+    spec = importlib.util.find_spec("verl")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    try:
+        tree = ast.parse((Path(spec.submodule_search_locations[0]) / relpath).read_text(encoding="utf-8"))
+    except (OSError, SyntaxError):
+        return None
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef) and node.name == cls:
+            for item in node.body:
+                if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)) and item.name == func:
+                    return item
+    return None
+
+
+def _arg_names(fn: ast.FunctionDef | ast.AsyncFunctionDef | None) -> set[str]:
+    if fn is None:
+        return set()
+    a = fn.args
+    return {x.arg for x in (*a.posonlyargs, *a.args, *a.kwonlyargs)}
+
+
+def _reads_key(fn: ast.FunctionDef | ast.AsyncFunctionDef | None, key: str) -> bool:
+    """Whether ``fn`` reads ``key`` from a mapping (``x.get(key...)`` or ``x[key]``)."""
+    for node in ast.walk(fn) if fn is not None else ():
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get":
+            if node.args and isinstance(node.args[0], ast.Constant) and node.args[0].value == key:
+                return True
+        if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant) and node.slice.value == key:
+            return True
+    return False
+
+
+VLLM_SERVER_FILE = "workers/rollout/vllm_rollout/vllm_async_server.py"
+
+
+@functools.cache
+def max_loras_from_engine_kwargs() -> bool:
+    """0001: ``vLLMHttpServer.launch_server`` passes ``rollout.engine_kwargs.vllm.max_loras`` to vLLM instead of
+    forcing 1 (``max_cpu_loras`` passed through already)."""
+    return _reads_key(_verl_function(VLLM_SERVER_FILE, "vLLMHttpServer", "launch_server"), "max_loras")
+
+
+@functools.cache
+def has_per_request_lora() -> bool:
+    """0002, the server: ``vLLMHttpServer.generate(..., lora={"lora_int_id", "lora_name"})`` serves the request with
+    that resident adapter (and raises if it is not loaded), on both legs of the prefill/decode path."""
+    return "lora" in _arg_names(
+        _verl_function(VLLM_SERVER_FILE, "vLLMHttpServer", "generate")
+    ) and "lora" in _arg_names(_verl_function(VLLM_SERVER_FILE, "vLLMHttpServer", "_pd_dispatch"))
+
+
+@functools.cache
+def has_agent_loop_lora_field() -> bool:
+    """0002, the agent loop: ``SingleTurnAgentLoop.run`` forwards a prompt field ``lora`` to the server's
+    ``generate``."""
+    run = _verl_function("experimental/agent_loop/single_turn_agent_loop.py", "SingleTurnAgentLoop", "run")
+    return _reads_key(run, "lora")
+
+
+@functools.cache
+def has_per_id_weight_sync() -> bool:
+    """0003: verl's vLLM colocate worker extension loads a synced adapter under the caller's ``lora_int_id`` /
+    ``lora_name`` (``update_weights_from_ipc`` and the ``_update_weights`` it calls), instead of the fixed id 123."""
+    utils = "workers/rollout/vllm_rollout/utils.py"
+    ext = "vLLMColocateWorkerExtension"
+    return all(
+        {"lora_int_id", "lora_name"} <= _arg_names(_verl_function(utils, ext, f))
+        for f in ("update_weights_from_ipc", "_update_weights")
     )

@@ -252,17 +252,23 @@ PRIVATE: tuple[PrivateName, ...] = (
         "_preprocess_engine_kwargs",
         VLLM_SERVER,
         (("override", "populora_verl.rollout.routing"),),
-        "reads max_loras / max_cpu_loras before verl forces max_loras=1, and builds the live-adapter registry",
+        "reads max_loras / max_cpu_loras before verl forces max_loras=1, and builds the live-adapter registry; "
+        "defined only where verl forces it",
         "0001-vllm-configurable-max-loras.patch",
         "self, engine_kwargs: dict",
+        "rollout.engine_kwargs.vllm.max_loras, passed to vLLM by vLLMHttpServer.launch_server (the registry is "
+        "sized from the same keys in the server's launch_server)",
     ),
     PrivateName(
         "_get_worker_extension_cls",
         VLLM_SERVER,
         (("override", "populora_verl.rollout.vllm_server"),),
-        "loads PopuLoRAWorkerExtension (per-id weight sync) into vLLM's workers",
+        "loads PopuLoRAWorkerExtension (per-id weight sync) into vLLM's workers; defined only where verl's "
+        "extension loads every adapter under its fixed id",
         "0003-vllm-multi-adapter-weight-sync.patch",
         "self",
+        "verl's own extension, update_weights_from_ipc(lora_int_id, lora_name); the server retires old ids through "
+        "vLLM's remove_lora",
     ),
     PrivateName(
         "_disaggregation_role",
@@ -270,13 +276,16 @@ PRIVATE: tuple[PrivateName, ...] = (
         (("use", "populora_verl.rollout.vllm_server"),),
         "refuses prefill/decode disaggregation, whose path would drop the request's adapter",
         "0002-vllm-per-request-lora.patch",
+        series_api="rollout.disaggregation.enabled (config): the prefill/decode path forwards generate(lora=...), "
+        "but the backend's replica launches no prefill/decode servers, so the setting is still refused",
     ),
     PrivateName(
         "_get_server_name_prefix",
         "workers/rollout/vllm_rollout/vllm_async_server.py:vLLMReplica",
         (("override", "populora_verl.rollout.vllm_server"),),
         "verl's ServerAdapter finds the server as '<rollout.name>_server...' while vLLMReplica names it "
-        "'vllm_...'; a backend under its own name must rename its servers",
+        "'vllm_...'; a backend under its own name must rename its servers. Still used with the series: the plugin "
+        "keeps its own backend (its server holds the live-adapter registry and retires old ids, which verl's does not)",
         "0002-vllm-per-request-lora.patch",
         "self",
     ),
@@ -292,9 +301,11 @@ PRIVATE: tuple[PrivateName, ...] = (
         "_update_weights",
         "workers/rollout/vllm_rollout/utils.py:vLLMColocateWorkerExtension",
         (("override", "populora_verl.rollout.vllm_extension"),),
-        "loads each adapter under its own LoRA id instead of verl's fixed id 123",
+        "loads each adapter under its own LoRA id instead of verl's fixed id 123 (PopuLoRAWorkerExtension is "
+        "defined only where verl's extension lacks the id)",
         "0003-vllm-multi-adapter-weight-sync.patch",
         "self, weights: list[tuple[str, torch.Tensor]], peft_config: dict, base_sync_done: bool",
+        "vLLMColocateWorkerExtension.update_weights_from_ipc(lora_int_id, lora_name), one transfer per adapter",
     ),
     PrivateName(
         "_cap_text_prompt_length",
@@ -333,12 +344,14 @@ RUNTIME_PATCHES: tuple[RuntimePatch, ...] = (
         "vLLMHttpServer.engine (wrapped in LoraRoutingEngine)",
         "verl's generate sends the fixed LoRA id 123; the wrapper substitutes the request's adapter",
         "0002-vllm-per-request-lora.patch",
+        series_api="vLLMHttpServer.generate(lora=...)",
     ),
     RuntimePatch(
         "populora_verl.rollout.agent_loop",
         "AgentLoopBase.server_manager (wrapped in LoraInjectingClient)",
         "verl's single-turn loop does not forward a prompt field to generate; the wrapper adds the prompt's adapter",
         "0002-vllm-per-request-lora.patch",
+        series_api="SingleTurnAgentLoop forwards the prompt field lora to generate",
     ),
     RuntimePatch(
         "populora_verl.rollout.weight_sync",

@@ -1,9 +1,11 @@
 """``populora_agent``: verl's single-turn agent loop, with each prompt's adapter passed to the rollout server.
 
 Every prompt field reaches ``AgentLoopBase.run(**kwargs)``; ours is ``populora`` (a dict with ``lora_int_id`` and
-optionally ``lora_name``, ``slot``, ``role``, ``task``). The loop hands ``populora_lora={lora_int_id, lora_name}`` to
-``LLMServerClient.generate``, which forwards unknown kwargs to ``PopuLoRAvLLMHttpServer.generate``. A prompt without a
-usable ``populora`` field fails before any token is generated.
+optionally ``lora_name``, ``slot``, ``role``, ``task``). Where verl's single-turn loop forwards a prompt field ``lora``
+to the server's ``generate`` (the series' per-request adapter), the loop hands it ``lora={lora_int_id, lora_name}``;
+on verl 0.9.1, which forwards no prompt field, it wraps the server client (:class:`LoraInjectingClient`), whose
+``generate`` adds ``populora_lora={lora_int_id, lora_name}``. ``LLMServerClient.generate`` forwards either to
+``PopuLoRAvLLMHttpServer.generate``. A prompt without a usable ``populora`` field fails before any token is generated.
 """
 
 from __future__ import annotations
@@ -67,6 +69,12 @@ def _ignores_eos(config: Any, sampling_params: Mapping[str, Any]) -> bool:
     return bool(OmegaConf.select(config, "actor_rollout_ref.rollout.ignore_eos", default=False))
 
 
+def _forwards_lora_field() -> bool:
+    """Whether verl's single-turn loop passes the prompt field ``lora`` to the server and verl's vLLM server serves
+    it (both halves of the series' per-request adapter)."""
+    return verl_compat.has_agent_loop_lora_field() and verl_compat.has_per_request_lora()
+
+
 class LoraInjectingClient:
     """Wraps an ``LLMServerClient``: ``generate`` adds the current prompt's ``populora_lora``; all else delegates."""
 
@@ -91,7 +99,8 @@ class PopuLoRAAgentLoop(SingleTurnAgentLoop):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        if not isinstance(self.server_manager, LoraInjectingClient):
+        if not _forwards_lora_field() and not isinstance(self.server_manager, LoraInjectingClient):
+            verl_compat.private_path("populora_verl.rollout.agent_loop")
             self.server_manager = LoraInjectingClient(self.server_manager)
         self.stop_ids = _stop_ids(self.tokenizer, self.config)
 
@@ -105,6 +114,11 @@ class PopuLoRAAgentLoop(SingleTurnAgentLoop):
             given = list(sampling_params.get("stop_token_ids") or [])
             sampling_params = {**sampling_params, "stop_token_ids": given + [i for i in stops if i not in given]}
         text = raw_text_prompt(kwargs.get(POPULORA_FIELD), kwargs.get("raw_prompt", ()))
+        if _forwards_lora_field():
+            # verl's loop hands the prompt field "lora" to the server's generate(lora=...)
+            if kwargs.get("lora") is not None and dict(kwargs["lora"]) != spec:
+                raise RuntimeError(f"populora_agent: conflicting adapters {kwargs['lora']} and {spec}")
+            kwargs = {**kwargs, "lora": spec}
         token, text_token = _PROMPT_LORA.set(spec), _PROMPT_TEXT.set(text)
         try:
             output = await super().run(sampling_params, **kwargs)

@@ -2,22 +2,36 @@
 
 :class:`PopuLoRAServerMixin` holds everything ``PopuLoRAvLLMHttpServer`` adds to verl's ``vLLMHttpServer``; it is
 mixed in front of the real server class in :mod:`populora_verl.rollout.vllm_server` and in front of a fake one in the
-CPU tests. It relies only on the server attributes ``engine`` (vLLM ``AsyncLLM``), ``collective_rpc``, ``generate``,
-``run_server``, ``run_headless`` and ``_preprocess_engine_kwargs`` of verl 0.9.1 (guarded by the signature-drift test).
+CPU tests. Where the installed verl has the vLLM-side patches of the series (:mod:`populora_verl.verl_compat`), it
+uses verl's public API; on verl 0.9.1 it relies on the server attributes ``engine`` (vLLM ``AsyncLLM``),
+``run_server``, ``run_headless`` and ``_preprocess_engine_kwargs`` (guarded by the signature-drift test):
+
+* ``max_loras``: verl passes ``rollout.engine_kwargs.vllm.max_loras`` (0001), else ``_preprocess_engine_kwargs``
+  and ``run_server``/``run_headless`` put it back after verl forced 1;
+* the request's adapter: ``generate(lora=...)`` (0002), else ``self.engine`` is wrapped (:class:`LoraRoutingEngine`);
+* weight sync: verl's worker extension loads the adapter under the caller's id (0003) and this server retires old
+  ids through vLLM's ``remove_lora``, else the plugin's worker extension does both
+  (:mod:`populora_verl.rollout.vllm_extension`).
+
+Either way the live-adapter registry is kept here, from the weight-sync RPCs, and consulted before every request.
 """
 
 from __future__ import annotations
 
 import contextvars
 import copy
+from collections.abc import Mapping
 from typing import Any, Callable
 
+from populora_verl import verl_compat
 from populora_verl.rollout.lora_registry import (
+    LORA_ID_BASE,
     LiveLoraRegistry,
     LoraCapacity,
     PopuLoRARoutingError,
     lora_spec_from_prompt,
     lora_targets,
+    parse_lora_name,
 )
 
 __all__ = ["LoraRoutingEngine", "PopuLoRAServerMixin", "current_lora_request"]
@@ -66,14 +80,31 @@ class PopuLoRAServerMixin:
         # The concrete server builds vLLM's LoRARequest; the mixin stays importable without vLLM (tests use fakes).
         raise TypeError(f"{type(self).__name__} must define _make_lora_request (PopuLoRAvLLMHttpServer does)")
 
-    # --- launch: undo verl's max_loras=1 ---------------------------------------------------------------------
+    # --- launch: the adapter capacity ------------------------------------------------------------------------
 
-    def _preprocess_engine_kwargs(self, engine_kwargs: dict) -> None:
-        super()._preprocess_engine_kwargs(engine_kwargs)
+    def _populora_set_capacity(self, engine_kwargs: Mapping[str, Any]) -> None:
         self._populora_capacity = LoraCapacity.from_engine_kwargs(engine_kwargs)
         self._populora_registry = LiveLoraRegistry(self._populora_capacity)
 
+    if verl_compat.max_loras_from_engine_kwargs():
+        # verl hands rollout.engine_kwargs.vllm.{max_loras, max_cpu_loras} to vLLM itself: the registry is sized
+        # from the same keys, read as verl reads them (unset values dropped), before verl starts the engine.
+        async def launch_server(self, *args: Any, **kwargs: Any) -> Any:
+            engine_kwargs = (self.config.get("engine_kwargs", {}) or {}).get("vllm", {}) or {}
+            self._populora_set_capacity({k: v for k, v in engine_kwargs.items() if v is not None})
+            return await super().launch_server(*args, **kwargs)
+
+    else:
+        # verl 0.9.1 forces max_loras=1 after this hook: read the configured values here, put them back in
+        # run_server / run_headless (the last hooks before vLLM reads them).
+        def _preprocess_engine_kwargs(self, engine_kwargs: dict) -> None:
+            verl_compat.private_path("_preprocess_engine_kwargs")
+            super()._preprocess_engine_kwargs(engine_kwargs)
+            self._populora_set_capacity(engine_kwargs)
+
     def _apply_lora_capacity(self, args: Any) -> None:
+        if verl_compat.max_loras_from_engine_kwargs():
+            return  # verl passed the configured values
         if self._populora_capacity is None:
             raise RuntimeError("populora_vllm: LoRA capacity unknown (launch_server did not run)")
         args.max_loras = self._populora_capacity.max_loras
@@ -82,7 +113,10 @@ class PopuLoRAServerMixin:
     async def run_server(self, args: Any) -> None:
         self._apply_lora_capacity(args)
         await super().run_server(args)
-        self.engine = LoraRoutingEngine(self.engine)
+        if not verl_compat.has_per_request_lora():
+            # verl 0.9.1's generate always sends its fixed adapter id: substitute the request's in the engine.
+            verl_compat.private_path("populora_verl.rollout.routing")
+            self.engine = LoraRoutingEngine(self.engine)
 
     async def run_headless(self, args: Any) -> None:
         self._apply_lora_capacity(args)
@@ -100,18 +134,49 @@ class PopuLoRAServerMixin:
         kwargs = dict(kwargs or {})
         lora_id = kwargs.get("lora_int_id")
         if method == "update_weights_from_ipc" and kwargs.get("lora_targets") is not None:
+            if verl_compat.has_per_id_weight_sync():
+                # verl's extension takes one adapter per transfer; the worker sends one transfer per adapter there
+                raise ValueError("lora_targets needs the PopuLoRA worker extension (verl without per-id weight sync)")
             return await self._populora_update_several(method, timeout, args, kwargs)
-        if method != "update_weights_from_ipc" or lora_id is None:
+        if method != "update_weights_from_ipc":
+            return await super().collective_rpc(method, timeout=timeout, args=args, kwargs=kwargs)
+        if lora_id is None:
+            if verl_compat.has_per_id_weight_sync() and kwargs.get("peft_config") and kwargs.get("base_sync_done"):
+                # verl would load the adapter under its fixed id 123, which no PopuLoRA request names
+                raise ValueError("populora_vllm adapter sync needs lora_int_id and lora_name (see PopuLoRA worker)")
             return await super().collective_rpc(method, timeout=timeout, args=args, kwargs=kwargs)
         registry = self._registry()
-        registry.begin_update(int(lora_id), str(kwargs.get("lora_name")), kwargs.get("retire_lora_int_ids") or ())
+        retire = tuple(kwargs.get("retire_lora_int_ids") or ())
+        registry.begin_update(int(lora_id), str(kwargs.get("lora_name")), retire)
         try:
+            if verl_compat.has_per_id_weight_sync():
+                kwargs = await self._populora_verl_adapter_sync(kwargs, retire)
             result = await super().collective_rpc(method, timeout=timeout, args=args, kwargs=kwargs)
         except BaseException:
             registry.abort_update(int(lora_id))
             raise
         registry.commit_update(int(lora_id))
         return result
+
+    async def _populora_verl_adapter_sync(self, kwargs: dict[str, Any], retire: tuple) -> dict[str, Any]:
+        """verl's extension (re)loads the adapter under the caller's id and name: check them as the plugin's extension
+        did, free the retired versions' cache room first (vLLM's worker ``remove_lora``), and pass verl only the
+        keys it takes."""
+        if not (kwargs.get("peft_config") and kwargs.get("base_sync_done")):
+            raise ValueError("lora_int_id is only meaningful for an adapter sync (peft_config and base_sync_done)")
+        lora_id = int(kwargs["lora_int_id"])
+        if lora_id < LORA_ID_BASE:
+            raise ValueError(f"lora_int_id {lora_id} is not a PopuLoRA id (>= {LORA_ID_BASE})")
+        parse_lora_name(kwargs.get("lora_name"))
+        await self._populora_remove(retire)
+        kwargs.pop("retire_lora_int_ids", None)
+        return {**kwargs, "lora_int_id": lora_id, "lora_name": str(kwargs["lora_name"])}
+
+    async def _populora_remove(self, lora_int_ids: Any) -> None:
+        """Drop adapters from every vLLM worker's cache, one ``remove_lora`` RPC each (vLLM's worker method; an id
+        that is not cached is a no-op there)."""
+        for lid in lora_int_ids:
+            await super().collective_rpc("remove_lora", args=(int(lid),))
 
     async def _populora_update_several(
         self, method: str, timeout: float | None, args: tuple, kwargs: dict[str, Any]
@@ -141,7 +206,10 @@ class PopuLoRAServerMixin:
         """Take ids out of service and out of vLLM's cache (e.g. slots removed from the population)."""
         ids = [int(i) for i in lora_int_ids]
         self._registry().retire(ids)
-        await super().collective_rpc("populora_remove_loras", kwargs={"lora_int_ids": ids})
+        if verl_compat.has_per_id_weight_sync():
+            await self._populora_remove(ids)  # the plugin's worker extension is not loaded
+        else:
+            await super().collective_rpc("populora_remove_loras", kwargs={"lora_int_ids": ids})
 
     async def populora_live_loras(self) -> dict[str, Any]:
         """Registry state plus the ids vLLM actually holds (start-up checks, debugging)."""
@@ -157,18 +225,40 @@ class PopuLoRAServerMixin:
 
     # --- generation ------------------------------------------------------------------------------------------
 
-    async def _populora_lora_request(self, populora_lora: Any) -> Any:
-        spec = lora_spec_from_prompt(populora_lora)
+    async def _populora_resolve(self, spec: Any) -> tuple[int, str]:
+        """The live ``(lora_int_id, lora_name)`` a request's adapter field names; raises for an adapter that is
+        missing, unknown, retired or evicted from vLLM's cache."""
+        spec = lora_spec_from_prompt(spec)
         registry = self._registry()
         lora_id, name = registry.resolve(spec["lora_int_id"], spec["lora_name"])
         registry.check_loaded(lora_id, await self.engine.list_loras())
-        return self._make_lora_request(lora_id, name)
+        return lora_id, name
+
+    async def _populora_lora_request(self, populora_lora: Any) -> Any:
+        return self._make_lora_request(*await self._populora_resolve(populora_lora))
 
     async def generate(
-        self, prompt_ids, sampling_params, request_id, *args: Any, populora_lora: Any = None, **kwargs: Any
+        self,
+        prompt_ids,
+        sampling_params,
+        request_id,
+        *args: Any,
+        populora_lora: Any = None,
+        lora: Any = None,
+        **kwargs: Any,
     ):
-        """verl's ``generate`` served by the request's adapter; ``populora_lora = {"lora_int_id", "lora_name"?}``."""
-        request = await self._populora_lora_request(populora_lora)
+        """verl's ``generate`` served by the request's adapter, ``{"lora_int_id", "lora_name"?}``: ``lora`` is the
+        field verl's agent loop forwards (0002), ``populora_lora`` the plugin's own callers' (the probes)."""
+        if lora is not None and populora_lora is not None and lora != populora_lora:
+            raise PopuLoRARoutingError(f"conflicting adapters {lora} and {populora_lora} for request {request_id}")
+        spec = populora_lora if populora_lora is not None else lora
+        if verl_compat.has_per_request_lora():
+            # verl builds the LoRARequest and refuses an id vLLM does not hold; the registry checked it is live
+            lora_id, name = await self._populora_resolve(spec)
+            kwargs["lora"] = {"lora_int_id": lora_id, "lora_name": name}
+            return await super().generate(prompt_ids, sampling_params, request_id, *args, **kwargs)
+        verl_compat.private_path("populora_verl.rollout.routing")
+        request = await self._populora_lora_request(spec)
         token = _REQUEST_LORA.set(request)
         try:
             return await super().generate(prompt_ids, sampling_params, request_id, *args, **kwargs)

@@ -2,7 +2,10 @@
 
 Loaded by vLLM's worker processes from the fully-qualified name returned by
 ``PopuLoRAvLLMHttpServer._get_worker_extension_cls()``; imports vLLM (through verl's extension) at import time, so
-nothing on the CPU/driver side imports this module.
+nothing on the CPU/driver side imports this module. Defined only for a verl whose own extension loads every adapter
+under verl's fixed id (0.9.1): where it takes the caller's ``lora_int_id`` / ``lora_name``, verl's extension is loaded
+and the server retires old ids itself (:class:`~populora_verl.rollout.routing.PopuLoRAServerMixin`), so the class is
+absent and a stale reference to it fails at once.
 """
 
 from __future__ import annotations
@@ -12,99 +15,107 @@ import logging
 from verl.utils.vllm import TensorLoRARequest
 from verl.workers.rollout.vllm_rollout.utils import VLLM_LORA_PATH, vLLMColocateWorkerExtension
 
+from populora_verl import verl_compat
 from populora_verl.rollout.lora_registry import LORA_ID_BASE, lora_targets, parse_lora_name, split_adapter_tensors
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["PopuLoRAWorkerExtension"]
+__all__ = [] if verl_compat.has_per_id_weight_sync() else ["PopuLoRAWorkerExtension"]
 
 
-class PopuLoRAWorkerExtension(vLLMColocateWorkerExtension):
-    """verl's colocate extension, with ``update_weights_from_ipc`` taking the target ``lora_int_id``/``lora_name``.
+if not verl_compat.has_per_id_weight_sync():
 
-    Without ``lora_int_id`` (base-weight sync, full-weight sync) it is verl's method unchanged.
-    """
+    class PopuLoRAWorkerExtension(vLLMColocateWorkerExtension):
+        """verl's colocate extension, with ``update_weights_from_ipc`` taking the target ``lora_int_id``/``lora_name``.
 
-    _populora_target: tuple[int, str] | None = None
-    _populora_targets: list | None = None  # several adapters in one transfer (LoraTarget)
+        Without ``lora_int_id`` (base-weight sync, full-weight sync) it is verl's method unchanged.
+        """
 
-    def update_weights_from_ipc(
-        self,
-        peft_config: dict = None,
-        base_sync_done=False,
-        use_shm: bool = False,
-        lora_int_id: int | None = None,
-        lora_name: str | None = None,
-        retire_lora_int_ids: list[int] | tuple[int, ...] = (),
-        lora_targets: list[dict] | None = None,
-    ):
-        if lora_targets is not None:
-            return self._populora_receive_several(peft_config, base_sync_done, use_shm, lora_targets)
-        if lora_int_id is None:
-            if peft_config and base_sync_done:
-                # verl's path would load the adapter as id 123, which no PopuLoRA request names.
-                raise ValueError("populora_vllm adapter sync needs lora_int_id and lora_name (see PopuLoRA worker)")
-            return super().update_weights_from_ipc(
-                peft_config=peft_config, base_sync_done=base_sync_done, use_shm=use_shm
-            )
-        if not (peft_config and base_sync_done):
-            raise ValueError("lora_int_id is only meaningful for an adapter sync (peft_config and base_sync_done)")
-        lora_int_id = int(lora_int_id)
-        if lora_int_id < LORA_ID_BASE:
-            raise ValueError(f"lora_int_id {lora_int_id} is not a PopuLoRA id (>= {LORA_ID_BASE})")
-        parse_lora_name(lora_name)
-        # Free cache room first (retired versions), then drop this id: vLLM's add_lora is a no-op for a cached id.
-        for rid in retire_lora_int_ids:
-            self.remove_lora(int(rid))
-        self.remove_lora(lora_int_id)
-        self._populora_target = (lora_int_id, str(lora_name))
-        try:
-            return super().update_weights_from_ipc(
-                peft_config=peft_config, base_sync_done=base_sync_done, use_shm=use_shm
-            )
-        finally:
-            self._populora_target = None
+        _populora_target: tuple[int, str] | None = None
+        _populora_targets: list | None = None  # several adapters in one transfer (LoraTarget)
 
-    def _populora_receive_several(self, peft_config, base_sync_done, use_shm, raw_targets):
-        """Every changed adapter of a step in one transfer; tensors are named per adapter
-        (:func:`populora_verl.rollout.lora_registry.tag_adapter_tensors`)."""
-        if not (peft_config and base_sync_done):
-            raise ValueError("lora_targets is only meaningful for an adapter sync (peft_config and base_sync_done)")
-        targets = lora_targets(raw_targets)
-        for t in targets:  # cache room first, then the ids to replace (add_lora is a no-op for a cached id)
-            for rid in t.retire:
+        def update_weights_from_ipc(
+            self,
+            peft_config: dict = None,
+            base_sync_done=False,
+            use_shm: bool = False,
+            lora_int_id: int | None = None,
+            lora_name: str | None = None,
+            retire_lora_int_ids: list[int] | tuple[int, ...] = (),
+            lora_targets: list[dict] | None = None,
+        ):
+            if lora_targets is not None:
+                return self._populora_receive_several(peft_config, base_sync_done, use_shm, lora_targets)
+            if lora_int_id is None:
+                if peft_config and base_sync_done:
+                    # verl's path would load the adapter as id 123, which no PopuLoRA request names.
+                    raise ValueError("populora_vllm adapter sync needs lora_int_id and lora_name (see PopuLoRA worker)")
+                return super().update_weights_from_ipc(
+                    peft_config=peft_config, base_sync_done=base_sync_done, use_shm=use_shm
+                )
+            if not (peft_config and base_sync_done):
+                raise ValueError("lora_int_id is only meaningful for an adapter sync (peft_config and base_sync_done)")
+            lora_int_id = int(lora_int_id)
+            if lora_int_id < LORA_ID_BASE:
+                raise ValueError(f"lora_int_id {lora_int_id} is not a PopuLoRA id (>= {LORA_ID_BASE})")
+            parse_lora_name(lora_name)
+            # Free cache room first (retired versions), then drop this id: vLLM's add_lora is a no-op for a cached id.
+            for rid in retire_lora_int_ids:
                 self.remove_lora(int(rid))
-        for t in targets:
-            self.remove_lora(t.lora_int_id)
-        self._populora_targets = targets
-        try:
-            return super().update_weights_from_ipc(
-                peft_config=peft_config, base_sync_done=base_sync_done, use_shm=use_shm
+            self.remove_lora(lora_int_id)
+            self._populora_target = (lora_int_id, str(lora_name))
+            try:
+                return super().update_weights_from_ipc(
+                    peft_config=peft_config, base_sync_done=base_sync_done, use_shm=use_shm
+                )
+            finally:
+                self._populora_target = None
+
+        def _populora_receive_several(self, peft_config, base_sync_done, use_shm, raw_targets):
+            """Every changed adapter of a step in one transfer; tensors are named per adapter
+            (:func:`populora_verl.rollout.lora_registry.tag_adapter_tensors`)."""
+            if not (peft_config and base_sync_done):
+                raise ValueError("lora_targets is only meaningful for an adapter sync (peft_config and base_sync_done)")
+            targets = lora_targets(raw_targets)
+            for t in targets:  # cache room first, then the ids to replace (add_lora is a no-op for a cached id)
+                for rid in t.retire:
+                    self.remove_lora(int(rid))
+            for t in targets:
+                self.remove_lora(t.lora_int_id)
+            self._populora_targets = targets
+            try:
+                return super().update_weights_from_ipc(
+                    peft_config=peft_config, base_sync_done=base_sync_done, use_shm=use_shm
+                )
+            finally:
+                self._populora_targets = None
+
+        def _update_weights(self, weights, peft_config: dict, base_sync_done: bool):
+            verl_compat.private_path("_update_weights")
+            if self._populora_targets is not None and peft_config and base_sync_done:
+                groups = split_adapter_tensors(weights, [t.lora_int_id for t in self._populora_targets])
+                for t in self._populora_targets:
+                    self._populora_add(t.lora_int_id, t.lora_name, groups[t.lora_int_id].items(), peft_config)
+                return
+            target = self._populora_target
+            if target is None or not (peft_config and base_sync_done):
+                return super()._update_weights(weights, peft_config=peft_config, base_sync_done=base_sync_done)
+            self._populora_add(*target, weights, peft_config)
+
+        def _populora_add(self, lora_id: int, name: str, weights, peft_config: dict) -> None:
+            # Clone: vLLM keeps the tensors (and may scale lora_B in place); the IPC bucket buffer is reused.
+            tensors = {n: t.clone() for n, t in weights}
+            request = TensorLoRARequest(
+                lora_name=name,
+                lora_int_id=lora_id,
+                lora_path=VLLM_LORA_PATH,
+                peft_config=peft_config,
+                lora_tensors=tensors,
             )
-        finally:
-            self._populora_targets = None
+            if not self.add_lora(request):
+                raise RuntimeError(f"vLLM refused adapter {name} (lora_int_id {lora_id})")
+            logger.info("populora: loaded adapter %s as lora_int_id %d (%d tensors)", name, lora_id, len(tensors))
 
-    def _update_weights(self, weights, peft_config: dict, base_sync_done: bool):
-        if self._populora_targets is not None and peft_config and base_sync_done:
-            groups = split_adapter_tensors(weights, [t.lora_int_id for t in self._populora_targets])
-            for t in self._populora_targets:
-                self._populora_add(t.lora_int_id, t.lora_name, groups[t.lora_int_id].items(), peft_config)
-            return
-        target = self._populora_target
-        if target is None or not (peft_config and base_sync_done):
-            return super()._update_weights(weights, peft_config=peft_config, base_sync_done=base_sync_done)
-        self._populora_add(*target, weights, peft_config)
-
-    def _populora_add(self, lora_id: int, name: str, weights, peft_config: dict) -> None:
-        # Clone: vLLM keeps the tensors (and may scale lora_B in place); the IPC bucket buffer is reused.
-        tensors = {n: t.clone() for n, t in weights}
-        request = TensorLoRARequest(
-            lora_name=name, lora_int_id=lora_id, lora_path=VLLM_LORA_PATH, peft_config=peft_config, lora_tensors=tensors
-        )
-        if not self.add_lora(request):
-            raise RuntimeError(f"vLLM refused adapter {name} (lora_int_id {lora_id})")
-        logger.info("populora: loaded adapter %s as lora_int_id %d (%d tensors)", name, lora_id, len(tensors))
-
-    def populora_remove_loras(self, lora_int_ids: list[int]) -> list[int]:
-        """Drop adapters from this worker's cache; returns the ids that were present."""
-        return [int(i) for i in lora_int_ids if self.remove_lora(int(i))]
+        def populora_remove_loras(self, lora_int_ids: list[int]) -> list[int]:
+            """Drop adapters from this worker's cache; returns the ids that were present."""
+            return [int(i) for i in lora_int_ids if self.remove_lora(int(i))]

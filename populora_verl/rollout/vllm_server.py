@@ -2,16 +2,17 @@
 
 verl 0.9.1's ``vLLMHttpServer`` forces ``max_loras=1`` and sends the fixed ``LoRARequest`` id 123 with every request
 (reference §4.1). The subclasses here, registered under a new backend name (the ``vllm`` entry is process-global and
-stays untouched):
+stays untouched), serve each request with the adapter it names and keep a :class:`LiveLoraRegistry` updated from the
+weight-sync RPCs, consulted (with vLLM's cache) before every request: an unknown, retired or evicted id raises, and a
+request without an adapter raises. The logic is in :class:`~populora_verl.rollout.routing.PopuLoRAServerMixin`, which
+takes verl's public API where the installed verl has the vLLM-side patches of the series (``max_loras`` from the
+engine kwargs, ``generate(lora=...)``, per-id weight sync) and on verl 0.9.1 overrides the private hooks instead.
 
-* raise ``max_loras``/``max_cpu_loras`` back to ``rollout.engine_kwargs.vllm.{max_loras,max_cpu_loras}`` in
-  ``run_server``/``run_headless``, the last hook before vLLM reads them;
-* wrap ``self.engine`` (``routing.LoraRoutingEngine``) so ``generate`` takes its ``LoRARequest`` from a context
-variable that
-  :meth:`PopuLoRAvLLMHttpServer.generate` sets from the request's ``populora_lora`` (asyncio gives every Ray call its
-  own context, so concurrent requests never see each other's adapter);
-* keep a :class:`LiveLoraRegistry` updated from the weight-sync RPCs and consult it (and vLLM's cache) before every
-  request: an unknown, retired or evicted id raises, and a request without an adapter raises.
+The backend keeps its own name with the series too: verl's ``vllm`` backend builds verl's own server, which has no
+live-adapter registry (a request for a retired version would be served if vLLM still cached it) and does not retire
+an adapter's old versions from vLLM's cache, so the population would fill it. Replacing verl's ``vllm`` entry instead
+would change every vLLM rollout in the process, and ``register_rollout`` refuses a taken name. The price is the server
+name prefix below, which no patch of the series makes public.
 
 Imports vLLM at import time: only loaded through :func:`populora_verl.rollout.register`'s lazy loader.
 """
@@ -57,13 +58,25 @@ class PopuLoRAvLLMHttpServer(PopuLoRAServerMixin, vLLMHttpServer):
         if self.config.data_parallel_size == 1 and not verl_compat.has_engine_port_blocks():
             verl_compat.private_path("populora_verl.rollout.engine_ports")
             export_engine_port(self.replica_rank, ray.get_runtime_context().get_node_id())
-        if self._disaggregation_role != "null":
-            raise ValueError("populora_vllm does not support prefill/decode disaggregation")
+        if verl_compat.has_per_request_lora():
+            # verl's prefill/decode path forwards the request's adapter, but this backend's replica launches plain
+            # servers only (verl picks its PD replica for the "vllm" name): refuse the setting, read from the config.
+            if self.config.disaggregation.enabled:
+                raise ValueError("populora_vllm does not support prefill/decode disaggregation")
+        else:
+            verl_compat.private_path("_disaggregation_role")
+            if self._disaggregation_role != "null":
+                raise ValueError("populora_vllm does not support prefill/decode disaggregation")
         if not self.lora_as_adapter:
             raise ValueError("populora_vllm needs model.lora_rank > 0 and lora.merge=false (adapters served by vLLM)")
 
-    def _get_worker_extension_cls(self) -> str:
-        return WORKER_EXTENSION
+    # A verl whose colocate extension loads an adapter under the caller's id keeps its own extension in vLLM's
+    # workers (the mixin's collective_rpc retires old ids through vLLM); verl 0.9.1 loads ours.
+    if not verl_compat.has_per_id_weight_sync():
+
+        def _get_worker_extension_cls(self) -> str:
+            verl_compat.private_path("_get_worker_extension_cls")
+            return WORKER_EXTENSION
 
     def _make_lora_request(self, lora_id: int, name: str) -> LoRARequest:
         return LoRARequest(lora_name=name, lora_int_id=lora_id, lora_path=VLLM_LORA_PATH)

@@ -32,6 +32,7 @@ from verl.utils.device import get_torch_device, set_expandable_segments
 from verl.utils.profiler import log_gpu_memory_usage
 from verl.workers.engine_workers import ActorRolloutRefWorker
 
+from populora_verl import verl_compat
 from populora_verl.rollout.lora_registry import lora_int_id, lora_name
 from populora_verl.workers.adapter_bank import AdapterBank, AdapterBankError, bank_file_for, bank_filename
 from populora_verl.workers.fused import SEGMENTS_KEY, decode_segments, segment_bounds
@@ -361,11 +362,12 @@ class PopuLoRAActorRolloutRefWorker(ActorRolloutRefWorker):
         return out
 
     async def _push_resident(self, pushed: dict[int, int], global_steps: int | None) -> None:
-        """Resident slots to vLLM in one transfer: those whose weights changed since their last push (trained or
-        evolved), each tensor named for its adapter, every id's retirement in the same call."""
+        """Resident slots to vLLM: those whose weights changed since their last push (trained or evolved). Through
+        verl's per-id weight sync where verl has it (one transfer per adapter, each retiring its slot's old id), else
+        in one transfer to the plugin's worker extension, each tensor named for its adapter."""
         from verl.utils.model import convert_weight_keys
 
-        from populora_verl.rollout.lora_registry import LoraTarget, tag_adapter_tensors
+        from populora_verl.rollout.lora_registry import LoraTarget
 
         bank = self.bank
         peft_model = getattr(self.actor.engine.module, "_fsdp_wrapped_module", self.actor.engine.module)
@@ -382,6 +384,33 @@ class PopuLoRAActorRolloutRefWorker(ActorRolloutRefWorker):
         if not targets:
             return
 
+        if verl_compat.has_per_id_weight_sync():
+            # verl's worker extension loads one adapter per transfer, under the id it is given: one transfer each
+            for t, (slot, _, _) in zip(targets, changed, strict=True):
+                await self.rollout.update_weights(
+                    iter(convert_weight_keys(bank.get_adapter_state(slot), peft_model).items()),
+                    peft_config=peft_config,
+                    base_sync_done=True,
+                    global_steps=global_steps,
+                    lora_int_id=t.lora_int_id,
+                    lora_name=t.lora_name,
+                    retire_lora_int_ids=list(t.retire),
+                )
+        else:
+            await self._push_tagged(targets, changed, peft_model, peft_config, global_steps)
+        for slot, lid, signature in changed:
+            pushed[slot] = lid
+            signatures[slot] = signature
+        self._populora_signatures = signatures
+
+    async def _push_tagged(self, targets, changed, peft_model, peft_config, global_steps) -> None:
+        """Several adapters in one transfer, each tensor named for its adapter (the plugin's worker extension)."""
+        from verl.utils.model import convert_weight_keys
+
+        from populora_verl.rollout.lora_registry import tag_adapter_tensors
+
+        bank = self.bank
+
         def tensors():
             for t, (slot, _, _) in zip(targets, changed, strict=True):
                 yield from tag_adapter_tensors(
@@ -395,10 +424,6 @@ class PopuLoRAActorRolloutRefWorker(ActorRolloutRefWorker):
             global_steps=global_steps,
             lora_targets=[t.as_dict() for t in targets],
         )
-        for slot, lid, signature in changed:
-            pushed[slot] = lid
-            signatures[slot] = signature
-        self._populora_signatures = signatures
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
     async def update_weights(self, global_steps: int = None, mode: str = "auto"):

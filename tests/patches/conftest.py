@@ -78,3 +78,16 @@ def fails_without_passes_with(tmp_path, series_copy):
         return patched.stdout
 
     return check
+
+
+@pytest.fixture
+def check_against(tmp_path, series_copy):
+    """``check(code, patches=None)``: ``code`` run against verl with the whole series applied (``patches`` None) or
+    with only ``patches`` (names in patches/, none: pristine); returns the finished process, for checks of the plugin
+    that are not a patch's own."""
+
+    def check(code: str, patches: tuple[str, ...] | None = None) -> subprocess.CompletedProcess:
+        root = series_copy if patches is None else verl_copy(tmp_path / "copy", *patches)
+        return run_check(root, code)
+
+    return check

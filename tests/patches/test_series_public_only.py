@@ -18,6 +18,8 @@ from populora_verl import verl_compat, verl_private
 
 from _shared import REPO
 
+STANDIN = (REPO / "tests" / "patches" / "_vllm_standin.py").read_text(encoding="utf-8")
+
 #: The tests that exercise the attachment points the series replaces, all on CPU: the trainer's set-up (mode,
 #: replay buffer with its poll interval and refill, worker class, no dataset), the rollout and agent-loop
 #: registrations, the agent loop's prompt cap, the plugin's start-up checks, the weight-sync socket, the log-prob
@@ -32,7 +34,9 @@ FLAGS = ("has_register_rollout", "has_agent_loop_query", "trainer_declares_async
          "has_chunked_logprobs", "has_weight_sync_job_id", "poll_interval_from_config", "trainer_without_dataset",
          "has_public_prompt_cap", "has_save_hook", "has_engine_micro_batch_hook", "has_public_save",
          "has_reward_class_setup", "has_engine_port_blocks", "has_before_load_hook", "has_public_step_stages",
-         "has_public_dispatch_info", "has_public_prompt_submission", "engine_class_from_config")
+         "has_public_dispatch_info", "has_public_prompt_submission", "engine_class_from_config",
+         "max_loras_from_engine_kwargs", "has_per_request_lora", "has_agent_loop_lora_field",
+         "has_per_id_weight_sync")
 
 
 def _public_only_env(root) -> dict[str, str]:
@@ -73,6 +77,9 @@ from populora_verl import plugin, verl_compat, verl_private
 flags = {FLAGS!r}
 assert all(getattr(verl_compat, f)() for f in flags), {{f: getattr(verl_compat, f)() for f in flags}}
 plugin.check_registrations()  # every registration went through the public API (a private path would have raised)
+
+# the vLLM-side modules import vLLM, which the CPU machine lacks: a stand-in from here on (registrations are done)
+exec({STANDIN!r})
 
 # overrides of private verl methods that the series makes unnecessary are not defined at all
 for e in verl_private.PRIVATE:

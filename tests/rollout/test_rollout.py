@@ -1,4 +1,9 @@
-"""populora_vllm routing on CPU: id scheme, live-adapter registry, server mixin over a fake server, agent loop."""
+"""populora_vllm routing on CPU: id scheme, live-adapter registry, server mixin over a fake server, agent loop.
+
+The fake server behaves as the installed verl's ``vLLMHttpServer`` would: verl 0.9.1's (``max_loras`` forced to 1,
+the fixed adapter id 123) or, where verl has the vLLM-side patches of the series (tests/patches runs these tests
+against such a copy), the patched one (``max_loras`` from the engine kwargs, ``generate(lora=...)``, the adapter
+loaded under the caller's id). The plugin takes the matching path (populora_verl.verl_compat)."""
 
 from __future__ import annotations
 
@@ -29,7 +34,13 @@ from populora_verl.rollout.lora_registry import (
     lora_spec_from_prompt,
     parse_lora_name,
 )
+from populora_verl import verl_compat
 from populora_verl.rollout.routing import LoraRoutingEngine, PopuLoRAServerMixin, current_lora_request
+
+PER_REQUEST = verl_compat.has_per_request_lora()
+PER_ID_SYNC = verl_compat.has_per_id_weight_sync()
+MAX_LORAS = verl_compat.max_loras_from_engine_kwargs()
+PEFT = {"r": 8, "lora_alpha": 16}  # an adapter sync carries the adapter's PEFT config
 
 # --- id scheme ----------------------------------------------------------------------------------------------
 
@@ -159,11 +170,21 @@ class FakeAsyncLLM:
 
 
 class FakeVerlServer:
-    """The parts of verl's vLLMHttpServer the mixin touches, with verl's behaviour (fixed id 123 or None)."""
+    """The parts of verl's vLLMHttpServer the mixin touches, with the installed verl's behaviour (see the module)."""
 
     def __init__(self, fail_rpc=False):
         self.fail_rpc = fail_rpc
         self.rpcs = []
+        self.config = {"engine_kwargs": {"vllm": {"max_loras": 4, "max_cpu_loras": None}}}
+
+    async def launch_server(self):
+        engine_kwargs = {k: v for k, v in self.config["engine_kwargs"]["vllm"].items() if v is not None}
+        if not MAX_LORAS:
+            self._preprocess_engine_kwargs(engine_kwargs)
+        args = types.SimpleNamespace(max_loras=int(engine_kwargs.get("max_loras") or 1) if MAX_LORAS else 1,
+                                     max_cpu_loras=engine_kwargs.get("max_cpu_loras"))
+        await self.run_server(args)
+        return args
 
     def _preprocess_engine_kwargs(self, engine_kwargs):
         pass
@@ -175,21 +196,35 @@ class FakeVerlServer:
         pass
 
     async def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
-        self.rpcs.append((method, dict(kwargs or {})))
+        self.rpcs.append((method, dict(kwargs or {})) if not args else (method, args))
         if self.fail_rpc:
             raise RuntimeError("IPC failed")
-        if method == "update_weights_from_ipc" and kwargs.get("lora_targets") is not None:
+        if method == "remove_lora":  # vLLM's worker method
+            self.engine_of().loaded.discard(args[0])
+        elif method == "populora_remove_loras":  # the plugin's worker extension (verl 0.9.1)
+            self.engine_of().loaded -= set(kwargs["lora_int_ids"])
+        elif method == "update_weights_from_ipc" and kwargs.get("lora_targets") is not None:
             for t in kwargs["lora_targets"]:
-                self.engine.loaded -= set(t["retire"])
-                self.engine.loaded.add(t["lora_int_id"])
+                self.engine_of().loaded -= set(t["retire"])
+                self.engine_of().loaded.add(t["lora_int_id"])
         elif method == "update_weights_from_ipc":
-            self.engine.loaded -= set(kwargs.get("retire_lora_int_ids") or ())
-            self.engine.loaded.add(kwargs["lora_int_id"])
+            assert not PER_ID_SYNC or set(kwargs) <= {"peft_config", "base_sync_done", "lora_int_id", "lora_name"}
+            self.engine_of().loaded -= set(kwargs.get("retire_lora_int_ids") or ())
+            self.engine_of().loaded.add(kwargs["lora_int_id"])
 
-    async def generate(self, prompt_ids, sampling_params, request_id, image_data=None, priority=0):
+    def engine_of(self):
+        return getattr(self.engine, "_engine", self.engine)
+
+    async def generate(self, prompt_ids, sampling_params, request_id, image_data=None, priority=0, **lora_kwargs):
         lora_request = None
-        if 123 in await self.engine.list_loras():  # verl's fixed adapter
+        if PER_REQUEST and lora_kwargs.get("lora") is not None:  # verl's generate(lora=...)
+            lora = lora_kwargs.pop("lora")
+            if lora["lora_int_id"] not in await self.engine.list_loras():
+                raise ValueError(f"LoRA adapter {lora['lora_int_id']} is not loaded in the vLLM engine")
+            lora_request = (lora["lora_name"], lora["lora_int_id"])
+        elif 123 in await self.engine.list_loras():  # verl's fixed adapter
             lora_request = ("123", 123)
+        assert not lora_kwargs, lora_kwargs
         final = None
         async for out in self.engine.generate(prompt=prompt_ids, sampling_params=sampling_params,
                                               request_id=request_id, lora_request=lora_request, priority=priority):
@@ -204,17 +239,17 @@ class Server(PopuLoRAServerMixin, FakeVerlServer):
 
 async def launched(**kw) -> Server:
     s = Server(**kw)
-    s._preprocess_engine_kwargs({"max_loras": 4, "max_cpu_loras": 4})
-    args = types.SimpleNamespace(max_loras=1, max_cpu_loras=None)  # what verl leaves in the CLI args
-    await s.run_server(args)
-    assert (args.max_loras, args.max_cpu_loras) == (4, 4)
-    assert isinstance(s.engine, LoraRoutingEngine)
+    args = await s.launch_server()
+    assert (args.max_loras, args.max_cpu_loras) == (4, 4 if not MAX_LORAS else None)  # vLLM defaults it to max_loras
+    assert s._populora_capacity == LoraCapacity(max_loras=4, max_cpu_loras=4)
+    # verl 0.9.1: the engine is wrapped; with generate(lora=...) it is verl's own
+    assert isinstance(s.engine, LoraRoutingEngine) != PER_REQUEST
     return s
 
 
 async def sync(s: Server, slot: int, version: int, retire=()):
     await s.collective_rpc("update_weights_from_ipc", kwargs={
-        "peft_config": {}, "base_sync_done": True, "lora_int_id": lora_int_id(slot, version, 4),
+        "peft_config": PEFT, "base_sync_done": True, "lora_int_id": lora_int_id(slot, version, 4),
         "lora_name": lora_name(slot, version), "retire_lora_int_ids": list(retire)})
 
 
@@ -242,13 +277,13 @@ async def test_requests_never_run_without_or_with_a_wrong_adapter():
     with pytest.raises(StaleLoraError):
         await s.generate([1], {}, "c", populora_lora={"lora_int_id": lora_int_id(0, 0, 4)})
     # Evicted from vLLM's cache behind our back.
-    s.engine._engine.loaded.clear()
+    s.engine_of().loaded.clear()
     with pytest.raises(EvictedLoraError):
         await s.generate([1], {}, "d", populora_lora={"lora_int_id": lora_int_id(0, 1, 4)})
-    # Direct engine use outside a PopuLoRA request is refused too.
-    with pytest.raises(PopuLoRARoutingError):
-        s.engine.generate(prompt=[1], sampling_params={}, request_id="e")
-    assert all(req is not None for _, req in s.engine._engine.seen)
+    if not PER_REQUEST:  # Direct engine use outside a PopuLoRA request is refused too.
+        with pytest.raises(PopuLoRARoutingError):
+            s.engine.generate(prompt=[1], sampling_params={}, request_id="e")
+    assert all(req is not None for _, req in s.engine_of().seen)
 
 
 async def test_failed_sync_leaves_adapter_unservable():
@@ -267,18 +302,48 @@ async def test_retire_removes_from_registry_and_engine():
     s = await launched()
     await sync(s, 0, 0)
     await s.populora_retire_loras([lora_int_id(0, 0, 4)])
-    assert s.rpcs[-1] == ("populora_remove_loras", {"lora_int_ids": [lora_int_id(0, 0, 4)]})
+    if PER_ID_SYNC:  # vLLM's own remove_lora (the plugin's extension is not loaded)
+        assert s.rpcs[-1] == ("remove_lora", (lora_int_id(0, 0, 4),))
+    else:
+        assert s.rpcs[-1] == ("populora_remove_loras", {"lora_int_ids": [lora_int_id(0, 0, 4)]})
+    assert lora_int_id(0, 0, 4) not in s.engine_of().loaded
     with pytest.raises(StaleLoraError):
         await s.generate([1], {}, "x", populora_lora={"lora_int_id": lora_int_id(0, 0, 4)})
 
 
 async def sync_several(s: Server, targets):
     await s.collective_rpc("update_weights_from_ipc", kwargs={
-        "peft_config": {}, "base_sync_done": True,
+        "peft_config": PEFT, "base_sync_done": True,
         "lora_targets": [{"lora_int_id": lora_int_id(slot, v, 4), "lora_name": lora_name(slot, v),
                           "retire": list(retire)} for slot, v, retire in targets]})
 
 
+@pytest.mark.skipif(not PER_ID_SYNC, reason="verl 0.9.1: the plugin's worker extension retires and loads")
+async def test_an_adapter_sync_through_verl_retires_first_and_passes_verl_its_keys():
+    s = await launched()
+    await sync(s, 0, 0)
+    await sync(s, 0, 1, retire=[lora_int_id(0, 0, 4)])
+    # the old version leaves vLLM's cache before verl's extension loads the new one; verl gets only its keys
+    assert [m for m, _ in s.rpcs] == ["update_weights_from_ipc", "remove_lora", "update_weights_from_ipc"]
+    assert s.rpcs[-1][1] == {"peft_config": PEFT, "base_sync_done": True, "lora_int_id": lora_int_id(0, 1, 4),
+                             "lora_name": lora_name(0, 1)}
+    assert s.engine_of().loaded == {lora_int_id(0, 1, 4)}
+    # verl would load an adapter without an id under its fixed 123; ids below the PopuLoRA range are not ours
+    with pytest.raises(ValueError, match="needs lora_int_id"):
+        await s.collective_rpc("update_weights_from_ipc", kwargs={"peft_config": PEFT, "base_sync_done": True})
+    with pytest.raises(ValueError, match="not a PopuLoRA id"):
+        await s.collective_rpc("update_weights_from_ipc", kwargs={
+            "peft_config": PEFT, "base_sync_done": True, "lora_int_id": 123, "lora_name": "0@v0"})
+    with pytest.raises(ValueError, match="worker extension"):
+        await sync_several(s, [(1, 0, ())])
+    state = await s.populora_live_loras()
+    assert state["pending"] == {} and list(state["live"]) == [lora_int_id(0, 1, 4)]  # refused syncs rolled back
+
+
+SEVERAL = pytest.mark.skipif(PER_ID_SYNC, reason="verl's per-id weight sync: one transfer per adapter (see below)")
+
+
+@SEVERAL
 async def test_several_adapters_in_one_transfer_go_live_together():
     s = await launched()
     await sync_several(s, [(slot, 0, ()) for slot in range(4)])
@@ -300,6 +365,7 @@ async def test_several_adapters_in_one_transfer_go_live_together():
     assert state["pending"] == {} and lora_int_id(0, 0, 4) in state["live"]  # the refused transfer rolled back
 
 
+@SEVERAL
 async def test_a_failed_several_adapter_transfer_leaves_every_id_unservable():
     s = await launched(fail_rpc=True)
     with pytest.raises(RuntimeError, match="IPC failed"):
@@ -354,33 +420,39 @@ def test_register_is_lazy_and_idempotent():
 async def test_agent_loop_passes_prompt_adapter(monkeypatch):
     from verl.experimental.agent_loop.single_turn_agent_loop import SingleTurnAgentLoop
 
-    from populora_verl.rollout.agent_loop import LoraInjectingClient, PopuLoRAAgentLoop
+    from populora_verl.rollout.agent_loop import LoraInjectingClient, PopuLoRAAgentLoop, _forwards_lora_field
 
+    forwards = _forwards_lora_field()
+    key = "lora" if forwards else "populora_lora"
     calls = []
 
     class Client:
         async def generate(self, **kw):
             calls.append(kw)
-            return kw["populora_lora"]["lora_int_id"]
+            return kw[key]["lora_int_id"]
 
     async def fake_parent_run(self, sampling_params, **kwargs):
-        # SingleTurnAgentLoop.run calls server_manager.generate with a fixed argument list (no populora kwargs).
-        out = await self.server_manager.generate(request_id="r", prompt_ids=[1], sampling_params=sampling_params)
+        # SingleTurnAgentLoop.run calls server_manager.generate with a fixed argument list: verl 0.9.1 forwards no
+        # prompt field, the series forwards "lora".
+        extra = {"lora": dict(kwargs["lora"])} if forwards and kwargs.get("lora") is not None else {}
+        out = await self.server_manager.generate(request_id="r", prompt_ids=[1], sampling_params=sampling_params,
+                                                 **extra)
         return types.SimpleNamespace(extra_fields={"served": out})
 
     monkeypatch.setattr(SingleTurnAgentLoop, "run", fake_parent_run)
     loop = PopuLoRAAgentLoop.__new__(PopuLoRAAgentLoop)
-    loop.server_manager = LoraInjectingClient(Client())
+    loop.server_manager = Client() if forwards else LoraInjectingClient(Client())
     outs = await asyncio.gather(*[
         loop.run({}, raw_prompt=[], populora={"lora_int_id": 1000 + i, "lora_name": f"{i}@v0", "role": "student"})
         for i in range(5)])
     assert [o.extra_fields["served"] for o in outs] == [1000 + i for i in range(5)]
     assert [o.extra_fields["populora_lora_int_id"] for o in outs] == [1000 + i for i in range(5)]
-    assert calls[0]["populora_lora"] == {"lora_int_id": 1000, "lora_name": "0@v0"}
+    assert calls[0][key] == {"lora_int_id": 1000, "lora_name": "0@v0"}
     with pytest.raises(PopuLoRARoutingError, match="no 'populora'"):
         await loop.run({}, raw_prompt=[])
-    with pytest.raises(RuntimeError, match="outside"):
-        await loop.server_manager.generate(request_id="x")
+    if not forwards:
+        with pytest.raises(RuntimeError, match="outside"):
+            await loop.server_manager.generate(request_id="x")
 
 
 async def test_a_plain_text_prompt_is_capped_to_the_prompt_length(monkeypatch):

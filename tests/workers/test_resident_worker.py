@@ -22,6 +22,7 @@ from tensordict import TensorDict  # noqa: E402
 from verl.utils import tensordict_utils as tu  # noqa: E402
 from verl.utils.metric.utils import AggregationType, Metric  # noqa: E402
 
+from populora_verl import verl_compat  # noqa: E402
 from populora_verl.rollout.lora_registry import split_adapter_tensors  # noqa: E402
 from populora_verl.workers.fused import SEGMENTS_KEY, encode_segments  # noqa: E402
 from populora_verl.workers.resident import ResidentAdapters  # noqa: E402
@@ -201,12 +202,21 @@ def test_a_slot_call_of_its_own_and_the_reference_pass_on_resident_adapters():
 
 
 def pushed(w):
-    """Each weight transfer of the worker: ``{lora_int_id: tensors}`` and its targets (id, retired ids)."""
+    """Each weight transfer of the worker: ``{lora_int_id: tensors}`` and its targets (id, retired ids). Where verl
+    loads one adapter per transfer under the caller's id (per-id weight sync), the worker sends one transfer per
+    adapter: those of one sync are merged into one entry here, the one transfer the plugin's extension gets on verl
+    0.9.1."""
     out = []
     for tensors, kw in w.rollout.pushes:
+        if "lora_targets" not in kw:
+            assert verl_compat.has_per_id_weight_sync(), kw
+            out.append(({kw["lora_int_id"]: dict(tensors)}, [(kw["lora_int_id"], list(kw["retire_lora_int_ids"]))]))
+            continue
         targets = kw["lora_targets"]
         groups = split_adapter_tensors(tensors.items(), [t["lora_int_id"] for t in targets])
         out.append((groups, [(t["lora_int_id"], t["retire"]) for t in targets]))
+    if verl_compat.has_per_id_weight_sync() and out:
+        out = [({k: v for g, _ in out for k, v in g.items()}, [t for _, ts in out for t in ts])]
     return out
 
 
