@@ -42,6 +42,7 @@ __all__ = [
     "has_public_step_stages",
     "has_public_dispatch_info",
     "has_public_prompt_submission",
+    "has_server_name_from_rollout_name",
     "max_loras_from_engine_kwargs",
     "has_per_request_lora",
     "has_agent_loop_lora_field",
@@ -296,6 +297,16 @@ def has_agent_loop_lora_field() -> bool:
     ``generate``."""
     run = _verl_function("experimental/agent_loop/single_turn_agent_loop.py", "SingleTurnAgentLoop", "run")
     return _reads_key(run, "lora")
+
+
+@functools.cache
+def has_server_name_from_rollout_name() -> bool:
+    """0023: ``vLLMReplica`` names its server actors after ``rollout.name``, the prefix ``ServerAdapter`` looks them
+    up by (verl 0.9.1 returns the constant ``"vllm_"``)."""
+    fn = _verl_function(VLLM_SERVER_FILE, "vLLMReplica", "_get_server_name_prefix")
+    return _reads_key(fn, "name") or any(
+        isinstance(n, ast.Attribute) and n.attr == "name" for n in (ast.walk(fn) if fn is not None else ())
+    )
 
 
 @functools.cache

@@ -284,18 +284,20 @@ PRIVATE: tuple[PrivateName, ...] = (
         "workers/rollout/vllm_rollout/vllm_async_server.py:vLLMReplica",
         (("override", "populora_verl.rollout.vllm_server"),),
         "verl's ServerAdapter finds the server as '<rollout.name>_server...' while vLLMReplica names it "
-        "'vllm_...'; a backend under its own name must rename its servers. Still used with the series: the plugin "
-        "keeps its own backend (its server holds the live-adapter registry and retires old ids, which verl's does not)",
-        "0002-vllm-per-request-lora.patch",
+        "'vllm_...'; the plugin keeps a backend of its own (its server holds the live-adapter registry and retires "
+        "old ids, which verl's does not), so it must rename its servers",
+        "0023-vllm-server-name-from-rollout-name.patch",
         "self",
+        series_api="none needed: the replica names its servers after rollout.name, as ServerAdapter looks them up",
     ),
     PrivateName(
         "_get_server_name_prefix",
         "workers/rollout/vllm_rollout/vllm_rollout.py:ServerAdapter",
         (("relies", "populora_verl.rollout.vllm_server"),),
         "the trainer side's half of the server name above",
-        "0002-vllm-per-request-lora.patch",
+        "0023-vllm-server-name-from-rollout-name.patch",
         "self",
+        series_api="none needed: verl's two halves agree on the server name",
     ),
     PrivateName(
         "_update_weights",

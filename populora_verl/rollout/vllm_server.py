@@ -11,8 +11,8 @@ engine kwargs, ``generate(lora=...)``, per-id weight sync) and on verl 0.9.1 ove
 The backend keeps its own name with the series too: verl's ``vllm`` backend builds verl's own server, which has no
 live-adapter registry (a request for a retired version would be served if vLLM still cached it) and does not retire
 an adapter's old versions from vLLM's cache, so the population would fill it. Replacing verl's ``vllm`` entry instead
-would change every vLLM rollout in the process, and ``register_rollout`` refuses a taken name. The price is the server
-name prefix below, which no patch of the series makes public.
+would change every vLLM rollout in the process, and ``register_rollout`` refuses a taken name. On verl 0.9.1 the
+price is the server name prefix below (a verl that names the replica's servers after ``rollout.name`` needs none).
 
 Imports vLLM at import time: only loaded through :func:`populora_verl.rollout.register`'s lazy loader.
 """
@@ -89,6 +89,10 @@ class PopuLoRAvLLMReplica(vLLMReplica):
         super().__init__(*args, **kwargs)
         self.server_class = ray.remote(PopuLoRAvLLMHttpServer)
 
-    def _get_server_name_prefix(self) -> str:
-        # verl's ServerAdapter finds the server as f"{rollout.name}_server_..." while vLLMReplica names it "vllm_...".
-        return f"{BACKEND_NAME}_"
+    # verl 0.9.1's replica names its servers "vllm_..." whatever the rollout's name, while its ServerAdapter looks
+    # them up as f"{rollout.name}_server_...": rename them. A verl whose replica takes the rollout's name agrees.
+    if not verl_compat.has_server_name_from_rollout_name():
+
+        def _get_server_name_prefix(self) -> str:
+            verl_compat.private_path("_get_server_name_prefix")
+            return f"{BACKEND_NAME}_"

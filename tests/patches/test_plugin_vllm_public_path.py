@@ -1,4 +1,4 @@
-"""The plugin's vLLM server on verl's public API where verl has the vLLM-side patches (0001-0003), on CPU.
+"""The plugin's vLLM server on verl's public API where verl has the vLLM-side patches (0001-0003, 0023), on CPU.
 
 The check imports the plugin's real ``PopuLoRAvLLMHttpServer`` (vLLM's modules are stand-ins,
 tests/patches/_vllm_standin.py) from a copy of verl with the whole series applied, with
@@ -7,7 +7,8 @@ built without ``__init__`` up to where vLLM would start (as test_vllm_max_loras 
 arguments through verl, the live-adapter registry is sized from the same keys, the engine is verl's own (not wrapped).
 A request is handed to verl's ``generate`` as ``lora={"lora_int_id", "lora_name"}``, and an adapter sync reaches vLLM's
 workers as vLLM's ``remove_lora`` for the retired id, then verl's ``update_weights_from_ipc`` with arguments that bind to
-the patched extension's signature (verl's own behaviour with them is 0002's and 0003's tests). Each detector also
+the patched extension's signature (verl's own behaviour with them is 0002's and 0003's tests), and the replica names
+its servers as the trainer side looks them up without an override of its own. Each detector also
 answers yes for its own patch alone and no on pristine verl."""
 
 from __future__ import annotations
@@ -36,9 +37,15 @@ from verl.workers.rollout.vllm_rollout.vllm_async_server import vLLMHttpServer
 from populora_verl import verl_compat
 from populora_verl.rollout import vllm_extension
 from populora_verl.rollout.lora_registry import StaleLoraError, lora_int_id, lora_name
-from populora_verl.rollout.vllm_server import PopuLoRAvLLMHttpServer
+from populora_verl.rollout.vllm_server import BACKEND_NAME, PopuLoRAvLLMHttpServer, PopuLoRAvLLMReplica
+from verl.workers.rollout.vllm_rollout.vllm_rollout import ServerAdapter
 
 assert verl_compat.public_only()
+# the replica keeps verl's server naming, which agrees with the trainer side's lookup under the backend's name
+assert "_get_server_name_prefix" not in PopuLoRAvLLMReplica.__dict__
+replica, adapter = object.__new__(PopuLoRAvLLMReplica), object.__new__(ServerAdapter)
+replica.config = adapter.config = RolloutConfig(name=BACKEND_NAME)
+assert replica._get_server_name_prefix() == adapter._get_server_name_prefix() == f"{{BACKEND_NAME}}_"
 # verl's own worker extension is loaded into vLLM; the plugin's is not even defined
 assert PopuLoRAvLLMHttpServer._get_worker_extension_cls is vLLMHttpServer._get_worker_extension_cls
 assert not hasattr(vllm_extension, "PopuLoRAWorkerExtension")
@@ -137,6 +144,7 @@ FLAGS = {
     "0001-vllm-configurable-max-loras.patch": ("max_loras_from_engine_kwargs",),
     "0002-vllm-per-request-lora.patch": ("has_per_request_lora", "has_agent_loop_lora_field"),
     "0003-vllm-multi-adapter-weight-sync.patch": ("has_per_id_weight_sync",),
+    "0023-vllm-server-name-from-rollout-name.patch": ("has_server_name_from_rollout_name",),
 }
 
 FLAG_CHECK = f"""

@@ -36,7 +36,7 @@ FLAGS = ("has_register_rollout", "has_agent_loop_query", "trainer_declares_async
          "has_reward_class_setup", "has_engine_port_blocks", "has_before_load_hook", "has_public_step_stages",
          "has_public_dispatch_info", "has_public_prompt_submission", "engine_class_from_config",
          "max_loras_from_engine_kwargs", "has_per_request_lora", "has_agent_loop_lora_field",
-         "has_per_id_weight_sync")
+         "has_per_id_weight_sync", "has_server_name_from_rollout_name")
 
 
 def _public_only_env(root) -> dict[str, str]:
