@@ -21,6 +21,7 @@ import pytest
 from _shared import REPO
 
 STANDIN = (Path(__file__).parent / "_vllm_standin.py").read_text()
+CLI_RECORDER = (Path(__file__).parent / "_vllm_cli_recorder.py").read_text()
 
 CHECK = (
     STANDIN
@@ -50,25 +51,9 @@ assert replica._get_server_name_prefix() == adapter._get_server_name_prefix() ==
 assert PopuLoRAvLLMHttpServer._get_worker_extension_cls is vLLMHttpServer._get_worker_extension_cls
 assert not hasattr(vllm_extension, "PopuLoRAWorkerExtension")
 
-built = {{}}
-
-def build_cli_args(args):  # verl's dict of vLLM arguments, recorded; the stand-in parser reads it back
-    built.clear()
-    built.update(args)
-    return [f"--{{k}}" for k in args]
-
-class Parser:  # vLLM's FlexibleArgumentParser
-    def __init__(self, **kwargs):
-        pass
-    def add_subparsers(self, **kwargs):
-        return None
-    def parse_args(self, args):
-        return argparse.Namespace(model_tag=args[1], subparser="serve", **built)
-
-server_mod.build_cli_args_from_config = build_cli_args
-server_mod.get_vllm_max_lora_rank = lambda rank: rank
-server_mod.FlexibleArgumentParser = Parser
-vLLMHttpServer._get_cli_modules = lambda self: []
+"""
+    + CLI_RECORDER
+    + f"""
 
 class Engine:  # vLLM's AsyncLLM, recording what reaches the workers
     def __init__(self):

@@ -16,6 +16,7 @@ from _shared import needs_vllm
 PATCH = "0001-vllm-configurable-max-loras.patch"
 
 STANDIN = (Path(__file__).parent / "_vllm_standin.py").read_text()
+CLI_RECORDER = (Path(__file__).parent / "_vllm_cli_recorder.py").read_text()
 
 LAUNCH = """
 import argparse, asyncio, types
@@ -42,26 +43,11 @@ def launch(engine_kwargs, lora):
     return parsed["args"]
 """
 
-CPU_CHECK = STANDIN + LAUNCH + """
-built = {}
-
-def build_cli_args(args):  # verl's dict of vLLM arguments, recorded; the stand-in parser reads it back
-    built.clear()
-    built.update(args)
-    return [f"--{k}" for k in args]
-
-class Parser:  # vLLM's FlexibleArgumentParser
-    def __init__(self, **kwargs):
-        pass
-    def add_subparsers(self, **kwargs):
-        return None
-    def parse_args(self, args):
-        return argparse.Namespace(model_tag=args[1], subparser="serve", **built)
-
-server_mod.build_cli_args_from_config = build_cli_args
-server_mod.get_vllm_max_lora_rank = lambda rank: rank  # reads the ranks vLLM supports
-server_mod.FlexibleArgumentParser = Parser
-vLLMHttpServer._get_cli_modules = lambda self: []
+CPU_CHECK = (
+    STANDIN
+    + LAUNCH
+    + CLI_RECORDER
+    + """
 
 # max_loras configured: passed to vLLM, with max_cpu_loras (which verl always passed through)
 args = launch({"max_loras": 4, "max_cpu_loras": 8}, {"rank": 8})
@@ -74,8 +60,11 @@ assert launch({}, {"rank": 8}).max_loras == 1
 assert not hasattr(launch({"max_loras": 4}, {"rank": 0}), "enable_lora")
 print("ok")
 """
+)
 
-VLLM_CHECK = LAUNCH + """
+VLLM_CHECK = (
+    LAUNCH
+    + """
 from vllm.engine.arg_utils import AsyncEngineArgs
 
 args = launch({"max_loras": 4, "max_cpu_loras": 8}, {"rank": 8})
@@ -85,6 +74,7 @@ assert engine_args.max_loras == 4, f"vLLM's engine args have max_loras={engine_a
 assert AsyncEngineArgs.from_cli_args(launch({}, {"rank": 8})).max_loras == 1
 print("ok")
 """
+)
 
 
 def test_launch_server_passes_max_loras(fails_without_passes_with):
