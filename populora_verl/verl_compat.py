@@ -106,15 +106,23 @@ def trainer_declares_async() -> bool:
     return _has("verl.trainer.ppo.v1.trainer_base", "PPOTrainer", "is_async")
 
 
+def _verl_root() -> Path | None:
+    """The installed ``verl`` package's folder, found without importing verl."""
+    spec = importlib.util.find_spec("verl")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(spec.submodule_search_locations[0])
+
+
 def _trainer_yaml(name: str = "ppo_trainer.yaml") -> dict:
     """A config of verl's ``trainer/config`` (default ``ppo_trainer.yaml``) as plain data (empty where verl or the
     file is missing)."""
     import yaml
 
-    spec = importlib.util.find_spec("verl")
-    if spec is None or not spec.submodule_search_locations:
+    root = _verl_root()
+    if root is None:
         return {}
-    path = Path(spec.submodule_search_locations[0]) / "trainer" / "config" / name
+    path = root / "trainer" / "config" / name
     try:
         return yaml.safe_load(path.read_text(encoding="utf-8")) or {}
     except OSError:
@@ -236,17 +244,24 @@ def has_public_prompt_submission() -> bool:
 # read the installed verl's source instead of importing it.
 
 
-def _verl_function(relpath: str, cls: str, func: str) -> ast.FunctionDef | ast.AsyncFunctionDef | None:
-    """The definition of ``cls.func`` in the installed verl's ``relpath`` (relative to the ``verl`` package), parsed
-    from source; None where the file, class or method is missing."""
-    spec = importlib.util.find_spec("verl")
-    if spec is None or not spec.submodule_search_locations:
+@functools.cache
+def _verl_source(relpath: str) -> ast.Module | None:
+    """The installed verl's ``relpath`` (relative to the ``verl`` package), parsed once for every check that reads
+    it; None where verl or the file is missing."""
+    root = _verl_root()
+    if root is None:
         return None
     try:
-        tree = ast.parse((Path(spec.submodule_search_locations[0]) / relpath).read_text(encoding="utf-8"))
+        return ast.parse((root / relpath).read_text(encoding="utf-8"))
     except (OSError, SyntaxError):
         return None
-    for node in tree.body:
+
+
+def _verl_function(relpath: str, cls: str, func: str) -> ast.FunctionDef | ast.AsyncFunctionDef | None:
+    """The definition of ``cls.func`` in the installed verl's ``relpath``, parsed from source; None where the file,
+    class or method is missing."""
+    tree = _verl_source(relpath)
+    for node in tree.body if tree is not None else ():
         if isinstance(node, ast.ClassDef) and node.name == cls:
             for item in node.body:
                 if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)) and item.name == func:
@@ -303,10 +318,7 @@ def has_agent_loop_lora_field() -> bool:
 def has_server_name_from_rollout_name() -> bool:
     """0023: ``vLLMReplica`` names its server actors after ``rollout.name``, the prefix ``ServerAdapter`` looks them
     up by (verl 0.9.1 returns the constant ``"vllm_"``)."""
-    fn = _verl_function(VLLM_SERVER_FILE, "vLLMReplica", "_get_server_name_prefix")
-    return _reads_key(fn, "name") or any(
-        isinstance(n, ast.Attribute) and n.attr == "name" for n in (ast.walk(fn) if fn is not None else ())
-    )
+    return _reads_key(_verl_function(VLLM_SERVER_FILE, "vLLMReplica", "_get_server_name_prefix"), "name")
 
 
 @functools.cache

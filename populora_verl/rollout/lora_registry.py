@@ -42,6 +42,7 @@ __all__ = [
     "lora_name",
     "decode_lora_int_id",
     "parse_lora_name",
+    "adapter_sync_target",
     "lora_spec_from_prompt",
     "LoraTarget",
     "lora_targets",
@@ -119,6 +120,26 @@ def parse_lora_name(name: str) -> tuple[int, int]:
     if not m:
         raise ValueError(f"{name!r} is not a PopuLoRA lora_name ('<slot>@v<version>')")
     return int(m.group(1)), int(m.group(2))
+
+
+def adapter_sync_target(
+    peft_config: Any, base_sync_done: Any, lora_int_id: Any, lora_name: Any
+) -> tuple[int, str] | None:
+    """The ``(lora_int_id, lora_name)`` a weight-sync call loads its adapter under, or None for a call that syncs no
+    adapter (base or full weights). An adapter sync without an id is refused: verl would load it under its fixed id
+    123, which no PopuLoRA request names."""
+    adapter_sync = bool(peft_config and base_sync_done)
+    if lora_int_id is None:
+        if adapter_sync:
+            raise ValueError("populora_vllm adapter sync needs lora_int_id and lora_name (see PopuLoRA worker)")
+        return None
+    if not adapter_sync:
+        raise ValueError("lora_int_id is only meaningful for an adapter sync (peft_config and base_sync_done)")
+    lora_id = int(lora_int_id)
+    if lora_id < LORA_ID_BASE:
+        raise ValueError(f"lora_int_id {lora_id} is not a PopuLoRA id (>= {LORA_ID_BASE})")
+    parse_lora_name(lora_name)
+    return lora_id, str(lora_name)
 
 
 def lora_spec_from_prompt(populora: Any) -> dict[str, Any]:

@@ -25,13 +25,12 @@ from typing import Any, Callable
 
 from populora_verl import verl_compat
 from populora_verl.rollout.lora_registry import (
-    LORA_ID_BASE,
     LiveLoraRegistry,
     LoraCapacity,
     PopuLoRARoutingError,
+    adapter_sync_target,
     lora_spec_from_prompt,
     lora_targets,
-    parse_lora_name,
 )
 
 __all__ = ["LoraRoutingEngine", "PopuLoRAServerMixin", "current_lora_request"]
@@ -141,9 +140,8 @@ class PopuLoRAServerMixin:
         if method != "update_weights_from_ipc":
             return await super().collective_rpc(method, timeout=timeout, args=args, kwargs=kwargs)
         if lora_id is None:
-            if verl_compat.has_per_id_weight_sync() and kwargs.get("peft_config") and kwargs.get("base_sync_done"):
-                # verl would load the adapter under its fixed id 123, which no PopuLoRA request names
-                raise ValueError("populora_vllm adapter sync needs lora_int_id and lora_name (see PopuLoRA worker)")
+            if verl_compat.has_per_id_weight_sync():  # verl's extension would take it (the plugin's refuses it)
+                adapter_sync_target(kwargs.get("peft_config"), kwargs.get("base_sync_done"), None, None)
             return await super().collective_rpc(method, timeout=timeout, args=args, kwargs=kwargs)
         registry = self._registry()
         retire = tuple(kwargs.get("retire_lora_int_ids") or ())
@@ -162,15 +160,12 @@ class PopuLoRAServerMixin:
         """verl's extension (re)loads the adapter under the caller's id and name: check them as the plugin's extension
         did, free the retired versions' cache room first (vLLM's worker ``remove_lora``), and pass verl only the
         keys it takes."""
-        if not (kwargs.get("peft_config") and kwargs.get("base_sync_done")):
-            raise ValueError("lora_int_id is only meaningful for an adapter sync (peft_config and base_sync_done)")
-        lora_id = int(kwargs["lora_int_id"])
-        if lora_id < LORA_ID_BASE:
-            raise ValueError(f"lora_int_id {lora_id} is not a PopuLoRA id (>= {LORA_ID_BASE})")
-        parse_lora_name(kwargs.get("lora_name"))
+        lora_id, name = adapter_sync_target(
+            kwargs.get("peft_config"), kwargs.get("base_sync_done"), kwargs["lora_int_id"], kwargs.get("lora_name")
+        )
         await self._populora_remove(retire)
         kwargs.pop("retire_lora_int_ids", None)
-        return {**kwargs, "lora_int_id": lora_id, "lora_name": str(kwargs["lora_name"])}
+        return {**kwargs, "lora_int_id": lora_id, "lora_name": name}
 
     async def _populora_remove(self, lora_int_ids: Any) -> None:
         """Drop adapters from every vLLM worker's cache, one ``remove_lora`` RPC each (vLLM's worker method; an id

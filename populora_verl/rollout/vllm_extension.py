@@ -16,7 +16,7 @@ from verl.utils.vllm import TensorLoRARequest
 from verl.workers.rollout.vllm_rollout.utils import VLLM_LORA_PATH, vLLMColocateWorkerExtension
 
 from populora_verl import verl_compat
-from populora_verl.rollout.lora_registry import LORA_ID_BASE, lora_targets, parse_lora_name, split_adapter_tensors
+from populora_verl.rollout.lora_registry import adapter_sync_target, lora_targets, split_adapter_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -46,24 +46,16 @@ if not verl_compat.has_per_id_weight_sync():
         ):
             if lora_targets is not None:
                 return self._populora_receive_several(peft_config, base_sync_done, use_shm, lora_targets)
-            if lora_int_id is None:
-                if peft_config and base_sync_done:
-                    # verl's path would load the adapter as id 123, which no PopuLoRA request names.
-                    raise ValueError("populora_vllm adapter sync needs lora_int_id and lora_name (see PopuLoRA worker)")
+            target = adapter_sync_target(peft_config, base_sync_done, lora_int_id, lora_name)
+            if target is None:
                 return super().update_weights_from_ipc(
                     peft_config=peft_config, base_sync_done=base_sync_done, use_shm=use_shm
                 )
-            if not (peft_config and base_sync_done):
-                raise ValueError("lora_int_id is only meaningful for an adapter sync (peft_config and base_sync_done)")
-            lora_int_id = int(lora_int_id)
-            if lora_int_id < LORA_ID_BASE:
-                raise ValueError(f"lora_int_id {lora_int_id} is not a PopuLoRA id (>= {LORA_ID_BASE})")
-            parse_lora_name(lora_name)
             # Free cache room first (retired versions), then drop this id: vLLM's add_lora is a no-op for a cached id.
             for rid in retire_lora_int_ids:
                 self.remove_lora(int(rid))
-            self.remove_lora(lora_int_id)
-            self._populora_target = (lora_int_id, str(lora_name))
+            self.remove_lora(target[0])
+            self._populora_target = target
             try:
                 return super().update_weights_from_ipc(
                     peft_config=peft_config, base_sync_done=base_sync_done, use_shm=use_shm

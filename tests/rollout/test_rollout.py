@@ -33,6 +33,7 @@ from populora_verl.rollout.lora_registry import (
     tag_adapter_tensors,
     lora_spec_from_prompt,
     parse_lora_name,
+    adapter_sync_target,
 )
 from populora_verl import verl_compat
 from populora_verl.rollout.routing import LoraRoutingEngine, PopuLoRAServerMixin, current_lora_request
@@ -75,6 +76,20 @@ def test_lora_spec_from_prompt():
     for bad, msg in ((None, "no 'populora'"), ("x", "mapping"), ({"slot": 1}, "lora_int_id"), ({"lora_int_id": "7"}, "integer")):
         with pytest.raises(PopuLoRARoutingError, match=msg):
             lora_spec_from_prompt(bad)
+
+
+def test_adapter_sync_target():
+    """What a weight-sync call loads its adapter under, as both the server and the plugin's worker extension check it."""
+    lid = lora_int_id(1, 2, 4)
+    assert adapter_sync_target(PEFT, True, lid, lora_name(1, 2)) == (lid, "1@v2")
+    assert adapter_sync_target(None, False, None, None) is None  # base weights: no adapter, verl's path
+    assert adapter_sync_target(PEFT, False, None, None) is None  # the base not synced yet: not an adapter sync
+    for args, msg in (((PEFT, True, None, None), "needs lora_int_id"),  # verl would load it under id 123
+                      ((None, False, lid, "1@v2"), "only meaningful"),
+                      ((PEFT, True, LORA_ID_BASE - 1, "1@v2"), "not a PopuLoRA id"),
+                      ((PEFT, True, lid, "default"), "not a PopuLoRA lora_name")):
+        with pytest.raises(ValueError, match=msg):
+            adapter_sync_target(*args)
 
 
 # --- live registry ------------------------------------------------------------------------------------------
