@@ -49,6 +49,7 @@ from typing import Any
 
 from populora_verl.bench.progress import alive, read_progress, write_progress
 from populora_verl.recipes import recipes_dir
+from populora_verl.trainer.timeline import START_ENV
 
 RECIPES = recipes_dir()  # a checkout's recipes/populora, else the installed copy
 #: The recipe the benchmarks run unless told otherwise; each configuration and profile overrides on top of it.
@@ -205,8 +206,12 @@ def main_ppo_command(recipe: str, *overrides: str) -> list[str]:
 
 def trainer_env(ray_tmpdir: str | None = None, **extra: str) -> dict[str, str]:
     """A trainer's environment: this one plus :data:`TRAINER_ENV`; with ``ray_tmpdir``, a Ray instance of its own
-    (``RAY_ADDRESS=local`` and its own temp dir), so trainers on one host never share Ray's sockets."""
+    (``RAY_ADDRESS=local`` and its own temp dir), so trainers on one host never share Ray's sockets.
+
+    Without this process's start time: importing the plugin here set it, and a trainer that inherited it would time
+    its start-up from this benchmark's launch (its own command sets it when it imports the plugin)."""
     env = dict(os.environ, **TRAINER_ENV)
+    env.pop(START_ENV, None)
     if ray_tmpdir is not None:
         env.update(RAY_ADDRESS="local", RAY_TMPDIR=ray_tmpdir)
     env.update(extra)

@@ -191,3 +191,20 @@ def test_vllms_default_ladder():
     assert cs.vllm_default_capture_sizes(8) == [1, 2, 4, 8, 16]
     with pytest.raises(ValueError, match="positive"):
         cs.reachable_capture_sizes(compose_recipe("4t4s"), [0, 8])
+
+
+def test_each_run_times_its_start_up_from_its_own_launch(monkeypatch):
+    """The benchmark imports the plugin, which records its own start time in the environment; a run that inherited
+    it would count every earlier run into its first phase (seen on a GPU: the second run's "ray + task runner" was
+    the first run's whole start-up longer)."""
+    import subprocess
+    import sys
+
+    from populora_verl.trainer.timeline import START_ENV
+
+    monkeypatch.setenv(START_ENV, "1.0")  # as the benchmark's own import left it, long before this run
+    env = startup.run_env("B-r1", None)
+    assert START_ENV not in env
+    child = "from populora_verl.trainer import timeline as t; t.record_start(); print(t.Timeline().marks[0][1])"
+    out = subprocess.run([sys.executable, "-c", child], env=env, capture_output=True, text=True, check=True)
+    assert float(out.stdout) > 1.0, "the run's timeline starts at the benchmark's start, not its own"

@@ -19,17 +19,21 @@ STANDIN = (Path(__file__).parent / "_vllm_standin.py").read_text()
 CLI_RECORDER = (Path(__file__).parent / "_vllm_cli_recorder.py").read_text()
 
 LAUNCH = """
-import argparse, asyncio, types
+import argparse, asyncio, tempfile, types
 import verl.workers.rollout.vllm_rollout.vllm_async_server as server_mod
 from verl.workers.config import RolloutConfig
 from verl.workers.rollout.vllm_rollout.vllm_async_server import vLLMHttpServer
+
+# a directory that exists: offline (HF_HUB_OFFLINE=1), vLLM's engine args look a model path that does not exist up
+# on the hub, and fail there before any LoRA argument is read
+MODEL_DIR = tempfile.mkdtemp(prefix="base-model-")
 
 def launch(engine_kwargs, lora):
     # the server as vLLMReplica would start it on one node, up to the point where vLLM itself starts
     server = object.__new__(vLLMHttpServer)
     server.config = RolloutConfig(name="vllm", engine_kwargs={"vllm": engine_kwargs})
     server.model_config = types.SimpleNamespace(lora=lora, lora_rank=0, trust_remote_code=False,
-                                                local_path="/models/base", hf_config=types.SimpleNamespace())
+                                                local_path=MODEL_DIR, hf_config=types.SimpleNamespace())
     server.node_rank, server.nnodes, server.replica_rank = 0, 1, 0
     server._disaggregation_role = "null"
     server._should_profile = lambda: False
