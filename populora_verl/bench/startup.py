@@ -5,8 +5,15 @@ ends once the trainer prints its start-up line (``[populora] start-up: ... | tot
 step 1): the process group is ended then, and a stop file ends the run at step 1 should that fail. The phases come
 from that line (:func:`populora_verl.trainer.timeline.parse_line`), so a regression shows in the phase it is in.
 
+Each run's table also splits step 1 by verl's own timings of it (``step 1: gen``, ``step 1: update_actor``, ...),
+read from verl's console line for step 1, which the run is given up to a minute to print after the start-up line.
+
 ``--lever NAME`` runs an A/B of one start-up lever: arm A without it, arm B with it, alternating A B / B A per round so
-that drift of the machine falls on both alike. Levers (``--b-override`` replaces B's overrides):
+that drift of the machine falls on both alike. The first run on a node fills the caches every later run reads (vLLM's
+compile cache, Triton's kernels, the page cache of the model's files), so an A/B starts with ``--first-runs`` runs of
+arm A (default 1) that are reported as their own row, ``first``: the cold figure, kept out of the A/B.
+
+Levers (``--b-override`` replaces B's overrides):
 
 * ``early_agent_loop``: the agent-loop workers started while vLLM starts (B) against verl's order (A, the default);
 * ``compile_cache``: vLLM's torch.compile cache kept across the runs in one folder (B; its first run fills it) against
@@ -37,7 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from populora_verl.bench import child
-from populora_verl.bench.step_scaling import main_ppo_command, trainer_env
+from populora_verl.bench.step_scaling import console_rows, main_ppo_command, trainer_env
 from populora_verl.recipes import recipes_dir
 from populora_verl.trainer.timeline import LINE_PREFIX, parse_line
 
@@ -57,6 +64,10 @@ RECIPES = recipes_dir()
 #: What every run adds to the recipe: no evaluation, no checkpoint before step 1 ends.
 BASE_OVERRIDES = ("trainer.save_freq=-1", "trainer.val_before_train=false")
 POLL_S = 2.0
+#: How long a run may take, after its start-up line, to print verl's console line for step 1.
+STEP_LINE_WAIT_S = 60.0
+#: verl's timings of step 1 that the table shows under "step 1" (those present in the line).
+STEP1_TIMINGS = ("gen", "populora_score", "old_log_prob", "update_actor", "update_weights")
 _LOG = re.compile(r"^(?P<arm>[A-Za-z0-9_]+)-r(?P<round>\d+)\.log$")
 ENV = "ray_kwargs.ray_init.runtime_env.env_vars"
 
@@ -166,8 +177,23 @@ def _end_group(proc: subprocess.Popen) -> None:
         time.sleep(1)
 
 
+def step1_timings(log: str) -> dict[str, float]:
+    """verl's timings of step 1 from its console line in a trainer's log (empty without the line)."""
+    for step, metrics in console_rows(log):
+        if step == 1:
+            return {f"step 1: {k}": metrics[f"timing_s/{k}"] for k in STEP1_TIMINGS if f"timing_s/{k}" in metrics}
+    return {}
+
+
+def log_phases(log: str) -> dict[str, float] | None:
+    """The start-up line's phases, with step 1 split by verl's timings where the log has them (None: no line)."""
+    phases = parse_line(log)
+    return None if phases is None else {**phases, **step1_timings(log)}
+
+
 def run_once(cmd: Sequence[str], log: Path, env: Mapping[str, str], timeout_s: float) -> dict[str, float] | None:
-    """One run to its start-up line; the phases (None: it ended or timed out without the line)."""
+    """One run to its start-up line and verl's line for step 1; the phases (None: it ended or timed out without
+    the start-up line)."""
     run_dir = Path(next(a.split("=", 1)[1] for a in cmd if a.startswith("trainer.default_local_dir=")))
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "STOP").write_text("1\n")  # the trainer's stop file: the run ends at step 1 if the kill fails
@@ -178,12 +204,16 @@ def run_once(cmd: Sequence[str], log: Path, env: Mapping[str, str], timeout_s: f
     deadline = time.monotonic() + timeout_s
     try:
         while proc.poll() is None and time.monotonic() < deadline:
-            if LINE_PREFIX in log.read_text(errors="replace"):
-                break
+            text = log.read_text(errors="replace")
+            if LINE_PREFIX in text:
+                # verl prints step 1's metrics just after the start-up line; wait for them a little
+                deadline = min(deadline, time.monotonic() + STEP_LINE_WAIT_S)
+                if step1_timings(text):
+                    break
             time.sleep(POLL_S)
     finally:
         _end_group(proc)
-    return parse_line(log.read_text(errors="replace"))
+    return log_phases(log.read_text(errors="replace"))
 
 
 def summarize(runs: Sequence[Mapping[str, float]]) -> dict[str, dict[str, float]]:
@@ -211,20 +241,21 @@ def table(arms: Mapping[str, Sequence[Mapping[str, float]]]) -> str:
         names.remove("total")
         names.append("total")
     labels = list(stats)
+    ab = ("A", "B") if {"A", "B"} <= set(labels) else tuple(labels) if len(labels) == 2 else None
     head = ["phase"]
     for arm in labels:
         n = max((v["n"] for v in stats[arm].values()), default=0)
         head += [f"{arm} median (s, {n} runs)", f"{arm} min-max"]
-    if len(labels) == 2:
-        head.append(f"{labels[1]} - {labels[0]} (s)")
+    if ab:
+        head.append(f"{ab[1]} - {ab[0]} (s)")
     rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name in names:
         cells = [name]
         for arm in labels:
             v = stats[arm].get(name)
             cells += [f"{v['median']:.0f}", f"{v['min']:.0f}-{v['max']:.0f}"] if v else ["-", "-"]
-        if len(labels) == 2:
-            a, b = (stats[arm].get(name) for arm in labels)
+        if ab:
+            a, b = (stats[arm].get(name) for arm in ab)
             cells.append(f"{b['median'] - a['median']:+.0f}" if a and b else "-")
         rows.append("| " + " | ".join(cells) + " |")
     return "\n".join(rows)
@@ -239,12 +270,12 @@ def read_logs(folder: Path) -> tuple[dict[str, list[dict[str, float]]], list[str
         m = _LOG.match(log.name)
         if not m:
             continue
-        phases = parse_line(log.read_text(errors="replace"))
+        phases = log_phases(log.read_text(errors="replace"))
         if phases is None:
             missing.append(log.name)
             continue
         arms.setdefault(m["arm"], []).append((int(m["round"]), phases))
-    order = {"base": 0, "A": 1, "B": 2}
+    order = {"first": 0, "base": 1, "A": 2, "B": 3}
     return {
         arm: [p for _, p in sorted(runs, key=lambda x: x[0])]
         for arm, runs in sorted(arms.items(), key=lambda kv: (order.get(kv[0], 9), kv[0]))
@@ -256,6 +287,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--config-name", help="a recipe of recipes/populora (qwen1.5b_1gpu_2t2s, ...)")
     p.add_argument("--model", help="actor_rollout_ref.model.path")
     p.add_argument("--runs", type=int, default=3, help="runs per arm (default 3)")
+    p.add_argument(
+        "--first-runs",
+        type=int,
+        default=None,
+        help="runs of arm A before an A/B, reported as 'first' (cold caches) and kept out of it "
+        "(default 1; 0 without --lever)",
+    )
     p.add_argument("--lever", choices=sorted(LEVERS), help="A/B of one lever (arm A without, B with)")
     p.add_argument("--b-override", action="append", default=[], metavar="KEY=VALUE", help="B's overrides instead")
     p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE", help="for every run")
@@ -271,6 +309,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         return args
     if args.runs < 1:
         p.error("--runs must be at least 1")
+    if args.first_runs is None:
+        args.first_runs = 1 if args.lever else 0
+    if args.first_runs < 0:
+        p.error("--first-runs must be 0 or more")
     if not args.config_name:
         p.error("--config-name is required (a recipe of recipes/populora)")
     if not (RECIPES / f"{args.config_name}.yaml").is_file():
@@ -291,7 +333,9 @@ def plan_runs(args: argparse.Namespace) -> list[tuple[str, int, list[str]]]:
     arms = ["A", "B"] if args.lever else ["base"]
     config = compose(args.config_name, args.override) if args.lever else None
     per_arm = {arm: arm_overrides(args.lever, arm, config, args.out, args.b_override) for arm in arms}
-    return [(arm, r, [*args.override, *per_arm[arm]]) for r, arm in child.alternating(arms, args.runs)]
+    first_arm = arms[0]  # A, or the recipe as it stands without a lever
+    first = [("first", r, [*args.override, *per_arm[first_arm]]) for r in range(args.first_runs)]
+    return first + [(arm, r, [*args.override, *per_arm[arm]]) for r, arm in child.alternating(arms, args.runs)]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -331,7 +375,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(text)
     (args.out / "results.md").write_text(text + "\n")
     (args.out / "results.json").write_text(json.dumps({"lever": args.lever, "runs": results}, indent=1) + "\n")
-    return 0 if results and all(len(v) == args.runs for v in results.values()) else 1
+    expected = {arm: args.first_runs if arm == "first" else args.runs for arm, _, _ in runs}
+    return 0 if results and all(len(results.get(arm, ())) == n for arm, n in expected.items()) else 1
 
 
 if __name__ == "__main__":

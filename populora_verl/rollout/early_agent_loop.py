@@ -173,8 +173,11 @@ class EarlyAgentLoopWorker(getattr(AgentLoopWorkerTQ, "__ray_actor_class__", Age
         reward_loop_worker_handles: list | None = None,
     ) -> dict[str, Any]:
         """Take the servers' client and the reward workers' handles (and the final config); the constructor's state
-        is rebuilt only if a section it read (:data:`WATCHED_SECTIONS`) changed since the start."""
-        rebuilt = _sections(self.config) != _sections(config)
+        is rebuilt only if a section it read (:data:`WATCHED_SECTIONS`) changed since the start (``changed`` names
+        them)."""
+        before, after = _sections(self.config), _sections(config)
+        changed = [key for key in WATCHED_SECTIONS if before[key] != after[key]]
+        rebuilt = bool(changed)
         if rebuilt:
             AgentLoopWorker.__init__(self, config, llm_client, teacher_client, reward_loop_worker_handles)
         else:
@@ -184,7 +187,7 @@ class EarlyAgentLoopWorker(getattr(AgentLoopWorkerTQ, "__ray_actor_class__", Age
             self.reward_loop_worker_handles = reward_loop_worker_handles
             if self.rollout_config.trace.get("token2text", False):
                 llm_client.tokenizer = self.tokenizer  # what verl's constructor does for traces
-        return {"started_at": self.started_at, "ready_at": self.ready_at, "rebuilt": rebuilt}
+        return {"started_at": self.started_at, "ready_at": self.ready_at, "rebuilt": rebuilt, "changed": changed}
 
 
 class EarlyAgentLoopManager(AgentLoopManagerTQ):
@@ -217,9 +220,10 @@ class EarlyAgentLoopManager(AgentLoopManagerTQ):
         waited = time.time() - t0
         ready = max(float(i["ready_at"]) for i in infos)
         rebuilt = sum(bool(i["rebuilt"]) for i in infos)
+        changed = sorted({key for i in infos for key in i.get("changed", ())})
         print(
             f"[populora] agent-loop workers: {n} started with the trainer's set-up, ready after "
             f"{ready - started.at:.0f} s, {max(0.0, t0 - ready):.0f} s before the servers' hand-off; bound in "
-            f"{waited:.1f} s" + (f" ({rebuilt} rebuilt for a changed config)" if rebuilt else ""),
+            f"{waited:.1f} s" + (f" ({rebuilt} rebuilt: {', '.join(changed)} changed)" if rebuilt else ""),
             flush=True,
         )

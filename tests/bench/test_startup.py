@@ -93,12 +93,16 @@ def test_dry_run_alternates_the_arms(tmp_path, capsys):
     assert startup.main([*argv, "early_agent_loop", "--override", "populora.buffer.seed_programs=0"]) == 0
     lines = capsys.readouterr().out.splitlines()
     arms = ["A" if "populora_early_agent_loop=false" in ln else "B" for ln in lines]
-    assert arms == ["A", "B", "B", "A", "A", "B"]
+    # one cold run with A's overrides first, outside the A/B; then the arms alternate
+    assert arms == ["A", "A", "B", "B", "A", "A", "B"]
     assert all("populora.buffer.seed_programs=0" in ln and "actor_rollout_ref.model.path=/m" in ln for ln in lines)
-    assert [ln.split("trainer.default_local_dir=")[1].split()[0].rsplit("/", 1)[1] for ln in lines[:2]] == [
+    assert [ln.split("trainer.default_local_dir=")[1].split()[0].rsplit("/", 1)[1] for ln in lines[:3]] == [
+        "first-r0",
         "A-r0",
         "B-r0",
     ]
+    assert startup.main([*argv, "early_agent_loop", "--first-runs", "0"]) == 0
+    assert len(capsys.readouterr().out.splitlines()) == 6
 
 
 @pytest.mark.parametrize("lever", ["early_agent_loop", "compile_cache", "use_shm", "capture_sizes", "weight_sync"])
@@ -208,3 +212,34 @@ def test_each_run_times_its_start_up_from_its_own_launch(monkeypatch):
     child = "from populora_verl.trainer import timeline as t; t.record_start(); print(t.Timeline().marks[0][1])"
     out = subprocess.run([sys.executable, "-c", child], env=env, capture_output=True, text=True, check=True)
     assert float(out.stdout) > 1.0, "the run's timeline starts at the benchmark's start, not its own"
+
+
+STEP1 = "(TaskRunnerV1 pid=7) step:1 - timing_s/gen:41.2 - timing_s/update_actor:17.4 - timing_s/old_log_prob:0.1 - x:3"
+
+
+def test_the_first_run_stays_out_of_the_ab_and_step_1_is_split_by_verls_timings(tmp_path):
+    for name, secs in {"first-r0": (56, 36, 272, 3, 0, 75), "A-r0": (50, 35, 200, 3, 0, 70),
+                       "B-r0": (50, 35, 190, 3, 3, 60)}.items():
+        (tmp_path / f"{name}.log").write_text(f"# cmd\n{_line(*secs)}\n{STEP1}\n")
+    arms, missing = startup.read_logs(tmp_path)
+    assert list(arms) == ["first", "A", "B"] and not missing
+    assert arms["A"][0]["step 1: gen"] == 41.2 and arms["A"][0]["step 1: update_actor"] == 17.4
+    assert "step 1: populora_score" not in arms["A"][0]  # only what verl's line has
+    text = startup.table(arms)
+    rows = {r.split(" | ")[0].strip("| "): r for r in text.splitlines()}
+    assert "B - A (s)" in text and "first median (s, 1 runs)" in text
+    assert rows["workers + vLLM"].endswith("| 272 | 272-272 | 200 | 200-200 | 190 | 190-190 | -10 |")
+    assert list(rows)[-1] == "total" and "step 1: gen" in rows
+
+
+def test_a_run_ends_once_it_printed_its_start_up_line_and_step_1(tmp_path):
+    """A stand-in trainer that prints both lines and would then run on: the run is ended, its phases read."""
+    import sys
+
+    script = tmp_path / "trainer.py"
+    script.write_text(f"import time\nprint({_line(40, 50, 300, 10, 2, 60)!r})\nprint({STEP1!r}, flush=True)\n"
+                      "time.sleep(3600)\n")
+    cmd = [sys.executable, str(script), f"trainer.default_local_dir={tmp_path / 'run'}"]
+    phases = startup.run_once(cmd, tmp_path / "A-r0.log", startup.run_env("A-r0", None), timeout_s=600)
+    assert phases["total"] == 462 and phases["step 1: gen"] == 41.2
+    assert (tmp_path / "run" / "STOP").exists()

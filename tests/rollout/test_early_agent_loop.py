@@ -167,12 +167,13 @@ def test_bind_keeps_the_state_unless_a_watched_section_changed(monkeypatch):
     OmegaConf.update(later, "actor_rollout_ref.actor.optim.total_training_steps", 100)  # not read by the worker
     client = Client()
     info = w.bind(later, client, None, ["r"])
-    assert info == {"started_at": 1.0, "ready_at": 2.0, "rebuilt": False} and not rebuilt
+    assert info == {"started_at": 1.0, "ready_at": 2.0, "rebuilt": False, "changed": []} and not rebuilt
     assert (w.config, w.llm_client, w.reward_loop_worker_handles, client.tokenizer) == (later, client, ["r"], "tok")
 
     changed = _config()
     OmegaConf.update(changed, "actor_rollout_ref.rollout.agent.num_workers", 4)
-    assert w.bind(changed, client, None, ["r"])["rebuilt"]
+    info = w.bind(changed, client, None, ["r"])
+    assert info["rebuilt"] and info["changed"] == ["actor_rollout_ref.rollout"]  # named in the hand-off line
     assert rebuilt == [(changed, client, None, ["r"])]
 
 
