@@ -25,6 +25,7 @@ __all__ = [
     "private_path",
     "public_only",
     "has_register_rollout",
+    "has_agent_loop_query",
     "trainer_declares_async",
     "worker_class_from_config",
     "has_chunked_logprobs",
@@ -47,7 +48,38 @@ __all__ = [
     "has_per_request_lora",
     "has_agent_loop_lora_field",
     "has_per_id_weight_sync",
+    "SERIES_DETECTORS",
+    "series_detected",
 ]
+
+#: Every detector of a patch of the series (patches/), by function name: all true on a verl with the whole series,
+#: all false on verl 0.9.1.
+SERIES_DETECTORS = (
+    "has_register_rollout",
+    "has_agent_loop_query",
+    "trainer_declares_async",
+    "worker_class_from_config",
+    "has_chunked_logprobs",
+    "has_weight_sync_job_id",
+    "poll_interval_from_config",
+    "trainer_without_dataset",
+    "has_public_prompt_cap",
+    "has_save_hook",
+    "has_engine_micro_batch_hook",
+    "has_public_save",
+    "has_reward_class_setup",
+    "has_engine_port_blocks",
+    "has_before_load_hook",
+    "has_public_step_stages",
+    "has_public_dispatch_info",
+    "has_public_prompt_submission",
+    "engine_class_from_config",
+    "max_loras_from_engine_kwargs",
+    "has_per_request_lora",
+    "has_agent_loop_lora_field",
+    "has_per_id_weight_sync",
+    "has_server_name_from_rollout_name",
+)
 
 #: ``1``: a fallback onto a private name that a public API replaces raises (the series-applied test sets it).
 PUBLIC_ONLY_ENV = "POPULORA_VERL_PUBLIC_ONLY"
@@ -331,3 +363,8 @@ def has_per_id_weight_sync() -> bool:
         {"lora_int_id", "lora_name"} <= _arg_names(_verl_function(utils, ext, f))
         for f in ("update_weights_from_ipc", "_update_weights")
     )
+
+
+def series_detected() -> dict[str, bool]:
+    """Each of :data:`SERIES_DETECTORS` and its answer for the verl that is imported."""
+    return {name: bool(globals()[name]()) for name in SERIES_DETECTORS}

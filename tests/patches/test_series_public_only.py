@@ -30,13 +30,7 @@ VERL_FACING = ("tests/trainer/test_trainer.py", "tests/rollout", "tests/project/
                "tests/workers/test_logprobs.py", "tests/workers/test_resident_verl_engine.py",
                "tests/reward/test_reward_manager.py", "tests/trainer/test_trainer_tq.py")
 
-FLAGS = ("has_register_rollout", "has_agent_loop_query", "trainer_declares_async", "worker_class_from_config",
-         "has_chunked_logprobs", "has_weight_sync_job_id", "poll_interval_from_config", "trainer_without_dataset",
-         "has_public_prompt_cap", "has_save_hook", "has_engine_micro_batch_hook", "has_public_save",
-         "has_reward_class_setup", "has_engine_port_blocks", "has_before_load_hook", "has_public_step_stages",
-         "has_public_dispatch_info", "has_public_prompt_submission", "engine_class_from_config",
-         "max_loras_from_engine_kwargs", "has_per_request_lora", "has_agent_loop_lora_field",
-         "has_per_id_weight_sync", "has_server_name_from_rollout_name")
+FLAGS = verl_compat.SERIES_DETECTORS
 
 
 def _public_only_env(root) -> dict[str, str]:

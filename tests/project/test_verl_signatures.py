@@ -686,3 +686,14 @@ def test_worker_module_imports_without_vllm():
 
     rollout.register_rollout()
     assert not any(m == "vllm" or m.startswith("vllm.") for m in sys.modules)
+
+
+def test_the_series_detectors_are_every_detector_of_verl_compat():
+    """verl_compat's list of the series' detectors (used by the series-applied test and the GPU series proof) names
+    every detector it defines, and they all answer no on verl 0.9.1."""
+    from populora_verl import verl_compat
+
+    detectors = {n for n in verl_compat.__all__ if callable(getattr(verl_compat, n))} - {
+        "private_path", "public_only", "series_detected", "PrivateVerlUse"}
+    assert set(verl_compat.SERIES_DETECTORS) == detectors
+    assert not any(verl_compat.series_detected().values())
