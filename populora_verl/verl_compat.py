@@ -19,39 +19,6 @@ import importlib.util
 import os
 from pathlib import Path
 
-__all__ = [
-    "PUBLIC_ONLY_ENV",
-    "PrivateVerlUse",
-    "private_path",
-    "public_only",
-    "has_register_rollout",
-    "has_agent_loop_query",
-    "trainer_declares_async",
-    "worker_class_from_config",
-    "has_chunked_logprobs",
-    "has_weight_sync_job_id",
-    "poll_interval_from_config",
-    "trainer_without_dataset",
-    "has_public_prompt_cap",
-    "has_before_load_hook",
-    "has_engine_micro_batch_hook",
-    "engine_class_from_config",
-    "has_save_hook",
-    "has_public_save",
-    "has_reward_class_setup",
-    "has_engine_port_blocks",
-    "has_public_step_stages",
-    "has_public_dispatch_info",
-    "has_public_prompt_submission",
-    "has_server_name_from_rollout_name",
-    "max_loras_from_engine_kwargs",
-    "has_per_request_lora",
-    "has_agent_loop_lora_field",
-    "has_per_id_weight_sync",
-    "SERIES_DETECTORS",
-    "series_detected",
-]
-
 #: Every detector of a patch of the series (patches/), by function name: all true on a verl with the whole series,
 #: all false on verl 0.9.1.
 SERIES_DETECTORS = (
@@ -80,6 +47,17 @@ SERIES_DETECTORS = (
     "has_per_id_weight_sync",
     "has_server_name_from_rollout_name",
 )
+
+__all__ = [
+    "PUBLIC_ONLY_ENV",
+    "PrivateVerlUse",
+    "private_path",
+    "public_only",
+    "SERIES_DETECTORS",
+    "series_detected",
+    *SERIES_DETECTORS,
+]
+
 
 #: ``1``: a fallback onto a private name that a public API replaces raises (the series-applied test sets it).
 PUBLIC_ONLY_ENV = "POPULORA_VERL_PUBLIC_ONLY"

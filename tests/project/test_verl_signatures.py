@@ -693,7 +693,7 @@ def test_the_series_detectors_are_every_detector_of_verl_compat():
     every detector it defines, and they all answer no on verl 0.9.1."""
     from populora_verl import verl_compat
 
-    detectors = {n for n in verl_compat.__all__ if callable(getattr(verl_compat, n))} - {
-        "private_path", "public_only", "series_detected", "PrivateVerlUse"}
-    assert set(verl_compat.SERIES_DETECTORS) == detectors
+    functions = {n for n, obj in vars(verl_compat).items() if not n.startswith("_") and callable(obj)
+                 and not isinstance(obj, type) and getattr(obj, "__module__", None) == verl_compat.__name__}
+    assert set(verl_compat.SERIES_DETECTORS) == functions - {"private_path", "public_only", "series_detected"}
     assert not any(verl_compat.series_detected().values())
