@@ -34,8 +34,9 @@ def verl_copy(dest: Path, *patches: str) -> Path:
     return dest
 
 
-def run_check(root: Path, code: str, timeout: int = 240) -> subprocess.CompletedProcess:
-    """Run ``code`` in a fresh interpreter that imports verl from ``root``; asserts it imported the copy."""
+def start_check(root: Path, code: str) -> subprocess.Popen:
+    """Start ``code`` in a fresh interpreter that imports verl from ``root`` (it asserts that it imported the copy);
+    :func:`finish_check` collects it."""
     prelude = textwrap.dedent(f"""
         import sys, warnings
         warnings.simplefilter("ignore")
@@ -44,8 +45,23 @@ def run_check(root: Path, code: str, timeout: int = 240) -> subprocess.Completed
         assert verl.__file__.startswith({str(root)!r}), verl.__file__
     """)
     env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1", "RAY_DEDUP_LOGS": "0"}
-    return subprocess.run([sys.executable, "-c", prelude + textwrap.dedent(code)], cwd=root, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.Popen([sys.executable, "-c", prelude + textwrap.dedent(code)], cwd=root, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def finish_check(proc: subprocess.Popen, timeout: int = 240) -> subprocess.CompletedProcess:
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        raise
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def run_check(root: Path, code: str, timeout: int = 240) -> subprocess.CompletedProcess:
+    """Run ``code`` in a fresh interpreter that imports verl from ``root``; asserts it imported the copy."""
+    return finish_check(start_check(root, code), timeout)
 
 
 def series() -> list[str]:
@@ -67,13 +83,21 @@ def fails_without_passes_with(tmp_path, series_copy):
     the whole series applied."""
 
     def check(patch: str, code: str, *, expect_without: str | None = None) -> str:
-        pristine = run_check(verl_copy(tmp_path / "pristine"), code)
+        # The three interpreters are independent (each its own copy of verl, no shared socket, port or file), and
+        # most of their time is importing verl: they run side by side.
+        roots = (verl_copy(tmp_path / "pristine"), verl_copy(tmp_path / "patched", patch), series_copy)
+        procs = [start_check(root, code) for root in roots]
+        try:
+            pristine, patched, together = (finish_check(proc) for proc in procs)
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.communicate()
         assert pristine.returncode != 0, f"passes without {patch}: the check does not test the patch\n{pristine.stdout}"
         if expect_without is not None:
             assert expect_without in pristine.stderr + pristine.stdout, pristine.stderr[-3000:]
-        patched = run_check(verl_copy(tmp_path / "patched", patch), code)
         assert patched.returncode == 0, f"fails with {patch}:\n{patched.stdout[-2000:]}\n{patched.stderr[-4000:]}"
-        together = run_check(series_copy, code)
         assert together.returncode == 0, f"fails with the series:\n{together.stdout[-2000:]}\n{together.stderr[-4000:]}"
         return patched.stdout
 
