@@ -6,7 +6,9 @@ step 1): the process group is ended then, and a stop file ends the run at step 1
 from that line (:func:`populora_verl.trainer.timeline.parse_line`), so a regression shows in the phase it is in.
 
 Each run's table also splits step 1 by verl's own timings of it (``step 1: gen``, ``step 1: update_actor``, ...),
-read from verl's console line for step 1, which the run is given up to a minute to print after the start-up line.
+read from verl's console line for step 1, which the run is given up to a minute to print after the start-up line, and
+shows what vLLM's engine reports of its own start inside "workers + vLLM" (``vLLM: init engine``, weights, compile,
+CUDA graphs; the slowest engine where there are several): the runs log vLLM at INFO for this.
 
 ``--lever NAME`` runs an A/B of one start-up lever: arm A without it, arm B with it, alternating A B / B A per round so
 that drift of the machine falls on both alike. The first run on a node fills the caches every later run reads (vLLM's
@@ -153,6 +155,8 @@ def run_command(config_name: str, model: str, run_dir: Path, overrides: Sequence
 def run_env(name: str, gpu: str | None) -> dict[str, str]:
     """Its own Ray instance per run (two runs never share a cluster, a killed one leaves no socket behind)."""
     env = trainer_env(f"/tmp/ray_startup_{name}")
+    # verl keeps a variable set in the launching environment: vLLM then logs its own start-up times
+    env.setdefault("VLLM_LOGGING_LEVEL", "INFO")
     if gpu is not None:
         env["CUDA_VISIBLE_DEVICES"] = gpu
     return env
@@ -185,10 +189,31 @@ def step1_timings(log: str) -> dict[str, float]:
     return {}
 
 
+#: vLLM's own start-up reports (INFO), by the name the table gives them; each engine prints its own.
+VLLM_REPORTS = {
+    "vLLM: loading weights": re.compile(r"Loading weights took ([\d.]+) s"),
+    "vLLM: model loading": re.compile(r"Model loading took [\d.]+ ?GiB(?: memory)? and ([\d.]+) s"),
+    "vLLM: torch.compile": re.compile(r"torch\.compile takes ([\d.]+) s in total"),
+    "vLLM: CUDA graphs": re.compile(r"Graph capturing finished in ([\d.]+) s"),
+    "vLLM: init engine": re.compile(r"init engine \(profile, create kv cache, warmup model\) took ([\d.]+) s"),
+}
+
+
+def vllm_timings(log: str) -> dict[str, float]:
+    """What vLLM's engines report of their start in a trainer's log: per report, the slowest engine's seconds."""
+    out = {}
+    for name, pattern in VLLM_REPORTS.items():
+        found = [float(x) for x in pattern.findall(log)]
+        if found:
+            out[name] = max(found)
+    return out
+
+
 def log_phases(log: str) -> dict[str, float] | None:
-    """The start-up line's phases, with step 1 split by verl's timings where the log has them (None: no line)."""
+    """The start-up line's phases, with step 1 split by verl's timings and vLLM's own start-up reports where the log
+    has them (None: no start-up line)."""
     phases = parse_line(log)
-    return None if phases is None else {**phases, **step1_timings(log)}
+    return None if phases is None else {**phases, **vllm_timings(log), **step1_timings(log)}
 
 
 def run_once(cmd: Sequence[str], log: Path, env: Mapping[str, str], timeout_s: float) -> dict[str, float] | None:

@@ -215,6 +215,14 @@ def test_each_run_times_its_start_up_from_its_own_launch(monkeypatch):
 
 
 STEP1 = "(TaskRunnerV1 pid=7) step:1 - timing_s/gen:41.2 - timing_s/update_actor:17.4 - timing_s/old_log_prob:0.1 - x:3"
+# what two vLLM engines (one per replica) log of their start at INFO
+VLLM_LINES = """(PopuLoRAvLLMHttpServer pid=9) (Worker pid=10) INFO 11-29 01:38:40 [default_loader.py:291] Loading weights took 0.62 seconds
+(PopuLoRAvLLMHttpServer pid=9) (Worker pid=10) INFO 11-29 01:38:41 [gpu_model_runner.py:4120] Model loading took 3.4 GiB memory and 1.93 seconds
+(PopuLoRAvLLMHttpServer pid=9) (Worker pid=10) INFO 11-29 01:38:59 [monitor.py:34] torch.compile takes 14.20 s in total
+(PopuLoRAvLLMHttpServer pid=9) (Worker pid=10) INFO 11-29 01:39:34 [gpu_model_runner.py:5010] Graph capturing finished in 9 secs, took 0.51 GiB
+(PopuLoRAvLLMHttpServer pid=9) (EngineCore pid=11) INFO 11-29 01:39:34 [core.py:283] init engine (profile, create kv cache, warmup model) took 41.87 seconds
+(PopuLoRAvLLMHttpServer pid=12) (EngineCore pid=13) INFO 11-29 01:39:36 [core.py:283] init engine (profile, create kv cache, warmup model) took 44.10 seconds
+"""
 
 
 def test_the_first_run_stays_out_of_the_ab_and_step_1_is_split_by_verls_timings(tmp_path):
@@ -225,6 +233,7 @@ def test_the_first_run_stays_out_of_the_ab_and_step_1_is_split_by_verls_timings(
     assert list(arms) == ["first", "A", "B"] and not missing
     assert arms["A"][0]["step 1: gen"] == 41.2 and arms["A"][0]["step 1: update_actor"] == 17.4
     assert "step 1: populora_score" not in arms["A"][0]  # only what verl's line has
+    assert "vLLM: init engine" not in arms["A"][0]  # a log without vLLM's INFO lines
     text = startup.table(arms)
     rows = {r.split(" | ")[0].strip("| "): r for r in text.splitlines()}
     assert "B - A (s)" in text and "first median (s, 1 runs)" in text
@@ -243,3 +252,15 @@ def test_a_run_ends_once_it_printed_its_start_up_line_and_step_1(tmp_path):
     phases = startup.run_once(cmd, tmp_path / "A-r0.log", startup.run_env("A-r0", None), timeout_s=600)
     assert phases["total"] == 462 and phases["step 1: gen"] == 41.2
     assert (tmp_path / "run" / "STOP").exists()
+
+
+def test_vllms_own_start_up_reports_are_read_the_slowest_engine_counts(monkeypatch):
+    phases = startup.log_phases(f"# cmd\n{VLLM_LINES}{_line(56, 36, 164, 3, 3, 64)}\n{STEP1}\n")
+    assert {k: v for k, v in phases.items() if k.startswith("vLLM")} == {
+        "vLLM: loading weights": 0.62, "vLLM: model loading": 1.93, "vLLM: torch.compile": 14.2,
+        "vLLM: CUDA graphs": 9.0, "vLLM: init engine": 44.1}
+    assert list(startup.summarize([phases]))[-1] == "total"
+    monkeypatch.delenv("VLLM_LOGGING_LEVEL", raising=False)
+    assert startup.run_env("A-r0", None)["VLLM_LOGGING_LEVEL"] == "INFO"  # what makes vLLM print them
+    monkeypatch.setenv("VLLM_LOGGING_LEVEL", "DEBUG")
+    assert startup.run_env("A-r0", None)["VLLM_LOGGING_LEVEL"] == "DEBUG"  # a user's own level is kept
