@@ -51,17 +51,9 @@ if not verl_compat.has_per_id_weight_sync():
                 return super().update_weights_from_ipc(
                     peft_config=peft_config, base_sync_done=base_sync_done, use_shm=use_shm
                 )
-            # Free cache room first (retired versions), then drop this id: vLLM's add_lora is a no-op for a cached id.
-            for rid in retire_lora_int_ids:
-                self.remove_lora(int(rid))
-            self.remove_lora(target[0])
-            self._populora_target = target
-            try:
-                return super().update_weights_from_ipc(
-                    peft_config=peft_config, base_sync_done=base_sync_done, use_shm=use_shm
-                )
-            finally:
-                self._populora_target = None
+            return self._populora_load(
+                peft_config, base_sync_done, use_shm, retire_lora_int_ids, [target[0]], target=target
+            )
 
         def _populora_receive_several(self, peft_config, base_sync_done, use_shm, raw_targets):
             """Every changed adapter of a step in one transfer; tensors are named per adapter
@@ -69,18 +61,24 @@ if not verl_compat.has_per_id_weight_sync():
             if not (peft_config and base_sync_done):
                 raise ValueError("lora_targets is only meaningful for an adapter sync (peft_config and base_sync_done)")
             targets = lora_targets(raw_targets)
-            for t in targets:  # cache room first, then the ids to replace (add_lora is a no-op for a cached id)
-                for rid in t.retire:
-                    self.remove_lora(int(rid))
-            for t in targets:
-                self.remove_lora(t.lora_int_id)
-            self._populora_targets = targets
+            retire = [rid for t in targets for rid in t.retire]
+            return self._populora_load(
+                peft_config, base_sync_done, use_shm, retire, [t.lora_int_id for t in targets], targets=targets
+            )
+
+        def _populora_load(self, peft_config, base_sync_done, use_shm, retire, replace, *, target=None, targets=None):
+            """verl's transfer, with ``_update_weights`` loading what ``target`` (one adapter) or ``targets`` (several,
+            tensors named per adapter) say. Cache room first (the retired versions), then the ids to replace: vLLM's
+            add_lora is a no-op for a cached id."""
+            for lid in (*retire, *replace):
+                self.remove_lora(int(lid))
+            self._populora_target, self._populora_targets = target, targets
             try:
                 return super().update_weights_from_ipc(
                     peft_config=peft_config, base_sync_done=base_sync_done, use_shm=use_shm
                 )
             finally:
-                self._populora_targets = None
+                self._populora_target = self._populora_targets = None
 
         def _update_weights(self, weights, peft_config: dict, base_sync_done: bool):
             verl_compat.private_path("_update_weights")

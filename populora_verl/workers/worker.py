@@ -367,7 +367,7 @@ class PopuLoRAActorRolloutRefWorker(ActorRolloutRefWorker):
         in one transfer to the plugin's worker extension, each tensor named for its adapter."""
         from verl.utils.model import convert_weight_keys
 
-        from populora_verl.rollout.lora_registry import LoraTarget
+        from populora_verl.rollout.lora_registry import LoraTarget, tag_adapter_tensors
 
         bank = self.bank
         peft_model = getattr(self.actor.engine.module, "_fsdp_wrapped_module", self.actor.engine.module)
@@ -384,46 +384,29 @@ class PopuLoRAActorRolloutRefWorker(ActorRolloutRefWorker):
         if not targets:
             return
 
+        def adapter_tensors(slot: int):
+            return convert_weight_keys(bank.get_adapter_state(slot), peft_model).items()
+
+        pairs = [(t, slot) for t, (slot, _, _) in zip(targets, changed, strict=True)]
+        sync = {"peft_config": peft_config, "base_sync_done": True, "global_steps": global_steps}
         if verl_compat.has_per_id_weight_sync():
             # verl's worker extension loads one adapter per transfer, under the id it is given: one transfer each
-            for t, (slot, _, _) in zip(targets, changed, strict=True):
+            for t, slot in pairs:
                 await self.rollout.update_weights(
-                    iter(convert_weight_keys(bank.get_adapter_state(slot), peft_model).items()),
-                    peft_config=peft_config,
-                    base_sync_done=True,
-                    global_steps=global_steps,
+                    iter(adapter_tensors(slot)),
+                    **sync,
                     lora_int_id=t.lora_int_id,
                     lora_name=t.lora_name,
                     retire_lora_int_ids=list(t.retire),
                 )
         else:
-            await self._push_tagged(targets, changed, peft_model, peft_config, global_steps)
+            # the plugin's worker extension: every adapter in one transfer, each tensor named for its adapter
+            tagged = (x for t, slot in pairs for x in tag_adapter_tensors(t.lora_int_id, adapter_tensors(slot)))
+            await self.rollout.update_weights(tagged, **sync, lora_targets=[t.as_dict() for t in targets])
         for slot, lid, signature in changed:
             pushed[slot] = lid
             signatures[slot] = signature
         self._populora_signatures = signatures
-
-    async def _push_tagged(self, targets, changed, peft_model, peft_config, global_steps) -> None:
-        """Several adapters in one transfer, each tensor named for its adapter (the plugin's worker extension)."""
-        from verl.utils.model import convert_weight_keys
-
-        from populora_verl.rollout.lora_registry import tag_adapter_tensors
-
-        bank = self.bank
-
-        def tensors():
-            for t, (slot, _, _) in zip(targets, changed, strict=True):
-                yield from tag_adapter_tensors(
-                    t.lora_int_id, convert_weight_keys(bank.get_adapter_state(slot), peft_model).items()
-                )
-
-        await self.rollout.update_weights(
-            tensors(),
-            peft_config=peft_config,
-            base_sync_done=True,
-            global_steps=global_steps,
-            lora_targets=[t.as_dict() for t in targets],
-        )
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
     async def update_weights(self, global_steps: int = None, mode: str = "auto"):
