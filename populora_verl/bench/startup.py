@@ -113,6 +113,13 @@ LEVERS: dict[str, Lever] = {
     "capture_sizes": Lever("capture sizes limited to the reachable batch sizes (B)", (), _capture_b),
     "use_shm": Lever("the model read from shared memory (B)", (), ("actor_rollout_ref.model.use_shm=true",)),
     "weight_sync": Lever("the first weight sync: B from --b-override", (), None),
+    # Several levers in one B when a node's time allows one A/B only: each acts on its own phase of the timeline
+    # (vLLM's reports split weights, compile and CUDA graphs), which is where its share is read.
+    "stack": Lever(
+        "several levers at once, B from --b-override, each read off the phase it acts on",
+        ("++trainer.populora_early_agent_loop=false",),
+        None,
+    ),
 }
 
 

@@ -82,8 +82,9 @@ def test_options_are_checked(argv, message, capsys):
 
 def test_a_lever_that_cannot_run_for_the_recipe_stops_before_any_run(tmp_path, capsys):
     base = ["--config-name", RECIPE, "--model", "m", "--out", str(tmp_path), "--dry-run"]
-    assert startup.main([*base, "--lever", "weight_sync"]) == 2
-    assert "--b-override" in capsys.readouterr().err
+    for lever in ("weight_sync", "stack"):
+        assert startup.main([*base, "--lever", lever]) == 2
+        assert "--b-override" in capsys.readouterr().err
     assert startup.main([*base, "--lever", "capture_sizes"]) == 2  # every size of this recipe is reachable
     assert "changes nothing" in capsys.readouterr().err
 
@@ -105,7 +106,9 @@ def test_dry_run_alternates_the_arms(tmp_path, capsys):
     assert len(capsys.readouterr().out.splitlines()) == 6
 
 
-@pytest.mark.parametrize("lever", ["early_agent_loop", "compile_cache", "use_shm", "capture_sizes", "weight_sync"])
+@pytest.mark.parametrize(
+    "lever", ["early_agent_loop", "compile_cache", "use_shm", "capture_sizes", "weight_sync", "stack"]
+)
 def test_each_levers_overrides_compose_with_a_recipe(lever, tmp_path):
     recipe = "4t4s" if lever == "capture_sizes" else RECIPE  # a recipe with sizes it cannot reach
     config = compose_recipe(recipe)
@@ -116,7 +119,7 @@ def test_each_levers_overrides_compose_with_a_recipe(lever, tmp_path):
             [
                 *startup.BASE_OVERRIDES,
                 *startup.arm_overrides(
-                    lever, arm, config, tmp_path, b_override if lever == "weight_sync" else ()
+                    lever, arm, config, tmp_path, b_override if lever in ("weight_sync", "stack") else ()
                 ),
             ],
         )
@@ -136,8 +139,9 @@ def test_each_levers_overrides_compose_with_a_recipe(lever, tmp_path):
     elif lever == "capture_sizes":
         assert list(b.actor_rollout_ref.rollout.cudagraph_capture_sizes) == cs.reachable_capture_sizes(config)
         assert OmegaConf.select(a, cs.CAPTURE_KEY) == OmegaConf.select(config, cs.CAPTURE_KEY)
-    else:
+    else:  # B from --b-override; the stack's A is the recipe with the opt-in lever off
         assert b.actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes == 512
+        assert lever == "weight_sync" or a.trainer.populora_early_agent_loop is False
     assert a.trainer.save_freq == -1 and b.trainer.save_freq == -1
 
 
