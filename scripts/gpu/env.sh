@@ -10,3 +10,5 @@ if [ ! -d /tmp/populora-site ]; then
 fi
 export PYTHONPATH="$PYTHONPATH:/tmp/populora-site"
 export PATH="$PATH:/tmp/populora-site/bin"  # py-spy, where its wheel came along: stacks of a hung arm
+# A patched verl copy put first by the caller (scripts/gpu/series_proof.sh) stays ahead of the bundle
+if [ -n "${POPULORA_PYTHONPATH_FIRST:-}" ]; then export PYTHONPATH="$POPULORA_PYTHONPATH_FIRST:$PYTHONPATH"; fi

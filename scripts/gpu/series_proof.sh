@@ -19,7 +19,7 @@ if [ ! -f "$SERIES/.applied" ]; then
 fi
 # Ray's workers inherit the driver's environment: the patched copy and the public-only switch reach them too.
 PLAIN_PYTHONPATH=$PYTHONPATH
-export PYTHONPATH="$SERIES:$PYTHONPATH" POPULORA_VERL_PUBLIC_ONLY=1
+export PYTHONPATH="$SERIES:$PYTHONPATH" POPULORA_VERL_PUBLIC_ONLY=1 POPULORA_PYTHONPATH_FIRST=$SERIES
 python3 - "$SERIES" <<'PY' | tee "$OUT/series_flags.txt" || exit 2
 import sys
 import verl
