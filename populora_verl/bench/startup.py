@@ -13,7 +13,9 @@ CUDA graphs; the slowest engine where there are several): the runs log vLLM at I
 ``--lever NAME`` runs an A/B of one start-up lever: arm A without it, arm B with it, alternating A B / B A per round so
 that drift of the machine falls on both alike. The first run on a node fills the caches every later run reads (vLLM's
 compile cache, Triton's kernels, the page cache of the model's files), so an A/B starts with ``--first-runs`` runs of
-arm A (default 1) that are reported as their own row, ``first``: the cold figure, kept out of the A/B.
+arm A (default 1) that are reported as their own row, ``first``: the cold figure, kept out of the A/B. As many runs of
+arm B follow (``first_B``, also kept out): a B that changes vLLM's configuration (its capture sizes, the model's path)
+changes vLLM's compile-cache key, so its first run compiles from scratch even on a warm node.
 
 Levers (``--b-override`` replaces B's overrides):
 
@@ -307,7 +309,7 @@ def read_logs(folder: Path) -> tuple[dict[str, list[dict[str, float]]], list[str
             missing.append(log.name)
             continue
         arms.setdefault(m["arm"], []).append((int(m["round"]), phases))
-    order = {"first": 0, "base": 1, "A": 2, "B": 3}
+    order = {"first": 0, "first_B": 1, "base": 2, "A": 3, "B": 4}
     return {
         arm: [p for _, p in sorted(runs, key=lambda x: x[0])]
         for arm, runs in sorted(arms.items(), key=lambda kv: (order.get(kv[0], 9), kv[0]))
@@ -323,7 +325,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--first-runs",
         type=int,
         default=None,
-        help="runs of arm A before an A/B, reported as 'first' (cold caches) and kept out of it "
+        help="runs of each arm before an A/B, reported as 'first' and 'first_B' (cold caches) and kept out of it "
         "(default 1; 0 without --lever)",
     )
     p.add_argument("--lever", choices=sorted(LEVERS), help="A/B of one lever (arm A without, B with)")
@@ -367,6 +369,8 @@ def plan_runs(args: argparse.Namespace) -> list[tuple[str, int, list[str]]]:
     per_arm = {arm: arm_overrides(args.lever, arm, config, args.out, args.b_override) for arm in arms}
     first_arm = arms[0]  # A, or the recipe as it stands without a lever
     first = [("first", r, [*args.override, *per_arm[first_arm]]) for r in range(args.first_runs)]
+    if args.lever:  # B's own caches (a config of its own compiles anew), also kept out of the A/B
+        first += [("first_B", r, [*args.override, *per_arm["B"]]) for r in range(args.first_runs)]
     return first + [(arm, r, [*args.override, *per_arm[arm]]) for r, arm in child.alternating(arms, args.runs)]
 
 
@@ -407,7 +411,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(text)
     (args.out / "results.md").write_text(text + "\n")
     (args.out / "results.json").write_text(json.dumps({"lever": args.lever, "runs": results}, indent=1) + "\n")
-    expected = {arm: args.first_runs if arm == "first" else args.runs for arm, _, _ in runs}
+    expected = {arm: args.first_runs if arm.startswith("first") else args.runs for arm, _, _ in runs}
     return 0 if results and all(len(results.get(arm, ())) == n for arm, n in expected.items()) else 1
 
 

@@ -94,11 +94,12 @@ def test_dry_run_alternates_the_arms(tmp_path, capsys):
     assert startup.main([*argv, "early_agent_loop", "--override", "populora.buffer.seed_programs=0"]) == 0
     lines = capsys.readouterr().out.splitlines()
     arms = ["A" if "populora_early_agent_loop=false" in ln else "B" for ln in lines]
-    # one cold run with A's overrides first, outside the A/B; then the arms alternate
-    assert arms == ["A", "A", "B", "B", "A", "A", "B"]
+    # one first run of each arm, outside the A/B (B's config may compile anew); then the arms alternate
+    assert arms == ["A", "B", "A", "B", "B", "A", "A", "B"]
     assert all("populora.buffer.seed_programs=0" in ln and "actor_rollout_ref.model.path=/m" in ln for ln in lines)
-    assert [ln.split("trainer.default_local_dir=")[1].split()[0].rsplit("/", 1)[1] for ln in lines[:3]] == [
+    assert [ln.split("trainer.default_local_dir=")[1].split()[0].rsplit("/", 1)[1] for ln in lines[:4]] == [
         "first-r0",
+        "first_B-r0",
         "A-r0",
         "B-r0",
     ]
@@ -230,18 +231,18 @@ VLLM_LINES = """(PopuLoRAvLLMHttpServer pid=9) (Worker pid=10) INFO 11-29 01:38:
 
 
 def test_the_first_run_stays_out_of_the_ab_and_step_1_is_split_by_verls_timings(tmp_path):
-    for name, secs in {"first-r0": (56, 36, 272, 3, 0, 75), "A-r0": (50, 35, 200, 3, 0, 70),
-                       "B-r0": (50, 35, 190, 3, 3, 60)}.items():
+    for name, secs in {"first-r0": (56, 36, 272, 3, 0, 75), "first_B-r0": (50, 35, 250, 3, 3, 62),
+                       "A-r0": (50, 35, 200, 3, 0, 70), "B-r0": (50, 35, 190, 3, 3, 60)}.items():
         (tmp_path / f"{name}.log").write_text(f"# cmd\n{_line(*secs)}\n{STEP1}\n")
     arms, missing = startup.read_logs(tmp_path)
-    assert list(arms) == ["first", "A", "B"] and not missing
+    assert list(arms) == ["first", "first_B", "A", "B"] and not missing
     assert arms["A"][0]["step 1: gen"] == 41.2 and arms["A"][0]["step 1: update_actor"] == 17.4
     assert "step 1: populora_score" not in arms["A"][0]  # only what verl's line has
     assert "vLLM: init engine" not in arms["A"][0]  # a log without vLLM's INFO lines
     text = startup.table(arms)
     rows = {r.split(" | ")[0].strip("| "): r for r in text.splitlines()}
     assert "B - A (s)" in text and "first median (s, 1 runs)" in text
-    assert rows["workers + vLLM"].endswith("| 272 | 272-272 | 200 | 200-200 | 190 | 190-190 | -10 |")
+    assert rows["workers + vLLM"].endswith("| 272 | 272-272 | 250 | 250-250 | 200 | 200-200 | 190 | 190-190 | -10 |")
     assert list(rows)[-1] == "total" and "step 1: gen" in rows
 
 
