@@ -50,10 +50,11 @@ EARLY_KEY = "trainer.populora_early_agent_loop"
 #: verl's key for a custom agent-loop manager (declared by ``verl.workers.config.AgentLoopConfig``).
 MANAGER_KEY = "actor_rollout_ref.rollout.agent.agent_loop_manager_class"
 MANAGER_FQN = "populora_verl.rollout.early_agent_loop.EarlyAgentLoopManager"
-#: The config sections an agent-loop worker reads at construction. The trainer's set-up may change others (the
-#: actor's optimizer); a change in one of these between the early start and the binding rebuilds the worker's state
-#: from the final config (the imports, the slow part, are done by then).
-WATCHED_SECTIONS = ("actor_rollout_ref.rollout", "actor_rollout_ref.model", "data", "reward", "distillation")
+#: The config sections verl's agent-loop worker reads at construction. The trainer's set-up may change others (the
+#: actor's optimizer; ``reward.reward_model.nnodes``, which verl's resource-pool set-up fills in): later reads go
+#: through the config that binding hands over. A change in one of these between the early start and the binding
+#: rebuilds the worker's state from the final config (the imports, the slow part, are done by then).
+WATCHED_SECTIONS = ("actor_rollout_ref.rollout", "actor_rollout_ref.model", "data", "distillation")
 
 
 def _distillation(config: DictConfig) -> bool:

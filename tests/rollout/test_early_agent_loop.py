@@ -165,6 +165,8 @@ def test_bind_keeps_the_state_unless_a_watched_section_changed(monkeypatch):
     w = _bare_worker(config)
     later = _config()
     OmegaConf.update(later, "actor_rollout_ref.actor.optim.total_training_steps", 100)  # not read by the worker
+    # verl's resource-pool set-up fills these in after the early start (seen on a GPU); the constructor reads no reward
+    OmegaConf.update(later, "reward.reward_model", {"nnodes": 1, "n_gpus_per_node": 1}, force_add=True)
     client = Client()
     info = w.bind(later, client, None, ["r"])
     assert info == {"started_at": 1.0, "ready_at": 2.0, "rebuilt": False, "changed": []} and not rebuilt
