@@ -130,10 +130,14 @@ class AfterImportFinder(importlib.abc.MetaPathFinder):
             if not self._waiting and self in sys.meta_path:
                 sys.meta_path.remove(self)
         for callback in callbacks:
-            try:
-                callback(module)
-            except Exception as e:  # never fail the import of the module that was waited for
-                logger.warning("callback %r after the import of %s failed: %s: %s", callback, name, type(e).__name__, e)
+            _call(callback, name, module)
+
+
+def _call(callback: Callback, name: str, module: ModuleType) -> None:
+    try:
+        callback(module)
+    except Exception as e:  # never fail the import of the module that was waited for
+        logger.warning("callback %r after the import of %s failed: %s: %s", callback, name, type(e).__name__, e)
 
 
 _FINDER = AfterImportFinder()
@@ -143,10 +147,7 @@ def after_import(name: str, callback: Callback) -> None:
     """Call ``callback(module)`` once module ``name`` has been imported in this process: now if it has, else right
     after its import finishes (it is not imported here). See the module's docstring."""
     if is_imported(name):
-        try:
-            callback(sys.modules[name])
-        except Exception as e:  # the same contract as after an import: logged, never raised
-            logger.warning("callback %r after the import of %s failed: %s: %s", callback, name, type(e).__name__, e)
+        _call(callback, name, sys.modules[name])
         return
     _FINDER.add(name, callback)
 

@@ -5,7 +5,7 @@ nothing here may fail, nothing here imports vLLM (the rollout backend is registe
 :func:`check_registrations` lets the trainer fail at start-up with one clear line if a registration is missing.
 
 Each registration runs in a process only once that process imports the verl module holding its registry
-(:data:`AFTER_IMPORT`, through :func:`populora_verl.import_hooks.after_import`): at once where it is imported
+(``Registration.after``, through :func:`populora_verl.import_hooks.after_import`): at once where it is imported
 already, else right after its import. ``import verl`` itself imports none of those modules, and most of a run's
 processes (workers, the vLLM server, the load balancer) read one registry or none, so they no longer import the
 trainer, the agent loop and the reward stack at ``import verl``.
@@ -16,9 +16,8 @@ from __future__ import annotations
 import functools
 import importlib
 import logging
-from collections.abc import Sequence
 from types import ModuleType
-from typing import Callable
+from typing import Callable, NamedTuple
 
 logger = logging.getLogger(__name__)
 
@@ -60,31 +59,65 @@ def _in_adv_registry(name: str) -> bool:
     return name in ADV_ESTIMATOR_REGISTRY
 
 
-#: (what, name, module whose function of :data:`AFTER_IMPORT` (``register()`` but for the rollout's two) registers
-#: it, check). Order matters only for log readability.
-REGISTRATIONS: list[tuple[str, str, str, Callable[[str], bool]]] = [
-    ("trainer", "populora", "populora_verl.trainer", _in_trainer_registry),
-    ("adv_estimator", "populora_trrpp", "populora_verl.advantage", _in_adv_registry),
-    ("reward_manager", "populora_code", "populora_verl.reward.manager", _in_reward_registry),
-    ("rollout", "populora_vllm", "populora_verl.rollout", _in_rollout_registry),
-    ("agent_loop", "populora_agent", "populora_verl.rollout", _in_agent_loop_registry),
+class Registration(NamedTuple):
+    what: str  # the verl registry
+    name: str  # our entry in it
+    module: str  # our module whose ``function`` registers it
+    function: str
+    #: The verl module after whose import it registers: the package, not the registry module inside it, where the
+    #: package's ``__init__`` imports that module. Importing a submodule runs its package's ``__init__`` first, so the
+    #: package's end comes after the registry module's in every import order, and the registration meets the whole
+    #: package executed (``from verl.trainer.ppo.v1 import get_trainer_cls``; ``.replica`` imported through ``.base``).
+    after: str
+    check: Callable[[str], bool]  # whether ``name`` is in the registry now
+
+    @property
+    def key(self) -> str:
+        return f"{self.what}:{self.name}"
+
+
+#: Order matters only for log readability.
+REGISTRATIONS: list[Registration] = [
+    # trainer_base: TRAINER_REGISTRY
+    Registration(
+        "trainer", "populora", "populora_verl.trainer", "register", "verl.trainer.ppo.v1", _in_trainer_registry
+    ),
+    Registration(
+        "adv_estimator",
+        "populora_trrpp",
+        "populora_verl.advantage",
+        "register",
+        "verl.trainer.ppo.core_algos",  # ADV_ESTIMATOR_REGISTRY
+        _in_adv_registry,
+    ),
+    Registration(
+        "reward_manager",
+        "populora_code",
+        "populora_verl.reward.manager",
+        "register",
+        "verl.experimental.reward_loop.reward_manager",  # .registry: REWARD_MANAGER
+        _in_reward_registry,
+    ),
+    Registration(
+        "rollout",
+        "populora_vllm",
+        "populora_verl.rollout",
+        "register_rollout",
+        "verl.workers.rollout",  # .replica and .base: both halves of the backend
+        _in_rollout_registry,
+    ),
+    Registration(
+        "agent_loop",
+        "populora_agent",
+        "populora_verl.rollout",
+        "register_agent_loop",
+        "verl.experimental.agent_loop",  # .agent_loop: its registry
+        _in_agent_loop_registry,
+    ),
 ]
 
-#: what -> (the verl module after whose import it registers, the function of its REGISTRATIONS module that does).
-#: Packages, not the registry modules inside them, where the package's ``__init__`` imports the registry module:
-#: importing a submodule runs its package's ``__init__`` first, so the package's end comes after the registry
-#: module's in every import order, and the registration meets the whole package (``from verl.trainer.ppo.v1 import
-#: get_trainer_cls``, ``verl.workers.rollout.replica`` imported by way of ``.base``) executed.
-AFTER_IMPORT: dict[str, tuple[str, str]] = {
-    "trainer": ("verl.trainer.ppo.v1", "register"),  # trainer_base: TRAINER_REGISTRY
-    "adv_estimator": ("verl.trainer.ppo.core_algos", "register"),  # ADV_ESTIMATOR_REGISTRY
-    "reward_manager": ("verl.experimental.reward_loop.reward_manager", "register"),  # .registry: REWARD_MANAGER
-    "rollout": ("verl.workers.rollout", "register_rollout"),  # .replica and .base: both halves of the backend
-    "agent_loop": ("verl.experimental.agent_loop", "register_agent_loop"),  # .agent_loop: its registry
-}
-
 #: Back-compat view used by tests and messages: (registry, name).
-EXPECTED: list[tuple[str, str]] = [(what, name) for what, name, _, _ in REGISTRATIONS]
+EXPECTED: list[tuple[str, str]] = [(r.what, r.name) for r in REGISTRATIONS]
 
 _errors: dict[str, str] = {}
 
@@ -93,60 +126,47 @@ _errors: dict[str, str] = {}
 _pending: set[str] = set()
 
 
-def _register(what: str, name: str, module: str) -> None:
-    key = f"{what}:{name}"
-    _pending.discard(key)
+def _register(r: Registration, _verl_module: ModuleType | None = None) -> None:
+    """Run ``r``'s registration now (also the callback after the import of ``r.after``, which passes the module)."""
+    _pending.discard(r.key)
     try:
-        getattr(importlib.import_module(module), AFTER_IMPORT[what][1])()
-        _errors.pop(key, None)
+        getattr(importlib.import_module(r.module), r.function)()
+        _errors.pop(r.key, None)
     except Exception as e:  # keep going: check_registrations() reports the failure with its cause
-        _errors[key] = f"{type(e).__name__}: {e}"
-        logger.warning("populora plugin: registering %s %r failed: %s", what, name, _errors[key])
-
-
-def _after_import(what: str, name: str, module: str, _verl_module: ModuleType) -> None:
-    _register(what, name, module)
-
-
-def _register_all(only: Sequence[str] | None = None) -> None:
-    """Register now (importing verl's registry modules) every entry, or those of ``only`` (``what:name`` keys)."""
-    for what, name, module, _ in REGISTRATIONS:
-        if only is None or f"{what}:{name}" in only:
-            _register(what, name, module)
+        _errors[r.key] = f"{type(e).__name__}: {e}"
+        logger.warning("populora plugin: registering %s %r failed: %s", r.what, r.name, _errors[r.key])
 
 
 def _register_lazily() -> None:
-    """Each registration after the import of its verl module (:data:`AFTER_IMPORT`), now where it is imported."""
+    """Each registration after the import of its verl module (``Registration.after``), now where it is imported."""
     from populora_verl import import_hooks
 
-    for what, name, module, _ in REGISTRATIONS:
-        _pending.add(f"{what}:{name}")
-        import_hooks.after_import(AFTER_IMPORT[what][0], functools.partial(_after_import, what, name, module))
+    for r in REGISTRATIONS:
+        _pending.add(r.key)
+        import_hooks.after_import(r.after, functools.partial(_register, r))
 
 
 def _register_pending() -> None:
     """Import the verl modules of the registrations still waiting, which registers them."""
     from populora_verl import import_hooks
 
-    for what, name, module, _ in REGISTRATIONS:
-        key = f"{what}:{name}"
-        if key not in _pending:
+    for r in REGISTRATIONS:
+        if r.key not in _pending:
             continue
-        after = AFTER_IMPORT[what][0]
         try:
-            importlib.import_module(after)  # the import hook registers it, right after the module executed
+            importlib.import_module(r.after)  # the import hook registers it, right after the module executed
         except Exception as e:
-            _pending.discard(key)
-            _errors[key] = f"importing {after}: {type(e).__name__}: {e}"
+            _pending.discard(r.key)
+            _errors[r.key] = f"importing {r.after}: {type(e).__name__}: {e}"
             continue
-        import_hooks.run_pending(after)  # a module half-imported when the plugin was: its end was not seen
-        if key in _pending:  # not through the hook (whatever kept it): register directly
-            _register(what, name, module)
+        import_hooks.run_pending(r.after)  # a module half-imported when the plugin was: its end was not seen
+        if r.key in _pending:  # not through the hook (whatever kept it): register directly
+            _register(r)
 
 
 def registered() -> dict[str, bool]:
     """Which of :data:`EXPECTED` are present in verl's registries right now."""
-    checks = {what: check for what, _, _, check in REGISTRATIONS}
+    checks = {r.what: r.check for r in REGISTRATIONS}
     out: dict[str, bool] = {}
     for what, name in EXPECTED:
         check = checks.get(what)
@@ -165,7 +185,9 @@ def check_registrations() -> None:
     if _errors:
         # A module of ours imported before verl can be half-loaded when the import of a registry module registers it
         # (its register() does not exist yet): by now that import has finished, so what failed gets one more try.
-        _register_all(only=list(_errors))
+        for r in REGISTRATIONS:
+            if r.key in _errors:
+                _register(r)
     missing = [k for k, ok in registered().items() if not ok]
     if missing:
         causes = "; ".join(f"{k}: {v}" for k, v in _errors.items() if k in missing)
