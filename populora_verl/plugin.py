@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import importlib
 import logging
+import sys
 from types import ModuleType
 from typing import Callable, NamedTuple
 
@@ -126,13 +127,32 @@ _errors: dict[str, str] = {}
 _pending: set[str] = set()
 
 
+def _half_imported() -> str | None:
+    """A module of ours that is in ``sys.modules`` but still executing, if any."""
+    from populora_verl import import_hooks
+
+    for name in list(sys.modules):
+        if (name == "populora_verl" or name.startswith("populora_verl.")) and not import_hooks.is_imported(name):
+            return name
+    return None
+
+
 def _register(r: Registration, _verl_module: ModuleType | None = None) -> None:
-    """Run ``r``'s registration now (also the callback after the import of ``r.after``, which passes the module)."""
+    """Run ``r``'s registration now (also the callback after the import of ``r.after``, which passes the module).
+
+    Where a module of ours is half-way through its import (it imported the verl module whose end called this), the
+    register function may not exist yet: an ImportError then leaves the registration pending, without a warning, and
+    :func:`check_registrations` runs it once that import has finished (a real failure is reported there)."""
     _pending.discard(r.key)
     try:
         getattr(importlib.import_module(r.module), r.function)()
         _errors.pop(r.key, None)
     except Exception as e:  # keep going: check_registrations() reports the failure with its cause
+        half = _half_imported() if isinstance(e, ImportError) else None
+        if half is not None:  # see the docstring: not a failure yet
+            _pending.add(r.key)
+            logger.debug("populora plugin: %s %r waits for %s to finish its import", r.what, r.name, half)
+            return
         _errors[r.key] = f"{type(e).__name__}: {e}"
         logger.warning("populora plugin: registering %s %r failed: %s", r.what, r.name, _errors[r.key])
 

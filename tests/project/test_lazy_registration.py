@@ -170,6 +170,26 @@ def test_a_failing_register_is_reported_in_one_line():
     assert len(warnings) >= 1, out.stderr[-3000:]
 
 
+def test_our_module_imported_first_waits_quietly_and_registers_at_the_check():
+    # our trainer imports verl's trainer package, whose end would register ``populora`` from our package while that
+    # package is still executing (its register() not defined yet): it waits, no warning, and the check registers it
+    code = """
+        import json
+        import populora_verl.trainer.trainer
+        from populora_verl import plugin
+        state = {"errors": dict(plugin._errors), "pending": sorted(plugin._pending)}
+        plugin.check_registrations()
+        state.update(registered=plugin.registered(), after_pending=sorted(plugin._pending))
+        print(json.dumps(state))
+    """
+    out = _run(code)
+    assert out.returncode == 0, out.stderr[-4000:]
+    state = json.loads(out.stdout.strip().splitlines()[-1])
+    assert state["errors"] == {} and "trainer:populora" in state["pending"], state
+    assert all(state["registered"].values()) and state["after_pending"] == [], state
+    assert "populora plugin: registering" not in out.stderr, out.stderr[-3000:]
+
+
 # --- the hook on a package of its own (no verl) ---------------------------------------------------------------------
 
 
