@@ -13,8 +13,8 @@ import torch
 
 from populora_verl import models
 from populora_verl.bench.step_scaling import TRAINER_ENV
-from populora_verl.random_model import (PLUMBING, SHAPES, load_tokenizer, model_config, parameter_count,
-                                        write_random_model)
+from populora_verl.random_model import (PLUMBING, SHAPES, checkpointing_note, dry_run_command, load_tokenizer,
+                                        model_config, parameter_count, write_random_model)
 
 from _shared import compose_recipe
 
@@ -157,3 +157,15 @@ def test_run_starts_the_printed_command_with_the_trainer_environment(tmp_path, t
     assert all(env[k] == v for k, v in TRAINER_ENV.items()) and env["POPULORA_LORA_FORWARD"] == "lean"
     assert "trainer.save_freq=2" in cmd and "trainer.save_freq=-1" not in cmd  # the user's value replaces ours
     assert "actor_rollout_ref.model.use_liger=true" in cmd
+
+
+def test_a_large_shape_without_gradient_checkpointing_gets_a_note(tmp_path):
+    ckpt = "actor_rollout_ref.model.enable_gradient_checkpointing"
+    off = dry_run_command(tmp_path, "4t4s", profile="varlen_wide_keep_liger")
+    assert f"{ckpt}=false" in off  # what the profile sets, so the note is about the command as printed
+    note = checkpointing_note(SHAPES["qwen2.5-coder-7b"], off)
+    assert note and "\n" not in note and f"{ckpt}=true" in note, note
+    kept = dry_run_command(tmp_path, "4t4s", profile="varlen_wide_keep_liger", overrides=[f"{ckpt}=true"])
+    assert checkpointing_note(SHAPES["qwen2.5-coder-7b"], kept) is None
+    assert checkpointing_note(SHAPES["qwen2.5-coder-1.5b"], off) is None  # where the profiles were measured
+    assert checkpointing_note(SHAPES["qwen2.5-coder-7b"], dry_run_command(tmp_path, "4t4s")) is None  # recipe's own
