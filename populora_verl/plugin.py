@@ -203,8 +203,8 @@ def check_registrations() -> None:
     the registrations still waiting for theirs, which registers them."""
     _register_pending()
     if _errors:
-        # A module of ours imported before verl can be half-loaded when the import of a registry module registers it
-        # (its register() does not exist yet): by now that import has finished, so what failed gets one more try.
+        # A module of ours that was half-way through its import waits in _pending (see _register); what failed
+        # otherwise may have met some other import half-way: those imports are over now, so it gets one more try.
         for r in REGISTRATIONS:
             if r.key in _errors:
                 _register(r)
