@@ -215,12 +215,23 @@ def _thin_qr(x: Tensor) -> tuple[Tensor, Tensor]:
 
 def _core_svd(c: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """SVD of the small r x r cores. On CUDA the default (Jacobi) driver loops over the batch for r > 32
-    (196 ms for 196 cores of 64 x 64); the batched ``gesvda`` driver takes 1 ms. It is approximate for
-    ill-conditioned cores, so it runs in float64 and any core whose reconstruction is off is redone exactly."""
+    (196 ms for 196 cores of 64 x 64); the batched ``gesvda`` driver takes 1 ms."""
     if not c.is_cuda:
         return torch.linalg.svd(c, full_matrices=False)
+    return _checked_batched_svd(c, driver="gesvda")
+
+
+def _checked_batched_svd(c: Tensor, driver: str) -> tuple[Tensor, Tensor, Tensor]:
+    """A fast batched SVD ``driver`` made safe: it runs in float64, any core whose reconstruction is off (it is
+    approximate for ill-conditioned cores) is redone with the default driver, and so is the whole batch when the
+    driver refuses it. ``gesvda`` refuses a batch holding one rank-deficient core (an adapter whose ``B`` is still
+    zero, a rank-1 core), which is what a population evolved before its first useful gradient holds."""
     c64 = c.double()
-    u, s, vh = torch.linalg.svd(c64, full_matrices=False, driver="gesvda")
+    try:
+        u, s, vh = torch.linalg.svd(c64, full_matrices=False, driver=driver)
+    except torch.linalg.LinAlgError:
+        u, s, vh = torch.linalg.svd(c64, full_matrices=False)
+        return u.to(c.dtype), s.to(c.dtype), vh.to(c.dtype)
     err = ((u * s.unsqueeze(-2)) @ vh - c64).abs().amax((-2, -1))
     bad = ~(err <= 1e-9 * c64.abs().amax((-2, -1)).clamp_min(1e-30))  # also catches NaN
     if bool(bad.any()):

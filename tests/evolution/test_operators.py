@@ -404,3 +404,45 @@ def test_cholesky_qr_matches_householder_and_falls_back():
     assert (torch.diagonal(r, dim1=-2, dim2=-1) >= 0).all()
     q_ref, r_ref = lora._sign_fixed_qr(x[[0, 3]])
     torch.testing.assert_close(q[[0, 3]], q_ref, atol=1e-5, rtol=1e-5)
+
+
+@CUDA
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ALL)
+def test_cuda_operators_on_untrained_adapters(name):
+    # PEFT's zero B gives zero cores, which cuSOLVER's batched gesvda refuses outright.
+    parents = parents_for(name, dtype=torch.bfloat16, device="cuda", zero_b=True)
+    assert_child_like(OPERATORS[name](parents, generator=gen(0, "cuda")), parents[0])
+
+
+def _fake_gesvda(monkeypatch, refuse: bool, garble: int | None = None) -> list:
+    """torch.linalg.svd as cuSOLVER's gesvda behaves, on CPU: it refuses a batch with a rank-deficient core, or
+    returns one core's factors inaccurate. Records the drivers asked for."""
+    real, calls = torch.linalg.svd, []
+
+    def svd(x, full_matrices=True, driver=None):
+        calls.append(driver)
+        if driver == "gesvda" and refuse and bool((torch.linalg.matrix_rank(x) < x.shape[-1]).any()):
+            raise torch.linalg.LinAlgError("linalg.svd: The algorithm failed to converge")
+        u, s, vh = real(x, full_matrices=full_matrices)
+        if driver == "gesvda" and garble is not None:
+            u = u.clone()
+            u[garble] = 0.5
+        return u, s, vh
+
+    monkeypatch.setattr(torch.linalg, "svd", svd)
+    return calls
+
+
+@pytest.mark.parametrize("case", ["refused", "inaccurate"])
+def test_batched_core_svd_falls_back_to_the_exact_driver(monkeypatch, case):
+    g = torch.Generator().manual_seed(0)
+    c = torch.randn(5, 8, 8, generator=g)
+    c[1] = 0  # an untrained adapter's core
+    c[3] = torch.outer(torch.randn(8, generator=g), torch.randn(8, generator=g))  # rank 1
+    calls = _fake_gesvda(monkeypatch, refuse=case == "refused", garble=2 if case == "inaccurate" else None)
+    u, s, vh = lora._checked_batched_svd(c, driver="gesvda")
+    assert calls == ["gesvda", None]
+    torch.testing.assert_close((u * s.unsqueeze(-2)) @ vh, c, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(u.mT @ u, torch.eye(8).expand(5, 8, 8), atol=1e-5, rtol=0)
+    assert u.dtype == c.dtype and (s[:, :-1] >= s[:, 1:]).all()
