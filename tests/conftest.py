@@ -16,6 +16,42 @@ if _HERE not in sys.path:
     sys.path.append(_HERE)
 
 
+def _parse_each_config_text_once() -> None:
+    """Hydra reads every config file of a recipe (verl's ppo_trainer and its ~25 parts) on every compose, through
+    ``OmegaConf.load`` of the open file, and parsing that YAML is half of each compose's time; the tests compose a few
+    hundred times. Here a text that was parsed before gives a deep copy of what its parse gave (each call its own
+    object, as before), so a change to a file on disk is seen at once; any other call, a first parse and an error are
+    ``OmegaConf.load`` itself. Only this process (the tests' own interpreters parse for themselves)."""
+    import copy
+
+    from omegaconf import OmegaConf
+
+    load = OmegaConf.load
+    parsed: dict = {}
+
+    def cached_load(file_):
+        seekable = getattr(file_, "seekable", None)
+        if isinstance(file_, (str, Path)) or not (callable(seekable) and seekable()):
+            return load(file_)
+        start = file_.tell()
+        text = file_.read()
+        file_.seek(start)
+        key = (type(text), text)
+        if key in parsed:
+            return copy.deepcopy(parsed[key])
+        cfg = load(file_)
+        parsed[key] = copy.deepcopy(cfg)
+        return cfg
+
+    OmegaConf.load = staticmethod(cached_load)
+
+
+try:
+    _parse_each_config_text_once()
+except ImportError:  # omegaconf not installed: the modules that need it skip themselves
+    pass
+
+
 class ExecutorPool:
     """One executor per (timeout_s, memory_mb, max_workers), started on first use, closed at the session's end.
 

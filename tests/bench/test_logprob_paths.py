@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import os
+import socket
+import sys
+from contextlib import ExitStack
+
 import pytest
 import torch
+from _shared import finished, run_side_by_side
 
 from populora_verl.bench import logprob_paths as lp
 
@@ -77,14 +83,11 @@ print("FUSED_OK", len(lora))
 '''
 
 
-def test_verls_fused_lm_head_path_works_under_peft_lora():
+def test_verls_fused_lm_head_path_works_under_peft_lora(own_processes):
     """--profile fused rests on this: verl's use_fused_kernels (torch backend) patches the HF model that PEFT then
     wraps; log-probs must equal the logits path and every LoRA matrix must train. Own process: verl's patch replaces
     the model class's forward for the whole interpreter."""
-    import subprocess
-    import sys
-
-    res = subprocess.run([sys.executable, "-c", _FUSED_UNDER_PEFT], capture_output=True, text=True, timeout=300)
+    res = finished(own_processes["peft"])
     assert res.returncode == 0 and "FUSED_OK 28" in res.stdout, res.stdout[-2000:] + res.stderr[-3000:]
 
 
@@ -117,18 +120,31 @@ except Exception as e:
 '''
 
 
-@pytest.mark.parametrize("head,expect", [("tied", "OK"), ("untied", "FAIL RuntimeError aten.mm.default got mixed")])
-def test_fused_kernels_under_fsdp2_need_a_tied_head(head, expect):
+HEADS = [("tied", "OK"), ("untied", "FAIL RuntimeError aten.mm.default got mixed")]
+
+
+@pytest.fixture(scope="module")
+def own_processes():
+    """The fresh interpreters of this module's verl checks, side by side: "peft", and each head of :data:`HEADS` on a
+    free port of its own (both ports held while they are picked, so the two differ; an inherited MASTER_ADDR or
+    MASTER_PORT would make the two gloo groups meet) -> the finished process."""
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
+    with ExitStack() as stack:
+        ports = {}
+        for head, _ in HEADS:
+            s = stack.enter_context(socket.socket())
+            s.bind(("127.0.0.1", 0))
+            ports[head] = str(s.getsockname()[1])
+    jobs = {"peft": {"args": [sys.executable, "-c", _FUSED_UNDER_PEFT]}}
+    jobs.update({head: {"args": [sys.executable, "-c", _FUSED_UNDER_FSDP2, head, ports[head]], "env": env}
+                 for head, _ in HEADS})
+    return run_side_by_side(jobs)
+
+
+@pytest.mark.parametrize("head,expect", HEADS)
+def test_fused_kernels_under_fsdp2_need_a_tied_head(head, expect, own_processes):
     """What the H100 run showed for our untied 1.5B checkpoint, on CPU: verl wraps an untied lm_head as its own FSDP2
     unit, and the fused forward reads its weight while it is still a DTensor. The start-up check
     (populora_verl.startup._check_fused_kernels) rests on this; if verl fixes it, this test says so."""
-    import socket
-    import subprocess
-    import sys
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = str(s.getsockname()[1])
-    res = subprocess.run([sys.executable, "-c", _FUSED_UNDER_FSDP2, head, port], capture_output=True, text=True,
-                         timeout=300)
+    res = finished(own_processes[head])
     assert expect in res.stdout, res.stdout[-2000:] + res.stderr[-3000:]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 
 import pytest
@@ -12,7 +11,7 @@ from omegaconf import OmegaConf
 from populora_verl.config import ConfigError
 from populora_verl.startup import preflight
 
-from _shared import RECIPES, REPO, compose_recipe
+from _shared import RECIPES, REPO, SideBySide, compose_recipe, start_early
 
 
 @pytest.fixture
@@ -108,19 +107,35 @@ def test_a_cpu_device_and_a_missing_vllm_stop_before_ray(model_dir, monkeypatch)
         preflight(compose_recipe("smoke_0.5b", args))
 
 
-def test_verl_main_stops_in_one_line_before_ray(tmp_path):
-    """The real entry point: ``python -m verl.trainer.main_ppo`` with a recipe and a missing model."""
+@pytest.fixture(scope="module")
+def verl_main(tmp_path_factory):
+    """``python -m verl.trainer.main_ppo`` with a recipe and a missing model, in a folder of its own, started with the
+    module (its fresh interpreter runs beside the in-process tests): (its run, its folder)."""
+    folder = tmp_path_factory.mktemp("verl_main")
     env = dict(os.environ, RAY_AUTH_MODE="disabled", PYTHONWARNINGS="ignore",
                PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-    r = subprocess.run([sys.executable, "-m", "verl.trainer.main_ppo", "--config-path", str(RECIPES),
-                        "--config-name", "smoke_0.5b", "actor_rollout_ref.model.path=/nonexistent/model"],
-                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    args = [sys.executable, "-m", "verl.trainer.main_ppo", "--config-path", str(RECIPES), "--config-name",
+            "smoke_0.5b", "actor_rollout_ref.model.path=/nonexistent/model"]
+    runs = SideBySide({"main": {"args": args, "cwd": folder, "env": env}})
+    yield runs, folder
+    runs.close()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _verl_main_starts_with_the_module(request):
+    start_early(request, "verl_main")
+
+
+def test_verl_main_stops_in_one_line_before_ray(verl_main):
+    """The real entry point: ``python -m verl.trainer.main_ppo`` with a recipe and a missing model."""
+    runs, folder = verl_main
+    r = runs.result("main")
     assert r.returncode == 2, r.stderr[-2000:]
     assert r.stderr.strip().splitlines()[-1] == "populora: actor_rollout_ref.model.path: no such directory " \
                                                 "'/nonexistent/model'"
     assert "Traceback" not in r.stderr and "ray" not in r.stdout.lower()
     # a failed start leaves no Hydra outputs/DATE/TIME/ folder behind, and no run directory
-    assert sorted(p.name for p in tmp_path.iterdir()) == []
+    assert sorted(p.name for p in folder.iterdir()) == []
 
 
 @pytest.mark.parametrize("tie,fails", [(False, True), (True, False), (None, False)])

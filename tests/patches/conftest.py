@@ -4,6 +4,14 @@ Each test copies the installed ``verl`` package into a temporary folder, applies
 check in a fresh interpreter with that copy first on ``sys.path``, so the copy's modules, not the installed ones, are
 imported. Every check runs three times: on the pristine copy it must fail (the patch fixes something real); with the
 patch alone, and with the whole series applied in order, it must pass.
+
+The pristine copy and the series' copy are the same for every test: one of each serves the session (what a check
+writes into its folder, as the checks that write a module of their own there, is written the same by every run). A
+check's program is the prelude that imports verl from its copy, then the check's code: on those two copies a process
+that has run the prelude forks the interpreter that runs the code (tests/_forkserver.py: the child is where a fresh
+``python -c`` of the whole program would be after the prelude, output included), which spares two of each test's
+three ``import verl``. The copy with one patch is the test's own, checked in a fresh interpreter; so is any check
+whose environment differs from the server's, or that starts while the server runs another.
 """
 
 from __future__ import annotations
@@ -18,50 +26,91 @@ from pathlib import Path
 
 import pytest
 
-from _shared import REPO
+from _shared import REPO, ForkServer
 
 VERL = Path(importlib.util.find_spec("verl").submodule_search_locations[0])
 PATCHES = REPO / "patches"
 
 
 def verl_copy(dest: Path, *patches: str) -> Path:
-    """A copy of the installed verl under ``dest`` with ``patches`` (file names in patches/) applied in order."""
-    shutil.copytree(VERL, dest / "verl", ignore=shutil.ignore_patterns("__pycache__"))
+    """A copy of the installed verl under ``dest`` with ``patches`` (file names in patches/) applied in order.
+
+    The installed bytecode comes along (``__pycache__``): a check's interpreter, which writes none, need not compile
+    verl again. A ``.pyc`` is used only for a source of the size and modification time it records (copied with the
+    source), and that of every file a patch touches is removed all the same: those files are compiled afresh."""
+    shutil.copytree(VERL, dest / "verl")
     for name in patches:
         res = subprocess.run(["patch", "-p1", "--forward", "-s", "-i", str(PATCHES / name)], cwd=dest,
                              capture_output=True, text=True)
         assert res.returncode == 0, f"{name} does not apply: {res.stdout}{res.stderr}"
+        for line in (PATCHES / name).read_text(encoding="utf-8").splitlines():
+            if line.startswith("+++ b/") and line.endswith(".py"):
+                source = dest / line[len("+++ b/") :]
+                for pyc in (source.parent / "__pycache__").glob(f"{source.stem}.*.pyc"):
+                    pyc.unlink()
     return dest
 
 
-def start_check(root: Path, code: str) -> subprocess.Popen:
-    """Start ``code`` in a fresh interpreter that imports verl from ``root`` (it asserts that it imported the copy);
-    :func:`finish_check` collects it."""
-    prelude = textwrap.dedent(f"""
+def _prelude(root: Path) -> str:
+    """What every check runs first: verl imported from ``root`` (asserted)."""
+    return textwrap.dedent(f"""
         import sys, warnings
         warnings.simplefilter("ignore")
         sys.path.insert(0, {str(root)!r})
         import verl
         assert verl.__file__.startswith({str(root)!r}), verl.__file__
     """)
-    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1", "RAY_DEDUP_LOGS": "0"}
-    return subprocess.Popen([sys.executable, "-c", prelude + textwrap.dedent(code)], cwd=root, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def finish_check(proc: subprocess.Popen, timeout: int = 240) -> subprocess.CompletedProcess:
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.communicate()
-        raise
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+def _check_env() -> dict[str, str]:
+    """The environment of a check's interpreter (read at each start: a test may have changed ``os.environ``)."""
+    return {**os.environ, "PYTHONDONTWRITEBYTECODE": "1", "RAY_DEDUP_LOGS": "0"}
 
 
-def run_check(root: Path, code: str, timeout: int = 240) -> subprocess.CompletedProcess:
-    """Run ``code`` in a fresh interpreter that imports verl from ``root``; asserts it imported the copy."""
-    return finish_check(start_check(root, code), timeout)
+class _Fresh:
+    """A check in a fresh interpreter."""
+
+    def __init__(self, root: Path, code: str, env: dict[str, str]) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-c", code], cwd=root, env=env, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True)
+
+    def result(self, timeout: float) -> subprocess.CompletedProcess:
+        try:
+            out, err = self.proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.stop()
+            raise
+        return subprocess.CompletedProcess(self.proc.args, self.proc.returncode, out, err)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.communicate()
+
+
+def verl_server(root: Path) -> ForkServer:
+    """A :class:`ForkServer` that has run the checks' prelude on ``root``, in the folder and environment of a check on
+    ``root``."""
+    return ForkServer(_prelude(root), cwd=root, env=_check_env())
+
+
+def start_check(root: Path, code: str, server: ForkServer | None = None):
+    """Start ``code`` in an interpreter that imports verl from ``root`` (it asserts that it imported the copy): forked
+    by ``server`` (a :func:`verl_server` of ``root``) where it serves, else fresh; :func:`finish_check` collects it."""
+    env, program = _check_env(), _prelude(root) + textwrap.dedent(code)
+    if server is not None and server.serves(program, env):
+        assert server.cwd == root
+        return server.start(program, env)
+    return _Fresh(root, program, env)
+
+
+def finish_check(check, timeout: int = 240) -> subprocess.CompletedProcess:
+    return check.result(timeout)
+
+
+def run_check(root: Path, code: str, timeout: int = 240, server: ForkServer | None = None):
+    """Run ``code`` in an interpreter that imports verl from ``root``; asserts it imported the copy."""
+    return finish_check(start_check(root, code, server), timeout)
 
 
 def series() -> list[str]:
@@ -77,23 +126,38 @@ def series_copy(tmp_path_factory):
     return verl_copy(tmp_path_factory.mktemp("series"), *series())
 
 
+@pytest.fixture(scope="session")
+def pristine_copy(tmp_path_factory):
+    """verl as installed, copied once for the session (the checks only read it)."""
+    return verl_copy(tmp_path_factory.mktemp("pristine"))
+
+
+@pytest.fixture(scope="session")
+def fork_servers(series_copy, pristine_copy):
+    """A :class:`ForkServer` for the series' copy and one for the pristine copy, started at once (each imports verl
+    in the background), ended with the session."""
+    servers = {root: verl_server(root) for root in (series_copy, pristine_copy)}
+    yield servers
+    for server in servers.values():
+        server.close()
+
+
 @pytest.fixture
-def fails_without_passes_with(tmp_path, series_copy):
+def fails_without_passes_with(tmp_path, series_copy, pristine_copy, fork_servers):
     """``check(patch, code)``: ``code`` fails against pristine verl, and passes with ``patch`` applied alone and with
     the whole series applied."""
 
     def check(patch: str, code: str, *, expect_without: str | None = None) -> str:
-        # The three interpreters are independent (each its own copy of verl, no shared socket, port or file), and
-        # most of their time is importing verl: they run side by side.
-        roots = (verl_copy(tmp_path / "pristine"), verl_copy(tmp_path / "patched", patch), series_copy)
-        procs = [start_check(root, code) for root in roots]
+        # The three checks are independent (each its own interpreter on its own copy of verl, no shared socket, port
+        # or file), and most of their time is importing verl: they run side by side, two of them forked.
+        patched_copy = verl_copy(tmp_path / "patched", patch)
+        checks = [start_check(patched_copy, code)]
         try:
-            pristine, patched, together = (finish_check(proc) for proc in procs)
+            checks += [start_check(root, code, fork_servers[root]) for root in (pristine_copy, series_copy)]
+            patched, pristine, together = (finish_check(c) for c in checks)
         finally:
-            for proc in procs:
-                if proc.poll() is None:
-                    proc.kill()
-                    proc.communicate()
+            for c in checks:
+                c.stop()
         assert pristine.returncode != 0, f"passes without {patch}: the check does not test the patch\n{pristine.stdout}"
         if expect_without is not None:
             assert expect_without in pristine.stderr + pristine.stdout, pristine.stderr[-3000:]
@@ -104,14 +168,41 @@ def fails_without_passes_with(tmp_path, series_copy):
     return check
 
 
+def _root(patches: tuple[str, ...] | None, series_copy: Path, pristine_copy: Path, new_folder) -> Path:
+    """The copy of verl a check of ``patches`` runs on: the series' (None), the pristine one (none), or a new copy in
+    ``new_folder()`` with ``patches`` applied."""
+    if patches is None:
+        return series_copy
+    return verl_copy(new_folder(), *patches) if patches else pristine_copy
+
+
 @pytest.fixture
-def check_against(tmp_path, series_copy):
+def check_against(tmp_path, series_copy, pristine_copy, fork_servers):
     """``check(code, patches=None)``: ``code`` run against verl with the whole series applied (``patches`` None) or
     with only ``patches`` (names in patches/, none: pristine); returns the finished process, for checks of the plugin
     that are not a patch's own."""
 
     def check(code: str, patches: tuple[str, ...] | None = None) -> subprocess.CompletedProcess:
-        root = series_copy if patches is None else verl_copy(tmp_path / "copy", *patches)
-        return run_check(root, code)
+        root = _root(patches, series_copy, pristine_copy, lambda: tmp_path / "copy")
+        return run_check(root, code, server=fork_servers.get(root))
 
     return check
+
+
+@pytest.fixture(scope="session")
+def checks_against(tmp_path_factory, series_copy, pristine_copy, fork_servers):
+    """``checks([(code, patches), ...])``: :func:`check_against` for several programs at once, started side by side
+    (for a module-scoped fixture whose tests each assert on one of them); the finished processes, in order."""
+
+    def checks(jobs) -> list[subprocess.CompletedProcess]:
+        started = []
+        try:
+            for code, patches in jobs:
+                root = _root(patches, series_copy, pristine_copy, lambda: tmp_path_factory.mktemp("copy"))
+                started.append(start_check(root, code, fork_servers.get(root)))
+            return [finish_check(c) for c in started]
+        finally:
+            for c in started:
+                c.stop()
+
+    return checks

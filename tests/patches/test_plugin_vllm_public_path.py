@@ -144,9 +144,17 @@ def test_the_plugin_server_takes_verl_s_public_vllm_path(check_against):
     assert res.returncode == 0 and "ok" in res.stdout, res.stdout[-2000:] + res.stderr[-4000:]
 
 
+@pytest.fixture(scope="module")
+def detector_answers(checks_against):
+    """The detectors' answers on pristine verl and on each patch alone, checked side by side: patch -> process."""
+    cases = [None, *FLAGS]
+    code = textwrap.dedent("import sys\n" + FLAG_CHECK)
+    return dict(zip(cases, checks_against([(code, (patch,) if patch else ()) for patch in cases])))
+
+
 @pytest.mark.parametrize("patch", [None, *FLAGS])
-def test_each_detector_answers_for_its_own_patch(check_against, patch):
-    res = check_against(textwrap.dedent("import sys\n" + FLAG_CHECK), (patch,) if patch else ())
+def test_each_detector_answers_for_its_own_patch(detector_answers, patch):
+    res = detector_answers[patch]
     assert res.returncode == 0, res.stderr[-3000:]
     flags = eval(res.stdout.strip().splitlines()[-1])  # noqa: S307  (our own dict's repr)
     assert {f for f, on in flags.items() if on} == set(FLAGS.get(patch, ())), flags

@@ -10,9 +10,11 @@ when a user asks for the name, never when a sibling module is imported).
 from __future__ import annotations
 
 import ast
+import sys
 from pathlib import Path
 
-from _shared import REPO
+import pytest
+from _shared import REPO, finished, run_side_by_side
 
 PACKAGE = REPO / "populora_verl"
 
@@ -120,29 +122,36 @@ def test_the_checker_sees_a_lazy_circle_and_skips_type_checking(tmp_path):
     assert graph["populora_verl.c"] == set()  # TYPE_CHECKING: not an edge
 
 
-def test_the_trainers_parts_import_before_verl_without_breaking_the_plugin():
+_PARTS = ["generation", "training", "hooks", "probes", "convert", "schedule", "timeline"]
+
+#: Programs that import our modules before verl, each in a fresh interpreter (what ``import verl`` then does with
+#: the plugin depends on what the interpreter imported first).
+_BEFORE_VERL = {
+    "trainer_parts": ("".join(f"import populora_verl.trainer.{p}\n" for p in _PARTS)
+                      + "import verl\nfrom populora_verl.plugin import _errors, registered\n"
+                      + "assert not _errors and all(registered().values()), (_errors, registered())\n"),
+    "reward_manager": ("import populora_verl.reward.manager\nimport verl\n"
+                       "from populora_verl.plugin import _errors, check_registrations, registered\n"
+                       "assert 'reward_manager:populora_code' in _errors\n"  # the half-loaded module, as described
+                       "check_registrations()\nassert not _errors and all(registered().values())\n"),
+}
+
+
+@pytest.fixture(scope="module")
+def before_verl():
+    """Each program of :data:`_BEFORE_VERL` in its own interpreter, side by side: name -> the finished process."""
+    return run_side_by_side({name: {"args": [sys.executable, "-c", code]} for name, code in _BEFORE_VERL.items()})
+
+
+def test_the_trainers_parts_import_before_verl_without_breaking_the_plugin(before_verl):
     """verl's import loads the plugin, which registers the trainer: a part of the trainer imported before verl must
     not import verl at its own import, or the registration meets it half-loaded and the trainer goes missing."""
-    import subprocess
-    import sys
-
-    parts = ["generation", "training", "hooks", "probes", "convert", "schedule", "timeline"]
-    code = ("".join(f"import populora_verl.trainer.{p}\n" for p in parts)
-            + "import verl\nfrom populora_verl.plugin import _errors, registered\n"
-            + "assert not _errors and all(registered().values()), (_errors, registered())\n")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    proc = finished(before_verl["trainer_parts"])
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
-def test_a_registering_module_imported_before_verl_is_registered_at_the_check():
+def test_a_registering_module_imported_before_verl_is_registered_at_the_check(before_verl):
     """The reward manager imports verl, whose import loads the plugin, which registers the half-loaded manager and
     fails: the start-up check tries again once the import has finished, and every registration is there."""
-    import subprocess
-    import sys
-
-    code = ("import populora_verl.reward.manager\nimport verl\n"
-            "from populora_verl.plugin import _errors, check_registrations, registered\n"
-            "assert 'reward_manager:populora_code' in _errors\n"  # the half-loaded module, as described
-            "check_registrations()\nassert not _errors and all(registered().values())\n")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    proc = finished(before_verl["reward_manager"])
     assert proc.returncode == 0, proc.stderr[-3000:]

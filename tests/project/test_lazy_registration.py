@@ -13,7 +13,7 @@ import sys
 import textwrap
 
 import pytest
-from _shared import REPO
+from _shared import REPO, ForkServer, SideBySide, finished
 
 from populora_verl import import_hooks
 from populora_verl.import_hooks import AfterImportFinder
@@ -31,53 +31,38 @@ NOT_AT_IMPORT = (
 )
 
 
-def _run(code: str, **env: str) -> subprocess.CompletedProcess:
-    """Run ``code`` in a fresh interpreter, the plugin loaded by its entry point unless ``env`` says otherwise."""
+def _job(code: str, **env: str) -> dict:
+    """``code`` for a fresh interpreter (``subprocess.run`` arguments), the plugin loaded by its entry point unless
+    ``env`` says otherwise."""
     full = {**os.environ, "VERL_USE_EXTERNAL_PLUGINS": "auto", "RAY_AUTH_MODE": "disabled", **env}
     full.pop("VERL_USE_EXTERNAL_MODULES", None)
-    return subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=full, cwd=REPO, timeout=300
-    )
+    return {"args": [sys.executable, "-c", textwrap.dedent(code)], "env": full, "cwd": REPO}
 
 
-def _child(code: str, **env: str) -> dict:
-    """The JSON that ``code`` prints on its last line, run by :func:`_run`."""
-    out = _run(code, **env)
+def _state(out) -> dict:
+    """The JSON that a child of :func:`_job` printed on its last line (it must have succeeded)."""
+    out = finished(out)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-@pytest.fixture(scope="module")
-def import_verl_alone() -> dict:
-    return _child(f"""
-        import json, sys
-        import verl
-        from populora_verl import import_hooks, plugin
-        from populora_verl.import_hooks import AfterImportFinder
-        state = {{"loaded": "populora_verl.plugin" in sys.modules,
-                  "imported": [m for m in {NOT_AT_IMPORT!r} if m in sys.modules],
-                  "pending": sorted(plugin._pending), "watched": sorted(import_hooks.pending()),
-                  "finder": any(isinstance(f, AfterImportFinder) for f in sys.meta_path)}}
-        plugin.check_registrations()  # imports the registry modules: every hook fires
-        state.update(after_pending=sorted(plugin._pending), after_watched=import_hooks.pending(), errors=plugin._errors,
-                     after_finder=any(isinstance(f, AfterImportFinder) for f in sys.meta_path),
-                     registered=plugin.registered())
-        print(json.dumps(state))
-    """)
+#: How the programs below that begin with ``import verl`` (the plugin loaded by its entry point) begin: what the fork
+#: server of :func:`children` runs once.
+IMPORT_VERL = "import json, sys\nimport verl\n"
 
-
-def test_import_verl_imports_no_registry_module(import_verl_alone):
-    state = import_verl_alone
-    assert state["loaded"], "the plugin was not loaded by its entry point"
-    assert state["imported"] == [], state["imported"]
-    assert len(state["pending"]) == 5 and len(state["watched"]) == 5 and state["finder"], state
-
-
-def test_the_finder_leaves_sys_meta_path_once_every_registration_ran(import_verl_alone):
-    state = import_verl_alone
-    assert state["after_pending"] == [] and state["after_watched"] == {} and not state["after_finder"], state
-    assert state["errors"] == {} and all(state["registered"].values()), state
-
+IMPORT_VERL_ALONE = IMPORT_VERL + textwrap.dedent(f"""
+    from populora_verl import import_hooks, plugin
+    from populora_verl.import_hooks import AfterImportFinder
+    state = {{"loaded": "populora_verl.plugin" in sys.modules,
+              "imported": [m for m in {NOT_AT_IMPORT!r} if m in sys.modules],
+              "pending": sorted(plugin._pending), "watched": sorted(import_hooks.pending()),
+              "finder": any(isinstance(f, AfterImportFinder) for f in sys.meta_path)}}
+    plugin.check_registrations()  # imports the registry modules: every hook fires
+    state.update(after_pending=sorted(plugin._pending), after_watched=import_hooks.pending(), errors=plugin._errors,
+                 after_finder=any(isinstance(f, AfterImportFinder) for f in sys.meta_path),
+                 registered=plugin.registered())
+    print(json.dumps(state))
+""")
 
 #: (what, code run after ``import verl`` that imports one registry module and asserts our entry is in it, modules
 #: that this import must leave out). Each reads the registry the way verl does, not through the plugin's checks.
@@ -107,59 +92,132 @@ REGISTRY_READS = {
 }
 
 
-@pytest.mark.parametrize("case", list(REGISTRY_READS))
-def test_importing_a_registry_module_registers_our_entry(case):
+def _registry_read(case: str) -> str:
     read, left_out = REGISTRY_READS[case]
-    state = _child(
-        "import json, sys\nimport verl\nfrom populora_verl import plugin\n"
+    return (
+        IMPORT_VERL
+        + "from populora_verl import plugin\n"
         + read
         + f"print(json.dumps({{'errors': plugin._errors, 'pending': sorted(plugin._pending), "
         f"'imported': [m for m in {left_out!r} if m in sys.modules]}}))\n"
     )
+
+
+REGISTRY_BEFORE_PLUGIN = """
+    import json
+    import verl  # no plugin: VERL_USE_EXTERNAL_PLUGINS=none
+    from verl.trainer.ppo.core_algos import ADV_ESTIMATOR_REGISTRY
+    assert "populora_trrpp" not in ADV_ESTIMATOR_REGISTRY
+    from populora_verl import plugin
+    print(json.dumps({"in": "populora_trrpp" in ADV_ESTIMATOR_REGISTRY, "pending": sorted(plugin._pending),
+                      "errors": plugin._errors}))
+"""
+
+FAILING_REGISTER = IMPORT_VERL + textwrap.dedent("""
+    import populora_verl.advantage as adv
+    from populora_verl import plugin
+
+    def broken():
+        raise ValueError("no estimator today")
+
+    adv.register = broken
+    import verl.trainer.ppo.core_algos  # the registration fails: the import itself goes on
+    errors = dict(plugin._errors)
+    try:
+        plugin.check_registrations()
+    except RuntimeError as e:
+        message = str(e)
+    else:
+        message = None
+    print(json.dumps({"errors": errors, "message": message}))
+""")
+
+# our trainer imports verl's trainer package, whose end would register ``populora`` from our package while that
+# package is still executing (its register() not defined yet): it waits, no warning, and the check registers it
+OURS_FIRST = """
+    import json
+    import populora_verl.trainer.trainer
+    from populora_verl import plugin
+    state = {"errors": dict(plugin._errors), "pending": sorted(plugin._pending)}
+    plugin.check_registrations()
+    state.update(registered=plugin.registered(), after_pending=sorted(plugin._pending))
+    print(json.dumps(state))
+"""
+
+
+@pytest.fixture(scope="module")
+def children() -> dict:
+    """Every program of this module in an interpreter of its own (what ``import verl`` leaves out can only be seen in
+    one): name -> the finished process (or what stopped it). The programs that begin with :data:`IMPORT_VERL` are
+    forked one after another by a process that has run it (_shared.ForkServer: the child is where a fresh
+    interpreter of the program would be after those lines); the two that must begin otherwise run fresh, beside
+    them."""
+    after_import_verl = {
+        "import_verl_alone": IMPORT_VERL_ALONE,
+        **{f"read:{case}": _registry_read(case) for case in REGISTRY_READS},
+        "failing_register": FAILING_REGISTER,
+    }
+    fresh = SideBySide(
+        {
+            "registry_before_plugin": _job(REGISTRY_BEFORE_PLUGIN, VERL_USE_EXTERNAL_PLUGINS="none"),
+            "ours_first": _job(OURS_FIRST),
+        }
+    )
+    server = ForkServer(IMPORT_VERL, cwd=REPO, env=_job("")["env"])
+    results: dict = {}
+    try:
+        for name, code in after_import_verl.items():
+            job = _job(code)
+            code = job["args"][-1]
+            assert code.startswith(IMPORT_VERL), name
+            try:
+                if server.serves(code, job["env"]):
+                    results[name] = server.start(code, job["env"]).result(timeout=300)
+                else:
+                    results[name] = subprocess.run(**job, capture_output=True, text=True, timeout=300)
+            except Exception as e:  # reported by the test that reads it
+                results[name] = e
+        results.update(fresh.results())
+    finally:
+        server.close()
+        fresh.close()
+    return results
+
+
+@pytest.fixture(scope="module")
+def import_verl_alone(children) -> dict:
+    return _state(children["import_verl_alone"])
+
+
+def test_import_verl_imports_no_registry_module(import_verl_alone):
+    state = import_verl_alone
+    assert state["loaded"], "the plugin was not loaded by its entry point"
+    assert state["imported"] == [], state["imported"]
+    assert len(state["pending"]) == 5 and len(state["watched"]) == 5 and state["finder"], state
+
+
+def test_the_finder_leaves_sys_meta_path_once_every_registration_ran(import_verl_alone):
+    state = import_verl_alone
+    assert state["after_pending"] == [] and state["after_watched"] == {} and not state["after_finder"], state
+    assert state["errors"] == {} and all(state["registered"].values()), state
+
+
+@pytest.mark.parametrize("case", list(REGISTRY_READS))
+def test_importing_a_registry_module_registers_our_entry(case, children):
+    state = _state(children[f"read:{case}"])
     assert state["errors"] == {} and state["imported"] == [], state
     what = {"trainer_base": "trainer", "rollout_base": "rollout"}.get(case, case)
     assert not any(k.startswith(what + ":") for k in state["pending"]), state
 
 
-def test_a_registry_module_imported_before_the_plugin_is_registered_at_once():
-    state = _child(
-        """
-        import json
-        import verl  # no plugin: VERL_USE_EXTERNAL_PLUGINS=none
-        from verl.trainer.ppo.core_algos import ADV_ESTIMATOR_REGISTRY
-        assert "populora_trrpp" not in ADV_ESTIMATOR_REGISTRY
-        from populora_verl import plugin
-        print(json.dumps({"in": "populora_trrpp" in ADV_ESTIMATOR_REGISTRY, "pending": sorted(plugin._pending),
-                          "errors": plugin._errors}))
-        """,
-        VERL_USE_EXTERNAL_PLUGINS="none",
-    )
+def test_a_registry_module_imported_before_the_plugin_is_registered_at_once(children):
+    state = _state(children["registry_before_plugin"])
     assert state["in"] and state["errors"] == {}, state
     assert "adv_estimator:populora_trrpp" not in state["pending"] and len(state["pending"]) == 4, state
 
 
-def test_a_failing_register_is_reported_in_one_line():
-    code = """
-        import json
-        import verl
-        import populora_verl.advantage as adv
-        from populora_verl import plugin
-
-        def broken():
-            raise ValueError("no estimator today")
-
-        adv.register = broken
-        import verl.trainer.ppo.core_algos  # the registration fails: the import itself goes on
-        errors = dict(plugin._errors)
-        try:
-            plugin.check_registrations()
-        except RuntimeError as e:
-            message = str(e)
-        else:
-            message = None
-        print(json.dumps({"errors": errors, "message": message}))
-    """
-    out = _run(code)
+def test_a_failing_register_is_reported_in_one_line(children):
+    out = finished(children["failing_register"])
     assert out.returncode == 0, out.stderr[-4000:]
     state = json.loads(out.stdout.strip().splitlines()[-1])
     assert state["errors"] == {"adv_estimator:populora_trrpp": "ValueError: no estimator today"}, state
@@ -170,19 +228,8 @@ def test_a_failing_register_is_reported_in_one_line():
     assert len(warnings) >= 1, out.stderr[-3000:]
 
 
-def test_our_module_imported_first_waits_quietly_and_registers_at_the_check():
-    # our trainer imports verl's trainer package, whose end would register ``populora`` from our package while that
-    # package is still executing (its register() not defined yet): it waits, no warning, and the check registers it
-    code = """
-        import json
-        import populora_verl.trainer.trainer
-        from populora_verl import plugin
-        state = {"errors": dict(plugin._errors), "pending": sorted(plugin._pending)}
-        plugin.check_registrations()
-        state.update(registered=plugin.registered(), after_pending=sorted(plugin._pending))
-        print(json.dumps(state))
-    """
-    out = _run(code)
+def test_our_module_imported_first_waits_quietly_and_registers_at_the_check(children):
+    out = finished(children["ours_first"])
     assert out.returncode == 0, out.stderr[-4000:]
     state = json.loads(out.stdout.strip().splitlines()[-1])
     assert state["errors"] == {} and "trainer:populora" in state["pending"], state

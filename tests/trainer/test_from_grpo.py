@@ -17,7 +17,7 @@ from populora_verl.config import ConfigError  # noqa: E402
 from populora_verl.startup import PreflightCallback, preflight  # noqa: E402
 from populora_verl.trainer import enable, verl_config  # noqa: E402
 
-from _shared import REPO, compose_recipe  # noqa: E402
+from _shared import REPO, SideBySide, compose_recipe, start_early  # noqa: E402
 
 PAGE = REPO / "docs" / "from-grpo.md"
 CALLBACK = "+hydra.callbacks.populora_preflight._target_=populora_verl.startup.PreflightCallback"
@@ -229,44 +229,65 @@ def test_the_settings_name_the_plugin_s_registrations():
     assert values["actor_rollout_ref.rollout.agent.default_agent_loop"] == registered["agent_loop"]
 
 
-def _run(args, cwd, **kw):
+def _job(args, cwd) -> dict:
+    """``subprocess.run`` arguments of ``python *args`` in ``cwd`` (for :func:`_shared.run_side_by_side`)."""
     import os
-    import subprocess
     import sys
 
     env = dict(os.environ, RAY_AUTH_MODE="disabled", PYTHONWARNINGS="ignore",
                PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     env.pop("HF_HUB_OFFLINE", None)
-    return subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300, **kw)
+    return {"args": [sys.executable, *args], "cwd": cwd, "env": env}
 
 
-def test_what_the_callback_sets_is_what_the_task_function_gets(tmp_path):
+_APP = (
+    "import hydra\n"
+    "@hydra.main(config_path='pkg://verl.trainer.config', config_name='ppo_trainer', version_base=None)\n"
+    "def main(cfg):\n"
+    "    print('task:', cfg.trainer.v1.trainer_mode, cfg.algorithm.adv_estimator,\n"
+    "          cfg.actor_rollout_ref.rollout.agent.default_agent_loop, cfg.reward.reward_manager.name,\n"
+    "          cfg.actor_rollout_ref.rollout.n, cfg.populora.rollout.student_n)\n"
+    "main()\n")
+
+
+@pytest.fixture(scope="module")
+def own_runs(tmp_path_factory):
+    """The two fresh interpreters below, side by side, each in a folder of its own: name -> (its runs, its folder)."""
+    app_dir, main_dir = tmp_path_factory.mktemp("hydra_app"), tmp_path_factory.mktemp("verl_main")
+    app = app_dir / "app.py"
+    app.write_text(_APP)
+    runs = SideBySide({
+        "app": _job([str(app), *with_diff(["+hydra.callbacks.populora_preflight.check_gpus=false"])], app_dir),
+        "verl_main": _job(["-m", "verl.trainer.main_ppo",
+                           *with_diff(["actor_rollout_ref.model.path=/nonexistent/model"])], main_dir),
+    })
+    yield {"app": (runs, app_dir), "verl_main": (runs, main_dir)}
+    runs.close()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _own_runs_start_with_the_module(request):
+    start_early(request, "own_runs")  # they run beside the compose tests above
+
+
+def test_what_the_callback_sets_is_what_the_task_function_gets(own_runs):
     """Through Hydra itself, not the compose API: verl's main is a ``@hydra.main`` task function on
     ``ppo_trainer``, and gets the config Hydra copies after ``on_run_start``."""
-    app = tmp_path / "app.py"
-    app.write_text(
-        "import hydra\n"
-        "@hydra.main(config_path='pkg://verl.trainer.config', config_name='ppo_trainer', version_base=None)\n"
-        "def main(cfg):\n"
-        "    print('task:', cfg.trainer.v1.trainer_mode, cfg.algorithm.adv_estimator,\n"
-        "          cfg.actor_rollout_ref.rollout.agent.default_agent_loop, cfg.reward.reward_manager.name,\n"
-        "          cfg.actor_rollout_ref.rollout.n, cfg.populora.rollout.student_n)\n"
-        "main()\n")
-    r = _run([str(app), *with_diff(["+hydra.callbacks.populora_preflight.check_gpus=false"])], tmp_path)
+    r = own_runs["app"][0].result("app")
     assert r.returncode == 0, r.stderr[-3000:]
     lines = r.stdout.strip().splitlines()
     assert sum(line.startswith("set for PopuLoRA: ") for line in lines) == 1, r.stdout
     assert "task: populora populora_trrpp populora_agent populora_code 1 5" in lines, r.stdout
 
 
-def test_verl_main_prints_the_settings_once_then_stops_before_ray_on_a_bad_key(tmp_path):
+def test_verl_main_prints_the_settings_once_then_stops_before_ray_on_a_bad_key(own_runs):
     """The real command: the callback comes from the command line, sets and prints before any check, and a
     failed check still ends it in one line before Ray starts."""
-    r = _run(["-m", "verl.trainer.main_ppo", *with_diff(["actor_rollout_ref.model.path=/nonexistent/model"])],
-             tmp_path)
+    runs, folder = own_runs["verl_main"]
+    r = runs.result("verl_main")
     assert r.returncode == 2, r.stderr[-2000:]
     assert sum(line.startswith("set for PopuLoRA: ") for line in r.stdout.splitlines()) == 1, r.stdout
     assert r.stderr.strip().splitlines()[-1] == ("populora: actor_rollout_ref.model.path: no such directory "
                                                  "'/nonexistent/model'")
     assert "ray init" not in r.stdout.lower() and "Traceback" not in r.stderr
-    assert sorted(p.name for p in tmp_path.iterdir()) == []  # no Hydra outputs/ folder, no run directory
+    assert sorted(p.name for p in folder.iterdir()) == []  # no Hydra outputs/ folder, no run directory

@@ -56,7 +56,10 @@ def _tq_config():
     return OmegaConf.create(OmegaConf.to_container(cfg.transfer_queue, resolve=True))
 
 
-def _start_cluster(conf, temp_dir: str, out: dict) -> None:
+def _start_cluster(conf, temp_dir: str, out: dict, ready: threading.Event, release: threading.Event) -> None:
+    """Start Ray and TQ, set ``ready``, and, once started, wait for ``release``: Ray gives its head processes (GCS,
+    raylet) a parent-death signal, which Linux sends when the *thread* that started them ends, so the thread lives as
+    long as the cluster (a cluster whose thread had ended lost its GCS at once, and the driver aborted 60 s later)."""
     try:
         # Above the physical count: TQ's controller + storage actors deadlock on a 2-CPU Ray budget.
         ray.init(num_cpus=16, include_dashboard=False, log_to_driver=False, _temp_dir=temp_dir,
@@ -65,6 +68,10 @@ def _start_cluster(conf, temp_dir: str, out: dict) -> None:
         out["ok"] = True
     except BaseException as e:  # reported by the fixture as the skip reason
         out["error"] = e
+    finally:
+        ready.set()
+    if out.get("ok"):
+        release.wait()
 
 
 def _unavailable(reason: str) -> None:
@@ -84,11 +91,12 @@ def tq_cluster(ray_tmpdir):
     conf = _tq_config()
     assert conf.backend.SimpleStorage.num_data_storage_units == 1
     out: dict = {}
-    th = threading.Thread(target=_start_cluster, args=(conf, ray_tmpdir, out), daemon=True)
+    ready, release = threading.Event(), threading.Event()
+    th = threading.Thread(target=_start_cluster, args=(conf, ray_tmpdir, out, ready, release), daemon=True)
     th.start()
-    th.join(START_TIMEOUT_S)
+    ready.wait(START_TIMEOUT_S)
     if not out.get("ok"):
-        if th.is_alive():
+        if not ready.is_set():
             # ray.init / tq.init still running in the daemon thread: shutting Ray down under it could hang too
             _unavailable(f"TransferQueue did not start within {START_TIMEOUT_S:.0f}s on a local Ray cluster")
         if ray.is_initialized():
@@ -99,6 +107,8 @@ def tq_cluster(ray_tmpdir):
         tq.close()
     finally:
         ray.shutdown()
+        release.set()  # the starting thread may end now: the cluster it started is down
+        th.join(60)
 
 
 # --- stand-ins for the GPU parts ---------------------------------------------------------------------------------

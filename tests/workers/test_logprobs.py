@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import subprocess
+import os
 import sys
 
 import pytest
@@ -10,7 +10,7 @@ import torch
 
 from populora_verl.workers import logprobs as lp
 
-from _shared import RECIPES
+from _shared import RECIPES, finished, run_side_by_side
 
 
 def _reference(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -73,37 +73,47 @@ print("INSTALLED", done, eng.logprobs_from_logits is lp.verl_logprobs_from_logit
 '''
 
 
-@pytest.mark.parametrize("mode,env,expect", [
-    ("auto", {}, "INSTALLED True True True False"),
-    ("env", {"POPULORA_LOGPROBS": "verl"}, "INSTALLED False False False True"),
-    ("env", {}, "INSTALLED True True True False"),  # the default is auto
-    ("auto", {"VERL_DISABLE_FLASH_ATTN_CE": "1"}, "INSTALLED True True True False"),
-])
-def test_install_replaces_verls_fallback_where_the_engine_calls_it(mode, env, expect):
-    """Own process: install() rebinds module globals of verl for the whole interpreter (only where verl's fallback is
-    the per-token loop: a verl with its own chunked fallback, patches/0010, is left alone)."""
-    import os
-
-    from populora_verl import verl_compat
-
-    if verl_compat.has_chunked_logprobs():
-        expect = "INSTALLED False False False True"
-
-    base = {k: v for k, v in os.environ.items() if k != lp.ENV}  # only this case's setting, none inherited
-    res = subprocess.run([sys.executable, "-c", _INSTALL, mode], capture_output=True, text=True, timeout=300,
-                         env={**base, **env})
-    assert expect in res.stdout, res.stdout[-2000:] + res.stderr[-3000:]
-
-
-def test_the_engine_path_runs_the_patched_function():
-    """verl's FSDP engine calls the name it imported; after install() that name is ours (a call through the module
-    global, as the engine makes it, returns our float32 result)."""
-    code = _INSTALL + r'''
+_ENGINE_PATH = _INSTALL + r'''
 z = torch.randn(6, 11, dtype=torch.bfloat16); y = torch.randint(0, 11, (6,))
 out = eng.logprobs_from_logits(logits=z, labels=y)
 print("DTYPE", out.dtype)
 '''
-    res = subprocess.run([sys.executable, "-c", code, "auto"], capture_output=True, text=True, timeout=300)
+
+INSTALL_CASES = [
+    ("auto", {}, "INSTALLED True True True False"),
+    ("env", {"POPULORA_LOGPROBS": "verl"}, "INSTALLED False False False True"),
+    ("env", {}, "INSTALLED True True True False"),  # the default is auto
+    ("auto", {"VERL_DISABLE_FLASH_ATTN_CE": "1"}, "INSTALLED True True True False"),
+]
+
+
+@pytest.fixture(scope="module")
+def own_processes():
+    """Each case below in its own fresh interpreter (install() rebinds module globals of verl for the whole
+    interpreter), all run side by side once: case index (or "engine") -> the finished process."""
+    base = {k: v for k, v in os.environ.items() if k != lp.ENV}  # only the case's setting, none inherited
+    jobs = {i: {"args": [sys.executable, "-c", _INSTALL, mode], "env": {**base, **env}}
+            for i, (mode, env, _) in enumerate(INSTALL_CASES)}
+    jobs["engine"] = {"args": [sys.executable, "-c", _ENGINE_PATH, "auto"]}
+    return run_side_by_side(jobs)
+
+
+@pytest.mark.parametrize("mode,env,expect", INSTALL_CASES)
+def test_install_replaces_verls_fallback_where_the_engine_calls_it(mode, env, expect, own_processes):
+    """Own process: install() rebinds module globals of verl for the whole interpreter (only where verl's fallback is
+    the per-token loop: a verl with its own chunked fallback, patches/0010, is left alone)."""
+    from populora_verl import verl_compat
+
+    res = finished(own_processes[INSTALL_CASES.index((mode, env, expect))])
+    if verl_compat.has_chunked_logprobs():
+        expect = "INSTALLED False False False True"
+    assert expect in res.stdout, res.stdout[-2000:] + res.stderr[-3000:]
+
+
+def test_the_engine_path_runs_the_patched_function(own_processes):
+    """verl's FSDP engine calls the name it imported; after install() that name is ours (a call through the module
+    global, as the engine makes it, returns our float32 result)."""
+    res = finished(own_processes["engine"])
     assert "DTYPE torch.float32" in res.stdout, res.stdout[-2000:] + res.stderr[-3000:]
 
 
