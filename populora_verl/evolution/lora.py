@@ -231,11 +231,11 @@ def _checked_batched_svd(c: Tensor, driver: str) -> tuple[Tensor, Tensor, Tensor
         u, s, vh = torch.linalg.svd(c64, full_matrices=False, driver=driver)
     except torch.linalg.LinAlgError:
         u, s, vh = torch.linalg.svd(c64, full_matrices=False)
-        return u.to(c.dtype), s.to(c.dtype), vh.to(c.dtype)
-    err = ((u * s.unsqueeze(-2)) @ vh - c64).abs().amax((-2, -1))
-    bad = ~(err <= 1e-9 * c64.abs().amax((-2, -1)).clamp_min(1e-30))  # also catches NaN
-    if bool(bad.any()):
-        u[bad], s[bad], vh[bad] = torch.linalg.svd(c64[bad], full_matrices=False)
+    else:
+        err = ((u * s.unsqueeze(-2)) @ vh - c64).abs().amax((-2, -1))
+        bad = ~(err <= 1e-9 * c64.abs().amax((-2, -1)).clamp_min(1e-30))  # also catches NaN
+        if bool(bad.any()):
+            u[bad], s[bad], vh[bad] = torch.linalg.svd(c64[bad], full_matrices=False)
     return u.to(c.dtype), s.to(c.dtype), vh.to(c.dtype)
 
 
