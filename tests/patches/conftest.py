@@ -104,13 +104,18 @@ def start_check(root: Path, code: str, server: ForkServer | None = None):
     return _Fresh(root, program, env)
 
 
-def finish_check(check, timeout: int = 240) -> subprocess.CompletedProcess:
-    return check.result(timeout)
-
-
-def run_check(root: Path, code: str, timeout: int = 240, server: ForkServer | None = None):
-    """Run ``code`` in an interpreter that imports verl from ``root``; asserts it imported the copy."""
-    return finish_check(start_check(root, code, server), timeout)
+def run_checks(jobs, timeout: int = 240) -> list[subprocess.CompletedProcess]:
+    """Each ``(root, code, server)`` of ``jobs`` started as :func:`start_check` starts it, all side by side (the jobs
+    are read one by one, so a job may make its copy of verl while the earlier ones run); the finished processes, in
+    order. What still runs when one fails is stopped."""
+    started = []
+    try:
+        for root, code, server in jobs:
+            started.append(start_check(root, code, server))
+        return [check.result(timeout) for check in started]
+    finally:
+        for check in started:
+            check.stop()
 
 
 def series() -> list[str]:
@@ -150,14 +155,10 @@ def fails_without_passes_with(tmp_path, series_copy, pristine_copy, fork_servers
     def check(patch: str, code: str, *, expect_without: str | None = None) -> str:
         # The three checks are independent (each its own interpreter on its own copy of verl, no shared socket, port
         # or file), and most of their time is importing verl: they run side by side, two of them forked.
-        patched_copy = verl_copy(tmp_path / "patched", patch)
-        checks = [start_check(patched_copy, code)]
-        try:
-            checks += [start_check(root, code, fork_servers[root]) for root in (pristine_copy, series_copy)]
-            patched, pristine, together = (finish_check(c) for c in checks)
-        finally:
-            for c in checks:
-                c.stop()
+        patched, pristine, together = run_checks([
+            (verl_copy(tmp_path / "patched", patch), code, None),
+            *((root, code, fork_servers[root]) for root in (pristine_copy, series_copy)),
+        ])
         assert pristine.returncode != 0, f"passes without {patch}: the check does not test the patch\n{pristine.stdout}"
         if expect_without is not None:
             assert expect_without in pristine.stderr + pristine.stdout, pristine.stderr[-3000:]
@@ -176,33 +177,26 @@ def _root(patches: tuple[str, ...] | None, series_copy: Path, pristine_copy: Pat
     return verl_copy(new_folder(), *patches) if patches else pristine_copy
 
 
-@pytest.fixture
-def check_against(tmp_path, series_copy, pristine_copy, fork_servers):
-    """``check(code, patches=None)``: ``code`` run against verl with the whole series applied (``patches`` None) or
-    with only ``patches`` (names in patches/, none: pristine); returns the finished process, for checks of the plugin
-    that are not a patch's own."""
-
-    def check(code: str, patches: tuple[str, ...] | None = None) -> subprocess.CompletedProcess:
-        root = _root(patches, series_copy, pristine_copy, lambda: tmp_path / "copy")
-        return run_check(root, code, server=fork_servers.get(root))
-
-    return check
-
-
 @pytest.fixture(scope="session")
 def checks_against(tmp_path_factory, series_copy, pristine_copy, fork_servers):
-    """``checks([(code, patches), ...])``: :func:`check_against` for several programs at once, started side by side
-    (for a module-scoped fixture whose tests each assert on one of them); the finished processes, in order."""
+    """``checks([(code, patches), ...])``: each ``code`` run against verl with the whole series applied (``patches``
+    None) or with only ``patches`` (names in patches/, none: pristine), all started side by side (for a module-scoped
+    fixture whose tests each assert on one of them); the finished processes, in order. For checks of the plugin that
+    are not a patch's own."""
 
-    def checks(jobs) -> list[subprocess.CompletedProcess]:
-        started = []
-        try:
-            for code, patches in jobs:
-                root = _root(patches, series_copy, pristine_copy, lambda: tmp_path_factory.mktemp("copy"))
-                started.append(start_check(root, code, fork_servers.get(root)))
-            return [finish_check(c) for c in started]
-        finally:
-            for c in started:
-                c.stop()
+    def jobs(pairs):
+        for code, patches in pairs:
+            root = _root(patches, series_copy, pristine_copy, lambda: tmp_path_factory.mktemp("copy"))
+            yield root, code, fork_servers.get(root)
 
-    return checks
+    return lambda pairs: run_checks(jobs(pairs))
+
+
+@pytest.fixture
+def check_against(checks_against):
+    """``check(code, patches=None)``: :func:`checks_against` for one program; its finished process."""
+
+    def check(code: str, patches: tuple[str, ...] | None = None) -> subprocess.CompletedProcess:
+        return checks_against([(code, patches)])[0]
+
+    return check

@@ -26,10 +26,7 @@ STANDIN = (REPO / "tests" / "patches" / "_vllm_standin.py").read_text(encoding="
 #: fallback, the resident engine's class and micro-batches, the reward manager's class setup, and, against
 #: TransferQueue, the prompts' hand-off to the agent loop and the step's stages (balancing, old log-probs, the per-slot
 #: and the fused update with the actor mesh's data-parallel size).
-VERL_FACING = ("tests/trainer/test_trainer.py", "tests/rollout", "tests/project/test_plugin.py",
-               "tests/workers/test_logprobs.py", "tests/workers/test_resident_verl_engine.py",
-               "tests/reward/test_reward_manager.py", "tests/trainer/test_trainer_tq.py")
-#: :data:`VERL_FACING` in two pytest runs side by side (each about half of the time, most of it on one core).
+#: Two pytest runs side by side, each about half of the time (most of it on one core).
 VERL_FACING_RUNS = (
     ("tests/trainer/test_trainer_tq.py", "tests/trainer/test_trainer.py", "tests/rollout"),
     ("tests/workers/test_logprobs.py", "tests/project/test_plugin.py", "tests/workers/test_resident_verl_engine.py",
@@ -110,7 +107,6 @@ def test_verl_facing_tests_pass_against_the_series(series_copy):
     where = subprocess.run([sys.executable, "-c", "import verl; print(verl.__file__)"], env=env, cwd=REPO,
                            capture_output=True, text=True, timeout=300)
     assert where.stdout.strip().startswith(str(series_copy)), where.stdout + where.stderr[-2000:]
-    assert sorted(p for run in VERL_FACING_RUNS for p in run) == sorted(VERL_FACING)
     runs = run_side_by_side({i: {"args": [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *paths],
                                  "env": env, "cwd": REPO} for i, paths in enumerate(VERL_FACING_RUNS)}, timeout=1200)
     for i, paths in enumerate(VERL_FACING_RUNS):
