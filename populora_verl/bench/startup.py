@@ -19,7 +19,8 @@ changes vLLM's compile-cache key, so its first run compiles from scratch even on
 
 Levers (``--b-override`` replaces B's overrides):
 
-* ``early_agent_loop``: the agent-loop workers started while vLLM starts (B) against verl's order (A, the default);
+* ``early_agent_loop``: the agent-loop workers and the request load balancer started while vLLM starts (B) against
+  verl's order (A, the default);
 * ``compile_cache``: vLLM's torch.compile cache kept across the runs in one folder (B; its first run fills it) against
   the cache off (A);
 * ``capture_sizes``: CUDA-graph capture sizes limited to the batch sizes the recipe can reach (B,
@@ -100,7 +101,7 @@ def _capture_b(config, out: Path) -> tuple[str, ...]:
 
 LEVERS: dict[str, Lever] = {
     "early_agent_loop": Lever(
-        "agent-loop workers started beside vLLM (B) against verl's order (A, the default)",
+        "agent-loop workers and request load balancer started beside vLLM (B) against verl's order (A, the default)",
         ("++trainer.populora_early_agent_loop=false",),
         ("++trainer.populora_early_agent_loop=true",),
     ),

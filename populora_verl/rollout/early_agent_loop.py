@@ -1,15 +1,21 @@
-"""The agent-loop workers start while vLLM starts, not at step 1's first hand-off.
+"""The rollout's client side starts while vLLM starts, not at step 1's first hand-off.
 
 verl's task runner creates its agent-loop workers (Ray actors that import verl, load the tokenizer and connect to
 TransferQueue) only after ``trainer.init()`` has brought the vLLM servers up, and step 1's first
-``generate_sequences`` waits for their processes to start (24-37 s measured). Here the trainer starts them at the
-beginning of its ``init()``, without server handles, so their imports and set-up run beside the worker groups' and
-vLLM's start; the task runner's manager (verl's ``actor_rollout_ref.rollout.agent.agent_loop_manager_class``, which
-the trainer points at :class:`EarlyAgentLoopManager`) then binds the LLM client and the reward workers' handles.
+``generate_sequences`` waits for their processes to start (24-37 s measured). The request load balancer that routes
+their requests to the servers is a Ray actor too, created by verl once the servers are up; its process imports verl's
+rollout package, and step 1's first request waited 23-28 s for it on an H200 (its first log line against the end of
+``init``), with or without the workers started early. Here the trainer starts both at the beginning of its ``init()``:
+the workers without server handles, the balancer with no servers, so their imports and set-up run beside the worker
+groups' and vLLM's start. Once the servers are up, the trainer gives the early balancer verl's servers and puts it in
+place of the one verl has just created (:func:`adopt_load_balancer`); the task runner's manager (verl's
+``actor_rollout_ref.rollout.agent.agent_loop_manager_class``, which the trainer points at
+:class:`EarlyAgentLoopManager`) then binds the LLM client and the reward workers' handles.
 
 Opt-in until a GPU run has measured it: ``+trainer.populora_early_agent_loop=true`` turns it on (the A/B lever of
 ``populora_verl.bench.startup``); off, verl's order. A manager class set by the user, or distillation (its teacher
-client is needed at construction), keeps verl's order either way.
+client is needed at construction), keeps verl's order for the workers; a router of the user's
+(``actor_rollout_ref.rollout.router_config_path``) keeps verl's balancer.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from uuid import uuid4
 
 import ray
 from omegaconf import DictConfig, OmegaConf, open_dict
+from ray.exceptions import RayError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
 from verl.trainer.ppo.v1.agent_loop_tq import AgentLoopManagerTQ, AgentLoopWorkerTQ
@@ -42,6 +49,8 @@ __all__ = [
     "start",
     "take",
     "create_workers",
+    "start_load_balancer",
+    "adopt_load_balancer",
 ]
 
 #: ``+trainer.populora_early_agent_loop=true``: workers started with the trainer's set-up; off (the default, until a
@@ -80,6 +89,7 @@ def configure(config: DictConfig) -> bool:
 @dataclass
 class _Started:
     workers: list[Any]
+    load_balancer: Any = None  # verl's request load balancer with no servers yet; None: verl's own is kept
     at: float = field(default_factory=time.time)
 
 
@@ -111,15 +121,58 @@ def create_workers(config: DictConfig, worker_cls: Any, args: tuple = (), node_i
 
 
 def start(config: DictConfig, worker_cls: Any = None, node_ids: list[str] | None = None) -> bool:
-    """Start the agent-loop workers now, unbound, when the config names :class:`EarlyAgentLoopManager` (set by
-    :func:`configure`); the manager built by the task runner takes them (:func:`take`). Returns whether it did."""
+    """Start the rollout's client side now, when the early start is on: the agent-loop workers, unbound, when the
+    config names :class:`EarlyAgentLoopManager` (set by :func:`configure`), and the request load balancer with no
+    servers unless a router of the user's is configured. The manager built by the task runner takes the workers
+    (:func:`take`); the trainer hands the servers to the balancer (:func:`adopt_load_balancer`). Returns whether it
+    started anything."""
     global _STARTED
-    if OmegaConf.select(config, MANAGER_KEY, default=None) != MANAGER_FQN:
+    if not bool(OmegaConf.select(config, EARLY_KEY, default=False)):
         return False
-    if not bool(OmegaConf.select(config, EARLY_KEY, default=True)) or _distillation(config):
+    workers: list[Any] = []
+    if OmegaConf.select(config, MANAGER_KEY, default=None) == MANAGER_FQN and not _distillation(config):
+        workers = create_workers(config, worker_cls if worker_cls is not None else worker_class(), (), node_ids)
+    balancer = start_load_balancer(config)
+    if not workers and balancer is None:
         return False
-    workers = create_workers(config, worker_cls if worker_cls is not None else worker_class(), (), node_ids)
-    _STARTED = _Started(workers)
+    _STARTED = _Started(workers, balancer)
+    return True
+
+
+def start_load_balancer(config: DictConfig) -> Any:
+    """verl's default request load balancer, created now with no servers (it takes them later through its
+    ``add_servers``); None when ``rollout.router_config_path`` names a router of the user's, which verl builds."""
+    rollout = OmegaConf.select(config, "actor_rollout_ref.rollout")
+    if rollout is None or rollout.get("router_config_path"):
+        return None
+    from verl.workers.rollout.router import get_router_handle
+
+    return get_router_handle(servers={}, full_determinism=bool(rollout.get("full_determinism", False)))
+
+
+def adopt_load_balancer(manager: Any) -> bool:
+    """Once verl's ``LLMServerManager`` has its servers up: give them to the balancer started early and put it in
+    place of the one verl created (which is ended), so step 1's first request finds its process running. Returns
+    whether it did; an early balancer that failed leaves verl's in place, with a line saying so."""
+    started = _STARTED
+    if started is None or started.load_balancer is None:
+        return False
+    balancer, started.load_balancer = started.load_balancer, None
+    servers = dict(zip(manager.server_addresses, manager.server_handles, strict=True))
+    t0 = time.time()
+    try:
+        ray.get(balancer.add_servers.remote(servers))
+    except RayError as e:
+        print(f"[populora] request load balancer started early failed ({type(e).__name__}): verl's is used", flush=True)
+        ray.kill(balancer)
+        return False
+    verls, manager.global_load_balancer = manager.global_load_balancer, balancer
+    ray.kill(verls)
+    print(
+        f"[populora] request load balancer: started with the trainer's set-up, {len(servers)} servers added in "
+        f"{time.time() - t0:.1f} s ({time.time() - started.at:.0f} s after its start)",
+        flush=True,
+    )
     return True
 
 

@@ -218,12 +218,14 @@ class PopuLoRATrainer(GenerationMixin, TrainingMixin, HooksMixin, ProbesMixin, P
             return buffer
 
     def init(self) -> None:
-        # The agent-loop workers' processes start now and import while the worker groups and vLLM start; the task
-        # runner's manager binds them to the servers afterwards (populora_verl.rollout.early_agent_loop).
+        # The agent-loop workers' and the request load balancer's processes start now and import while the worker
+        # groups and vLLM start; once the servers are up the balancer takes them, and the task runner's manager
+        # binds the workers (populora_verl.rollout.early_agent_loop).
         from populora_verl.rollout import early_agent_loop
 
         early_agent_loop.start(self.config)
         super().init()  # worker groups (FSDP), vLLM engines, weight-sync manager, then _load_checkpoint
+        early_agent_loop.adopt_load_balancer(self.llm_server_manager)
         self._mark("checkpoint + weight sync")
 
     def _mark(self, name: str, after: str | None = None) -> None:

@@ -1,6 +1,7 @@
-"""The agent-loop workers start with the trainer's set-up, before the vLLM servers are up, and are bound to them
-afterwards (populora_verl.rollout.early_agent_loop). Fake worker classes and a fake verl ``init`` record an event
-log; no Ray cluster, no GPU."""
+"""The agent-loop workers and the request load balancer start with the trainer's set-up, before the vLLM servers are
+up; the balancer takes the servers and replaces verl's, and the workers are bound to them afterwards
+(populora_verl.rollout.early_agent_loop). Fake worker classes, a fake balancer and a fake verl ``init`` record an
+event log; no Ray cluster, no GPU (tests/trainer/test_trainer_tq.py runs the balancer on a real Ray cluster)."""
 
 from __future__ import annotations
 
@@ -66,9 +67,35 @@ class FakeWorkerClass:
         return handle
 
 
+class FakeBalancer:
+    """verl's request load balancer as an actor handle: ``add_servers.remote`` returns what ``ray.get`` (patched to
+    the identity) reads."""
+
+    def __init__(self, events, name, fail=False):
+        self.events, self.name, self.fail, self.servers = events, name, fail, {}
+        self.add_servers = _Remote(self._add)
+
+    def _add(self, servers):
+        if self.fail:
+            from ray.exceptions import RayActorError
+
+            raise RayActorError()
+        self.events.append(f"servers added to {self.name}")
+        self.servers.update(servers)
+
+
+class FakeServerManager:
+    """verl's ``LLMServerManager`` after ``create``: its servers up and its own balancer."""
+
+    def __init__(self, events):
+        self.server_addresses, self.server_handles = ["10.0.0.1:8000"], ["server0"]
+        self.global_load_balancer = FakeBalancer(events, "verl's balancer")
+
+
 @pytest.fixture
 def fakes(monkeypatch):
-    """The trainer with verl's ``init`` replaced by the servers' start, the workers by fakes; the event log."""
+    """The trainer with verl's ``init`` replaced by the servers' start, the workers and the balancer by fakes; the
+    event log (``ray.kill`` and ``ray.get`` record into it and pass values through)."""
     from populora_verl.trainer import trainer as tr
 
     events: list[str] = []
@@ -77,34 +104,85 @@ def fakes(monkeypatch):
     monkeypatch.setattr(early, "_node_ids", lambda: [NODE])
     monkeypatch.setattr(early, "_STARTED", None)
 
-    def verl_init(self):  # worker groups, then the vLLM servers: up when this returns
+    def start_balancer(config):
+        events.append("balancer created")
+        return FakeBalancer(events, "the early balancer")
+
+    monkeypatch.setattr(early, "start_load_balancer", start_balancer)
+    monkeypatch.setattr(early.ray, "get", lambda value: value)
+    monkeypatch.setattr(early.ray, "kill", lambda h: events.append(f"killed {getattr(h, 'name', 'a worker')}"))
+
+    def verl_init(self):  # worker groups, then the vLLM servers and verl's balancer: up when this returns
         events.extend(["worker groups", "servers starting", SERVERS_UP])
+        self.llm_server_manager = FakeServerManager(events)
 
     monkeypatch.setattr(tr.PPOTrainerSync, "init", verl_init)
     return tr.PopuLoRATrainer, workers, events
 
 
-def _task_runner(trainer_cls, config):
-    """verl's TaskRunnerV1.run: trainer.init(), then the manager named by the config, with the servers' client."""
+def _task_runner(trainer_cls, config, trainer_out=None):
+    """verl's TaskRunnerV1.run: trainer.init(), then the manager named by the config, with the servers' client (the
+    trainer's ``llm_server_manager``'s balancer, as verl's ``get_client`` takes it)."""
     t = object.__new__(trainer_cls)
     t.config = config
     t.init()
+    if trainer_out is not None:
+        trainer_out.append(t)
     assert OmegaConf.select(config, early.MANAGER_KEY) == early.MANAGER_FQN
+    client = ("llm-client", t.llm_server_manager.global_load_balancer.name)
     return early.EarlyAgentLoopManager.create(
-        config=config, llm_client="llm-client", teacher_client=None, reward_loop_worker_handles=["reward0"]
+        config=config, llm_client=client, teacher_client=None, reward_loop_worker_handles=["reward0"]
     )
+
+
+CLIENT = ("llm-client", "the early balancer")
 
 
 def test_workers_start_before_the_servers_are_up_and_are_bound_after(fakes):
     trainer_cls, workers, events = fakes
     config = _config()
     assert early.configure(config)  # the trainer's constructor
-    manager = _task_runner(trainer_cls, config)
-    assert events == ["worker created"] * 2 + ["worker groups", "servers starting", SERVERS_UP] + ["bind"] * 2
+    trainers = []
+    manager = _task_runner(trainer_cls, config, trainers)
+    assert events == (
+        ["worker created"] * 2
+        + ["balancer created", "worker groups", "servers starting", SERVERS_UP]
+        + ["servers added to the early balancer", "killed verl's balancer"]
+        + ["bind"] * 2
+    )
     assert manager.agent_loop_workers == workers.created  # the early workers, none created at the hand-off
-    assert all(w.bound == ("llm-client", None, ["reward0"]) for w in workers.created)
+    assert all(w.bound == (CLIENT, None, ["reward0"]) for w in workers.created)
     assert [o["scheduling_strategy"].node_id for o in workers.options_seen] == [NODE, NODE]
+    assert trainers[0].llm_server_manager.global_load_balancer.servers == {"10.0.0.1:8000": "server0"}
     assert early.take() is None  # taken once
+
+
+def test_an_early_balancer_that_failed_leaves_verls_in_place(fakes, monkeypatch, capsys):
+    trainer_cls, workers, events = fakes
+
+    def failing(config):
+        events.append("balancer created")
+        return FakeBalancer(events, "the early balancer", fail=True)
+
+    monkeypatch.setattr(early, "start_load_balancer", failing)
+    config = _config()
+    early.configure(config)
+    manager = _task_runner(trainer_cls, config)
+    assert "killed the early balancer" in events and "killed verl's balancer" not in events
+    assert all(w.bound == (("llm-client", "verl's balancer"), None, ["reward0"]) for w in manager.agent_loop_workers)
+    assert "verl's is used" in capsys.readouterr().out
+
+
+def test_a_users_router_keeps_verls_balancer(monkeypatch):
+    from verl.workers.rollout import router
+
+    made = []
+    monkeypatch.setattr(router, "get_router_handle", lambda **kw: made.append(kw) or "balancer")
+    config = _config()
+    assert early.start_load_balancer(config) == "balancer"
+    assert made == [{"servers": {}, "full_determinism": False}]
+    OmegaConf.update(config, "actor_rollout_ref.rollout.router_config_path", "my_router.yaml", force_add=True)
+    assert early.start_load_balancer(config) is None and len(made) == 1
 
 
 def test_verls_order_when_the_early_start_is_off(fakes):
@@ -116,7 +194,7 @@ def test_verls_order_when_the_early_start_is_off(fakes):
     manager = _task_runner(trainer_cls, config)
     assert events == ["worker groups", "servers starting", SERVERS_UP] + ["worker created bound"] * 2
     assert manager.agent_loop_workers == workers.created
-    assert all(w.bound == ("llm-client", None, ["reward0"]) for w in workers.created)
+    assert all(w.bound == (("llm-client", "verl's balancer"), None, ["reward0"]) for w in workers.created)
 
 
 def test_configure_leaves_a_users_manager_and_distillation_alone(capsys):
@@ -128,6 +206,7 @@ def test_configure_leaves_a_users_manager_and_distillation_alone(capsys):
     config = _config()
     OmegaConf.update(config, "distillation", {"enabled": True}, force_add=True)
     assert not early.configure(config)
+    config.actor_rollout_ref.rollout.router_config_path = "my_router.yaml"  # and the user's router: verl's balancer
     assert not early.start(config, worker_cls=object(), node_ids=[])  # nothing named: nothing started
 
 
@@ -142,7 +221,7 @@ def test_a_worker_count_changed_after_the_start_gets_fresh_bound_workers(fakes, 
     manager = early.EarlyAgentLoopManager.create(config=config, llm_client="c", teacher_client=None)
     assert killed == workers.created[:2]
     assert manager.agent_loop_workers == workers.created[2:] and len(manager.agent_loop_workers) == 3
-    assert events[2:] == ["worker created bound"] * 3
+    assert events[3:] == ["worker created bound"] * 3
 
 
 def _bare_worker(config):

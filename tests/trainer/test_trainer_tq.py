@@ -475,3 +475,31 @@ def test_bypass_mode_checks_the_trainers_own_log_probs_against_vllms(tq_cluster,
                 assert diff == pytest.approx(math.exp(-0.25) - math.exp(-0.5), rel=1e-4)
         tq.kv_clear(keys=list(out.keys), partition_id=PARTITION)
     assert _listed() == {}
+
+
+def test_the_request_load_balancer_started_early_takes_verls_servers(tq_cluster, monkeypatch):
+    """verl's own balancer class as a real actor, started with no servers before the servers exist, then given
+    them and put in place of the one verl created (populora_verl.rollout.early_agent_loop): a request routed by it
+    reaches the server, and verl's is ended."""
+    from verl.workers.rollout.router import get_router_handle
+
+    from populora_verl.rollout import early_agent_loop as early
+
+    monkeypatch.setattr(early, "_STARTED", None)
+    config = OmegaConf.create({"trainer": {"populora_early_agent_loop": True},
+                               "actor_rollout_ref": {"rollout": {"full_determinism": False}}})
+    assert early.start(config)  # no manager of ours named: the balancer only
+    servers = {"10.0.0.1:8000": "server-0", "10.0.0.2:8000": "server-1"}  # handles are opaque to the balancer
+    manager = SimpleNamespace(server_addresses=list(servers), server_handles=list(servers.values()),
+                              global_load_balancer=get_router_handle(servers=servers))
+    verls = manager.global_load_balancer
+    killed = []
+    real_kill = early.ray.kill
+    monkeypatch.setattr(early.ray, "kill", lambda h: killed.append(h) or real_kill(h))
+    assert early.adopt_load_balancer(manager)
+    assert manager.global_load_balancer is not verls and killed == [verls]
+    balancer = manager.global_load_balancer
+    routed = {f"r{i}": ray.get(balancer.acquire_server.remote(request_id=f"r{i}")) for i in range(4)}
+    assert {sid for sid, _ in routed.values()} == set(servers)  # least-loaded: unreleased requests spread over both
+    assert all(servers[sid] == handle for sid, handle in routed.values())
+    assert ray.get(balancer.acquire_server.remote(request_id="r0")) == routed["r0"]  # sticky: the same server again
