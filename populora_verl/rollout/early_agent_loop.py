@@ -12,10 +12,11 @@ place of the one verl has just created (:func:`adopt_load_balancer`); the task r
 ``actor_rollout_ref.rollout.agent.agent_loop_manager_class``, which the trainer points at
 :class:`EarlyAgentLoopManager`) then binds the LLM client and the reward workers' handles.
 
-Opt-in until a GPU run has measured it: ``+trainer.populora_early_agent_loop=true`` turns it on (the A/B lever of
-``populora_verl.bench.startup``); off, verl's order. A manager class set by the user, or distillation (its teacher
-client is needed at construction), keeps verl's order for the workers; a router of the user's
-(``actor_rollout_ref.rollout.router_config_path``) keeps verl's balancer.
+The recipes turn it on (``trainer.populora_early_agent_loop: true`` in ``populora_base.yaml``; on one H200 step 1 took
+37 s against verl's order's 65 s, BENCHMARKS.md §5); a config without the key keeps verl's order, and so does
+``trainer.populora_early_agent_loop=false`` (arm A of ``populora_verl.bench.startup --lever early_agent_loop``). A
+manager class set by the user, or distillation (its teacher client is needed at construction), keeps verl's order
+for the workers; a router of the user's (``actor_rollout_ref.rollout.router_config_path``) keeps verl's balancer.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
 from verl.trainer.ppo.v1.agent_loop_tq import AgentLoopManagerTQ, AgentLoopWorkerTQ
 from verl.utils.ray_utils import auto_await
+from verl.workers.rollout.router import DEFAULT_ROUTING_CACHE_SIZE, GlobalRequestLoadBalancer
 
 logger = logging.getLogger(__name__)
 
@@ -49,12 +51,13 @@ __all__ = [
     "start",
     "take",
     "create_workers",
+    "EarlyRequestLoadBalancer",
     "start_load_balancer",
     "adopt_load_balancer",
 ]
 
-#: ``+trainer.populora_early_agent_loop=true``: workers started with the trainer's set-up; off (the default, until a
-#: GPU run has measured it): verl's order (workers created after the servers are up).
+#: ``trainer.populora_early_agent_loop``: true (the recipes), the client side started with the trainer's set-up;
+#: false or absent: verl's order (workers and balancer created after the servers are up).
 EARLY_KEY = "trainer.populora_early_agent_loop"
 #: verl's key for a custom agent-loop manager (declared by ``verl.workers.config.AgentLoopConfig``).
 MANAGER_KEY = "actor_rollout_ref.rollout.agent.agent_loop_manager_class"
@@ -139,15 +142,47 @@ def start(config: DictConfig, worker_cls: Any = None, node_ids: list[str] | None
     return True
 
 
+class EarlyRequestLoadBalancer(GlobalRequestLoadBalancer):
+    """verl's default request load balancer (the same routing), started before the servers exist. Its constructor
+    also imports the rollout backend's module: to rebuild the servers' actor handles that ``add_servers`` receives,
+    Ray loads their class, so without this the hand-off paid for importing vLLM (9-11 s on an H200)."""
+
+    def __init__(
+        self,
+        servers: dict[str, Any],
+        max_cache_size: int = DEFAULT_ROUTING_CACHE_SIZE,
+        full_determinism: bool = False,
+        backend: tuple[str, bool] | None = None,
+    ) -> None:
+        super().__init__(servers, max_cache_size=max_cache_size, full_determinism=full_determinism)
+        self.preload_error: str | None = None
+        if backend is not None:
+            from verl.workers.rollout.replica import get_rollout_replica_class
+
+            try:
+                get_rollout_replica_class(*backend)
+            except Exception as e:  # only a head start: the hand-off imports it again and fails there as verl's would
+                self.preload_error = f"{type(e).__name__}: {e}"
+
+
+def balancer_class() -> Any:
+    """The Ray actor class of the early balancer (``ray.remote`` of :class:`EarlyRequestLoadBalancer`)."""
+    return ray.remote(EarlyRequestLoadBalancer)
+
+
 def start_load_balancer(config: DictConfig) -> Any:
-    """verl's default request load balancer, created now with no servers (it takes them later through its
-    ``add_servers``); None when ``rollout.router_config_path`` names a router of the user's, which verl builds."""
+    """The request load balancer, created now with no servers (it takes them later through ``add_servers``); None
+    when ``rollout.router_config_path`` names a router of the user's, which verl builds."""
     rollout = OmegaConf.select(config, "actor_rollout_ref.rollout")
     if rollout is None or rollout.get("router_config_path"):
         return None
-    from verl.workers.rollout.router import get_router_handle
-
-    return get_router_handle(servers={}, full_determinism=bool(rollout.get("full_determinism", False)))
+    name = rollout.get("name")
+    disaggregated = bool(OmegaConf.select(rollout, "disaggregation.enabled", default=False))
+    return balancer_class().remote(
+        servers={},
+        full_determinism=bool(rollout.get("full_determinism", False)),
+        backend=(str(name), disaggregated) if name else None,
+    )
 
 
 def adopt_load_balancer(manager: Any) -> bool:

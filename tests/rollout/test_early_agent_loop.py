@@ -15,7 +15,7 @@ NODE = "ab" * 28  # a Ray node id (hex)
 
 
 def _config(**trainer):
-    trainer.setdefault("populora_early_agent_loop", True)  # opt-in; None: the key left out
+    trainer.setdefault("populora_early_agent_loop", True)  # as the recipes set it; None: the key left out
     if trainer["populora_early_agent_loop"] is None:
         del trainer["populora_early_agent_loop"]
     return OmegaConf.create(
@@ -173,16 +173,45 @@ def test_an_early_balancer_that_failed_leaves_verls_in_place(fakes, monkeypatch,
     assert "verl's is used" in capsys.readouterr().out
 
 
-def test_a_users_router_keeps_verls_balancer(monkeypatch):
-    from verl.workers.rollout import router
+class FakeBalancerClass:
+    def __init__(self):
+        self.made = []
 
-    made = []
-    monkeypatch.setattr(router, "get_router_handle", lambda **kw: made.append(kw) or "balancer")
+    def remote(self, **kwargs):
+        self.made.append(kwargs)
+        return "balancer"
+
+
+def test_a_users_router_keeps_verls_balancer(monkeypatch):
+    cls = FakeBalancerClass()
+    monkeypatch.setattr(early, "balancer_class", lambda: cls)
     config = _config()
+    config.actor_rollout_ref.rollout.name = "vllm"
     assert early.start_load_balancer(config) == "balancer"
-    assert made == [{"servers": {}, "full_determinism": False}]
+    assert cls.made == [{"servers": {}, "full_determinism": False, "backend": ("vllm", False)}]
     OmegaConf.update(config, "actor_rollout_ref.rollout.router_config_path", "my_router.yaml", force_add=True)
-    assert early.start_load_balancer(config) is None and len(made) == 1
+    assert early.start_load_balancer(config) is None and len(cls.made) == 1
+
+
+def test_the_early_balancer_imports_the_rollout_backend_and_routes_as_verls(monkeypatch):
+    """Its constructor runs the backend's replica loader (what rebuilding the servers' handles imports); a loader
+    that fails is only noted, and routing is verl's own."""
+    from verl.workers.rollout.replica import RolloutReplicaRegistry
+
+    loaded = []
+    monkeypatch.setitem(RolloutReplicaRegistry._registry, "test_backend", lambda: loaded.append(1) or object)
+    balancer = early.EarlyRequestLoadBalancer({}, backend=("test_backend", False))
+    assert loaded == [1] and balancer.preload_error is None
+    balancer.add_servers({"a:1": "server-a"})
+    assert balancer.acquire_server("r0") == ("a:1", "server-a")
+
+    def broken():
+        raise ImportError("no module named the_engine")
+
+    monkeypatch.setitem(RolloutReplicaRegistry._registry, "broken_backend", broken)
+    balancer = early.EarlyRequestLoadBalancer({"b:1": "server-b"}, backend=("broken_backend", False))
+    assert "the_engine" in balancer.preload_error
+    assert balancer.acquire_server("r0") == ("b:1", "server-b")
 
 
 def test_verls_order_when_the_early_start_is_off(fakes):
@@ -270,7 +299,13 @@ def test_a_worker_started_unbound_holds_a_client_that_refuses_use(monkeypatch):
 
 
 def test_the_early_start_is_off_unless_asked_for():
-    """Opt-in until a GPU run has measured it: without the key the manager key stays verl's."""
+    """A config without the key (one not built on the recipes) keeps verl's order: the manager key stays verl's."""
     config = _config(populora_early_agent_loop=None)
     assert not early.configure(config)
     assert OmegaConf.select(config, early.MANAGER_KEY, default=None) is None
+
+
+def test_the_recipes_start_the_client_side_early():
+    from _shared import compose_recipe
+
+    assert OmegaConf.select(compose_recipe("qwen1.5b_1gpu_2t2s"), early.EARLY_KEY) is True

@@ -478,16 +478,17 @@ def test_bypass_mode_checks_the_trainers_own_log_probs_against_vllms(tq_cluster,
 
 
 def test_the_request_load_balancer_started_early_takes_verls_servers(tq_cluster, monkeypatch):
-    """verl's own balancer class as a real actor, started with no servers before the servers exist, then given
-    them and put in place of the one verl created (populora_verl.rollout.early_agent_loop): a request routed by it
-    reaches the server, and verl's is ended."""
+    """The early balancer (verl's routing) as a real actor, started with no servers before the servers exist, then
+    given them and put in place of the one verl created (populora_verl.rollout.early_agent_loop): a request routed
+    by it reaches the server, and verl's is ended. vLLM is absent here, so its preload of the backend fails quietly,
+    as it must."""
     from verl.workers.rollout.router import get_router_handle
 
     from populora_verl.rollout import early_agent_loop as early
 
     monkeypatch.setattr(early, "_STARTED", None)
     config = OmegaConf.create({"trainer": {"populora_early_agent_loop": True},
-                               "actor_rollout_ref": {"rollout": {"full_determinism": False}}})
+                               "actor_rollout_ref": {"rollout": {"name": "vllm", "full_determinism": False}}})
     assert early.start(config)  # no manager of ours named: the balancer only
     servers = {"10.0.0.1:8000": "server-0", "10.0.0.2:8000": "server-1"}  # handles are opaque to the balancer
     manager = SimpleNamespace(server_addresses=list(servers), server_handles=list(servers.values()),
