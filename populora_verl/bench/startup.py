@@ -26,6 +26,8 @@ Levers (``--b-override`` replaces B's overrides):
 * ``capture_sizes``: CUDA-graph capture sizes limited to the batch sizes the recipe can reach (B,
   :mod:`populora_verl.rollout.capture_sizes`) against the recipe's own;
 * ``use_shm``: the model read from shared memory (``actor_rollout_ref.model.use_shm=true``, B);
+* ``uni_executor``: vLLM's model runner inside its engine-core process (B, ``distributed_executor_backend=uni``, one
+  GPU per engine) against verl's ``mp``, which starts one more process that imports vLLM and torch;
 * ``weight_sync``: the first weight sync; no default B, give it with ``--b-override``.
 
     python -m populora_verl.bench.startup --config-name qwen1.5b_1gpu_2t2s --model /tmp/models/qwen-coder-1.5b
@@ -49,7 +51,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from populora_verl.bench import child
-from populora_verl.bench.step_scaling import console_rows, main_ppo_command, trainer_env
+from populora_verl.bench.step_scaling import UNI_EXECUTOR, console_rows, main_ppo_command, trainer_env
 from populora_verl.recipes import recipes_dir
 from populora_verl.trainer.timeline import LINE_PREFIX, parse_line
 
@@ -99,6 +101,18 @@ def _capture_b(config, out: Path) -> tuple[str, ...]:
     return (override,)
 
 
+def _uni_b(config, out: Path) -> tuple[str, ...]:
+    # vLLM's "uni" executor runs one worker only: one GPU per engine.
+    from omegaconf import OmegaConf
+
+    tp = int(OmegaConf.select(config, "actor_rollout_ref.rollout.tensor_model_parallel_size", default=1) or 1)
+    if tp > 1:
+        raise ValueError(
+            f"--lever uni_executor: the recipe's rollout has tensor_model_parallel_size={tp}; uni runs one GPU"
+        )
+    return (UNI_EXECUTOR,)
+
+
 LEVERS: dict[str, Lever] = {
     "early_agent_loop": Lever(
         "agent-loop workers and request load balancer started beside vLLM (B) against verl's order (A, the default)",
@@ -115,14 +129,13 @@ LEVERS: dict[str, Lever] = {
     ),
     "capture_sizes": Lever("capture sizes limited to the reachable batch sizes (B)", (), _capture_b),
     "use_shm": Lever("the model read from shared memory (B)", (), ("actor_rollout_ref.model.use_shm=true",)),
+    "uni_executor": Lever(
+        "vLLM's model runner inside its engine-core process (B) against a process of its own", (), _uni_b
+    ),
     "weight_sync": Lever("the first weight sync: B from --b-override", (), None),
     # Several levers in one B when a node's time allows one A/B only: each acts on its own phase of the timeline
     # (vLLM's reports split weights, compile and CUDA graphs), which is where its share is read.
-    "stack": Lever(
-        "several levers at once, B from --b-override, each read off the phase it acts on",
-        ("++trainer.populora_early_agent_loop=false",),
-        None,
-    ),
+    "stack": Lever("several levers at once, B from --b-override, each read off the phase it acts on", (), None),
 }
 
 

@@ -87,6 +87,9 @@ def test_a_lever_that_cannot_run_for_the_recipe_stops_before_any_run(tmp_path, c
         assert "--b-override" in capsys.readouterr().err
     assert startup.main([*base, "--lever", "capture_sizes"]) == 2  # every size of this recipe is reachable
     assert "changes nothing" in capsys.readouterr().err
+    tp2 = ["--override", "actor_rollout_ref.rollout.tensor_model_parallel_size=2"]
+    assert startup.main([*base, *tp2, "--lever", "uni_executor"]) == 2  # uni runs one GPU per engine
+    assert "tensor_model_parallel_size=2" in capsys.readouterr().err
 
 
 def test_dry_run_alternates_the_arms(tmp_path, capsys):
@@ -108,7 +111,7 @@ def test_dry_run_alternates_the_arms(tmp_path, capsys):
 
 
 @pytest.mark.parametrize(
-    "lever", ["early_agent_loop", "compile_cache", "use_shm", "capture_sizes", "weight_sync", "stack"]
+    "lever", ["early_agent_loop", "compile_cache", "use_shm", "capture_sizes", "uni_executor", "weight_sync", "stack"]
 )
 def test_each_levers_overrides_compose_with_a_recipe(lever, tmp_path):
     recipe = "4t4s" if lever == "capture_sizes" else RECIPE  # a recipe with sizes it cannot reach
@@ -140,9 +143,12 @@ def test_each_levers_overrides_compose_with_a_recipe(lever, tmp_path):
     elif lever == "capture_sizes":
         assert list(b.actor_rollout_ref.rollout.cudagraph_capture_sizes) == cs.reachable_capture_sizes(config)
         assert OmegaConf.select(a, cs.CAPTURE_KEY) == OmegaConf.select(config, cs.CAPTURE_KEY)
-    else:  # B from --b-override; the stack's A is the recipe with the opt-in lever off
+    elif lever == "uni_executor":
+        backend = "actor_rollout_ref.rollout.engine_kwargs.vllm.distributed_executor_backend"
+        assert OmegaConf.select(a, backend) is None and OmegaConf.select(b, backend) == "uni"
+    else:  # B from --b-override; A is the recipe as it stands
         assert b.actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes == 512
-        assert lever == "weight_sync" or a.trainer.populora_early_agent_loop is False
+        assert a.trainer.populora_early_agent_loop is True
     assert a.trainer.save_freq == -1 and b.trainer.save_freq == -1
 
 
