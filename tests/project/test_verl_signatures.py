@@ -252,6 +252,12 @@ EXPECTED = {
         "videos: list[tuple[torch.Tensor, dict]]=None, audios: list[Any]=None, mm_inputs_out: dict[str, Any]=None",
     ("experimental/agent_loop/single_turn_agent_loop.py", "SingleTurnAgentLoop.run"):
         "self, sampling_params: dict[str, Any], priority: int=0, **kwargs",
+    # the request load balancer started early (populora_verl.rollout.early_agent_loop) subclasses verl's and takes
+    # the servers through add_servers
+    ("workers/rollout/router.py", "GlobalRequestLoadBalancer.__init__"):
+        "self, servers: dict[str, ray.actor.ActorHandle], max_cache_size: int=DEFAULT_ROUTING_CACHE_SIZE, "
+        "full_determinism: bool=False",
+    ("workers/rollout/router.py", "GlobalRequestLoadBalancer.add_servers"): "self, servers: dict[str, ray.actor.ActorHandle]",
     ("workers/rollout/llm_server.py", "LLMServerClient.generate"):
         "self, request_id, *, prompt_ids: list[int], sampling_params: dict[str, Any], "
         "image_data: Optional[list[Any]]=None, video_data: Optional[list[Any]]=None, "
@@ -275,6 +281,14 @@ EXPECTED_SOURCE = [
     ("workers/utils/losses.py", r'config\.global_batch_info\["global_batch_size"\] = data\["global_batch_size"\]'),
     ("workers/engine/fsdp/transformer_impl.py",
      r"loss_function\(\s*model_output=model_output, data=micro_batch, dp_group=self\.get_data_parallel_group\(\)"),
+    # the early balancer replaces verl's after init: the client is built afterwards, from the manager's attribute,
+    # and the servers' addresses and handles are lists in the same order
+    ("trainer/main_ppo.py", r"self\.trainer\.init\(\)\s*self\.init_agent_loop_manager\(\)"),
+    ("trainer/main_ppo.py", r"llm_client=self\.trainer\.get_llm_client\(\)"),
+    ("workers/rollout/llm_server.py", r"load_balancer_handle=self\.global_load_balancer"),
+    ("workers/rollout/llm_server.py",
+     r"self\.server_handles = \[server\._server_handle for server in self\.rollout_replicas\]\s*"
+     r"self\.server_addresses = \[server\._server_address for server in self\.rollout_replicas\]"),
     ("utils/model.py", r"def convert_weight_keys\(state_dict: dict\[str, torch\.Tensor\], model: PreTrainedModel\)"),
 ]
 
