@@ -5,11 +5,13 @@ with the FSDP model, the vLLM engines, the checkpoint, the agent loop). The plug
 own process, before Ray starts, and records the time in ``POPULORA_START_TIME``; Ray's processes inherit it. The
 trainer marks its phases and prints, at the end of step 1:
 
-    [populora] start-up: ray + task runner 41 s | task runner setup 12 s | workers + vLLM 182 s | checkpoint + weight
-        sync 3 s | agent loop 9 s | step 1 48 s | total 295 s
+    [populora] start-up: ray + task runner 41 s | task runner imports 8 s | config + TransferQueue 4 s | workers +
+        vLLM 182 s | checkpoint + weight sync 3 s | agent loop 9 s | step 1 48 s | total 295 s
 
 ("ray + task runner": from the command to the task runner's process importing verl and the plugin; "task runner
-setup": from there to the trainer's construction: config, tokenizer, datasets.)
+imports": from there until the trainer's module is imported; "config + TransferQueue": from there to the trainer's
+construction, which verl's task runner precedes with printing and resolving the config and starting TransferQueue's
+actors. Lines printed before this split had one phase for the last two, "task runner setup".)
 
 Diagnostics only: a missing mark or an unset variable shortens the line, never fails a run.
 """

@@ -482,9 +482,9 @@ def test_start_up_timeline_names_each_phase_and_survives_a_missing_start(monkeyp
 
 
 def test_the_trainer_splits_ray_from_the_task_runners_own_setup(monkeypatch):
-    """In the task runner's process the plugin's import time divides the first phase: Ray and imports, then the
-    task runner's setup up to the trainer; an import time before the command's start (not the task runner's
-    process) keeps one phase."""
+    """In the task runner's process the plugin's import time divides the first phase (Ray, then the task runner's
+    set-up) and the trainer module's import time divides the set-up (its imports, then the config and TransferQueue's
+    start); an import time before the command's start (not the task runner's process) keeps one phase."""
     from populora_verl.trainer import timeline, trainer as tr
 
     class Stop(Exception):
@@ -494,16 +494,17 @@ def test_the_trainer_splits_ray_from_the_task_runners_own_setup(monkeypatch):
         raise Stop  # the marks are set before verl's constructor runs
 
     monkeypatch.setattr(tr.PPOTrainerSync, "__init__", base_init)
-    for imported, names in ((150.0, ["start", "ray + task runner", "task runner setup"]),
-                            (50.0, ["start", "ray + task runner"])):
+    monkeypatch.setattr(tr, "IMPORTED_AT", 160.0)  # the trainer's module, imported after the plugin
+    split = ["start", "ray + task runner", "task runner imports", "config + TransferQueue"]
+    for imported, names in ((150.0, split), (50.0, ["start", "ray + task runner"])):
         monkeypatch.setenv(timeline.START_ENV, "100.0")
         monkeypatch.setattr(timeline, "_IMPORTED_AT", imported)
         t = object.__new__(tr.PopuLoRATrainer)
         with pytest.raises(Stop):
             tr.PopuLoRATrainer.__init__(t, None)
         assert [n for n, _ in t._timeline.marks] == names
-        if len(names) == 3:
-            assert t._timeline.marks[1][1] == imported
+        if names == split:
+            assert [at for _, at in t._timeline.marks[1:3]] == [imported, 160.0]
 
 
 def test_the_trainer_marks_start_up_phases_once_and_in_order():
