@@ -62,6 +62,9 @@ EARLY_KEY = "trainer.populora_early_agent_loop"
 #: verl's key for a custom agent-loop manager (declared by ``verl.workers.config.AgentLoopConfig``).
 MANAGER_KEY = "actor_rollout_ref.rollout.agent.agent_loop_manager_class"
 MANAGER_FQN = "populora_verl.rollout.early_agent_loop.EarlyAgentLoopManager"
+#: How long the hand-off waits for the early balancer (its process is up 20-30 s after its start, and the hand-off comes
+#: minutes later); past it, verl's balancer is used.
+ADOPT_TIMEOUT_S = 300.0
 #: The config sections verl's agent-loop worker reads at construction. The trainer's set-up may change others (the
 #: actor's optimizer; ``reward.reward_model.nnodes``, which verl's resource-pool set-up fills in): later reads go
 #: through the config that binding hands over. A change in one of these between the early start and the binding
@@ -196,15 +199,16 @@ def adopt_load_balancer(manager: Any) -> bool:
     servers = dict(zip(manager.server_addresses, manager.server_handles, strict=True))
     t0 = time.time()
     try:
-        ray.get(balancer.add_servers.remote(servers))
-    except RayError as e:
+        ray.get(balancer.add_servers.remote(servers), timeout=ADOPT_TIMEOUT_S)
+    except RayError as e:  # its process died or never came up (GetTimeoutError is one too)
         print(f"[populora] request load balancer started early failed ({type(e).__name__}): verl's is used", flush=True)
         ray.kill(balancer)
         return False
     verls, manager.global_load_balancer = manager.global_load_balancer, balancer
     ray.kill(verls)
     print(
-        f"[populora] request load balancer: started with the trainer's set-up, {len(servers)} servers added in "
+        f"[populora] request load balancer: started with the trainer's set-up, {len(servers)} "
+        f"server{'' if len(servers) == 1 else 's'} added in "
         f"{time.time() - t0:.1f} s ({time.time() - started.at:.0f} s after its start)",
         flush=True,
     )

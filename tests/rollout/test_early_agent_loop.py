@@ -71,15 +71,13 @@ class FakeBalancer:
     """verl's request load balancer as an actor handle: ``add_servers.remote`` returns what ``ray.get`` (patched to
     the identity) reads."""
 
-    def __init__(self, events, name, fail=False):
+    def __init__(self, events, name, fail=None):
         self.events, self.name, self.fail, self.servers = events, name, fail, {}
         self.add_servers = _Remote(self._add)
 
     def _add(self, servers):
-        if self.fail:
-            from ray.exceptions import RayActorError
-
-            raise RayActorError()
+        if self.fail is not None:
+            raise self.fail()
         self.events.append(f"servers added to {self.name}")
         self.servers.update(servers)
 
@@ -109,7 +107,7 @@ def fakes(monkeypatch):
         return FakeBalancer(events, "the early balancer")
 
     monkeypatch.setattr(early, "start_load_balancer", start_balancer)
-    monkeypatch.setattr(early.ray, "get", lambda value: value)
+    monkeypatch.setattr(early.ray, "get", lambda value, timeout=None: value)
     monkeypatch.setattr(early.ray, "kill", lambda h: events.append(f"killed {getattr(h, 'name', 'a worker')}"))
 
     def verl_init(self):  # worker groups, then the vLLM servers and verl's balancer: up when this returns
@@ -157,12 +155,15 @@ def test_workers_start_before_the_servers_are_up_and_are_bound_after(fakes):
     assert early.take() is None  # taken once
 
 
-def test_an_early_balancer_that_failed_leaves_verls_in_place(fakes, monkeypatch, capsys):
+@pytest.mark.parametrize("failure", ["RayActorError", "GetTimeoutError"])  # died; never came up in time
+def test_an_early_balancer_that_failed_leaves_verls_in_place(failure, fakes, monkeypatch, capsys):
+    import ray.exceptions
+
     trainer_cls, workers, events = fakes
 
     def failing(config):
         events.append("balancer created")
-        return FakeBalancer(events, "the early balancer", fail=True)
+        return FakeBalancer(events, "the early balancer", fail=getattr(ray.exceptions, failure))
 
     monkeypatch.setattr(early, "start_load_balancer", failing)
     config = _config()
