@@ -133,6 +133,7 @@ def start(config: DictConfig, worker_cls: Any = None, node_ids: list[str] | None
     (:func:`take`); the trainer hands the servers to the balancer (:func:`adopt_load_balancer`). Returns whether it
     started anything."""
     global _STARTED
+    _STARTED = None  # nothing a trainer before this one started is handed to this one
     if not bool(OmegaConf.select(config, EARLY_KEY, default=False)):
         return False
     workers: list[Any] = []

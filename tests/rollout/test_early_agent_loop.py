@@ -310,3 +310,12 @@ def test_the_recipes_start_the_client_side_early():
     from _shared import compose_recipe
 
     assert OmegaConf.select(compose_recipe("qwen1.5b_1gpu_2t2s"), early.EARLY_KEY) is True
+
+
+def test_a_trainer_with_the_early_start_off_adopts_nothing_an_earlier_one_started(fakes):
+    trainer_cls, workers, events = fakes
+    config = _config()
+    assert early.start(config)  # an earlier trainer in this process, its balancer never adopted
+    off = _config(populora_early_agent_loop=False)
+    assert not early.start(off)
+    assert not early.adopt_load_balancer(FakeServerManager(events)) and early.take() is None
