@@ -133,7 +133,11 @@ def start(config: DictConfig, worker_cls: Any = None, node_ids: list[str] | None
     (:func:`take`); the trainer hands the servers to the balancer (:func:`adopt_load_balancer`). Returns whether it
     started anything."""
     global _STARTED
-    _STARTED = None  # nothing a trainer before this one started is handed to this one
+    if _STARTED is not None:  # an earlier trainer's, never taken: ended, not handed to this one
+        for handle in (*_STARTED.workers, _STARTED.load_balancer):
+            if handle is not None:
+                ray.kill(handle)
+        _STARTED = None
     if not bool(OmegaConf.select(config, EARLY_KEY, default=False)):
         return False
     workers: list[Any] = []

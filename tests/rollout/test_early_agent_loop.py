@@ -319,3 +319,4 @@ def test_a_trainer_with_the_early_start_off_adopts_nothing_an_earlier_one_starte
     off = _config(populora_early_agent_loop=False)
     assert not early.start(off)
     assert not early.adopt_load_balancer(FakeServerManager(events)) and early.take() is None
+    assert events[-1] == "killed the early balancer"  # the earlier trainer's, ended
