@@ -171,6 +171,7 @@ class EarlyRequestLoadBalancer(GlobalRequestLoadBalancer):
                 get_rollout_replica_class(*backend)
             except Exception as e:  # only a head start: the hand-off imports it again and fails there as verl's would
                 self.preload_error = f"{type(e).__name__}: {e}"
+                logger.warning("request load balancer: rollout backend %s not imported early (%s)", backend[0], e)
 
 
 def balancer_class() -> Any:
