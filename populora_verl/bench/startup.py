@@ -102,13 +102,15 @@ def _capture_b(config, out: Path) -> tuple[str, ...]:
 
 
 def _uni_b(config, out: Path) -> tuple[str, ...]:
-    # vLLM's "uni" executor runs one worker only: one GPU per engine.
-    from omegaconf import OmegaConf
+    # vLLM's "uni" executor runs one worker only: one GPU per replica (the layout the trainer checks at start-up).
+    from populora_verl.config import load_config
+    from populora_verl.trainer.verl_config import parallel_layout
 
-    tp = int(OmegaConf.select(config, "actor_rollout_ref.rollout.tensor_model_parallel_size", default=1) or 1)
-    if tp > 1:
+    layout = parallel_layout(config, load_config(config.get("populora")))
+    if layout.rollout_world > 1:
         raise ValueError(
-            f"--lever uni_executor: the recipe's rollout has tensor_model_parallel_size={tp}; uni runs one GPU"
+            f"--lever uni_executor: a vLLM replica of this recipe spans {layout.rollout_world} GPUs "
+            f"(tensor_model_parallel_size={layout.rollout_tp}); uni runs one"
         )
     return (UNI_EXECUTOR,)
 

@@ -87,7 +87,7 @@ def test_a_lever_that_cannot_run_for_the_recipe_stops_before_any_run(tmp_path, c
         assert "--b-override" in capsys.readouterr().err
     assert startup.main([*base, "--lever", "capture_sizes"]) == 2  # every size of this recipe is reachable
     assert "changes nothing" in capsys.readouterr().err
-    tp2 = ["--override", "actor_rollout_ref.rollout.tensor_model_parallel_size=2"]
+    tp2 = ["--override", "actor_rollout_ref.rollout.tensor_model_parallel_size=2", "--override", "trainer.n_gpus_per_node=2"]
     assert startup.main([*base, *tp2, "--lever", "uni_executor"]) == 2  # uni runs one GPU per engine
     assert "tensor_model_parallel_size=2" in capsys.readouterr().err
 
