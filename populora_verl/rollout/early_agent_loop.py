@@ -163,15 +163,13 @@ class EarlyRequestLoadBalancer(GlobalRequestLoadBalancer):
         backend: tuple[str, bool] | None = None,
     ) -> None:
         super().__init__(servers, max_cache_size=max_cache_size, full_determinism=full_determinism)
-        self.preload_error: str | None = None
         if backend is not None:
             from verl.workers.rollout.replica import get_rollout_replica_class
 
             try:
                 get_rollout_replica_class(*backend)
             except Exception as e:  # only a head start: the hand-off imports it again and fails there as verl's would
-                self.preload_error = f"{type(e).__name__}: {e}"
-                logger.warning("request load balancer: rollout backend %s not imported early (%s)", backend[0], e)
+                logger.warning("request load balancer: rollout backend %s not imported early (%r)", backend[0], e)
 
 
 def balancer_class() -> Any:

@@ -194,7 +194,7 @@ def test_a_users_router_keeps_verls_balancer(monkeypatch):
     assert early.start_load_balancer(config) is None and len(cls.made) == 1
 
 
-def test_the_early_balancer_imports_the_rollout_backend_and_routes_as_verls(monkeypatch):
+def test_the_early_balancer_imports_the_rollout_backend_and_routes_as_verls(monkeypatch, caplog):
     """Its constructor runs the backend's replica loader (what rebuilding the servers' handles imports); a loader
     that fails is only noted, and routing is verl's own."""
     from verl.workers.rollout.replica import RolloutReplicaRegistry
@@ -202,7 +202,7 @@ def test_the_early_balancer_imports_the_rollout_backend_and_routes_as_verls(monk
     loaded = []
     monkeypatch.setitem(RolloutReplicaRegistry._registry, "test_backend", lambda: loaded.append(1) or object)
     balancer = early.EarlyRequestLoadBalancer({}, backend=("test_backend", False))
-    assert loaded == [1] and balancer.preload_error is None
+    assert loaded == [1] and "not imported early" not in caplog.text
     balancer.add_servers({"a:1": "server-a"})
     assert balancer.acquire_server("r0") == ("a:1", "server-a")
 
@@ -211,7 +211,7 @@ def test_the_early_balancer_imports_the_rollout_backend_and_routes_as_verls(monk
 
     monkeypatch.setitem(RolloutReplicaRegistry._registry, "broken_backend", broken)
     balancer = early.EarlyRequestLoadBalancer({"b:1": "server-b"}, backend=("broken_backend", False))
-    assert "the_engine" in balancer.preload_error
+    assert "broken_backend not imported early" in caplog.text and "the_engine" in caplog.text
     assert balancer.acquire_server("r0") == ("b:1", "server-b")
 
 
