@@ -15,7 +15,9 @@ that drift of the machine falls on both alike. The first run on a node fills the
 compile cache, Triton's kernels, the page cache of the model's files), so an A/B starts with ``--first-runs`` runs of
 arm A (default 1) that are reported as their own row, ``first``: the cold figure, kept out of the A/B. As many runs of
 arm B follow (``first_B``, also kept out): a B that changes vLLM's configuration (its capture sizes, the model's path)
-changes vLLM's compile-cache key, so its first run compiles from scratch even on a warm node.
+changes vLLM's compile-cache key, so its first run compiles from scratch even on a warm node. ``--arms A`` or
+``--arms B`` runs one arm only: on a host of several GPUs, one job per arm side by side (then the arms swapped) puts
+both arms under the same load, and ``--from-logs`` reads their folders together.
 
 Levers (``--b-override`` replaces B's overrides):
 
@@ -33,6 +35,7 @@ Levers (``--b-override`` replaces B's overrides):
     python -m populora_verl.bench.startup --config-name qwen1.5b_1gpu_2t2s --model /tmp/models/qwen-coder-1.5b
     python -m populora_verl.bench.startup --config-name qwen1.5b_1gpu_2t2s --model ... --lever compile_cache
     python -m populora_verl.bench.startup --from-logs /tmp/startup      # the table again from a run's logs
+    python -m populora_verl.bench.startup --from-logs /tmp/gpu0 /tmp/gpu1   # arms run side by side, one per GPU
 """
 
 from __future__ import annotations
@@ -311,18 +314,18 @@ def table(arms: Mapping[str, Sequence[Mapping[str, float]]]) -> str:
     return "\n".join(rows)
 
 
-def read_logs(folder: Path) -> tuple[dict[str, list[dict[str, float]]], list[str]]:
-    """The phases of every ``<arm>-r<round>.log`` in ``folder``, by arm (rounds in order), and the logs without a
-    start-up line."""
+def read_logs(*folders: Path) -> tuple[dict[str, list[dict[str, float]]], list[str]]:
+    """The phases of every ``<arm>-r<round>.log`` in ``folders`` (the arms of one A/B run side by side, one folder
+    per GPU), by arm (rounds in order), and the logs without a start-up line."""
     arms: dict[str, list[tuple[int, dict[str, float]]]] = {}
     missing = []
-    for log in sorted(folder.iterdir()):
+    for log in sorted(log for folder in folders for log in folder.iterdir()):
         m = _LOG.match(log.name)
         if not m:
             continue
         phases = log_phases(log.read_text(errors="replace"))
         if phases is None:
-            missing.append(log.name)
+            missing.append(str(log) if len(folders) > 1 else log.name)
             continue
         arms.setdefault(m["arm"], []).append((int(m["round"]), phases))
     order = {"first": 0, "first_B": 1, "base": 2, "A": 3, "B": 4}
@@ -346,23 +349,37 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--lever", choices=sorted(LEVERS), help="A/B of one lever (arm A without, B with)")
     p.add_argument("--b-override", action="append", default=[], metavar="KEY=VALUE", help="B's overrides instead")
+    p.add_argument(
+        "--arms",
+        default="A,B",
+        help="with --lever, the arms to run (default A,B; A or B runs one arm's first runs and rounds only, so that "
+        "two GPUs of one host can run the arms side by side, each arm under the same load)",
+    )
     p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE", help="for every run")
     p.add_argument("--out", type=Path, default=Path("/tmp/populora_startup"), help="logs, run folders, results")
     p.add_argument("--gpu", help="CUDA_VISIBLE_DEVICES of every run (default: inherited)")
     p.add_argument("--timeout-s", type=float, default=1800.0, help="per run, to the start-up line")
     p.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
-    p.add_argument("--from-logs", type=Path, metavar="DIR", help="the table from an earlier --out folder's logs")
+    p.add_argument(
+        "--from-logs", type=Path, nargs="+", metavar="DIR", help="the table from earlier --out folders' logs"
+    )
     args = p.parse_args(argv)
     if args.from_logs is not None:
-        if not args.from_logs.is_dir():
-            p.error(f"--from-logs {args.from_logs}: not a folder")
+        for folder in args.from_logs:
+            if not folder.is_dir():
+                p.error(f"--from-logs {folder}: not a folder")
         return args
-    if args.runs < 1:
-        p.error("--runs must be at least 1")
     if args.first_runs is None:
         args.first_runs = 1 if args.lever else 0
     if args.first_runs < 0:
         p.error("--first-runs must be 0 or more")
+    if args.runs < (0 if args.first_runs else 1):
+        p.error("--runs must be at least 1 (0 only with --first-runs)")
+    args.arms = [a.strip() for a in args.arms.split(",") if a.strip()]
+    if not args.arms or not set(args.arms) <= {"A", "B"} or len(set(args.arms)) != len(args.arms):
+        p.error(f"--arms {','.join(args.arms)}: A, B or A,B")
+    if args.arms != ["A", "B"] and not args.lever:
+        p.error("--arms needs --lever")
     if not args.config_name:
         p.error("--config-name is required (a recipe of recipes/populora)")
     if not (RECIPES / f"{args.config_name}.yaml").is_file():
@@ -380,20 +397,23 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def plan_runs(args: argparse.Namespace) -> list[tuple[str, int, list[str]]]:
     """(arm, round, overrides) in the order they run; ValueError when the lever cannot run for the recipe."""
-    arms = ["A", "B"] if args.lever else ["base"]
+    arms = list(getattr(args, "arms", ["A", "B"])) if args.lever else ["base"]
     config = compose(args.config_name, args.override) if args.lever else None
     per_arm = {arm: arm_overrides(args.lever, arm, config, args.out, args.b_override) for arm in arms}
-    first_arm = arms[0]  # A, or the recipe as it stands without a lever
-    first = [("first", r, [*args.override, *per_arm[first_arm]]) for r in range(args.first_runs)]
-    if args.lever:  # B's own caches (a config of its own compiles anew), also kept out of the A/B
-        first += [("first_B", r, [*args.override, *per_arm["B"]]) for r in range(args.first_runs)]
+    # The first runs fill the caches (B's config may compile anew), so they stay out of the A/B: "first" is arm A's
+    # (or the recipe as it stands without a lever), "first_B" arm B's.
+    first = [
+        ("first" if arm in ("A", "base") else "first_B", r, [*args.override, *per_arm[arm]])
+        for arm in arms
+        for r in range(args.first_runs)
+    ]
     return first + [(arm, r, [*args.override, *per_arm[arm]]) for r, arm in child.alternating(arms, args.runs)]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if args.from_logs is not None:
-        arms, missing = read_logs(args.from_logs)
+        arms, missing = read_logs(*args.from_logs)
         print(table(arms) if arms else "no start-up line in any log")
         if missing:
             print(f"no start-up line: {', '.join(missing)}")

@@ -72,6 +72,10 @@ def test_a_single_arm_table_has_no_difference_column():
         (["--config-name", RECIPE, "--model", "m", "--b-override", "a=1"], "needs --lever"),
         (["--config-name", RECIPE, "--model", "m", "--override", "novalue"], "KEY=VALUE"),
         (["--config-name", RECIPE, "--model", "m", "--lever", "not_a_lever"], "invalid choice"),
+        (["--config-name", RECIPE, "--model", "m", "--arms", "B"], "--arms needs --lever"),
+        (["--config-name", RECIPE, "--model", "m", "--lever", "use_shm", "--arms", "C"], "--arms C"),
+        (["--config-name", RECIPE, "--model", "m", "--lever", "use_shm", "--arms", "A,A"], "--arms A,A"),
+        (["--config-name", RECIPE, "--model", "m", "--lever", "use_shm", "--first-runs", "0", "--runs", "0"], "--runs"),
     ],
 )
 def test_options_are_checked(argv, message, capsys):
@@ -108,6 +112,24 @@ def test_dry_run_alternates_the_arms(tmp_path, capsys):
     ]
     assert startup.main([*argv, "early_agent_loop", "--first-runs", "0"]) == 0
     assert len(capsys.readouterr().out.splitlines()) == 6
+
+
+def _dir_names(out: str) -> list[str]:
+    return [ln.split("trainer.default_local_dir=")[1].split()[0].rsplit("/", 1)[1] for ln in out.splitlines()]
+
+
+def test_one_arm_per_gpu_runs_that_arms_first_runs_and_rounds_only(tmp_path, capsys):
+    argv = ["--config-name", RECIPE, "--model", "/m", "--out", str(tmp_path), "--dry-run", "--lever", "early_agent_loop"]
+    assert startup.main([*argv, "--arms", "B", "--runs", "2"]) == 0
+    out = capsys.readouterr().out
+    assert _dir_names(out) == ["first_B-r0", "B-r0", "B-r1"]
+    assert out.count("populora_early_agent_loop=true") == 3
+    assert startup.main([*argv, "--arms", "A", "--first-runs", "0", "--runs", "1"]) == 0
+    out = capsys.readouterr().out
+    assert _dir_names(out) == ["A-r0"] and "populora_early_agent_loop=false" in out
+    # the cold runs alone, the rounds left to jobs side by side
+    assert startup.main([*argv, "--runs", "0"]) == 0
+    assert _dir_names(capsys.readouterr().out) == ["first-r0", "first_B-r0"]
 
 
 @pytest.mark.parametrize(
@@ -236,12 +258,21 @@ VLLM_LINES = """(PopuLoRAvLLMHttpServer pid=9) (Worker pid=10) INFO 11-29 01:38:
 """
 
 
-def test_the_first_run_stays_out_of_the_ab_and_step_1_is_split_by_verls_timings(tmp_path):
+def test_the_first_run_stays_out_of_the_ab_and_step_1_is_split_by_verls_timings(tmp_path, capsys):
     for name, secs in {"first-r0": (56, 36, 272, 3, 0, 75), "first_B-r0": (50, 35, 250, 3, 3, 62),
                        "A-r0": (50, 35, 200, 3, 0, 70), "B-r0": (50, 35, 190, 3, 3, 60)}.items():
         (tmp_path / f"{name}.log").write_text(f"# cmd\n{_line(*secs)}\n{STEP1}\n")
     arms, missing = startup.read_logs(tmp_path)
     assert list(arms) == ["first", "first_B", "A", "B"] and not missing
+    other = tmp_path / "gpu1"  # the arms swapped on a second GPU: its logs add a run to each arm
+    other.mkdir()
+    for name, secs in {"A-r0": (52, 35, 210, 3, 0, 72), "B-r0": (50, 35, 192, 3, 3, 58)}.items():
+        (other / f"{name}.log").write_text(f"# cmd\n{_line(*secs)}\n{STEP1}\n")
+    (other / "B-r1.log").write_text("died\n")
+    both, missing = startup.read_logs(tmp_path, other)
+    assert [len(both[a]) for a in ("first", "A", "B")] == [1, 2, 2] and missing == [str(other / "B-r1.log")]
+    assert startup.main(["--from-logs", str(tmp_path), str(other)]) == 0
+    assert "A median (s, 2 runs)" in capsys.readouterr().out
     assert arms["A"][0]["step 1: gen"] == 41.2 and arms["A"][0]["step 1: update_actor"] == 17.4
     assert "step 1: populora_score" not in arms["A"][0]  # only what verl's line has
     assert "vLLM: init engine" not in arms["A"][0]  # a log without vLLM's INFO lines
