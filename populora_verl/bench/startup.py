@@ -28,8 +28,9 @@ Levers (``--b-override`` replaces B's overrides):
 * ``capture_sizes``: CUDA-graph capture sizes limited to the batch sizes the recipe can reach (B,
   :mod:`populora_verl.rollout.capture_sizes`) against the recipe's own;
 * ``use_shm``: the model read from shared memory (``actor_rollout_ref.model.use_shm=true``, B);
-* ``uni_executor``: vLLM's model runner inside its engine-core process (B, ``distributed_executor_backend=uni``, one
-  GPU per engine) against verl's ``mp``, which starts one more process that imports vLLM and torch;
+* ``uni_executor``: vLLM's model runner inside its engine-core process (B, ``distributed_executor_backend=uni``, the
+  recipes' default, one GPU per engine) against verl's ``mp`` (A), which starts one more process that imports vLLM
+  and torch;
 * ``weight_sync``: the first weight sync; no default B, give it with ``--b-override``.
 
     python -m populora_verl.bench.startup --config-name qwen1.5b_1gpu_2t2s --model /tmp/models/qwen-coder-1.5b
@@ -54,7 +55,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from populora_verl.bench import child
-from populora_verl.bench.step_scaling import UNI_EXECUTOR, console_rows, main_ppo_command, trainer_env
+from populora_verl.bench.step_scaling import console_rows, main_ppo_command, trainer_env
 from populora_verl.recipes import recipes_dir
 from populora_verl.trainer.timeline import LINE_PREFIX, parse_line
 
@@ -80,6 +81,7 @@ STEP_LINE_WAIT_S = 60.0
 STEP1_TIMINGS = ("gen", "populora_score", "old_log_prob", "update_actor", "update_weights")
 _LOG = re.compile(r"^(?P<arm>[A-Za-z0-9_]+)-r(?P<round>\d+)\.log$")
 ENV = "ray_kwargs.ray_init.runtime_env.env_vars"
+UNI_KEY = "actor_rollout_ref.rollout.engine_kwargs.vllm.distributed_executor_backend"
 
 
 @dataclass(frozen=True)
@@ -115,7 +117,7 @@ def _uni_b(config, out: Path) -> tuple[str, ...]:
             f"--lever uni_executor: a vLLM replica of this recipe spans {layout.rollout_world} GPUs "
             f"(tensor_model_parallel_size={layout.rollout_tp}); uni runs one"
         )
-    return (UNI_EXECUTOR,)
+    return (f"{UNI_KEY}=uni",)
 
 
 LEVERS: dict[str, Lever] = {
@@ -135,7 +137,9 @@ LEVERS: dict[str, Lever] = {
     "capture_sizes": Lever("capture sizes limited to the reachable batch sizes (B)", (), _capture_b),
     "use_shm": Lever("the model read from shared memory (B)", (), ("actor_rollout_ref.model.use_shm=true",)),
     "uni_executor": Lever(
-        "vLLM's model runner inside its engine-core process (B) against a process of its own", (), _uni_b
+        "vLLM's model runner inside its engine-core process (B, the recipes' default) against a process of its own",
+        (f"{UNI_KEY}=mp",),
+        _uni_b,
     ),
     "weight_sync": Lever("the first weight sync: B from --b-override", (), None),
     # Several levers in one B when a node's time allows one A/B only: each acts on its own phase of the timeline

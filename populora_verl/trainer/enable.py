@@ -205,7 +205,26 @@ def populora_settings(config: Any, pcfg: PopuLoRAConfig) -> list[Setting]:
             floor=capacity,
         )
     )
+    # The recipes run a one-GPU replica's model inside vLLM's engine-core process (uni: one process less to start);
+    # a replica of several GPUs needs vLLM's multiprocessing executor, so a larger layout set on top of a recipe
+    # runs as verl would run it.
+    backend, gpus = f"{ek}.distributed_executor_backend", _rollout_gpus(config)
+    if _select(config, backend) == "uni" and gpus is not None and gpus > 1:
+        out.append(Setting(backend, "mp", ("uni",), f"uni drives one GPU; a vLLM replica here spans {gpus}"))
     return out
+
+
+def _rollout_gpus(config: Any) -> int | None:
+    """The GPUs of one vLLM replica (TP x DP x PP); None where a size is not an integer (the start-up check names
+    the key)."""
+    sizes = [_select(config, f"{AR}.rollout.{k}") for k in _REPLICA_SIZES]
+    sizes = [1 if v is None else v for v in sizes]
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in sizes):
+        return None
+    return sizes[0] * sizes[1] * sizes[2]
+
+
+_REPLICA_SIZES = ("tensor_model_parallel_size", "data_parallel_size", "pipeline_model_parallel_size")
 
 
 def _user_keeps(setting: Setting, current: Any) -> bool:

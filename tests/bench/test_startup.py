@@ -167,7 +167,8 @@ def test_each_levers_overrides_compose_with_a_recipe(lever, tmp_path):
         assert OmegaConf.select(a, cs.CAPTURE_KEY) == OmegaConf.select(config, cs.CAPTURE_KEY)
     elif lever == "uni_executor":
         backend = "actor_rollout_ref.rollout.engine_kwargs.vllm.distributed_executor_backend"
-        assert OmegaConf.select(a, backend) is None and OmegaConf.select(b, backend) == "uni"
+        assert OmegaConf.select(a, backend) == "mp" and OmegaConf.select(b, backend) == "uni"
+        assert OmegaConf.select(config, backend) == "uni"  # the recipes' default: B is the recipe as it stands
     else:  # B from --b-override; A is the recipe as it stands
         assert b.actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes == 512
         assert a.trainer.populora_early_agent_loop is True

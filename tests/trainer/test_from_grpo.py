@@ -13,7 +13,7 @@ hydra = pytest.importorskip("hydra")
 
 from omegaconf import OmegaConf  # noqa: E402
 
-from populora_verl.config import ConfigError  # noqa: E402
+from populora_verl.config import ConfigError, load_config  # noqa: E402
 from populora_verl.startup import PreflightCallback, preflight  # noqa: E402
 from populora_verl.trainer import enable, verl_config  # noqa: E402
 
@@ -291,3 +291,38 @@ def test_verl_main_prints_the_settings_once_then_stops_before_ray_on_a_bad_key(o
                                                  "'/nonexistent/model'")
     assert "ray init" not in r.stdout.lower() and "Traceback" not in r.stderr
     assert sorted(p.name for p in folder.iterdir()) == []  # no Hydra outputs/ folder, no run directory
+
+
+BACKEND = "actor_rollout_ref.rollout.engine_kwargs.vllm.distributed_executor_backend"
+
+
+@pytest.mark.parametrize("name", ["smoke_0.5b", "4t4s", "azr_single_agent", "qwen1.5b_1gpu_2t2s", "qwen1.5b_4gpu_4t4s"])
+def test_the_recipes_run_a_one_gpu_replica_in_vllms_engine_process(name):
+    assert OmegaConf.select(compose_recipe(name), BACKEND) == "uni"
+
+
+@pytest.mark.parametrize(
+    "layout, spans",
+    [
+        (["actor_rollout_ref.rollout.tensor_model_parallel_size=2", "trainer.n_gpus_per_node=2"], 2),
+        (["actor_rollout_ref.rollout.pipeline_model_parallel_size=2", "trainer.n_gpus_per_node=4"], 2),
+        (["actor_rollout_ref.rollout.tensor_model_parallel_size=2", "actor_rollout_ref.rollout.data_parallel_size=2",
+          "trainer.n_gpus_per_node=4"], 4),
+    ],
+)
+def test_a_larger_replica_set_on_a_recipe_runs_vllms_multiprocess_executor(layout, spans, capsys):
+    cfg = compose_recipe("smoke_0.5b", ["actor_rollout_ref.model.path=/m", *layout], hydra_config=True)
+    PreflightCallback(check_gpus=False).on_run_start(cfg)
+    assert OmegaConf.select(cfg, BACKEND) == "mp"
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1 and f"{BACKEND}=mp" in out  # the one start-up line says so
+    assert enable.apply_populora_settings(cfg, dry_run=True) == []  # nothing left to set afterwards
+    raw = compose_recipe("smoke_0.5b", layout)
+    why = [s.why for s in enable.populora_settings(raw, load_config(raw.populora)) if s.key == BACKEND]
+    assert len(why) == 1 and f"spans {spans}" in why[0]
+
+
+def test_a_users_own_executor_stays():
+    cfg = compose_recipe("smoke_0.5b", [f"{BACKEND}=mp"])
+    assert enable.apply_populora_settings(cfg, dry_run=True) == []
+    assert OmegaConf.select(cfg, BACKEND) == "mp"
