@@ -122,7 +122,9 @@ _VARLEN_WIDE_LIGER_FUSED = [
 ]
 # varlen_wide_keep with vLLM's model runner inside its engine-core process (the "uni" executor) instead of a process
 # of its own: verl asks for "mp", which spawns one more process importing vLLM and torch even for TP 1 (about 30 s of
-# start-up). Without Liger, so that beside varlen_wide_keep_liger it also tells what Liger did to the update.
+# start-up). Without Liger, so that beside varlen_wide_keep_liger it also tells what Liger did to the update. The
+# recipes now set uni themselves (BENCHMARKS.md §5), so on them every profile runs uni; this one keeps its name and
+# its lean LoRA forward for the figures measured with it.
 UNI_EXECUTOR = "++actor_rollout_ref.rollout.engine_kwargs.vllm.distributed_executor_backend=uni"
 _VARLEN_WIDE_KEEP_UNI = [*_VARLEN_WIDE_KEEP, UNI_EXECUTOR]
 # varlen with vLLM's CUDA graphs kept but its torch.compile pass off: verl starts vLLM with the compile cache
