@@ -28,6 +28,7 @@ from verl.workers.rollout.vllm_rollout.vllm_async_server import vLLMHttpServer, 
 from vllm.lora.request import LoRARequest
 
 from populora_verl import verl_compat
+from populora_verl.rollout import early_servers
 from populora_verl.rollout.engine_ports import export_engine_port
 from populora_verl.rollout.routing import PopuLoRAServerMixin
 from populora_verl.rollout.weight_sync import export_unique_job_id
@@ -40,10 +41,12 @@ BACKEND_NAME = "populora_vllm"
 WORKER_EXTENSION = "populora_verl.rollout.vllm_extension.PopuLoRAWorkerExtension"
 
 
-class PopuLoRAvLLMHttpServer(PopuLoRAServerMixin, vLLMHttpServer):
+class PopuLoRAvLLMHttpServer(early_servers.DeferredInit, PopuLoRAServerMixin, vLLMHttpServer):
     """``vLLMHttpServer`` with per-request adapters and a live-adapter registry (logic in ``PopuLoRAServerMixin``)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        if early_servers.defer(self, kwargs):
+            return  # started with the trainer's set-up: verl's arguments come with populora_init (early_servers)
         super().__init__(*args, **kwargs)
         # verl 0.9.1 exported the bare Ray job id, which every local Ray cluster numbers alike: the engine's workers
         # (not started yet) must name the weight-sync socket as our ServerAdapter does (rollout.weight_sync). A verl
@@ -87,7 +90,8 @@ class PopuLoRAvLLMReplica(vLLMReplica):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.server_class = ray.remote(PopuLoRAvLLMHttpServer)
+        # the server actors the trainer started with its set-up, where it did (trainer.populora_early_servers)
+        self.server_class = early_servers.wrap(ray.remote(PopuLoRAvLLMHttpServer))
 
     # verl 0.9.1's replica names its servers "vllm_..." whatever the rollout's name, while its ServerAdapter looks
     # them up as f"{rollout.name}_server_...": rename them. A verl whose replica takes the rollout's name agrees.

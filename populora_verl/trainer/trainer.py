@@ -225,10 +225,19 @@ class PopuLoRATrainer(GenerationMixin, TrainingMixin, HooksMixin, ProbesMixin, P
         # The agent-loop workers' and the request load balancer's processes start now and import while the worker
         # groups and vLLM start; once the servers are up the balancer takes them, and the task runner's manager
         # binds the workers (populora_verl.rollout.early_agent_loop).
-        from populora_verl.rollout import early_agent_loop
+        # With trainer.populora_early_servers, vLLM's server actors too: they import while the FSDP workers load,
+        # and verl's replicas take them (populora_verl.rollout.early_servers).
+        from populora_verl.rollout import early_agent_loop, early_servers
 
+        if bool(OmegaConf.select(self.config, early_servers.ENABLE_KEY, default=False)):
+            early_servers.start(self.config)
         early_agent_loop.start(self.config)
-        super().init()  # worker groups (FSDP), vLLM engines, weight-sync manager, then _load_checkpoint
+        try:
+            super().init()  # worker groups (FSDP), vLLM engines, weight-sync manager, then _load_checkpoint
+        finally:
+            summary = early_servers.finish()
+        if summary:
+            print(f"[populora] {summary}", flush=True)
         early_agent_loop.adopt_load_balancer(self.llm_server_manager)
         self._mark("checkpoint + weight sync")
 

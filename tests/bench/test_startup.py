@@ -133,7 +133,7 @@ def test_one_arm_per_gpu_runs_that_arms_first_runs_and_rounds_only(tmp_path, cap
 
 
 @pytest.mark.parametrize(
-    "lever", ["early_agent_loop", "compile_cache", "use_shm", "capture_sizes", "uni_executor", "weight_sync", "stack"]
+    "lever", ["early_agent_loop", "early_servers", "compile_cache", "use_shm", "capture_sizes", "uni_executor", "weight_sync", "stack"]
 )
 def test_each_levers_overrides_compose_with_a_recipe(lever, tmp_path):
     recipe = "4t4s" if lever == "capture_sizes" else RECIPE  # a recipe with sizes it cannot reach
@@ -156,6 +156,8 @@ def test_each_levers_overrides_compose_with_a_recipe(lever, tmp_path):
     if lever == "early_agent_loop":
         assert a.trainer.populora_early_agent_loop is False
         assert b.trainer.populora_early_agent_loop is True
+    elif lever == "early_servers":
+        assert a.trainer.populora_early_servers is False and b.trainer.populora_early_servers is True
     elif lever == "compile_cache":
         assert OmegaConf.select(a, f"{env}.VLLM_DISABLE_COMPILE_CACHE") == "1"
         assert OmegaConf.select(b, f"{env}.VLLM_DISABLE_COMPILE_CACHE") == "0"

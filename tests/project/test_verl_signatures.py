@@ -289,6 +289,17 @@ EXPECTED_SOURCE = [
     ("workers/rollout/llm_server.py",
      r"self\.server_handles = \[server\._server_handle for server in self\.rollout_replicas\]\s*"
      r"self\.server_addresses = \[server\._server_address for server in self\.rollout_replicas\]"),
+    # the early server actors (populora_verl.rollout.early_servers): verl's replica creates each server through its
+    # public server_class with these options and names; a difference only means verl's order, but silently
+    ("workers/rollout/vllm_rollout/vllm_async_server.py",
+     r"server = self\.server_class\.options\(\s*scheduling_strategy=ray\.util\.scheduling_strategies\."
+     r"NodeAffinitySchedulingStrategy\(\s*node_id=node_id,\s*soft=False,\s*\),\s*"
+     r"runtime_env=\{\"env_vars\": env_vars\},\s*name=name,\s*max_concurrency=self\.max_concurrency,\s*\)\.remote\("),
+    ("workers/rollout/vllm_rollout/vllm_async_server.py",
+     r'name = f"\{prefix\}server_\{self\.replica_rank\}_\{node_rank\}\{self\.name_suffix\}"'),
+    ("workers/rollout/vllm_rollout/vllm_async_server.py",
+     r'\*\*\{var: "1" for var in get_platform\(\)\.ray_noset_envvars\(\)\},\s*\*\*get_platform\(\)\.rollout_env_vars\(\),'),
+    ("workers/rollout/replica.py", r"return max\(1000, self\.config\.max_num_seqs \+ CONTROL_METHOD_CONCURRENCY\)"),
     ("utils/model.py", r"def convert_weight_keys\(state_dict: dict\[str, torch\.Tensor\], model: PreTrainedModel\)"),
 ]
 

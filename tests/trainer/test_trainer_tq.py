@@ -504,3 +504,40 @@ def test_the_request_load_balancer_started_early_takes_verls_servers(tq_cluster,
     assert {sid for sid, _ in routed.values()} == set(servers)  # least-loaded: unreleased requests spread over both
     assert all(servers[sid] == handle for sid, handle in routed.values())
     assert ray.get(balancer.acquire_server.remote(request_id="r0")) == routed["r0"]  # sticky: the same server again
+
+
+def test_vllm_server_actors_started_early_are_taken_by_verls_replica(tq_cluster, monkeypatch):
+    """The server actors started with the trainer's set-up (populora_verl.rollout.early_servers) as real actors: the
+    first is up before verl asks for it, verl's creation call gets that very actor, built with verl's arguments; a
+    call with other options gets a fresh actor under the same name (the waiting one ended, its name freed)."""
+    from populora_verl.rollout import early_servers as es
+
+    class Server(es.DeferredInit):  # defined here, so the actor's process gets it by value
+        def __init__(self, *args, **kwargs):
+            if es.defer(self, kwargs):
+                return
+            self.built = (args, kwargs)
+
+        def get(self):
+            return self.built
+
+    monkeypatch.setattr(es, "_ACTIVE", None)
+    config = compose_recipe("qwen1.5b_1gpu_2t2s", ["trainer.n_gpus_per_node=2"])
+    early = es.start(config, server_class=lambda: Server)
+    names = ["populora_vllm_server_0_0", "populora_vllm_server_1_0"]
+    assert early is not None and early.names == names
+    early._thread.join()
+    waiting = early._actors[names[0]][0]
+    ray.get(waiting.__ray_ready__.remote())  # its process runs before any replica exists
+    node = ray.get_runtime_context().get_node_id()
+    server_class = es.wrap(ray.remote(Server))
+    first = server_class.options(**es.server_options(config, names[0], node)).remote(config="c", replica_rank=0)
+    assert first._actor_id == waiting._actor_id == ray.get_actor(names[0])._actor_id
+    assert ray.get(first.get.remote()) == ((), {"config": "c", "replica_rank": 0})
+    other = {**es.server_options(config, names[1], node), "max_concurrency": 3}
+    second = server_class.options(**other).remote(config="d")
+    assert ray.get(second.get.remote()) == ((), {"config": "d"})
+    assert second._actor_id == ray.get_actor(names[1])._actor_id  # verl's own, under the name
+    assert es.finish().startswith("vLLM server actors: 1 of 2 started with the trainer's set-up and taken")
+    for handle in (first, second):
+        ray.kill(handle)
