@@ -106,6 +106,10 @@ class EarlyServers:
         self.names = list(names)
         self._actors: dict[str, tuple[Any, dict[str, Any]]] = {}
         self._error: BaseException | None = None
+        # No actor is created once a hand-over gave up waiting or the set-up ended: verl may have created its own
+        # under the name by then.
+        self._lock = threading.Lock()
+        self._closed = False
         self.taken: list[str] = []
         self.started_at = time.monotonic()
         # Creating an actor needs its class in this process, and the class's module imports vLLM (seconds): in a
@@ -120,7 +124,10 @@ class EarlyServers:
             remote_cls = ray.remote(self._load_class())
             for name in self.names:
                 opts = server_options(self._config, name, self._node_id)
-                self._actors[name] = (remote_cls.options(**opts).remote(**{DEFER_KWARG: True}), opts)
+                with self._lock:
+                    if self._closed:
+                        return
+                    self._actors[name] = (remote_cls.options(**opts).remote(**{DEFER_KWARG: True}), opts)
         except BaseException as e:  # noqa: BLE001 - any failure only means verl's order
             self._error = e
 
@@ -129,11 +136,14 @@ class EarlyServers:
 
         self._thread.join(WAIT_S)
         name = options.get("name")
-        if self._error is not None or name not in self._actors:
+        with self._lock:
+            self._closed = self._closed or self._thread.is_alive()
+            entry = self._actors.pop(name, None)
+        if entry is None:
             if self._error is not None:
                 logger.warning("[populora] early vLLM servers not started (%r): verl's order", self._error)
             return None
-        handle, ours = self._actors.pop(name)
+        handle, ours = entry
         if _same(ours, options):
             self.taken.append(name)
             return handle
@@ -143,10 +153,13 @@ class EarlyServers:
 
     def finish(self) -> str:
         """End the actors no replica took; the start-up line's summary."""
-        self._thread.join(WAIT_S)
-        for name, (handle, _) in list(self._actors.items()):
-            _end(handle, name)
-        self._actors.clear()
+        import ray
+
+        with self._lock:
+            self._closed = True
+            left, self._actors = list(self._actors.values()), {}
+        for handle, _ in left:
+            ray.kill(handle, no_restart=True)
         if self._error is not None:
             return f"vLLM server actors: not started early ({type(self._error).__name__}: {self._error}); verl's order"
         return (

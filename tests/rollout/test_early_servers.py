@@ -145,3 +145,24 @@ def test_wrap_changes_nothing_without_early_servers(monkeypatch):
     monkeypatch.setattr(es, "_ACTIVE", None)
     cls = object()
     assert es.wrap(cls) is cls and es.finish() is None
+
+
+def test_no_actor_is_created_after_a_hand_over_gave_up_waiting(monkeypatch):
+    import threading
+
+    release = threading.Event()
+    config = compose_recipe("qwen1.5b_1gpu_2t2s")
+    created = _ActorClass()
+    monkeypatch.setattr("ray.remote", lambda cls: created)
+    monkeypatch.setattr(es, "WAIT_S", 0.01)
+
+    def load():  # an import that has not finished when verl asks
+        release.wait()
+        return _Server
+
+    early = es.EarlyServers(config, load, NODE_A, ["populora_vllm_server_0_0"])
+    assert early.take(es.server_options(config, "populora_vllm_server_0_0", NODE_A)) is None  # verl creates its own
+    release.set()
+    early._thread.join()
+    assert created.created == []  # the name stays verl's
+    assert early.finish().startswith("vLLM server actors: 0 of 1")
