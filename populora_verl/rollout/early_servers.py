@@ -133,7 +133,6 @@ class EarlyServers:
 
     def take(self, options: Mapping[str, Any]) -> Any | None:
         """The waiting actor verl asks for with ``options``, or None (then verl creates its own under that name)."""
-
         self._thread.join(WAIT_S)
         name = options.get("name")
         with self._lock:
