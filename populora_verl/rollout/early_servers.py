@@ -182,8 +182,9 @@ def _end(handle: Any, name: str) -> None:
     logger.warning("[populora] early vLLM server %s: its name is still taken after %.0f s", name, WAIT_S)
 
 
-def start(config: Any, server_class: Callable[[], Any] | None = None) -> EarlyServers | None:
-    """Create the early server actors of ``config`` (when it applies) and install them for :func:`wrap`."""
+def start(config: Any, server_class: Callable[[], Any]) -> EarlyServers | None:
+    """Create the early server actors of ``config`` (when it applies) and install them for :func:`wrap`;
+    ``server_class`` returns the servers' class (it is called in a thread: its module imports vLLM)."""
     global _ACTIVE
     import ray
 
@@ -191,13 +192,6 @@ def start(config: Any, server_class: Callable[[], Any] | None = None) -> EarlySe
     names = server_names(config)
     if not names:
         return None
-    if server_class is None:
-
-        def server_class() -> Any:
-            from populora_verl.rollout.vllm_server import PopuLoRAvLLMHttpServer
-
-            return PopuLoRAvLLMHttpServer
-
     _ACTIVE = EarlyServers(config, server_class, ray.get_runtime_context().get_node_id(), names)
     return _ACTIVE
 

@@ -151,6 +151,12 @@ class NullPromptLoader:
         return None
 
 
+def _vllm_server_class() -> type:
+    from populora_verl.rollout.vllm_server import PopuLoRAvLLMHttpServer  # imports vLLM
+
+    return PopuLoRAvLLMHttpServer
+
+
 class PopuLoRATrainer(GenerationMixin, TrainingMixin, HooksMixin, ProbesMixin, PPOTrainerSync):
     """verl V1 sync trainer for a population of LoRA adapters (see the module docstring)."""
 
@@ -230,7 +236,7 @@ class PopuLoRATrainer(GenerationMixin, TrainingMixin, HooksMixin, ProbesMixin, P
         from populora_verl.rollout import early_agent_loop, early_servers
 
         if bool(OmegaConf.select(self.config, early_servers.ENABLE_KEY, default=False)):
-            early_servers.start(self.config)
+            early_servers.start(self.config, _vllm_server_class)
         early_agent_loop.start(self.config)
         try:
             super().init()  # worker groups (FSDP), vLLM engines, weight-sync manager, then _load_checkpoint
