@@ -408,7 +408,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def plan_runs(args: argparse.Namespace) -> list[tuple[str, int, list[str]]]:
     """(arm, round, overrides) in the order they run; ValueError when the lever cannot run for the recipe."""
-    arms = list(getattr(args, "arms", ["A", "B"])) if args.lever else ["base"]
+    arms = list(args.arms) if args.lever else ["base"]
     config = compose(args.config_name, args.override) if args.lever else None
     per_arm = {arm: arm_overrides(args.lever, arm, config, args.out, args.b_override) for arm in arms}
     # The first runs fill the caches (B's config may compile anew), so they stay out of the A/B: "first" is arm A's

@@ -125,8 +125,8 @@ _VARLEN_WIDE_LIGER_FUSED = [
 # start-up). Without Liger, so that beside varlen_wide_keep_liger it also tells what Liger did to the update. The
 # recipes now set uni themselves (BENCHMARKS.md §5), so on them every profile runs uni; this one keeps its name and
 # its lean LoRA forward for the figures measured with it.
-UNI_EXECUTOR = "++actor_rollout_ref.rollout.engine_kwargs.vllm.distributed_executor_backend=uni"
-_VARLEN_WIDE_KEEP_UNI = [*_VARLEN_WIDE_KEEP, UNI_EXECUTOR]
+_UNI_EXECUTOR = "++actor_rollout_ref.rollout.engine_kwargs.vllm.distributed_executor_backend=uni"
+_VARLEN_WIDE_KEEP_UNI = [*_VARLEN_WIDE_KEEP, _UNI_EXECUTOR]
 # varlen with vLLM's CUDA graphs kept but its torch.compile pass off: verl starts vLLM with the compile cache
 # disabled (VLLM_DISABLE_COMPILE_CACHE=1), so every start compiles from scratch; full graphs of the decode batches
 # need no compilation (FlashAttention 3 on Hopper), prefills then run eagerly. The start-up/step-time A/B for that.
