@@ -24,7 +24,7 @@ Levers (``--b-override`` replaces B's overrides):
 * ``early_agent_loop``: the agent-loop workers and the request load balancer started while vLLM starts (B) against
   verl's order (A, the default);
 * ``early_servers``: vLLM's server actors created with the FSDP workers, their processes importing while the model
-  loads (B, ``trainer.populora_early_servers``), against verl's order (A);
+  loads (B, ``trainer.populora_early_servers``, the recipes' default), against verl's order (A);
 * ``compile_cache``: vLLM's torch.compile cache kept across the runs in one folder (B; its first run fills it) against
   the cache off (A);
 * ``capture_sizes``: CUDA-graph capture sizes limited to the batch sizes the recipe can reach (B,
@@ -129,7 +129,7 @@ LEVERS: dict[str, Lever] = {
         ("++trainer.populora_early_agent_loop=true",),
     ),
     "early_servers": Lever(
-        "vLLM's server actors started with the FSDP workers (B) against verl's order (A, the default)",
+        "vLLM's server actors started with the FSDP workers (B, the recipes' default) against verl's order (A)",
         ("++trainer.populora_early_servers=false",),
         ("++trainer.populora_early_servers=true",),
     ),
