@@ -25,6 +25,8 @@ Levers (``--b-override`` replaces B's overrides):
   verl's order (A, the default);
 * ``early_servers``: vLLM's server actors created with the FSDP workers, their processes importing while the model
   loads (B, ``trainer.populora_early_servers``, the recipes' default), against verl's order (A);
+* ``engine_preload``: vLLM's engine-core process forked from a forkserver that imported vLLM's engine modules while the
+  early server waited (B, ``trainer.populora_engine_preload``) against spawned (A);
 * ``compile_cache``: vLLM's torch.compile cache kept across the runs in one folder (B; its first run fills it) against
   the cache off (A);
 * ``capture_sizes``: CUDA-graph capture sizes limited to the batch sizes the recipe can reach (B,
@@ -132,6 +134,12 @@ LEVERS: dict[str, Lever] = {
         "vLLM's server actors started with the FSDP workers (B, the recipes' default) against verl's order (A)",
         ("++trainer.populora_early_servers=false",),
         ("++trainer.populora_early_servers=true",),
+    ),
+    "engine_preload": Lever(
+        "vLLM's engine core forked from a forkserver that imported vLLM while the early server waited (B) against "
+        "spawned (A, the default)",
+        ("++trainer.populora_early_servers=true", "++trainer.populora_engine_preload=false"),
+        ("++trainer.populora_early_servers=true", "++trainer.populora_engine_preload=true"),
     ),
     "compile_cache": Lever(
         "vLLM's compile cache kept across runs in one folder (B) against the cache off (A)",

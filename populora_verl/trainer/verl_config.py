@@ -126,6 +126,14 @@ def validate_verl_config(config: Any, pcfg: PopuLoRAConfig) -> None:
         )
     if select(config, "distillation.enabled", False):
         _bad("distillation.enabled", "must be false with PopuLoRA")
+    # the forkserver imports vLLM while a server started early waits for verl (rollout.engine_preload)
+    if select(config, "trainer.populora_engine_preload", False) and not select(
+        config, "trainer.populora_early_servers", False
+    ):
+        _bad(
+            "trainer.populora_engine_preload",
+            "needs trainer.populora_early_servers=true (it acts in a server started early)",
+        )
     rank = select(config, f"{ar}.model.lora_rank", 0) or select(config, f"{ar}.model.lora.rank", 0)
     if not (isinstance(rank, int) and rank > 0):
         _bad(f"{ar}.model.lora_rank", f"must be > 0 (every member is a LoRA adapter), got {rank!r}")

@@ -133,7 +133,7 @@ def test_one_arm_per_gpu_runs_that_arms_first_runs_and_rounds_only(tmp_path, cap
 
 
 @pytest.mark.parametrize(
-    "lever", ["early_agent_loop", "early_servers", "compile_cache", "use_shm", "capture_sizes", "uni_executor", "weight_sync", "stack"]
+    "lever", ["early_agent_loop", "early_servers", "engine_preload", "compile_cache", "use_shm", "capture_sizes", "uni_executor", "weight_sync", "stack"]
 )
 def test_each_levers_overrides_compose_with_a_recipe(lever, tmp_path):
     recipe = "4t4s" if lever == "capture_sizes" else RECIPE  # a recipe with sizes it cannot reach
@@ -158,6 +158,10 @@ def test_each_levers_overrides_compose_with_a_recipe(lever, tmp_path):
         assert b.trainer.populora_early_agent_loop is True
     elif lever == "early_servers":
         assert a.trainer.populora_early_servers is False and b.trainer.populora_early_servers is True
+        assert config.trainer.populora_early_servers is True  # the recipes' default: B is the recipe as it stands
+    elif lever == "engine_preload":
+        assert a.trainer.populora_early_servers is True and b.trainer.populora_early_servers is True
+        assert a.trainer.populora_engine_preload is False and b.trainer.populora_engine_preload is True
     elif lever == "compile_cache":
         assert OmegaConf.select(a, f"{env}.VLLM_DISABLE_COMPILE_CACHE") == "1"
         assert OmegaConf.select(b, f"{env}.VLLM_DISABLE_COMPILE_CACHE") == "0"
