@@ -35,7 +35,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 __all__ = [
-    "ENABLE_KEY",
     "ENGINE_MODULES",
     "PreloadedContext",
     "start",
@@ -44,15 +43,16 @@ __all__ = [
     "engine_launch_module",
 ]
 
-ENABLE_KEY = "trainer.populora_engine_preload"
 #: What vLLM's engine-core process imports before its first line; a module that fails to import in the forkserver is
 #: skipped there (the engine core imports it itself).
+#: What the server process itself imports without touching CUDA, and vLLM imports before it forks outside Ray: vLLM's
+#: GPU worker is left to the engine core, which imports it after the fork.
 ENGINE_MODULES = (
     "torch",
     "vllm",
     "vllm.v1.engine.core",
     "vllm.v1.executor.abstract",
-    "vllm.v1.worker.gpu_worker",
+    "verl.workers.rollout.vllm_rollout.utils",
     "populora_verl.rollout.vllm_extension",
 )
 
@@ -79,6 +79,12 @@ class _EnvProcess(multiprocessing.context.ForkServerProcess):
         launcher = getattr(self, "_populora_launcher", None)
         if launcher is not None:
             _end_with(launcher)
+        torch = sys.modules.get("torch")
+        if torch is not None and torch.cuda.is_initialized():
+            raise RuntimeError(
+                "the forkserver's imports initialized CUDA, so a forked process cannot use it: set "
+                "trainer.populora_engine_preload=false"
+            )
         super().run()
 
 

@@ -136,3 +136,31 @@ def test_the_preload_list_names_the_engine_and_our_worker_extension():
     assert "vllm.v1.engine.core" in ep.ENGINE_MODULES
     assert "populora_verl.rollout.vllm_extension" in ep.ENGINE_MODULES
     assert textwrap.dedent(ep.__doc__ or "")  # documented for users reading the module
+
+
+FAKE_CUDA = '''
+import sys, types
+if "torch" not in sys.modules:  # stands for an import that initialized CUDA in the forkserver
+    sys.modules["torch"] = types.SimpleNamespace(cuda=types.SimpleNamespace(is_initialized=lambda: True))
+'''
+
+GUARD_SCRIPT = '''
+import multiprocessing, os, sys
+sys.path.insert(0, sys.argv[1])
+from populora_verl.rollout import engine_preload as ep
+ep.start(["populora_probe_fake_cuda"])
+ctx = ep.wrap_get_mp_context(lambda: multiprocessing.get_context("spawn"))()
+p = ctx.Process(target=os.getpid)
+p.start(); p.join(60)
+print("exitcode", p.exitcode)
+'''
+
+
+def test_a_forkserver_whose_imports_initialized_cuda_fails_the_child_with_the_key_to_turn_off(tmp_path: Path):
+    (tmp_path / "populora_probe_fake_cuda.py").write_text(FAKE_CUDA)
+    proc = subprocess.run(
+        [sys.executable, "-c", GUARD_SCRIPT, str(tmp_path)], capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().splitlines()[-1] == "exitcode 1"
+    assert "trainer.populora_engine_preload=false" in proc.stderr
