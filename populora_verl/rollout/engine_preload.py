@@ -43,10 +43,9 @@ __all__ = [
     "engine_launch_module",
 ]
 
-#: What vLLM's engine-core process imports before its first line; a module that fails to import in the forkserver is
-#: skipped there (the engine core imports it itself).
-#: What the server process itself imports without touching CUDA, and vLLM imports before it forks outside Ray: vLLM's
-#: GPU worker is left to the engine core, which imports it after the fork.
+#: What the engine-core process imports that the server process itself imports without touching CUDA (and vLLM imports
+#: before it forks outside Ray); vLLM's GPU worker is left to the engine core, after the fork. A module that fails to
+#: import in the forkserver is skipped there (the engine core imports it itself).
 ENGINE_MODULES = (
     "torch",
     "vllm",
@@ -151,7 +150,7 @@ def start(modules: Sequence[str] = ENGINE_MODULES) -> bool:
                     os.environ.pop(k, None)
                 else:
                     os.environ[k] = v
-        _STATE.update(context=ctx, preloaded=not running, started_at=time.monotonic(), modules=tuple(modules))
+        _STATE.update(context=ctx, preloaded=not running, started_at=time.monotonic())
         return not running
 
 
