@@ -25,7 +25,7 @@ import os
 import shlex
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -45,6 +45,7 @@ __all__ = [
     "shell_line",
     "add_random_parser",
     "run_random",
+    "dry_run_summary",
 ]
 
 PROG = "populora_verl.models"
@@ -402,6 +403,121 @@ def check_command(cmd: Sequence[str]) -> None:
     validate_verl_config(cfg, load_config(cfg.populora))
 
 
+# --- what the run printed ---------------------------------------------------------------------------------------
+
+#: Phases of a step worth a column: verl's timing keys under ``timing_s/``, and the evolution event's.
+_SUMMARY_PHASES = (
+    ("gen", "generation"),
+    ("old_log_prob", "old log-probs"),
+    ("update_actor", "update"),
+    ("update_weights", "weight sync"),
+    ("populora_evolve", "evolution"),
+)
+#: Host memory is compared from this step on: the first steps fill caches, buffers and the bank's pinned copies.
+HOST_MEMORY_FROM_STEP = 5
+
+
+def _key_max(metrics: Mapping[str, float], suffix: str) -> float | None:
+    """The largest value among the keys ending in ``suffix`` (verl's own and each slot's ``populora/<slot>/...``):
+    host memory is sampled machine-wide at each slot's update, so the step's largest sample is its peak."""
+    vals = [v for k, v in metrics.items() if k == suffix or k.endswith("/" + suffix)]
+    return max(vals) if vals else None
+
+
+def _slope_per_step(points: Sequence[tuple[int, float]]) -> float | None:
+    """Least-squares growth per step (None under 2 steps): one step's noise moves it less than last minus first."""
+    import statistics
+
+    if len(points) < 2:
+        return None
+    xs, ys = zip(*points)
+    return statistics.linear_regression(xs, ys).slope
+
+
+def dry_run_summary(text: str) -> str:
+    """What a dry run measured, from the trainer's console output: the start-up line, a row per step (its phases,
+    the trainer's peak GPU memory, the host's memory used), the steady step, each evolution event and host memory's
+    growth per 10 steps after the first steps."""
+    import statistics
+
+    from populora_verl.bench.step_scaling import console_rows
+
+    rows = dict(console_rows(text))  # a step printed twice (a resumed run) keeps its last row
+    startup = [ln.split("[populora] ", 1)[1].strip() for ln in text.splitlines() if "[populora] start-up:" in ln]
+    out = [startup[-1] if startup else "start-up: no line (the run stopped before step 1 ended)"]
+    if not rows:
+        return "\n".join([*out, "no step finished"])
+    head = ["step", "step s", *(name for _, name in _SUMMARY_PHASES), "trainer peak GB", "host used GB"]
+    out += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    host: list[tuple[int, float]] = []
+    steady: list[float] = []
+    events: list[float] = []
+    for step in sorted(rows):
+        m = rows[step]
+        evolved = m.get("populora/evolution/events", 0) > 0
+        cells = [str(step), _fmt_s(m.get("timing_s/step"))]
+        cells += [_fmt_s(m.get(f"timing_s/{key}")) for key, _ in _SUMMARY_PHASES]
+        peak, used = _key_max(m, "actor/perf/max_memory_allocated_gb"), _key_max(m, "actor/perf/cpu_memory_used_gb")
+        cells += [_fmt_s(peak), _fmt_s(used)]
+        out.append("| " + " | ".join(cells) + " |")
+        if used is not None and step >= HOST_MEMORY_FROM_STEP:
+            host.append((step, used))
+        if evolved and "timing_s/populora_evolve" in m:
+            events.append(m["timing_s/populora_evolve"])
+        elif step > 1 and "timing_s/step" in m:
+            steady.append(m["timing_s/step"])
+    if steady:
+        out.append(
+            f"steady step (after step 1, without evolution): median {statistics.median(steady):.1f} s "
+            f"({min(steady):.1f}-{max(steady):.1f}, {len(steady)} steps)"
+        )
+    if events:
+        out.append(
+            f"evolution: {len(events)} events, median {statistics.median(events):.2f} s, max {max(events):.2f} s"
+        )
+    slope = _slope_per_step(host)
+    if slope is None:
+        out.append(f"host memory: growth needs 2 steps from step {HOST_MEMORY_FROM_STEP} on")
+    else:
+        out.append(
+            f"host memory from step {host[0][0]} to {host[-1][0]}: {host[0][1]:.1f} -> {host[-1][1]:.1f} GB, "
+            f"{10 * slope:+.2f} GB per 10 steps (least squares over {len(host)} steps)"
+        )
+    return "\n".join(out)
+
+
+def _fmt_s(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}" if x < 10 else f"{x:.1f}"
+
+
+def _run_and_summarise(cmd: Sequence[str], env: Mapping[str, str]) -> int:
+    """Run the trainer with its output passed through, then print :func:`dry_run_summary` of what it printed (also
+    after Ctrl-C or a failed step: the steps that ran are still measured)."""
+    import subprocess
+
+    kept: list[str] = []  # only the lines the summary reads: a long run prints a lot
+    proc = subprocess.Popen(
+        list(cmd), env=dict(env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace"
+    )
+    assert proc.stdout is not None
+    interrupts = 0
+    while True:
+        try:
+            for line in proc.stdout:
+                sys.stdout.write(line)
+                if "step:" in line or "[populora] start-up:" in line:
+                    kept.append(line)
+            break
+        except KeyboardInterrupt:
+            # the trainer, in our process group, got the same signal: pass its shutdown through; a second one ends it
+            interrupts += 1
+            if interrupts > 1:
+                proc.kill()
+    rc = proc.wait()
+    print(f"\n[populora] dry run, exit code {rc}:\n" + dry_run_summary("".join(kept)), flush=True)
+    return rc
+
+
 # --- the command line ------------------------------------------------------------------------------------------
 
 
@@ -528,8 +644,6 @@ def run_random(args: Any) -> int:
     if not args.run:
         return 0
     sys.stdout.flush()
-    import subprocess
-
     # the profile's variables reach Ray's workers through the runtime env too; the driver's own processes inherit these
     env = {**os.environ, **TRAINER_ENV, **PROFILE_ENV.get(args.profile, {})}
-    return subprocess.call([sys.executable, *cmd[1:]], env=env)
+    return _run_and_summarise([sys.executable, *cmd[1:]], env)

@@ -112,8 +112,10 @@ def test_a_tokenizer_larger_than_the_shapes_vocabulary_is_refused(tmp_path, toke
         write_random_model(small, tmp_path / "m", tokenizer_dir)
 
 
-def _printed_command(capsys) -> list[str]:
-    line = capsys.readouterr().out.strip().splitlines()[-1]
+def _printed_command(out) -> list[str]:
+    """The trainer's command as printed (``out``: the captured text, or capsys to read it)."""
+    text = out if isinstance(out, str) else out.readouterr().out
+    line = next(ln for ln in text.splitlines() if " verl.trainer.main_ppo " in ln)
     words = shlex.split(line)
     env = [w for w in words[:len(TRAINER_ENV)]]
     assert env == [f"{k}={v}" for k, v in TRAINER_ENV.items()]
@@ -147,11 +149,23 @@ def test_run_starts_the_printed_command_with_the_trainer_environment(tmp_path, t
     import subprocess
 
     calls = []
-    monkeypatch.setattr(subprocess, "call", lambda cmd, env: calls.append((cmd, env)) or 7)
+
+    class FakeTrainer:  # prints two steps and fails: the summary still reads them
+        def __init__(self, cmd, env, **kw):
+            calls.append((cmd, env))
+            self.stdout = iter([f"{STARTUP}\n", "noise\n", _console_line(1, 30.0, 50.0), _console_line(2, 20.0, 50.5)])
+
+        def wait(self):
+            return 7
+
+    monkeypatch.setattr(subprocess, "Popen", FakeTrainer)
     assert models.main(["random", PLUMBING, str(tmp_path / "m"), "--tokenizer-from", str(tokenizer_dir),
                         "--recipe", "smoke_0.5b", "--profile", "varlen_wide_keep_liger", "--run",
                         "trainer.save_freq=2"]) == 7
-    printed = _printed_command(capsys)
+    out = capsys.readouterr().out
+    assert "noise" in out and "dry run, exit code 7" in out and STARTUP.split("] ", 1)[1] in out
+    assert "| 2 | 20.0 |" in out  # the summary's row of the second step
+    printed = _printed_command(out)
     (cmd, env), = calls
     assert cmd == [sys.executable, *printed[1:]]
     assert all(env[k] == v for k, v in TRAINER_ENV.items()) and env["POPULORA_LORA_FORWARD"] == "lean"
@@ -169,3 +183,50 @@ def test_a_large_shape_without_gradient_checkpointing_gets_a_note(tmp_path):
     assert checkpointing_note(SHAPES["qwen2.5-coder-7b"], kept) is None
     assert checkpointing_note(SHAPES["qwen2.5-coder-1.5b"], off) is None  # where the profiles were measured
     assert checkpointing_note(SHAPES["qwen2.5-coder-7b"], dry_run_command(tmp_path, "4t4s")) is None  # recipe's own
+
+
+STARTUP = ("(TaskRunnerV1 pid=7) [populora] start-up: ray + task runner 30 s | task runner imports 8 s | config + "
+           "TransferQueue 20 s | workers + vLLM 90 s | checkpoint + weight sync 3 s | step 1 40 s | total 191 s")
+
+
+def _console_line(step, step_s, host_gb, evolve_s=None, slot_host_gb=None):
+    """verl's console logger line as a Ray actor prints it (only the keys the summary reads, plus one it ignores)."""
+    m = {"timing_s/step": step_s, "timing_s/gen": step_s / 3, "timing_s/update_actor": step_s / 2,
+         "timing_s/update_weights": 1.5, "actor/perf/max_memory_allocated_gb": 30.0,
+         "actor/perf/cpu_memory_used_gb": host_gb, "critic/score/mean": -0.5}
+    if slot_host_gb is not None:
+        m["populora/s1/actor/perf/cpu_memory_used_gb"] = slot_host_gb
+    if evolve_s is not None:
+        m |= {"timing_s/populora_evolve": evolve_s, "populora/evolution/events": 1.0}
+    return "(TaskRunnerV1 pid=7) step:%d - " % step + " - ".join(f"{k}:{v}" for k, v in m.items()) + "\n"
+
+
+def test_the_dry_run_summary_reads_start_up_steady_steps_evolution_and_host_memory_growth():
+    from populora_verl.random_model import dry_run_summary
+
+    # host memory: 1 GB a step during the warm-up, then +0.05 GB a step; step 9's machine-wide peak is a slot's sample
+    lines = [STARTUP + "\n"] + [
+        _console_line(s, 60.0 if s == 1 else 30.0 + s % 2, 100.0 + min(s, 5) + 0.05 * max(s - 5, 0),
+                      evolve_s=0.8 if s % 4 == 0 else None)
+        for s in range(1, 16)
+    ]
+    lines[9] = _console_line(9, 31.0, 90.0, slot_host_gb=100.0 + 5 + 0.05 * 4)  # verl's mean hides the peak
+    text = "".join(lines)
+    summary = dry_run_summary(text).splitlines()
+    assert summary[0] == STARTUP.split("[populora] ", 1)[1]
+    rows = [ln for ln in summary if ln.startswith("| ") and ln[2].isdigit()]
+    assert len(rows) == 15 and rows[0].startswith("| 1 | 60.0 |")
+    steady = next(ln for ln in summary if ln.startswith("steady step"))
+    assert "median 31.0 s (30.0-31.0, 11 steps)" in steady  # step 1 and the 3 evolution steps left out
+    assert next(ln for ln in summary if ln.startswith("evolution:")) == "evolution: 3 events, median 0.80 s, max 0.80 s"
+    host = next(ln for ln in summary if ln.startswith("host memory"))
+    assert "from step 5 to 15: 105.0 -> 105.5 GB, +0.50 GB per 10 steps" in host, host
+
+
+def test_the_dry_run_summary_of_a_run_that_stopped_early_says_so():
+    from populora_verl.random_model import dry_run_summary
+
+    assert dry_run_summary("Traceback (most recent call last):\n") == (
+        "start-up: no line (the run stopped before step 1 ended)\nno step finished")
+    two = dry_run_summary(_console_line(1, 60.0, 100.0) + _console_line(2, 30.0, 100.2))
+    assert "host memory: growth needs 2 steps from step 5 on" in two and "steady step" in two
