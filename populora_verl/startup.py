@@ -260,6 +260,9 @@ class PreflightCallback(Callback):
     def __init__(self, check_gpus: bool = True) -> None:
         self.check_gpus = check_gpus
         self.lock: Any = None
+        self.early_tq: Any = (
+            None  # TransferQueue started here once verl starts Ray (trainer.populora_early_transfer_queue)
+        )
 
     def on_run_start(self, config: Any, **kwargs: Any) -> None:
         # Hydra deep-copies this config for the task function only after on_run_start, so what is set here is what
@@ -295,8 +298,14 @@ class PreflightCallback(Callback):
             self.lock = claim_trainer_run_dir(config)
         except (ConfigError, RuntimeError, RunDirInUse) as e:
             _stop(e, config)
+        from populora_verl.trainer import early_transfer_queue
+
+        self.early_tq = early_transfer_queue.start(config)
 
     def on_job_end(self, config: Any, job_return: Any = None, **kwargs: Any) -> None:
+        if self.early_tq is not None:
+            self.early_tq.finish()
+            self.early_tq = None
         if self.lock is not None:
             # A run that failed before writing anything leaves no empty run directory behind.
             self.lock.finish()

@@ -27,6 +27,8 @@ Levers (``--b-override`` replaces B's overrides):
   loads (B, ``trainer.populora_early_servers``, the recipes' default), against verl's order (A);
 * ``engine_preload``: vLLM's engine-core process forked from a forkserver that imported vLLM's engine modules while the
   early server waited (B, ``trainer.populora_engine_preload``) against spawned (A);
+* ``early_transfer_queue``: TransferQueue started by the launching process as soon as Ray is up, beside the task
+  runner's start (B, ``trainer.populora_early_transfer_queue``) against by the task runner (A);
 * ``compile_cache``: vLLM's torch.compile cache kept across the runs in one folder (B; its first run fills it) against
   the cache off (A);
 * ``capture_sizes``: CUDA-graph capture sizes limited to the batch sizes the recipe can reach (B,
@@ -140,6 +142,12 @@ LEVERS: dict[str, Lever] = {
         "spawned (A, the default)",
         ("++trainer.populora_early_servers=true", "++trainer.populora_engine_preload=false"),
         ("++trainer.populora_early_servers=true", "++trainer.populora_engine_preload=true"),
+    ),
+    "early_transfer_queue": Lever(
+        "TransferQueue started by the launching process beside the task runner's start (B) against by the task "
+        "runner (A, the default)",
+        ("++trainer.populora_early_transfer_queue=false",),
+        ("++trainer.populora_early_transfer_queue=true",),
     ),
     "compile_cache": Lever(
         "vLLM's compile cache kept across runs in one folder (B) against the cache off (A)",
