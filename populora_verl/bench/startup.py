@@ -28,7 +28,7 @@ Levers (``--b-override`` replaces B's overrides):
 * ``engine_preload``: vLLM's engine-core process forked from a forkserver that imported vLLM's engine modules while the
   early server waited (B, ``trainer.populora_engine_preload``) against spawned (A);
 * ``early_transfer_queue``: TransferQueue started by the launching process as soon as Ray is up, beside the task
-  runner's start (B, ``trainer.populora_early_transfer_queue``) against by the task runner (A);
+  runner's start (B, ``trainer.populora_early_transfer_queue``, the recipes' default) against by the task runner (A);
 * ``compile_cache``: vLLM's torch.compile cache kept across the runs in one folder (B; its first run fills it) against
   the cache off (A);
 * ``capture_sizes``: CUDA-graph capture sizes limited to the batch sizes the recipe can reach (B,
@@ -144,8 +144,8 @@ LEVERS: dict[str, Lever] = {
         ("++trainer.populora_early_servers=true", "++trainer.populora_engine_preload=true"),
     ),
     "early_transfer_queue": Lever(
-        "TransferQueue started by the launching process beside the task runner's start (B) against by the task "
-        "runner (A, the default)",
+        "TransferQueue started by the launching process beside the task runner's start (B, the recipes' default) "
+        "against by the task runner (A)",
         ("++trainer.populora_early_transfer_queue=false",),
         ("++trainer.populora_early_transfer_queue=true",),
     ),

@@ -41,6 +41,9 @@ __all__ = [
     "started",
     "install",
     "engine_launch_module",
+    "fork_state",
+    "probe",
+    "unusable",
 ]
 
 #: What the engine-core process imports that the server process itself imports without touching CUDA (and vLLM imports
@@ -139,7 +142,13 @@ def start(modules: Sequence[str] = ENGINE_MODULES) -> bool:
         # The forkserver gets the list through its environment, read by PRELOADER; and this process's sys.path as
         # PYTHONPATH (Python 3.11's forkserver imports with the interpreter's default path, without a Ray worker's
         # runtime env or code added at run time). Both for its launch only.
-        extra = {PRELOAD_ENV: ",".join(modules), "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+        # PYTORCH_NVML_BASED_CUDA_CHECK: torch.cuda.is_available() and device_count(), which vLLM's imports call, ask
+        # NVML instead of the CUDA driver; through the driver, torch marks every later fork unable to use CUDA
+        extra = {
+            PRELOAD_ENV: ",".join(modules),
+            "PYTHONPATH": os.pathsep.join(p for p in sys.path if p),
+            "PYTORCH_NVML_BASED_CUDA_CHECK": "1",
+        }
         saved = {k: os.environ.get(k) for k in extra}
         os.environ.update(extra)
         try:
@@ -169,12 +178,55 @@ def engine_launch_module() -> Any | None:
     return module if callable(getattr(module, "get_mp_context", None)) else None
 
 
+def fork_state() -> dict[str, bool]:
+    """In a process forked from the forkserver: whether CUDA is usable here (torch marks a fork whose parent had
+    initialized CUDA, or asked the CUDA driver for the device count, as unable to use it)."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return {"cuda_initialized": False, "bad_fork": False}
+    return {"cuda_initialized": bool(torch.cuda.is_initialized()), "bad_fork": bool(torch.cuda._is_in_bad_fork())}
+
+
+def _probe_child(conn: Any) -> None:
+    conn.send(fork_state())
+    conn.close()
+
+
+def probe(ctx: Any) -> dict[str, bool]:
+    """:func:`fork_state` of one process forked from ``ctx``'s forkserver (its imports are done by then)."""
+    reader, writer = multiprocessing.Pipe(duplex=False)
+    p = ctx.Process(target=_probe_child, args=(writer,), daemon=True)
+    p.start()
+    writer.close()
+    try:
+        return reader.recv()
+    except EOFError:  # the probe died: nothing known, so not usable
+        return {"cuda_initialized": True, "bad_fork": True}
+    finally:
+        p.join()
+
+
+def unusable(state: dict[str, bool]) -> str | None:
+    """Why a fork from the forkserver cannot run vLLM's engine core (None: it can)."""
+    if state.get("cuda_initialized"):
+        return "the forkserver's imports initialized CUDA"
+    if state.get("bad_fork"):
+        return "torch marks its forks unable to use CUDA (the forkserver's imports asked the CUDA driver)"
+    return None
+
+
 def wrap_get_mp_context(original: Callable[[], Any]) -> Callable[[], Any]:
-    """``original`` (vLLM's ``get_mp_context``), answering with the preloaded forkserver where it chose ``spawn``."""
+    """``original`` (vLLM's ``get_mp_context``), answering with the preloaded forkserver where it chose ``spawn`` and a
+    probe forked from it can use CUDA (else vLLM's spawn, and one line that says why)."""
 
     def get_mp_context() -> Any:
         ctx = original()  # vLLM's checks and their environment side effects (RAY_ADDRESS, the start method)
         if ctx.get_start_method() != "spawn" or "context" not in _STATE:
+            return ctx
+        if "unusable" not in _STATE:
+            _STATE["unusable"] = unusable(probe(_STATE["context"]))
+        if _STATE["unusable"]:
+            print(f"[populora] vLLM engine core spawned: {_STATE['unusable']}", flush=True)
             return ctx
         print(
             f"[populora] vLLM engine core forked from the preloaded forkserver (started "

@@ -7,11 +7,12 @@ Ray processes, one after the other, each importing torch before it answers (the 
 TransferQueue", 20-28 s on an H200 host). TransferQueue lets a second process attach to a running controller: a
 ``tq.init`` that finds the controller by its name only builds a client once the controller holds the config.
 
-With ``trainer.populora_early_transfer_queue``, the start-up callback (:mod:`populora_verl.startup`) starts a thread
-in the launching process that waits for verl to start Ray and then runs ``tq.init`` there with the section verl will
-pass (``transfer_queue``, resolved, ``enable`` set as the task runner sets it). TransferQueue's processes then start
-beside the task runner's; the task runner's own ``tq.init`` attaches to them. The launching process owns the storage
-units, as verl's task runner does otherwise, and closes them when the job ends.
+With ``trainer.populora_early_transfer_queue`` (on in the recipes), the start-up callback
+(:mod:`populora_verl.startup`) starts a thread in the launching process that waits for verl to start Ray and then
+runs ``tq.init`` there with the section verl will pass (``transfer_queue``, resolved, ``enable`` set as the task
+runner sets it). TransferQueue's processes then start beside the task runner's; the task runner's own ``tq.init``
+attaches to them. The launching process owns the storage units, as verl's task runner does otherwise, and closes
+them when the job ends.
 
 Only the SimpleStorage backend (verl's default, and the recipes'): another backend may start processes of its own
 where ``tq.init`` runs, so it keeps verl's order. If the early start fails, its controller is ended so that the task

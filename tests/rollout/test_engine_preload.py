@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import os
 import signal
 import subprocess
 import sys
@@ -13,11 +14,14 @@ import time
 import types
 from pathlib import Path
 
+import pytest
+
 from populora_verl.rollout import engine_preload as ep
 
 PROBE = '''
 import os, time
 IMPORTED_IN = os.getpid()
+NVML_CHECK_AT_IMPORT = os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK")
 time.sleep(0.5)  # a slow import: the launch must wait for it, not import again
 
 
@@ -31,7 +35,8 @@ def child(path):
     import json, sys
     with open(path, "w") as f:
         json.dump({"pid": os.getpid(), "imported_in": IMPORTED_IN, "env": os.environ.get("POPULORA_PROBE_ENV"),
-                   "preloaded": "populora_probe_heavy" in sys.modules}, f)
+                   "preloaded": "populora_probe_heavy" in sys.modules, "nvml_check_at_import": NVML_CHECK_AT_IMPORT,
+                   "nvml_check": os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK")}, f)
 '''
 
 SCRIPT = '''
@@ -81,6 +86,8 @@ def test_the_child_is_forked_from_the_preloaded_server_with_the_launchers_enviro
     # imported once, in the forkserver: neither in the launcher (its own import is another) nor in the child
     assert child["imported_in"] not in (child["pid"], report["parent"])
     assert child["env"] == "after"  # the launcher's environment at start(), as under spawn
+    # torch's CUDA checks ask NVML during the forkserver's imports only (the driver would spoil every fork)
+    assert child["nvml_check_at_import"] == "1" and child["nvml_check"] is None
     assert report["sleeper_alive"] and report["sleeper_exit"] == -signal.SIGTERM
 
 
@@ -112,7 +119,7 @@ def test_vllms_choice_stands_where_it_is_not_spawn_or_nothing_was_preloaded(monk
     monkeypatch.setattr(ep, "_STATE", {})
     assert ep.wrap_get_mp_context(lambda: spawn)() is spawn  # no forkserver started in this process
     ours = ep.PreloadedContext()
-    monkeypatch.setattr(ep, "_STATE", {"context": ours, "started_at": 0.0})
+    monkeypatch.setattr(ep, "_STATE", {"context": ours, "started_at": 0.0, "unusable": None})  # probed: usable
     assert ep.wrap_get_mp_context(lambda: fork)() is fork
     calls = []
     assert ep.wrap_get_mp_context(lambda: calls.append(1) or spawn)() is ours
@@ -139,9 +146,11 @@ def test_the_preload_list_names_the_engine_and_our_worker_extension():
 
 
 FAKE_CUDA = '''
-import sys, types
-if "torch" not in sys.modules:  # stands for an import that initialized CUDA in the forkserver
-    sys.modules["torch"] = types.SimpleNamespace(cuda=types.SimpleNamespace(is_initialized=lambda: True))
+import os, sys, types
+if "torch" not in sys.modules:  # stands for an import that initialized CUDA, or asked its driver, in the forkserver
+    bad = os.environ["POPULORA_FAKE_CUDA"]
+    sys.modules["torch"] = types.SimpleNamespace(cuda=types.SimpleNamespace(
+        is_initialized=lambda: bad == "initialized", _is_in_bad_fork=lambda: bad == "bad_fork"))
 '''
 
 GUARD_SCRIPT = '''
@@ -150,17 +159,29 @@ sys.path.insert(0, sys.argv[1])
 from populora_verl.rollout import engine_preload as ep
 ep.start(["populora_probe_fake_cuda"])
 ctx = ep.wrap_get_mp_context(lambda: multiprocessing.get_context("spawn"))()
+print("spawned", not isinstance(ctx, ep.PreloadedContext))
 p = ctx.Process(target=os.getpid)
 p.start(); p.join(60)
 print("exitcode", p.exitcode)
 '''
 
 
-def test_a_forkserver_whose_imports_initialized_cuda_fails_the_child_with_the_key_to_turn_off(tmp_path: Path):
+@pytest.mark.parametrize("bad, why", [("initialized", "the forkserver's imports initialized CUDA"),
+                                      ("bad_fork", "torch marks its forks unable to use CUDA")])
+def test_a_forkserver_whose_forks_cannot_use_cuda_leaves_vllms_spawn(tmp_path: Path, bad, why):
+    # what an H200 host showed: vLLM's engine core forked from the forkserver failed with "Cannot re-initialize CUDA
+    # in forked subprocess"; a probe forked first finds it, and the engine core is spawned as vLLM chose
     (tmp_path / "populora_probe_fake_cuda.py").write_text(FAKE_CUDA)
+    env = dict(os.environ, POPULORA_FAKE_CUDA=bad)
     proc = subprocess.run(
-        [sys.executable, "-c", GUARD_SCRIPT, str(tmp_path)], capture_output=True, text=True, timeout=300
+        [sys.executable, "-c", GUARD_SCRIPT, str(tmp_path)], capture_output=True, text=True, timeout=300, env=env
     )
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip().splitlines()[-1] == "exitcode 1"
-    assert "trainer.populora_engine_preload=false" in proc.stderr
+    out = proc.stdout.strip().splitlines()
+    assert out[-2:] == ["spawned True", "exitcode 0"], proc.stdout + proc.stderr
+    assert f"[populora] vLLM engine core spawned: {why}" in proc.stdout
+
+
+def test_the_probe_of_a_clean_forkserver_finds_it_usable():
+    assert ep.unusable({"cuda_initialized": False, "bad_fork": False}) is None
+    assert ep.unusable(ep.fork_state()) is None  # this CPU process: no CUDA at all

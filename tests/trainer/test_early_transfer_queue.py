@@ -135,7 +135,7 @@ def test_the_recipes_start_up_callback_starts_it_and_ends_it_with_the_job(monkey
     monkeypatch.setattr(startup, "preflight", lambda config, check_gpus: None)  # no GPU, no model here
     monkeypatch.setattr(startup, "claim_trainer_run_dir", lambda config: None)
     monkeypatch.setattr(etq, "start", lambda config: started.append(etq.tq_conf(config)) or Early())
-    cfg = compose_recipe("qwen1.5b_1gpu_2t2s", ["trainer.populora_early_transfer_queue=true"])
+    cfg = compose_recipe("qwen1.5b_1gpu_2t2s")
     cb = startup.PreflightCallback(check_gpus=False)
     cb.on_run_start(cfg)
     cb.on_job_start(cfg)
@@ -143,4 +143,4 @@ def test_the_recipes_start_up_callback_starts_it_and_ends_it_with_the_job(monkey
     assert started[0]["backend"]["SimpleStorage"]["num_data_storage_units"] == 2  # the recipes' setting, resolved
     cb.on_job_end(cfg)
     assert finished == [True] and cb.early_tq is None
-    assert compose_recipe("qwen1.5b_1gpu_2t2s").trainer.populora_early_transfer_queue is False  # opt-in
+    assert compose_recipe("qwen1.5b_1gpu_2t2s").trainer.populora_early_transfer_queue is True  # the recipes' default
