@@ -7,11 +7,12 @@ the child prints one marked JSON line, the parent reads it back.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
-__all__ = ["alternating", "report", "run"]
+__all__ = ["alternating", "rounds", "report", "run"]
 
 T = TypeVar("T")
 
@@ -22,6 +23,20 @@ def alternating(settings: Sequence[T], rounds: int) -> Iterator[tuple[int, T]]:
     for r in range(rounds):
         for setting in settings if r % 2 == 0 else settings[::-1]:
             yield r, setting
+
+
+def rounds(
+    settings: Sequence[T], n: int, measure: Callable[[T], dict[str, Any]], line: Callable[[T, dict[str, Any]], str]
+) -> tuple[dict[T, list[dict[str, Any]]], tuple[float, float]]:
+    """Measure every setting ``n`` times in :func:`alternating` order, printing ``round R, <line>`` after each; the
+    measurements per setting, and the machine's 1-minute load average before and after."""
+    samples: dict[T, list[dict[str, Any]]] = {s: [] for s in settings}
+    before = os.getloadavg()[0]
+    for r, setting in alternating(settings, n):
+        t = measure(setting)
+        samples[setting].append(t)
+        print(f"round {r + 1}, {line(setting, t)}", flush=True)
+    return samples, (before, os.getloadavg()[0])
 
 
 def report(marker: str, values: dict[str, Any]) -> None:

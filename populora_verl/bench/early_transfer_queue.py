@@ -19,7 +19,7 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from populora_verl.bench import child
 
@@ -79,7 +79,7 @@ def measure(arm: str, units: int, timeout_s: float) -> dict[str, float]:
     return child.run(cmd, marker=_RESULT, what=f"arm {arm}", env=env, timeout=timeout_s)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, measure: Callable[[str, int, float], dict[str, float]] = measure) -> int:
     ap = argparse.ArgumentParser(
         prog="python -m populora_verl.bench.early_transfer_queue", description=__doc__.split("\n\n")[0]
     )
@@ -92,15 +92,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _child(args.child, args.units)
     if args.rounds < 1 or args.units < 1:
         ap.error("--rounds and --units must be at least 1")
-    times: dict[str, list[dict[str, float]]] = {a: [] for a in ARMS}
-    load_before = os.getloadavg()
-    for r, arm in child.alternating(ARMS, args.rounds):
-        t = measure(arm, args.units, args.timeout_s)
-        times[arm].append(t)
-        print(f"round {r + 1}, {arm}: ready {t['ready_s']:.1f} s, tq.init {t['init_s']:.1f} s", flush=True)
-    load_after = os.getloadavg()
+    times, (load_before, load_after) = child.rounds(
+        ARMS,
+        args.rounds,
+        lambda arm: measure(arm, args.units, args.timeout_s),
+        lambda arm, t: f"{arm}: ready {t['ready_s']:.1f} s, tq.init {t['init_s']:.1f} s",
+    )
     print(
-        f"\n{os.cpu_count()} CPUs; load average {load_before[0]:.2f} before, {load_after[0]:.2f} after; "
+        f"\n{os.cpu_count()} CPUs; load average {load_before:.2f} before, {load_after:.2f} after; "
         f"{args.rounds} rounds, arms alternating; {args.units} storage units\n"
     )
     print("| arm | ray.init to TransferQueue in the task runner, s (min-max) | its tq.init, s (min-max) | ready × A |")

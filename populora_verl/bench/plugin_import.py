@@ -150,15 +150,14 @@ def main(argv: Sequence[str] | None = None, measure: Callable[[str, float], dict
     args = ap.parse_args(argv)
     if args.rounds < 1:
         ap.error("--rounds must be at least 1")
-    samples: dict[str, list[dict[str, float]]] = {arm: [] for arm in ARMS}
-    load_before = os.getloadavg()
-    for r, arm in child.alternating(list(ARMS), args.rounds):
-        t = measure(arm, args.timeout_s)
-        samples[arm].append(t)
-        print(f"round {r + 1} {arm}: {t['import_s']:.2f} s, {int(t['modules'])} modules", flush=True)
-    load_after = os.getloadavg()
+    samples, (load_before, load_after) = child.rounds(
+        list(ARMS),
+        args.rounds,
+        lambda arm: measure(arm, args.timeout_s),
+        lambda arm, t: f"{arm}: {t['import_s']:.2f} s, {int(t['modules'])} modules",
+    )
     print(
-        f"\n{_cpus()}; load average {load_before[0]:.2f} before, {load_after[0]:.2f} after; Python "
+        f"\n{_cpus()}; load average {load_before:.2f} before, {load_after:.2f} after; Python "
         f"{sys.version.split()[0]}; {args.rounds} rounds, order alternating; seconds of the imports, timed inside "
         "each fresh interpreter (process s: its whole run, start-up and exit included)\n"
     )
