@@ -70,7 +70,7 @@ class EarlyTransferQueue:
 
     def __init__(self, conf: dict[str, Any]) -> None:
         self.conf = conf
-        self.created = False  # this process's tq.init returned: it owns the storage units
+        self.created = False  # this process's tq.init returned: it closes TransferQueue at the end of the job
         self.error: BaseException | None = None
         self.seconds: float | None = None  # from Ray's start to TransferQueue's
         self._stop = threading.Event()
