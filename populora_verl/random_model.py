@@ -455,10 +455,10 @@ def dry_run_summary(text: str) -> str:
     for step in sorted(rows):
         m = rows[step]
         evolved = m.get("populora/evolution/events", 0) > 0
-        cells = [str(step), _fmt_s(m.get("timing_s/step"))]
-        cells += [_fmt_s(m.get(f"timing_s/{key}")) for key, _ in _SUMMARY_PHASES]
+        cells = [str(step), _fmt(m.get("timing_s/step"))]
+        cells += [_fmt(m.get(f"timing_s/{key}")) for key, _ in _SUMMARY_PHASES]
         peak, used = _key_max(m, "actor/perf/max_memory_allocated_gb"), _key_max(m, "actor/perf/cpu_memory_used_gb")
-        cells += [_fmt_s(peak), _fmt_s(used)]
+        cells += [_fmt(peak), _fmt(used)]
         out.append("| " + " | ".join(cells) + " |")
         if used is not None and step >= HOST_MEMORY_FROM_STEP:
             host.append((step, used))
@@ -486,7 +486,7 @@ def dry_run_summary(text: str) -> str:
     return "\n".join(out)
 
 
-def _fmt_s(x: float | None) -> str:
+def _fmt(x: float | None) -> str:
     return "-" if x is None else f"{x:.2f}" if x < 10 else f"{x:.1f}"
 
 

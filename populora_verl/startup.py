@@ -260,9 +260,8 @@ class PreflightCallback(Callback):
     def __init__(self, check_gpus: bool = True) -> None:
         self.check_gpus = check_gpus
         self.lock: Any = None
-        self.early_tq: Any = (
-            None  # TransferQueue started here once verl starts Ray (trainer.populora_early_transfer_queue)
-        )
+        # TransferQueue, started here once verl starts Ray (trainer.populora_early_transfer_queue)
+        self.early_tq: Any = None
 
     def on_run_start(self, config: Any, **kwargs: Any) -> None:
         # Hydra deep-copies this config for the task function only after on_run_start, so what is set here is what

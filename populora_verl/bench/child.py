@@ -28,14 +28,14 @@ def alternating(settings: Sequence[T], rounds: int) -> Iterator[tuple[int, T]]:
 def rounds(
     settings: Sequence[T], n: int, measure: Callable[[T], dict[str, Any]], line: Callable[[T, dict[str, Any]], str]
 ) -> tuple[dict[T, list[dict[str, Any]]], tuple[float, float]]:
-    """Measure every setting ``n`` times in :func:`alternating` order, printing ``round R, <line>`` after each; the
+    """Measure every setting ``n`` times in :func:`alternating` order, printing ``round R <line>`` after each; the
     measurements per setting, and the machine's 1-minute load average before and after."""
     samples: dict[T, list[dict[str, Any]]] = {s: [] for s in settings}
     before = os.getloadavg()[0]
     for r, setting in alternating(settings, n):
         t = measure(setting)
         samples[setting].append(t)
-        print(f"round {r + 1}, {line(setting, t)}", flush=True)
+        print(f"round {r + 1} {line(setting, t)}", flush=True)
     return samples, (before, os.getloadavg()[0])
 
 

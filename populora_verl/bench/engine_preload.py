@@ -23,6 +23,8 @@ import sys
 import time
 from collections.abc import Sequence
 
+from populora_verl.bench import child
+
 __all__ = ["child_ready", "measure_once", "main"]
 
 #: one round of one arm, in a fresh interpreter: prints {"launch_s": ..., "preload_s": ...}
@@ -87,17 +89,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.rounds < 1:
         ap.error("--rounds must be >= 1")
     modules = [m for m in args.modules.split(",") if m]
-    launch: dict[str, list[float]] = {"spawn": [], "preloaded": []}
-    preload: list[float] = []
     started = time.perf_counter()
-    for r in range(args.rounds):
-        order = ("spawn", "preloaded") if r % 2 == 0 else ("preloaded", "spawn")
-        for arm in order:
-            out = measure_once(arm, modules)
-            launch[arm].append(out["launch_s"])
-            if arm == "preloaded":
-                preload.append(out["preload_s"])
-            print(f"round {r + 1} {arm}: start() to ready {out['launch_s']:.2f} s", flush=True)
+    samples, _ = child.rounds(
+        ("spawn", "preloaded"),
+        args.rounds,
+        lambda arm: measure_once(arm, modules),
+        lambda arm, out: f"{arm}: start() to ready {out['launch_s']:.2f} s",
+    )
+    launch = {arm: [out["launch_s"] for out in outs] for arm, outs in samples.items()}
+    preload = [out["preload_s"] for out in samples["preloaded"]]
     ratio = statistics.median(launch["preloaded"]) / statistics.median(launch["spawn"])
     took = time.perf_counter() - started
     print(f"\nmodules: {', '.join(modules)}; {args.rounds} rounds per arm, interleaved ({took:.0f} s)")
