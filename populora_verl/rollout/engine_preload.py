@@ -16,7 +16,9 @@ What ``spawn`` gave and a fork from the forkserver would not, the processes here
 * the choice itself: vLLM's own ``get_mp_context`` still runs first (its environment side effects stay), and only
   where it chose ``spawn`` is the forkserver used; where it chose ``fork``, vLLM's context is returned.
 
-The forkserver has no CUDA context (only imports ran there), which is what vLLM's ``fork`` default needs outside Ray.
+A fork can use CUDA only where the forkserver's imports neither initialized it nor asked the CUDA driver for its
+devices (torch then marks every fork unusable); the forkserver imports with torch's NVML-based checks, and before the
+first engine core the server forks one probe (:func:`probe`): where it cannot use CUDA, vLLM's spawn stays.
 A forked engine core is the forkserver's child, not the server's: it watches the server process and ends with it, as
 vLLM's own parent-death signal ends a spawned one.
 """
@@ -81,12 +83,6 @@ class _EnvProcess(multiprocessing.context.ForkServerProcess):
         launcher = getattr(self, "_populora_launcher", None)
         if launcher is not None:
             _end_with(launcher)
-        torch = sys.modules.get("torch")
-        if torch is not None and torch.cuda.is_initialized():
-            raise RuntimeError(
-                "the forkserver's imports initialized CUDA, so a forked process cannot use it: set "
-                "trainer.populora_engine_preload=false"
-            )
         super().run()
 
 
