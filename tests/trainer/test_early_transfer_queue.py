@@ -71,7 +71,7 @@ def test_a_failed_start_ends_its_controller_so_the_task_runner_cannot_wait_for_e
 
 
 CHILD = textwrap.dedent("""
-    import json, sys
+    import json, sys, time
     import ray
     from omegaconf import OmegaConf
     from populora_verl.trainer import early_transfer_queue as etq
@@ -88,6 +88,15 @@ CHILD = textwrap.dedent("""
             from tensordict import TensorDict
             from transfer_queue import interface
 
+            # verl's task runner reaches tq.init after importing verl, long after the launcher's start; here the
+            # actor imports little, so it waits for the controller's name (TransferQueue's own handling of the other
+            # order, both creating it, is not what this test is about)
+            while True:
+                try:
+                    ray.get_actor("TransferQueueController", namespace="transfer_queue")
+                    break
+                except ValueError:
+                    time.sleep(0.05)
             tq.init(OmegaConf.create(conf))
             owns_storage = interface._TQ_STORAGE is not None
             tq.kv_batch_put(keys=["a", "b"], partition_id="p",
