@@ -297,9 +297,13 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="threads that dequantise (default: this machine's CPUs, at most 16; 1: one at a time)",
     )
-    from populora_verl.random_model import add_random_parser, run_random
+    from populora_verl.random_model import add_random_parser, dry_run_summary, run_random
 
     add_random_parser(sub)
+    summary = sub.add_parser(
+        "summary", help="a dry run's summary again, from its saved output (also of a run stopped before its end)"
+    )
+    summary.add_argument("log", help="the file the dry run's output went to")
     ap.add_argument("--debug", action="store_true", help="show the full traceback of an error")
     # hydra overrides may follow the options of ``random`` (argparse takes a trailing positional list only before them)
     args, extra = ap.parse_known_args(argv)
@@ -313,6 +317,11 @@ def main(argv: list[str] | None = None) -> int:
     def run() -> int:
         if args.cmd == "random":
             return run_random(args)
+        if args.cmd == "summary":
+            if not Path(args.log).is_file():
+                raise UsageError(f"log {args.log}: no such file")
+            print(dry_run_summary(Path(args.log).read_text(errors="replace")))
+            return 0
         if args.cmd == "join":
             print(join_offline_model(args.name, args.out_file))
             return 0

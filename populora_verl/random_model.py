@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shlex
 import sys
 import time
@@ -46,6 +47,7 @@ __all__ = [
     "add_random_parser",
     "run_random",
     "dry_run_summary",
+    "run_memory_gb",
 ]
 
 PROG = "populora_verl.models"
@@ -417,6 +419,38 @@ _SUMMARY_PHASES = (
 HOST_MEMORY_FROM_STEP = 5
 
 
+#: What the dry run prints after each step's console line: the memory of the run's own processes at that moment.
+_RUN_MEMORY_LINE = "[populora] dry run: step {step}, the run's processes hold {gb:.2f} GB ({n} processes, PSS)"
+_RUN_MEMORY = re.compile(r"\[populora\] dry run: step (\d+), the run's processes hold ([0-9.]+) GB")
+_STEP = re.compile(r"\bstep:(\d+) - ")
+
+
+def run_memory_gb(pid: int) -> tuple[float, int] | None:
+    """The memory held by process ``pid`` and every process below it, in GB, and how many processes: their
+    proportional set sizes summed (a page shared by k of them counts 1/k to each, so the sum counts it once). A
+    trainer's Ray cluster, its workers and vLLM's engines all start below the trainer's process, so this is the
+    run's own memory, which other jobs on the node do not move (verl's ``cpu_memory_used_gb`` is the machine's).
+    None once ``pid`` is gone."""
+    import psutil  # a dependency of ray, always present with verl
+
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return None
+    total, n = 0, 0
+    for proc in procs:
+        try:
+            info = proc.memory_full_info()
+        except psutil.AccessDenied:
+            info = proc.memory_info()  # no PSS without access to its smaps: its resident size instead
+        except psutil.Error:
+            continue  # ended between the listing and the read
+        total += getattr(info, "pss", info.rss)
+        n += 1
+    return total / 2**30, n
+
+
 def _key_max(metrics: Mapping[str, float], suffix: str) -> float | None:
     """The largest value among the keys ending in ``suffix`` (verl's own and each slot's ``populora/<slot>/...``):
     host memory is sampled machine-wide at each slot's update, so the step's largest sample is its peak."""
@@ -447,7 +481,10 @@ def dry_run_summary(text: str) -> str:
     out = [startup[-1] if startup else "start-up: no line (the run stopped before step 1 ended)"]
     if not rows:
         return "\n".join([*out, "no step finished"])
+    own = {int(m.group(1)): float(m.group(2)) for m in map(_RUN_MEMORY.search, text.splitlines()) if m}
     head = ["step", "step s", *(name for _, name in _SUMMARY_PHASES), "trainer peak GB", "host used GB"]
+    if own:
+        head.append("run's own GB")
     out += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     host: list[tuple[int, float]] = []
     steady: list[float] = []
@@ -459,8 +496,10 @@ def dry_run_summary(text: str) -> str:
         cells += [_fmt(m.get(f"timing_s/{key}")) for key, _ in _SUMMARY_PHASES]
         peak, used = _key_max(m, "actor/perf/max_memory_allocated_gb"), _key_max(m, "actor/perf/cpu_memory_used_gb")
         cells += [_fmt(peak), _fmt(used)]
+        if own:
+            cells.append(_fmt(own.get(step)))
         out.append("| " + " | ".join(cells) + " |")
-        if used is not None and step >= HOST_MEMORY_FROM_STEP:
+        if used is not None:
             host.append((step, used))
         if evolved and "timing_s/populora_evolve" in m:
             events.append(m["timing_s/populora_evolve"])
@@ -475,15 +514,22 @@ def dry_run_summary(text: str) -> str:
         out.append(
             f"evolution: {len(events)} events, median {statistics.median(events):.2f} s, max {max(events):.2f} s"
         )
-    slope = _slope_per_step(host)
-    if slope is None:
-        out.append(f"host memory: growth needs 2 steps from step {HOST_MEMORY_FROM_STEP} on")
-    else:
-        out.append(
-            f"host memory from step {host[0][0]} to {host[-1][0]}: {host[0][1]:.1f} -> {host[-1][1]:.1f} GB, "
-            f"{10 * slope:+.2f} GB per 10 steps (least squares over {len(host)} steps)"
-        )
+    out.append(_growth("host memory", host))
+    if own:
+        out.append(_growth("the run's own memory", [(s, gb) for s, gb in sorted(own.items()) if s in rows]))
     return "\n".join(out)
+
+
+def _growth(what: str, points: Sequence[tuple[int, float]]) -> str:
+    """``what``'s growth per 10 steps from :data:`HOST_MEMORY_FROM_STEP` on, by least squares."""
+    points = [(s, gb) for s, gb in points if s >= HOST_MEMORY_FROM_STEP]
+    slope = _slope_per_step(points)
+    if slope is None:
+        return f"{what}: growth needs 2 steps from step {HOST_MEMORY_FROM_STEP} on"
+    return (
+        f"{what} from step {points[0][0]} to {points[-1][0]}: {points[0][1]:.1f} -> {points[-1][1]:.1f} GB, "
+        f"{10 * slope:+.2f} GB per 10 steps (least squares over {len(points)} steps)"
+    )
 
 
 def _fmt(x: float | None) -> str:
@@ -507,6 +553,12 @@ def _run_and_summarise(cmd: Sequence[str], env: Mapping[str, str]) -> int:
                 sys.stdout.write(line)
                 if "step:" in line or "[populora] start-up:" in line:
                     kept.append(line)
+                step = _STEP.search(line)
+                own = run_memory_gb(proc.pid) if step else None
+                if own is not None:
+                    # at the step's console line, so that a saved log holds it too (the summary reads it back)
+                    kept.append(_RUN_MEMORY_LINE.format(step=step.group(1), gb=own[0], n=own[1]) + "\n")
+                    sys.stdout.write(kept[-1])
             break
         except KeyboardInterrupt:
             # the trainer, in our process group, got the same signal: pass its shutdown through; a second one ends it

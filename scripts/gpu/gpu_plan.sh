@@ -28,7 +28,7 @@ case "$cmd" in
     for log in "$ROOT"/*.log; do
       case "$(basename "$log")" in driver.log|gpu_mem.log) continue ;; esac
       echo "--- $(basename "$log"): populora lines, checks and errors (tail)"
-      grep -a "\[populora\] \(layout\|step\|resumed\|seeding\)\|^OK \|^MISS \|exit=\|Error\|Traceback\|out of memory" "$log" \
+      grep -a "\[populora\] \(layout\|step\|resumed\|seeding\|dry run\|start-up\|vLLM engine core\)\|^OK \|^MISS \|exit=\|Error\|Traceback\|out of memory" "$log" \
         | grep -av "Warning\|warn(\|_moe_C\|engine is not available" | cut -c1-300 | tail -8
     done
     echo "--- GPU (MiB used, util % per GPU):"; tail -1 "$ROOT/gpu_mem.log" 2>/dev/null

@@ -5,6 +5,7 @@ trained here: no download)."""
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import sys
 
@@ -154,6 +155,7 @@ def test_run_starts_the_printed_command_with_the_trainer_environment(tmp_path, t
         def __init__(self, cmd, env, **kw):
             calls.append((cmd, env))
             self.stdout = iter([f"{STARTUP}\n", "noise\n", _console_line(1, 30.0, 50.0), _console_line(2, 20.0, 50.5)])
+            self.pid = os.getpid()  # the run's own memory is then this test's process and whatever runs below it
 
         def wait(self):
             return 7
@@ -165,6 +167,9 @@ def test_run_starts_the_printed_command_with_the_trainer_environment(tmp_path, t
     out = capsys.readouterr().out
     assert "noise" in out and "dry run, exit code 7" in out and STARTUP.split("] ", 1)[1] in out
     assert "| 2 | 20.0 |" in out  # the summary's row of the second step
+    own = [ln for ln in out.splitlines() if ln.startswith("[populora] dry run: step ")]
+    assert [ln.split(",")[0] for ln in own] == ["[populora] dry run: step 1", "[populora] dry run: step 2"]
+    assert "run's own GB" in out and "the run's own memory: growth needs 2 steps from step 5 on" in out
     printed = _printed_command(out)
     (cmd, env), = calls
     assert cmd == [sys.executable, *printed[1:]]
@@ -230,3 +235,38 @@ def test_the_dry_run_summary_of_a_run_that_stopped_early_says_so():
         "start-up: no line (the run stopped before step 1 ended)\nno step finished")
     two = dry_run_summary(_console_line(1, 60.0, 100.0) + _console_line(2, 30.0, 100.2))
     assert "host memory: growth needs 2 steps from step 5 on" in two and "steady step" in two
+
+
+def test_the_run_s_own_memory_sums_the_processes_below_it_and_the_summary_reads_it_from_a_saved_log(tmp_path, capsys):
+    import subprocess
+
+    from populora_verl.random_model import run_memory_gb
+
+    # a child that holds 256 MiB of written pages (a multiplied bytes object is filled, not left to calloc's zero pages)
+    child = subprocess.Popen([sys.executable, "-c", "import sys; x = b'x' * (256 << 20); print('ready', flush=True); "
+                              "sys.stdin.read()"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        alone, n_alone = run_memory_gb(child.pid)
+        tree, n_tree = run_memory_gb(os.getpid())
+        assert n_alone == 1 and alone >= 0.25
+        assert n_tree >= 2 and tree >= alone  # this process and the child below it
+    finally:
+        child.communicate("")
+    assert run_memory_gb(child.pid) is None  # gone
+
+    # the summary from a saved log: the run's own memory grows 0.1 GB a step while the machine's moves with others
+    text = STARTUP + "\n" + "".join(
+        _console_line(s, 30.0, 100.0 + 3 * (s % 2))
+        + f"[populora] dry run: step {s}, the run's processes hold {40 + 0.1 * s:.2f} GB (30 processes, PSS)\n"
+        for s in range(1, 12)
+    )
+    log = tmp_path / "dry-run.log"
+    log.write_text("(TaskRunnerV1 pid=7) noise\n" + text)
+    assert models.main(["summary", str(log)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[1].endswith("| run's own GB |") and out[3].endswith("| 40.1 |")
+    own = next(ln for ln in out if ln.startswith("the run's own memory"))
+    assert "from step 5 to 11: 40.5 -> 41.1 GB, +1.00 GB per 10 steps (least squares over 7 steps)" in own, own
+    assert models.main(["summary", str(tmp_path / "none.log")]) == 2
+    assert "log " in capsys.readouterr().err
