@@ -536,9 +536,10 @@ def _fmt(x: float | None) -> str:
     return "-" if x is None else f"{x:.2f}" if x < 10 else f"{x:.1f}"
 
 
-def _run_and_summarise(cmd: Sequence[str], env: Mapping[str, str]) -> int:
+def _run_and_summarise(cmd: Sequence[str], env: Mapping[str, str], last_step: int) -> int:
     """Run the trainer with its output passed through, then print :func:`dry_run_summary` of what it printed (also
-    after Ctrl-C or a failed step: the steps that ran are still measured)."""
+    after Ctrl-C or a failed step: the steps that ran are still measured). After each step's line but the last the
+    run's own memory is printed too: the last step's line comes as the trainer starts to shut its processes down."""
     import subprocess
 
     kept: list[str] = []  # only the lines the summary reads: a long run prints a lot
@@ -554,7 +555,7 @@ def _run_and_summarise(cmd: Sequence[str], env: Mapping[str, str]) -> int:
                 if "step:" in line or "[populora] start-up:" in line:
                     kept.append(line)
                 step = _STEP.search(line)
-                own = run_memory_gb(proc.pid) if step else None
+                own = run_memory_gb(proc.pid) if step and int(step.group(1)) < last_step else None
                 if own is not None:
                     # at the step's console line, so that a saved log holds it too (the summary reads it back)
                     kept.append(_RUN_MEMORY_LINE.format(step=step.group(1), gb=own[0], n=own[1]) + "\n")
@@ -698,4 +699,4 @@ def run_random(args: Any) -> int:
     sys.stdout.flush()
     # the profile's variables reach Ray's workers through the runtime env too; the driver's own processes inherit these
     env = {**os.environ, **TRAINER_ENV, **PROFILE_ENV.get(args.profile, {})}
-    return _run_and_summarise([sys.executable, *cmd[1:]], env)
+    return _run_and_summarise([sys.executable, *cmd[1:]], env, last_step=args.steps)

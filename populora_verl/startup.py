@@ -166,9 +166,31 @@ def _check_liger(config: Any) -> None:
         )
 
 
+ATTENTION_KEY = "actor_rollout_ref.model.override_config.attn_implementation"
+
+
+def _flash_attn_2_available() -> bool:
+    import importlib.util
+
+    # the package, not transformers' full check: importing transformers here would lengthen every launch
+    return importlib.util.find_spec("flash_attn") is not None
+
+
+def _check_attention(config: Any) -> None:
+    """verl builds the FSDP model with flash-attn 2 unless the override names another attention; without the package
+    transformers refuses in each worker's model init, minutes in (a node without a flash-attn wheel for its torch)."""
+    if (_select(config, ATTENTION_KEY) or "flash_attention_2") != "flash_attention_2" or _flash_attn_2_available():
+        return
+    raise ConfigError(
+        f"{ATTENTION_KEY}: verl's default flash_attention_2 needs the flash-attn package, not usable here; install it, "
+        f"or set ++{ATTENTION_KEY}=populora_varlen (packed training attention without flash-attn) or sdpa"
+    )
+
+
 def preflight(config: Any, *, check_gpus: bool = True) -> None:
     """Every check that needs no worker: the ``populora.*`` section and what it names (operators, the seed file),
-    the verl keys PopuLoRA depends on, the plugin's registrations, the model path, the GPUs and vLLM. Raises
+    the verl keys PopuLoRA depends on, the plugin's registrations, the model path, the GPUs, vLLM and the attention
+    kernels. Raises
     :class:`ConfigError` (or ``RuntimeError`` for a broken install) with one line."""
     from populora_verl.config import load_config
     from populora_verl.trainer.verl_config import validate_verl_config
@@ -201,6 +223,7 @@ def preflight(config: Any, *, check_gpus: bool = True) -> None:
     if check_gpus:  # what this machine has: GPUs, and the vLLM every PopuLoRA rollout runs on
         _check_gpus(config)
         _check_vllm()
+        _check_attention(config)
 
 
 RUN_DIR_KEY = "trainer.default_local_dir"

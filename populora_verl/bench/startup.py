@@ -25,8 +25,6 @@ Levers (``--b-override`` replaces B's overrides):
   verl's order (A, the default);
 * ``early_servers``: vLLM's server actors created with the FSDP workers, their processes importing while the model
   loads (B, ``trainer.populora_early_servers``, the recipes' default), against verl's order (A);
-* ``engine_preload``: vLLM's engine-core process forked from a forkserver that imported vLLM's engine modules while the
-  early server waited (B, ``trainer.populora_engine_preload``) against spawned (A);
 * ``early_transfer_queue``: TransferQueue started by the launching process as soon as Ray is up, beside the task
   runner's start (B, ``trainer.populora_early_transfer_queue``, the recipes' default) against by the task runner (A);
 * ``compile_cache``: vLLM's torch.compile cache kept across the runs in one folder (B; its first run fills it) against
@@ -136,12 +134,6 @@ LEVERS: dict[str, Lever] = {
         "vLLM's server actors started with the FSDP workers (B, the recipes' default) against verl's order (A)",
         ("++trainer.populora_early_servers=false",),
         ("++trainer.populora_early_servers=true",),
-    ),
-    "engine_preload": Lever(
-        "vLLM's engine core forked from a forkserver that imported vLLM while the early server waited (B) against "
-        "spawned (A, the default)",
-        ("++trainer.populora_early_servers=true", "++trainer.populora_engine_preload=false"),
-        ("++trainer.populora_early_servers=true", "++trainer.populora_engine_preload=true"),
     ),
     "early_transfer_queue": Lever(
         "TransferQueue started by the launching process beside the task runner's start (B, the recipes' default) "

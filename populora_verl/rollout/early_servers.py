@@ -27,7 +27,6 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "ENABLE_KEY",
-    "PRELOAD_KEY",
     "EarlyServers",
     "DeferredInit",
     "defer",
@@ -37,11 +36,7 @@ __all__ = [
 ]
 
 ENABLE_KEY = "trainer.populora_early_servers"
-#: with the early servers: each starts a forkserver with vLLM's engine modules imported while it waits
-#: (populora_verl.rollout.engine_preload)
-PRELOAD_KEY = "trainer.populora_engine_preload"
 DEFER_KWARG = "populora_deferred"
-PRELOAD_KWARG = "populora_engine_preload"
 #: how long a hand-over waits for the early actors to be created, and for a refused actor's name to be freed
 WAIT_S = 120.0
 
@@ -50,12 +45,7 @@ _ACTIVE: EarlyServers | None = None
 
 
 def defer(server: Any, kwargs: dict[str, Any]) -> bool:
-    """In a server's ``__init__``: True (construction skipped) when created with ``populora_deferred=True``; with
-    ``populora_engine_preload=True`` too, the process's forkserver starts importing vLLM's engine modules."""
-    if kwargs.pop(PRELOAD_KWARG, False):
-        from populora_verl.rollout import engine_preload
-
-        engine_preload.start()
+    """In a server's ``__init__``: True (construction skipped) when created with ``populora_deferred=True``."""
     if kwargs.pop(DEFER_KWARG, False):
         server._populora_deferred = True
         return True
@@ -120,11 +110,8 @@ class EarlyServers:
     """The server actors created early, by name, until verl's replicas take them (:meth:`take`)."""
 
     def __init__(self, config: Any, server_class: Callable[[], Any], node_id: str, names: list[str]) -> None:
-        from populora_verl.trainer.verl_config import select
-
         self._config, self._load_class, self._node_id = config, server_class, node_id
         self.names = list(names)
-        self.preload = bool(select(config, PRELOAD_KEY, False))
         self._actors: dict[str, tuple[Any, dict[str, Any]]] = {}
         self._error: BaseException | None = None
         # No actor is created once a hand-over gave up waiting or the set-up ended: verl may have created its own
@@ -148,8 +135,7 @@ class EarlyServers:
                 with self._lock:
                     if self._closed:
                         return
-                    kwargs = {DEFER_KWARG: True, **({PRELOAD_KWARG: True} if self.preload else {})}
-                    self._actors[name] = (remote_cls.options(**opts).remote(**kwargs), opts)
+                    self._actors[name] = (remote_cls.options(**opts).remote(**{DEFER_KWARG: True}), opts)
         except BaseException as e:  # noqa: BLE001 - any failure only means verl's order
             self._error = e
 

@@ -28,7 +28,7 @@ from verl.workers.rollout.vllm_rollout.vllm_async_server import vLLMHttpServer, 
 from vllm.lora.request import LoRARequest
 
 from populora_verl import verl_compat
-from populora_verl.rollout import early_servers, engine_preload
+from populora_verl.rollout import early_servers
 from populora_verl.rollout.engine_ports import export_engine_port
 from populora_verl.rollout.routing import PopuLoRAServerMixin
 from populora_verl.rollout.weight_sync import export_unique_job_id
@@ -72,12 +72,6 @@ class PopuLoRAvLLMHttpServer(early_servers.DeferredInit, PopuLoRAServerMixin, vL
                 raise ValueError("populora_vllm does not support prefill/decode disaggregation")
         if not self.lora_as_adapter:
             raise ValueError("populora_vllm needs model.lora_rank > 0 and lora.merge=false (adapters served by vLLM)")
-        # This server was started early with a forkserver importing vLLM's engine modules: the engine core is
-        # forked from it when verl launches the engine (rollout.engine_preload).
-        if engine_preload.started():
-            why_not = engine_preload.install()
-            if why_not:
-                logger.warning("[populora] vLLM engine preload not used: %s; vLLM spawns its engine core", why_not)
 
     # A verl whose colocate extension loads an adapter under the caller's id keeps its own extension in vLLM's
     # workers (the mixin's collective_rpc retires old ids through vLLM); verl 0.9.1 loads ours.

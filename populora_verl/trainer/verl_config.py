@@ -19,6 +19,7 @@ from populora_verl.trainer.enable import Setting
 __all__ = [
     "VLLM_MAX_LORA_RANK",
     "POLL_INTERVAL_KEY",
+    "REMOVED_KEYS",
     "poll_interval",
     "validate_verl_config",
     "required_settings",
@@ -49,6 +50,13 @@ def select(cfg: Any, dotted: str, default: Any = None) -> Any:
 
 def _bad(key: str, msg: str) -> None:
     raise ConfigError(f"{key}: {msg}")
+
+
+#: Keys the plugin once read and no longer does, and why: one given still stops the start-up, naming the key, instead
+#: of being ignored silently.
+REMOVED_KEYS: dict[str, str] = {
+    "trainer.populora_engine_preload": "the forked engine core could not use CUDA on the GPU stack; vLLM spawns it",
+}
 
 
 #: How often a rollout phase asks TransferQueue whether all its trajectories are in (seconds). verl's replay buffer
@@ -126,14 +134,9 @@ def validate_verl_config(config: Any, pcfg: PopuLoRAConfig) -> None:
         )
     if select(config, "distillation.enabled", False):
         _bad("distillation.enabled", "must be false with PopuLoRA")
-    # the forkserver imports vLLM while a server started early waits for verl (rollout.engine_preload)
-    if select(config, "trainer.populora_engine_preload", False) and not select(
-        config, "trainer.populora_early_servers", False
-    ):
-        _bad(
-            "trainer.populora_engine_preload",
-            "needs trainer.populora_early_servers=true (it acts in a server started early)",
-        )
+    for key, why in REMOVED_KEYS.items():
+        if select(config, key) is not None:
+            _bad(key, f"removed ({why})")
     rank = select(config, f"{ar}.model.lora_rank", 0) or select(config, f"{ar}.model.lora.rank", 0)
     if not (isinstance(rank, int) and rank > 0):
         _bad(f"{ar}.model.lora_rank", f"must be > 0 (every member is a LoRA adapter), got {rank!r}")

@@ -133,7 +133,7 @@ def test_one_arm_per_gpu_runs_that_arms_first_runs_and_rounds_only(tmp_path, cap
 
 
 @pytest.mark.parametrize(
-    "lever", ["early_agent_loop", "early_servers", "engine_preload", "early_transfer_queue", "compile_cache", "use_shm", "capture_sizes", "uni_executor", "weight_sync", "stack"]
+    "lever", ["early_agent_loop", "early_servers", "early_transfer_queue", "compile_cache", "use_shm", "capture_sizes", "uni_executor", "weight_sync", "stack"]
 )
 def test_each_levers_overrides_compose_with_a_recipe(lever, tmp_path):
     recipe = "4t4s" if lever == "capture_sizes" else RECIPE  # a recipe with sizes it cannot reach
@@ -159,9 +159,6 @@ def test_each_levers_overrides_compose_with_a_recipe(lever, tmp_path):
     elif lever == "early_servers":
         assert a.trainer.populora_early_servers is False and b.trainer.populora_early_servers is True
         assert config.trainer.populora_early_servers is True  # the recipes' default: B is the recipe as it stands
-    elif lever == "engine_preload":
-        assert a.trainer.populora_early_servers is True and b.trainer.populora_early_servers is True
-        assert a.trainer.populora_engine_preload is False and b.trainer.populora_engine_preload is True
     elif lever == "early_transfer_queue":
         assert a.trainer.populora_early_transfer_queue is False and b.trainer.populora_early_transfer_queue is True
         assert config.transfer_queue.backend.storage_backend == "SimpleStorage"  # where the lever acts

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import sys
 
 import pytest
@@ -63,6 +64,7 @@ def test_gpus_and_keys_are_checked(model_dir, monkeypatch):
     with pytest.raises(ConfigError, match=r"8 GPUs requested but 2 visible.*trainer\.n_gpus_per_node=2"):
         preflight(cfg)
     monkeypatch.setattr("populora_verl.checks.vllm_missing", lambda: None)  # this CPU machine has no vLLM
+    monkeypatch.setattr("populora_verl.startup._flash_attn_2_available", lambda: True)  # nor flash-attn
     preflight(compose_recipe("2t2s", [f"actor_rollout_ref.model.path={model_dir}", "trainer.n_gpus_per_node=2"]))
     with pytest.raises(ConfigError, match=r"^actor_rollout_ref\.rollout\.name: must be 'populora_vllm'"):
         preflight(compose_recipe("2t2s", [f"actor_rollout_ref.model.path={model_dir}",
@@ -105,6 +107,26 @@ def test_a_cpu_device_and_a_missing_vllm_stop_before_ray(model_dir, monkeypatch)
     with pytest.raises(ConfigError, match=r"^actor_rollout_ref\.rollout\.name: vLLM is not installed: "
                                           r"pip install 'verl\[vllm\]==0\.9\.1'"):
         preflight(compose_recipe("smoke_0.5b", args))
+
+
+def test_flash_attention_without_its_package_stops_before_ray_and_other_attentions_pass(model_dir, monkeypatch):
+    """A 7B dry run on a node without a flash-attn wheel failed in the FSDP workers' model init, two minutes in."""
+    import torch
+
+    from populora_verl.startup import ATTENTION_KEY
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr("populora_verl.checks.vllm_missing", lambda: None)
+    monkeypatch.setattr("populora_verl.startup._flash_attn_2_available", lambda: False)
+    args = [f"actor_rollout_ref.model.path={model_dir}", "trainer.n_gpus_per_node=1"]
+    with pytest.raises(ConfigError, match=rf"^{re.escape(ATTENTION_KEY)}: verl's default flash_attention_2 needs the "
+                                          rf"flash-attn package.* or set \+\+{re.escape(ATTENTION_KEY)}=populora_varlen"):
+        preflight(compose_recipe("2t2s", args))
+    for impl in ("populora_varlen", "sdpa"):
+        preflight(compose_recipe("2t2s", [*args, f"++{ATTENTION_KEY}={impl}"]))
+    preflight(compose_recipe("2t2s", args), check_gpus=False)  # a CPU check of the config alone skips it
+    monkeypatch.setattr("populora_verl.startup._flash_attn_2_available", lambda: True)
+    preflight(compose_recipe("2t2s", args))
 
 
 @pytest.fixture(scope="module")

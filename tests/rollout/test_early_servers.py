@@ -166,32 +166,3 @@ def test_no_actor_is_created_after_a_hand_over_gave_up_waiting(monkeypatch):
     early._thread.join()
     assert created.created == []  # the name stays verl's
     assert early.finish().startswith("vLLM server actors: 0 of 1")
-
-
-def test_with_the_preload_each_early_actor_is_asked_to_start_its_forkserver(monkeypatch):
-    config = compose_recipe("qwen1.5b_1gpu_2t2s", ["++trainer.populora_engine_preload=true"])
-    created = _ActorClass()
-    monkeypatch.setattr("ray.remote", lambda cls: created)
-    early = es.EarlyServers(config, lambda: _Server, NODE_A, ["populora_vllm_server_0_0"])
-    early._thread.join()
-    assert [k for _, _, k in created.created] == [{"populora_deferred": True, "populora_engine_preload": True}]
-    # in the actor's process: the flag starts the forkserver, and construction waits for verl as before
-    from populora_verl.rollout import engine_preload
-
-    started = []
-    monkeypatch.setattr(engine_preload, "start", lambda *a: started.append(a) or True)
-    server = _Server(populora_deferred=True, populora_engine_preload=True)
-    assert started == [()] and not hasattr(server, "built")
-    server.populora_init("config")
-    assert server.built == (("config",), {}) and len(started) == 1
-
-
-def test_the_preload_without_early_servers_is_named_at_start_up():
-    from populora_verl.config import ConfigError, load_config
-    from populora_verl.trainer import verl_config
-
-    cfg = compose_recipe(
-        "qwen1.5b_1gpu_2t2s", ["trainer.populora_early_servers=false", "++trainer.populora_engine_preload=true"]
-    )
-    with pytest.raises(ConfigError, match=r"^trainer.populora_engine_preload: needs trainer.populora_early_servers"):
-        verl_config.validate_verl_config(cfg, load_config(cfg.populora))

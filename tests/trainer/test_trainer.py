@@ -167,6 +167,18 @@ def test_bad_verl_key_fails_with_one_line_naming_it(override, key):
     assert msg.startswith(key + ":") and "\n" not in msg
 
 
+@pytest.mark.parametrize("value", ["true", "false"])
+def test_a_removed_key_still_given_fails_with_one_line_naming_it(value):
+    given = f"++trainer.populora_engine_preload={value}"  # true or false: the key itself is gone
+    cfg = compose_recipe("smoke_0.5b", ["actor_rollout_ref.model.path=/m", given])
+    with pytest.raises(ConfigError) as e:
+        verl_config.validate_verl_config(cfg, load_config(cfg.populora))
+    assert str(e.value) == (
+        "trainer.populora_engine_preload: removed (the forked engine core could not use CUDA on the GPU stack; "
+        "vLLM spawns it)"
+    )
+
+
 # --- the trainer class without GPUs ------------------------------------------------------------------------------
 
 
