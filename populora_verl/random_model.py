@@ -48,6 +48,7 @@ __all__ = [
     "run_random",
     "dry_run_summary",
     "run_memory_gb",
+    "step_ratio",
 ]
 
 PROG = "populora_verl.models"
@@ -468,6 +469,29 @@ def _slope_per_step(points: Sequence[tuple[int, float]]) -> float | None:
     return statistics.linear_regression(xs, ys).slope
 
 
+def _steady(rows: Mapping[int, Mapping[str, float]]) -> list[float]:
+    """Step times after step 1 without an evolution event: what a run pays per step once started."""
+    return [
+        m["timing_s/step"]
+        for step, m in sorted(rows.items())
+        if step > 1 and "timing_s/step" in m and not m.get("populora/evolution/events", 0) > 0
+    ]
+
+
+def step_ratio(text: str, against_text: str) -> tuple[float, float, float] | None:
+    """(ratio, steady step, the other run's steady step): the medians of two dry runs' steady steps, from their
+    console output; None where either has no steady step."""
+    import statistics
+
+    from populora_verl.bench.step_scaling import console_rows
+
+    a, b = _steady(dict(console_rows(text))), _steady(dict(console_rows(against_text)))
+    if not a or not b:
+        return None
+    ma, mb = statistics.median(a), statistics.median(b)
+    return ma / mb, ma, mb
+
+
 def dry_run_summary(text: str) -> str:
     """What a dry run measured, from the trainer's console output: the start-up line, a row per step (its phases,
     the trainer's peak GPU memory, the host's memory used), the steady step, each evolution event and host memory's
@@ -487,7 +511,7 @@ def dry_run_summary(text: str) -> str:
         head.append("run's own GB")
     out += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     host: list[tuple[int, float]] = []
-    steady: list[float] = []
+    steady = _steady(rows)
     events: list[float] = []
     for step in sorted(rows):
         m = rows[step]
@@ -503,8 +527,6 @@ def dry_run_summary(text: str) -> str:
             host.append((step, used))
         if evolved and "timing_s/populora_evolve" in m:
             events.append(m["timing_s/populora_evolve"])
-        elif step > 1 and "timing_s/step" in m:
-            steady.append(m["timing_s/step"])
     if steady:
         out.append(
             f"steady step (after step 1, without evolution): median {statistics.median(steady):.1f} s "
@@ -536,7 +558,7 @@ def _fmt(x: float | None) -> str:
     return "-" if x is None else f"{x:.2f}" if x < 10 else f"{x:.1f}"
 
 
-def _run_and_summarise(cmd: Sequence[str], env: Mapping[str, str], last_step: int) -> int:
+def _run_and_summarise(cmd: Sequence[str], env: Mapping[str, str], last_step: int) -> tuple[int, str]:
     """Run the trainer with its output passed through, then print :func:`dry_run_summary` of what it printed (also
     after Ctrl-C or a failed step: the steps that ran are still measured). After each step's line but the last the
     run's own memory is printed too: the last step's line comes as the trainer starts to shut its processes down."""
@@ -568,7 +590,7 @@ def _run_and_summarise(cmd: Sequence[str], env: Mapping[str, str], last_step: in
                 proc.kill()
     rc = proc.wait()
     print(f"\n[populora] dry run, exit code {rc}:\n" + dry_run_summary("".join(kept)), flush=True)
-    return rc
+    return rc, "".join(kept)
 
 
 # --- the command line ------------------------------------------------------------------------------------------
@@ -634,6 +656,16 @@ def add_random_parser(sub: Any) -> Any:
         "(populora_verl.bench.step_scaling PROFILES; default: none)",
     )
     r.add_argument("--run-dir", default=None, help="trainer.default_local_dir (default: runs/dry-run-RECIPE)")
+    r.add_argument(
+        "--against",
+        default=None,
+        metavar="RECIPE",
+        help="after the run, RECIPE on the same model with the same settings and overrides (e.g. azr_single_agent), "
+        "then the ratio of the two runs' steady steps",
+    )
+    r.add_argument(
+        "--against-steps", type=int, default=None, help="trainer steps of the --against run (default: --steps)"
+    )
     r.add_argument("--run", action="store_true", help="run the command after writing the model")
     r.add_argument("overrides", nargs="*", help="more hydra overrides for the trainer (key=value), last")
     return r
@@ -656,6 +688,7 @@ def run_random(args: Any) -> int:
         ("--evolve-every", args.evolve_every, 0),
         ("--gpus", args.gpus, 1),
         ("--workers", args.workers, 1),
+        ("--against-steps", args.against_steps, 2),
     ):
         if value is not None and value < low:
             raise _usage(f"{flag} {value}: must be at least {low}")
@@ -676,6 +709,24 @@ def run_random(args: Any) -> int:
         overrides=args.overrides,
     )
     check_command(cmd)
+    against_steps = args.against_steps or args.steps
+    against = None
+    if args.against:
+        if args.steps < 2:  # step 1 is start-up's: a ratio needs a steady step on both sides
+            raise _usage(f"--steps {args.steps}: the ratio with --against needs at least 2")
+        # the recipe's own evolution schedule: a baseline such as the single agent has none
+        against = dry_run_command(
+            args.out_dir,
+            args.against,
+            gpus=gpus,
+            steps=against_steps,
+            answer_tokens=args.answer_tokens,
+            run_dir=f"{args.run_dir}-{args.against}" if args.run_dir else None,
+            profile=args.profile,
+            evolve_every=0,
+            overrides=args.overrides,
+        )
+        check_command(against)
     note = checkpointing_note(SHAPES[args.shape], cmd)
     if note:
         print(note, file=sys.stderr)
@@ -699,4 +750,22 @@ def run_random(args: Any) -> int:
     sys.stdout.flush()
     # the profile's variables reach Ray's workers through the runtime env too; the driver's own processes inherit these
     env = {**os.environ, **TRAINER_ENV, **PROFILE_ENV.get(args.profile, {})}
-    return _run_and_summarise([sys.executable, *cmd[1:]], env, last_step=args.steps)
+    rc, text = _run_and_summarise([sys.executable, *cmd[1:]], env, last_step=args.steps)
+    if against is None:
+        return rc
+    if rc != 0:
+        print(f"[populora] dry run: {args.against} not run: the {args.recipe} run ended with exit code {rc}")
+        return rc
+    print(f"\n[populora] dry run: {args.against} on the same model and settings, {against_steps} steps:")
+    print(shell_line(against), flush=True)
+    rc, against_text = _run_and_summarise([sys.executable, *against[1:]], env, last_step=against_steps)
+    ratio = step_ratio(text, against_text)
+    if ratio is None:
+        print(f"[populora] dry run: step ratio {args.recipe} / {args.against}: a run has no steady step")
+    else:
+        print(
+            f"[populora] dry run: step ratio {args.recipe} / {args.against}: {ratio[0]:.2f}x "
+            f"(steady step medians {ratio[1]:.1f} s / {ratio[2]:.1f} s)",
+            flush=True,
+        )
+    return rc

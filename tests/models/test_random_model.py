@@ -179,6 +179,47 @@ def test_run_starts_the_printed_command_with_the_trainer_environment(tmp_path, t
     assert "actor_rollout_ref.model.use_liger=true" in cmd
 
 
+def test_against_runs_the_other_recipe_with_the_same_settings_and_prints_the_step_ratio(tmp_path, tokenizer_dir,
+                                                                                         capsys, monkeypatch):
+    import subprocess
+
+    calls, rcs = [], [0, 0]
+
+    class FakeTrainer:  # the population: 20 s steps, 26 s with evolution; the single agent: 10 s steps
+        def __init__(self, cmd, env, **kw):
+            calls.append(cmd)
+            single = cmd[cmd.index("--config-name") + 1] == "azr_single_agent"
+            self.stdout = iter([_console_line(1, 60.0, 50.0)] + [
+                _console_line(s, 10.0 if single else 20.0 + 6 * (s % 2 == 0), 50.0,
+                              evolve_s=None if single or s % 2 else 0.5) for s in range(2, 6)])
+            self.pid, self.rc = os.getpid(), rcs[len(calls) - 1]
+
+        def wait(self):
+            return self.rc
+
+    monkeypatch.setattr(subprocess, "Popen", FakeTrainer)
+    args = ["random", PLUMBING, str(tmp_path / "m"), "--tokenizer-from", str(tokenizer_dir), "--recipe", "2t2s",
+            "--steps", "5", "--against", "azr_single_agent", "--run-dir", str(tmp_path / "run"), "--run",
+            "populora.rollout.student_n=4"]
+    assert models.main(args) == 0
+    out = capsys.readouterr().out
+    pop, single = calls
+    assert single[single.index("--config-name") + 1] == "azr_single_agent"
+    assert "populora.rollout.student_n=4" in single and f"trainer.default_local_dir={tmp_path / 'run'}-azr_single_agent" in single
+    assert not any(o.startswith("populora.pbt.interval_steps") for o in single)  # the baseline's own schedule
+    assert any(o.startswith("populora.pbt.interval_steps=2") for o in pop)
+    assert "[populora] dry run: step ratio 2t2s / azr_single_agent: 2.00x (steady step medians 20.0 s / 10.0 s)" in out
+
+    # a failed first run: the other recipe is not started
+    calls.clear()
+    rcs[:] = [3, 0]
+    assert models.main(args) == 3
+    assert len(calls) == 1 and "azr_single_agent not run: the 2t2s run ended with exit code 3" in capsys.readouterr().out
+    # one step has no steady step: refused before any weight is written
+    assert models.main([*args[:7], "--steps", "1", *args[9:]]) == 2
+    assert "--steps 1: the ratio with --against needs at least 2" in capsys.readouterr().err
+
+
 def test_a_large_shape_without_gradient_checkpointing_gets_a_note(tmp_path):
     ckpt = "actor_rollout_ref.model.enable_gradient_checkpointing"
     off = dry_run_command(tmp_path, "4t4s", profile="varlen_wide_keep_liger")
