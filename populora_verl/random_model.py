@@ -442,11 +442,12 @@ def run_memory_gb(pid: int) -> tuple[float, int] | None:
     total, n = 0, 0
     for proc in procs:
         try:
-            info = proc.memory_full_info()
-        except psutil.AccessDenied:
-            info = proc.memory_info()  # no PSS without access to its smaps: its resident size instead
+            try:
+                info = proc.memory_full_info()
+            except psutil.AccessDenied:
+                info = proc.memory_info()  # no PSS without access to its smaps: its resident size instead
         except psutil.Error:
-            continue  # ended between the listing and the read
+            continue  # ended between the listing and either read
         total += getattr(info, "pss", info.rss)
         n += 1
     return total / 2**30, n

@@ -312,3 +312,23 @@ def test_the_run_s_own_memory_sums_the_processes_below_it_and_the_summary_reads_
     assert "from step 5 to 11: 40.5 -> 41.1 GB, +1.00 GB per 10 steps (least squares over 7 steps)" in own, own
     assert models.main(["summary", str(tmp_path / "none.log")]) == 2
     assert "log " in capsys.readouterr().err
+
+
+def test_the_run_s_own_memory_skips_a_process_that_ends_while_it_is_read(monkeypatch):
+    """A process without PSS access is read by its resident size; one that ends between the two reads is skipped
+    instead of ending the dry run (its trainer keeps starting and ending Ray workers)."""
+    import psutil
+
+    from populora_verl.random_model import run_memory_gb
+
+    def no_pss(self):
+        raise psutil.AccessDenied(self.pid)
+
+    def gone(self):
+        raise psutil.NoSuchProcess(self.pid)
+
+    monkeypatch.setattr(psutil.Process, "memory_full_info", no_pss)
+    gb, n = run_memory_gb(os.getpid())
+    assert n >= 1 and gb > 0  # resident sizes instead
+    monkeypatch.setattr(psutil.Process, "memory_info", gone)
+    assert run_memory_gb(os.getpid()) == (0.0, 0)
