@@ -19,6 +19,7 @@ nothing here.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -698,17 +699,16 @@ def run_random(args: Any) -> int:
     check_output_dir(args.out_dir, "out_dir")
     load_tokenizer(args.tokenizer_from)  # before the composition below: the cheaper mistake first
     gpus = args.gpus or _visible_gpus()
-    cmd = dry_run_command(
+    # what both runs share where --against adds a second: the model, GPUs, lengths, profile and the user's overrides
+    command = functools.partial(
+        dry_run_command,
         args.out_dir,
-        args.recipe,
         gpus=gpus,
-        steps=args.steps,
         answer_tokens=args.answer_tokens,
-        run_dir=args.run_dir,
         profile=args.profile,
-        evolve_every=args.evolve_every,
         overrides=args.overrides,
     )
+    cmd = command(args.recipe, steps=args.steps, run_dir=args.run_dir, evolve_every=args.evolve_every)
     check_command(cmd)
     against_steps = args.against_steps or args.steps
     against = None
@@ -716,17 +716,8 @@ def run_random(args: Any) -> int:
         if args.steps < 2:  # step 1 is start-up's: a ratio needs a steady step on both sides
             raise _usage(f"--steps {args.steps}: the ratio with --against needs at least 2")
         # the recipe's own evolution schedule: a baseline such as the single agent has none
-        against = dry_run_command(
-            args.out_dir,
-            args.against,
-            gpus=gpus,
-            steps=against_steps,
-            answer_tokens=args.answer_tokens,
-            run_dir=f"{args.run_dir}-{args.against}" if args.run_dir else None,
-            profile=args.profile,
-            evolve_every=0,
-            overrides=args.overrides,
-        )
+        run_dir = f"{args.run_dir}-{args.against}" if args.run_dir else None
+        against = command(args.against, steps=against_steps, run_dir=run_dir, evolve_every=0)
         check_command(against)
     note = checkpointing_note(SHAPES[args.shape], cmd)
     if note:

@@ -190,8 +190,7 @@ def _check_attention(config: Any) -> None:
 def preflight(config: Any, *, check_gpus: bool = True) -> None:
     """Every check that needs no worker: the ``populora.*`` section and what it names (operators, the seed file),
     the verl keys PopuLoRA depends on, the plugin's registrations, the model path, the GPUs, vLLM and the attention
-    kernels. Raises
-    :class:`ConfigError` (or ``RuntimeError`` for a broken install) with one line."""
+    kernels. Raises :class:`ConfigError` (or ``RuntimeError`` for a broken install) with one line."""
     from populora_verl.config import load_config
     from populora_verl.trainer.verl_config import validate_verl_config
 
